@@ -1,0 +1,16 @@
+"""PRISM: private Riemannian fine-tuning of LoRA adapters on the fixed-rank manifold.
+
+Pure functions on tensors (no Flower, no I/O):
+
+- ``manifold``: lift, tangent norm, retraction, displacement, min-norm lift (eqs. 13-15, 22).
+- ``mechanism``: global intrinsic clipping and tangent Gaussian noise (eqs. 16-19).
+- ``adaptive``: DP-aware gauge-invariant adaptive transform (eqs. 24-26).
+- ``baselines``: factor-space DP-LoRA, FFA-LoRA and non-DP gradients for comparison.
+- ``accounting``: epsilon from mechanism histories with Opacus' PRV (RDP cross-check).
+- ``rng``: seeded or secure (OS CSPRNG) noise sources.
+"""
+
+from prism_core.manifold import Point, Tangent
+from prism_core.mechanism import NoiseRecord
+
+__all__ = ["NoiseRecord", "Point", "Tangent"]

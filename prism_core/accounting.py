@@ -1,0 +1,202 @@
+"""Privacy accounting: epsilon from a history of subsampled Gaussian steps (Thm 3.4, App. A.25).
+
+Thin wrappers over Opacus' accountants. The history is a list of ``PrivacyEvent``s (sigma, q,
+steps); epsilon is always recomputed from the whole history, never summed. PRV (Gopi et al.
+2021) is the reported value; RDP is a looser cross-check that must never be smaller.
+Knows nothing about tensors: mechanism records come in through ``events_from_records``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from opacus.accountants import PRVAccountant, RDPAccountant
+from opacus.accountants.utils import get_noise_multiplier
+
+from prism_core.errors import AccountingError, PrivacyParameterError
+from prism_core.mechanism import ADJACENCY, NoiseRecord
+
+__all__ = [
+    "EpsilonReport",
+    "PrivacyEvent",
+    "calibrate_noise_multiplier",
+    "compose_events",
+    "epsilon",
+    "epsilon_report",
+    "events_from_records",
+]
+
+Accountant = Literal["prv", "rdp"]
+
+PRV_EPS_ERROR = 0.01
+"""Discretisation error passed to Opacus' PRV accountant; its ``eps_upper`` bound is returned."""
+
+
+@dataclass(frozen=True)
+class PrivacyEvent:
+    """``steps`` compositions of a Poisson-subsampled Gaussian mechanism.
+
+    Attributes:
+        noise_multiplier: sigma (noise std / sensitivity).
+        sample_rate: Poisson rate q.
+        steps: number of steps with these parameters.
+        sampling: must be ``"poisson"`` to be accounted with subsampling amplification.
+        adjacency: neighbouring relation, ``"add-remove"``.
+    """
+
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
+    sampling: str = "poisson"
+    adjacency: str = ADJACENCY
+
+    def __post_init__(self) -> None:
+        if not (self.noise_multiplier >= 0 and math.isfinite(self.noise_multiplier)):
+            raise PrivacyParameterError(f"noise_multiplier={self.noise_multiplier!r} must be >= 0")
+        if not 0 < self.sample_rate <= 1:
+            raise PrivacyParameterError(f"sample_rate={self.sample_rate!r} must be in (0, 1]")
+        if self.steps < 0:
+            raise PrivacyParameterError(f"steps={self.steps!r} must be >= 0")
+
+
+@dataclass(frozen=True)
+class EpsilonReport:
+    """Epsilon of one history at one delta by the PRV accountant and the RDP cross-check."""
+
+    delta: float
+    prv: float
+    rdp: float
+
+
+def _check_delta(delta: float) -> None:
+    if not 0 < delta < 1:
+        raise PrivacyParameterError(f"delta={delta!r} must be in (0, 1), typically << 1/N")
+
+
+def compose_events(events: Iterable[PrivacyEvent]) -> list[PrivacyEvent]:
+    """Merge consecutive events with equal parameters; drop zero-step events."""
+    merged: list[PrivacyEvent] = []
+    for e in events:
+        if e.steps == 0:
+            continue
+        last = merged[-1] if merged else None
+        if last and (last.noise_multiplier, last.sample_rate, last.sampling, last.adjacency) == (
+            e.noise_multiplier,
+            e.sample_rate,
+            e.sampling,
+            e.adjacency,
+        ):
+            merged[-1] = PrivacyEvent(
+                e.noise_multiplier, e.sample_rate, last.steps + e.steps, e.sampling, e.adjacency
+            )
+        else:
+            merged.append(e)
+    return merged
+
+
+def events_from_records(records: Iterable[NoiseRecord]) -> list[PrivacyEvent]:
+    """One event per mechanism record (one step each), merged with ``compose_events``."""
+    return compose_events(
+        PrivacyEvent(r.noise_multiplier, r.sample_rate, 1, r.sampling, r.adjacency) for r in records
+    )
+
+
+def epsilon(
+    events: Sequence[PrivacyEvent], delta: float, *, accountant: Accountant = "prv"
+) -> float:
+    """Epsilon after composing every event, at the given delta.
+
+    Implements the composition of Thm 3.4 with Opacus' PRV (default) or RDP accountant.
+
+    Returns:
+        0.0 for an empty history, ``inf`` if any step ran without noise.
+
+    Raises:
+        AccountingError: for a sampling scheme other than Poisson or another adjacency.
+    """
+    _check_delta(delta)
+    history = compose_events(events)
+    for e in history:
+        if e.sampling != "poisson" or e.adjacency != ADJACENCY:
+            raise AccountingError(
+                f"cannot account sampling={e.sampling!r}, adjacency={e.adjacency!r}: only Poisson "
+                "subsampling with add/remove adjacency is supported (sample with Opacus' "
+                "DPDataLoader)"
+            )
+    if not history:
+        return 0.0
+    if any(e.noise_multiplier == 0 for e in history):
+        return math.inf
+    acc = PRVAccountant() if accountant == "prv" else RDPAccountant()
+    acc.history = [(e.noise_multiplier, e.sample_rate, e.steps) for e in history]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # Opacus' "optimal order" warnings
+        if accountant == "prv":
+            return float(acc.get_epsilon(delta=delta, eps_error=PRV_EPS_ERROR))
+        return float(acc.get_epsilon(delta=delta))
+
+
+def epsilon_report(events: Sequence[PrivacyEvent], delta: float) -> EpsilonReport:
+    """PRV epsilon with the RDP cross-check; raises if RDP is smaller than PRV.
+
+    RDP is an upper bound on the true epsilon and PRV a tight (upper) estimate, so
+    ``rdp >= prv`` must hold (up to PRV's discretisation error ``PRV_EPS_ERROR``).
+
+    Raises:
+        AccountingError: if the two accountants disagree in the impossible direction.
+    """
+    prv = epsilon(events, delta, accountant="prv")
+    rdp = epsilon(events, delta, accountant="rdp")
+    if rdp + PRV_EPS_ERROR < prv:
+        raise AccountingError(f"RDP epsilon {rdp:.4f} < PRV epsilon {prv:.4f}: accountant failure")
+    return EpsilonReport(delta=delta, prv=prv, rdp=rdp)
+
+
+def calibrate_noise_multiplier(
+    *,
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    relative_tolerance: float = 0.005,
+) -> float:
+    """Smallest sigma (to a tolerance) whose PRV epsilon after ``steps`` stays below the target.
+
+    Uses Opacus' ``get_noise_multiplier`` with the PRV accountant, the same accountant that
+    reports epsilon, and an absolute tolerance of ``relative_tolerance * target_epsilon``:
+    the calibrated epsilon lies in ``[(1 - relative_tolerance) target, target]``.
+
+    Raises:
+        PrivacyParameterError: for a non-positive target or steps, or a budget too small.
+    """
+    if not (target_epsilon > 0 and math.isfinite(target_epsilon)):
+        raise PrivacyParameterError(
+            f"target_epsilon={target_epsilon!r} must be a finite number > 0"
+        )
+    if steps < 1:
+        raise PrivacyParameterError(f"steps={steps!r} must be >= 1 to calibrate a noise multiplier")
+    if not 0 < sample_rate <= 1:
+        raise PrivacyParameterError(f"sample_rate={sample_rate!r} must be in (0, 1]")
+    _check_delta(delta)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            sigma = get_noise_multiplier(
+                target_epsilon=target_epsilon,
+                target_delta=delta,
+                sample_rate=sample_rate,
+                steps=steps,
+                accountant="prv",
+                epsilon_tolerance=relative_tolerance * target_epsilon,
+                eps_error=PRV_EPS_ERROR,
+            )
+    except ValueError as exc:
+        raise PrivacyParameterError(
+            f"cannot reach epsilon={target_epsilon} at delta={delta} with q={sample_rate}, "
+            f"{steps} steps: {exc} Raise the budget or lower the steps or the sampling rate."
+        ) from exc
+    return float(sigma)

@@ -1,0 +1,143 @@
+"""Comparison mechanisms on the same per-example inputs as PRISM (§2, DESIGN.md §2).
+
+- Factor-space DP-LoRA (Yu et al. 2022; "DP-AdamW" in the paper): clip the concatenated
+  per-example factor gradients ``(gA, gB)`` of every module to C with one coefficient per
+  example, add i.i.d. Gaussian noise ``N(0, sigma^2 C^2)`` to every factor entry, divide by
+  the expected batch size, then step with AdamW.
+- FFA-LoRA (Sun et al. 2024): the randomly initialised down-projection is frozen and DP-SGD
+  runs on the up-projection only. In peft terms ``lora_A`` is frozen and ``lora_B`` trained,
+  which in PRISM notation (DESIGN.md §1) means ``B`` frozen and DP on ``A`` only: pass just
+  the ``gA`` tensors to ``factor_dp_gradient``.
+- Non-DP LoRA: the plain mean gradient of the realised batch.
+
+The optimizer step itself is ``torch.optim.AdamW`` on the factors (the trainer owns it); this
+module only produces the privatized gradients and a ``NoiseRecord`` for the accountant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from prism_core.mechanism import NoiseRecord, clip_coefficients, validate_noise_parameters
+from prism_core.rng import NoiseSource, standard_normal
+
+__all__ = [
+    "factor_clip_and_sum",
+    "factor_dp_gradient",
+    "factor_norms_sq",
+    "factor_privatize",
+    "nondp_gradient",
+]
+
+
+def factor_norms_sq(per_example_grads: Sequence[Tensor]) -> Tensor:
+    """(T, b) squared Frobenius norms of per-example gradients, one row per tensor.
+
+    Implements the factor norm of eq. (3): ``||g_i||^2 = sum ||gA_i||_F^2 + ||gB_i||_F^2``
+    once the rows are summed (``clip_coefficients`` does that).
+    """
+    return torch.stack(
+        [g.flatten(1).to(torch.float32).square().sum(dim=1) for g in per_example_grads]
+    )
+
+
+def factor_clip_and_sum(
+    per_example_grads: Sequence[Tensor],
+    *,
+    max_norm: float,
+    previous: Sequence[Tensor] | None = None,
+) -> tuple[list[Tensor], Tensor]:
+    """Clip concatenated per-example factor gradients to C (one coefficient each) and sum.
+
+    Implements the clipping of eq. (3) (factor-space DP-SGD).
+
+    Args:
+        per_example_grads: tensors with a leading example dimension b.
+        max_norm: C.
+        previous: running sums of earlier micro-batches of the same step.
+
+    Returns:
+        (summed clipped gradients, the (b,) clip coefficients).
+    """
+    alpha = clip_coefficients(factor_norms_sq(per_example_grads), max_norm)
+    sums = []
+    for index, g in enumerate(per_example_grads):
+        s = torch.einsum("b,b...->...", alpha.to(g.dtype), g)
+        sums.append(s if previous is None else previous[index] + s)
+    return sums, alpha
+
+
+def factor_privatize(
+    summed: Sequence[Tensor],
+    *,
+    noise_multiplier: float,
+    max_norm: float,
+    expected_batch_size: float,
+    sample_rate: float,
+    generator: NoiseSource,
+    sampling: str = "poisson",
+    mechanism: str = "factor-gaussian",
+) -> tuple[list[Tensor], NoiseRecord]:
+    """Add i.i.d. ``N(0, sigma^2 C^2)`` noise to every summed factor entry, divide by b.
+
+    Implements eq. (3) of PRISM (the factor-space baseline). ``b`` is the expected batch size.
+    """
+    validate_noise_parameters(
+        noise_multiplier=noise_multiplier,
+        max_norm=max_norm,
+        expected_batch_size=expected_batch_size,
+        sample_rate=sample_rate,
+    )
+    scale = noise_multiplier * max_norm
+    out = []
+    for s in summed:
+        noise = standard_normal(tuple(s.shape), generator, dtype=s.dtype, device=s.device)
+        out.append(
+            (s + scale * noise) / expected_batch_size if scale > 0 else s / expected_batch_size
+        )
+    record = NoiseRecord(
+        mechanism=mechanism,
+        noise_multiplier=float(noise_multiplier),
+        max_norm=float(max_norm),
+        expected_batch_size=float(expected_batch_size),
+        sample_rate=float(sample_rate),
+        sampling=sampling,
+    )
+    return out, record
+
+
+def factor_dp_gradient(
+    per_example_grads: Sequence[Tensor],
+    *,
+    noise_multiplier: float,
+    max_norm: float,
+    expected_batch_size: float,
+    sample_rate: float,
+    generator: NoiseSource,
+    sampling: str = "poisson",
+    mechanism: str = "factor-gaussian",
+) -> tuple[list[Tensor], NoiseRecord]:
+    """Factor-space DP gradient for a batch in memory: clip, sum, noise, divide by b.
+
+    Implements eq. (3) of PRISM. For FFA-LoRA pass only the trainable factor's gradients and
+    ``mechanism="ffa-gaussian"``.
+    """
+    summed, _ = factor_clip_and_sum(per_example_grads, max_norm=max_norm)
+    return factor_privatize(
+        summed,
+        noise_multiplier=noise_multiplier,
+        max_norm=max_norm,
+        expected_batch_size=expected_batch_size,
+        sample_rate=sample_rate,
+        generator=generator,
+        sampling=sampling,
+        mechanism=mechanism,
+    )
+
+
+def nondp_gradient(per_example_grads: Sequence[Tensor]) -> list[Tensor]:
+    """Mean gradient over the realised batch (no clipping, no noise: NOT private)."""
+    return [g.mean(dim=0) for g in per_example_grads]

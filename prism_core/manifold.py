@@ -1,0 +1,282 @@
+"""Fixed-rank geometry of LoRA adapters (PRISM §3.1, §3.2, Appendix A).
+
+One LoRA module holds ``Z = A @ B.T`` with ``A`` (m x r) and ``B`` (n x r), both of full column
+rank (see DESIGN.md §1 for the mapping to peft tensors). Tangent vectors at ``Z`` are written in
+factor form ``(dA, dB)`` and stand for ``dZ = dA @ B.T + A @ dB.T``.
+
+Every function here is a pure function on tensors: it never forms an m x n matrix (except
+``project_dense``, which exists for tests), it works in float32 or better for every r x r solve,
+and it broadcasts over optional leading (example) dimensions of the tangent arguments. The base
+point ``(A, B)`` is normally unbatched and shared by all examples.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "Point",
+    "Tangent",
+    "check_point",
+    "lift",
+    "min_norm_lift",
+    "project_dense",
+    "retract",
+    "tangent_displacement",
+    "tangent_norm_sq",
+    "tangent_to_dense",
+    "work_dtype",
+]
+
+
+class Point(NamedTuple):
+    """A point ``Z = A @ B.T`` on the rank-r manifold, in factor form."""
+
+    A: Tensor
+    B: Tensor
+
+
+class Tangent(NamedTuple):
+    """A tangent vector ``dZ = dA @ B.T + A @ dB.T`` at some point, in factor form."""
+
+    dA: Tensor
+    dB: Tensor
+
+
+def work_dtype(*tensors: Tensor) -> torch.dtype:
+    """The dtype PRISM computes in: the promoted input dtype, never below float32."""
+    dtype = torch.float32
+    for t in tensors:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def check_point(A: Tensor, B: Tensor) -> None:
+    """Validate a factor pair: shapes (m, r) and (n, r), 1 <= r <= min(m, n), finite values.
+
+    Raises:
+        ValueError: if the shapes disagree or the rank is impossible.
+    """
+    if A.dim() < 2 or B.dim() < 2:
+        raise ValueError(f"A and B must be matrices, got shapes {tuple(A.shape)}, {tuple(B.shape)}")
+    m, r = A.shape[-2:]
+    n, rb = B.shape[-2:]
+    if r != rb:
+        raise ValueError(f"A is {m} x {r} but B is {n} x {rb}: both need the same rank r")
+    if not 1 <= r <= min(m, n):
+        raise ValueError(f"rank r={r} must satisfy 1 <= r <= min(m, n) = {min(m, n)}")
+    if not (torch.isfinite(A).all() and torch.isfinite(B).all()):
+        raise ValueError("A and B must be finite (found NaN or Inf)")
+
+
+def _qr(X: Tensor) -> tuple[Tensor, Tensor]:
+    """Thin QR (App. A.14): ``X = Q R`` with ``Q.T Q = I_r`` and ``R`` upper triangular."""
+    Q, R = torch.linalg.qr(X, mode="reduced")
+    return Q, R
+
+
+def _right_gram_inv(X: Tensor, R: Tensor) -> Tensor:
+    """``X @ (R.T R)^{-1}`` by two triangular solves (``R.T R`` is the Gram matrix)."""
+    Y = torch.linalg.solve_triangular(R, X, upper=True, left=False)  # Y R = X
+    W: Tensor = torch.linalg.solve_triangular(R.mT, Y, upper=False, left=False)  # W R.T = Y
+    return W
+
+
+def _project_cols(Q: Tensor, X: Tensor) -> Tensor:
+    """``Pi X = Q (Q.T X)`` for an orthonormal basis ``Q`` of the column space."""
+    return Q @ (Q.mT @ X)
+
+
+def lift(A: Tensor, B: Tensor, gA: Tensor, gB: Tensor) -> Tangent:
+    """Canonical horizontal lift of the tangent projection of a gradient.
+
+    Implements eq. (14) of PRISM::
+
+        dA = gA N^+ - 1/2 Pi_A (gA N^+),    dB = gB M^+ - 1/2 Pi_B (gB M^+),
+
+    so that ``dA @ B.T + A @ dB.T = P_{A,B}(G)`` (eq. 13) when ``gA = G @ B`` and
+    ``gB = G.T @ A`` are the factor gradients of a loss with gradient ``G`` in ``Z``.
+
+    Args:
+        A: (m, r) left factor (peft ``lora_B.weight``).
+        B: (n, r) right factor (peft ``lora_A.weight.T``).
+        gA: (..., m, r) gradient with respect to ``A``.
+        gB: (..., n, r) gradient with respect to ``B``.
+
+    Returns:
+        ``Tangent(dA, dB)`` with the shapes of ``gA`` and ``gB``.
+
+    Notes:
+        ``M^+`` and ``N^+`` are applied through thin QR of ``A`` and ``B`` (App. A.14), in
+        float32 or better. Cost O((m + n) r^2) per example; no m x n matrix is formed.
+    """
+    dtype = work_dtype(A, B, gA, gB)
+    A, B, gA, gB = (t.to(dtype) for t in (A, B, gA, gB))
+    QA, RA = _qr(A)
+    QB, RB = _qr(B)
+    xA = _right_gram_inv(gA, RB)  # gA N^{-1}
+    xB = _right_gram_inv(gB, RA)  # gB M^{-1}
+    dA = xA - 0.5 * _project_cols(QA, xA)
+    dB = xB - 0.5 * _project_cols(QB, xB)
+    return Tangent(dA, dB)
+
+
+def tangent_norm_sq(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor) -> Tensor:
+    """Squared Frobenius norm of ``dA @ B.T + A @ dB.T`` from r x r products.
+
+    Implements eq. (15) of PRISM (App. A.10)::
+
+        ||dZ||_F^2 = tr(dA.T dA N) + tr(dB.T dB M) + 2 tr((A.T dA)(B.T dB)).
+
+    Args:
+        A: (m, r); B: (n, r); dA: (..., m, r); dB: (..., n, r).
+
+    Returns:
+        Tensor of shape ``(...)`` (a 0-dim tensor for unbatched input).
+
+    Notes:
+        The first two terms are evaluated as ``||dA R_B.T||^2`` and ``||dB R_A.T||^2`` with the
+        triangular QR factors, which equals the trace form and stays non-negative in floating
+        point. Cost O((m + n) r^2) per example.
+    """
+    dtype = work_dtype(A, B, dA, dB)
+    A, B, dA, dB = (t.to(dtype) for t in (A, B, dA, dB))
+    RA = torch.linalg.qr(A, mode="r")[1]
+    RB = torch.linalg.qr(B, mode="r")[1]
+    term_a = (dA @ RB.mT).square().sum(dim=(-2, -1))
+    term_b = (dB @ RA.mT).square().sum(dim=(-2, -1))
+    cross = ((A.mT @ dA) * (dB.mT @ B)).sum(dim=(-2, -1))  # tr((A.T dA)(B.T dB))
+    total: Tensor = term_a + term_b + 2.0 * cross
+    return total
+
+
+def tangent_to_dense(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor) -> Tensor:
+    """``dA @ B.T + A @ dB.T`` as a dense (..., m, n) matrix. For tests and diagnostics only."""
+    return dA @ B.mT + A @ dB.mT
+
+
+def project_dense(A: Tensor, B: Tensor, G: Tensor) -> Tensor:
+    """Dense orthogonal projection onto the tangent space at ``Z = A @ B.T``. Tests only.
+
+    Implements eq. (13) of PRISM: ``P_{A,B}(G) = Pi_A G + G Pi_B - Pi_A G Pi_B``.
+
+    Args:
+        A: (m, r); B: (n, r); G: (..., m, n).
+
+    Notes:
+        Forms m x n matrices: use ``lift`` in any code path that runs during training.
+    """
+    dtype = work_dtype(A, B, G)
+    A, B, G = (t.to(dtype) for t in (A, B, G))
+    QA, _ = _qr(A)
+    QB, _ = _qr(B)
+    PaG = QA @ (QA.mT @ G)
+    GPb = (G @ QB) @ QB.mT
+    PaGPb = QA @ ((QA.mT @ G @ QB) @ QB.mT)
+    return PaG + GPb - PaGPb
+
+
+def tangent_displacement(A: Tensor, B: Tensor, A1: Tensor, B1: Tensor) -> Tangent:
+    """Tangent update at ``(A, B)`` that moves toward ``Z1 = A1 @ B1.T``.
+
+    Implements eq. (14) applied to ``G = Z1 - Z`` (the displacement a federated site sends,
+    DESIGN.md §3): the lift of ``P_{A,B}(A1 B1.T - A B.T)``. The factor gradients of that
+    ``G`` are ``G B = A1 (B1.T B) - A N`` and ``G.T A = B1 (A1.T A) - B M``, so only r x r
+    products are needed.
+
+    Args:
+        A, B: (m, r), (n, r) the base point (the round's global factors).
+        A1, B1: (..., m, r), (..., n, r) the end point(s).
+
+    Returns:
+        ``Tangent(dA, dB)`` at ``(A, B)``.
+
+    Notes:
+        The normal component of ``Z1 - Z`` is second order in the step and is dropped. Cost
+        O((m + n) r^2); no m x n matrix is formed.
+    """
+    dtype = work_dtype(A, B, A1, B1)
+    A, B, A1, B1 = (t.to(dtype) for t in (A, B, A1, B1))
+    gA = A1 @ (B1.mT @ B) - A @ (B.mT @ B)
+    gB = B1 @ (A1.mT @ A) - B @ (A.mT @ A)
+    return lift(A, B, gA, gB)
+
+
+def min_norm_lift(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor) -> Tangent:
+    """Minimum-factor-norm representative of the tangent vector ``dA B.T + A dB.T``.
+
+    Implements App. A.7 of PRISM: among ``(dA + A W, dB - B W.T)`` (all of which represent
+    the same ``dZ``, eq. 38) pick the one minimising ``||dA'||_F^2 + ||dB'||_F^2``. The
+    optimality condition is the r x r Sylvester equation (eq. 39)::
+
+        M W + W N = dB.T B - A.T dA,
+
+    solved exactly in the eigenbases of ``M = A.T A`` and ``N = B.T B`` (both SPD).
+
+    Args:
+        A: (m, r); B: (n, r); dA: (..., m, r); dB: (..., n, r).
+
+    Returns:
+        ``Tangent(dA', dB')`` representing the same tangent vector.
+
+    Notes:
+        Float32 or better; cost O((m + n) r^2 + r^3).
+    """
+    dtype = work_dtype(A, B, dA, dB)
+    A, B, dA, dB = (t.to(dtype) for t in (A, B, dA, dB))
+    mu, UM = torch.linalg.eigh(A.mT @ A)
+    nu, UN = torch.linalg.eigh(B.mT @ B)
+    rhs = dB.mT @ B - A.mT @ dA
+    rhs_eig = UM.mT @ rhs @ UN
+    denom = mu.unsqueeze(-1) + nu.unsqueeze(-2)  # mu_i + nu_j > 0 for full-rank factors
+    W = UM @ (rhs_eig / denom) @ UN.mT
+    return Tangent(dA + A @ W, dB - B @ W.mT)
+
+
+def retract(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, step: float) -> Point:
+    """Rank-r truncated-SVD retraction of ``Z + step * (dA B.T + A dB.T)``.
+
+    Implements eq. (22) and Prop. 3.2 of PRISM. With ``X = [A, dA]`` and ``Y = [B, dB]``,
+    ``Z + t dZ = X K Y.T`` exactly, where ``K = [[I, t I], [t I, 0]]`` (no ``t^2 dA dB.T``
+    term). Thin QR of ``X`` and ``Y`` and the SVD of the 2r x 2r core ``R_X K R_Y.T`` give the
+    best rank-r approximation (Eckart-Young, App. A.20).
+
+    The new factors are balanced (``sqrt`` of the singular values on both sides) and then
+    Procrustes-aligned to ``(A, B)``: the orthogonal ``O`` minimising
+    ``||A' O - A||^2 + ||B' O - B||^2`` is applied to both, a gauge transform (App. A.24), so
+    factor-space optimizer moments stay meaningful across steps.
+
+    Args:
+        A, B: (m, r), (n, r) current factors (unbatched).
+        dA, dB: (m, r), (n, r) tangent direction.
+        step: signed step length ``t`` (use ``-lr`` for a descent step).
+
+    Returns:
+        ``Point(A_new, B_new)`` in the work dtype.
+
+    Notes:
+        Cost O((m + n) r^2 + r^3). The result has exact rank r unless the step annihilates a
+        singular direction, which has probability zero under DP noise.
+    """
+    dtype = work_dtype(A, B, dA, dB)
+    A, B, dA, dB = (t.to(dtype) for t in (A, B, dA, dB))
+    r = A.shape[-1]
+    QX, RX = _qr(torch.cat([A, dA], dim=-1))
+    QY, RY = _qr(torch.cat([B, dB], dim=-1))
+    eye = torch.eye(r, dtype=dtype, device=A.device)
+    K = torch.cat(
+        [torch.cat([eye, step * eye], dim=-1), torch.cat([step * eye, 0.0 * eye], dim=-1)],
+        dim=-2,
+    )
+    core = RX @ K @ RY.mT
+    U, S, Vh = torch.linalg.svd(core)
+    root = S[..., :r].clamp_min(0.0).sqrt()
+    A_new = (QX @ U[..., :r]) * root.unsqueeze(-2)
+    B_new = (QY @ Vh[..., :r, :].mT) * root.unsqueeze(-2)
+    # Procrustes alignment to the previous factors (a gauge transform by an orthogonal matrix).
+    P, _, Qh = torch.linalg.svd(A_new.mT @ A + B_new.mT @ B)
+    O = P @ Qh
+    return Point(A_new @ O, B_new @ O)

@@ -1,0 +1,304 @@
+"""The DP boundary of PRISM: global intrinsic clipping and tangent Gaussian noise (§3.2).
+
+Per logical step (Algorithm 1, lines 3-12)::
+
+    lifts of every example and module  --clip_and_sum-->  ClippedSum  (may span micro-batches)
+    ClippedSum  --privatize-->  DP tangent update per module  +  NoiseRecord
+
+``privatize`` divides signal and noise by the EXPECTED batch size ``b = q * N``, never by the
+realised Poisson batch size (dividing by the realised size leaks it). The ``NoiseRecord`` holds
+only public mechanism parameters; accounting (``prism_core.accounting``) turns records into
+epsilon and knows nothing about tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from prism_core.errors import PrivacyParameterError
+from prism_core.manifold import Point, Tangent, tangent_norm_sq, work_dtype
+from prism_core.rng import NoiseSource, standard_normal
+
+__all__ = [
+    "ADJACENCY",
+    "ClippedSum",
+    "NoiseRecord",
+    "clip_and_sum",
+    "clip_coefficients",
+    "dp_tangent_update",
+    "empty_sum",
+    "per_example_norms_sq",
+    "privatize",
+    "tangent_noise",
+    "validate_noise_parameters",
+]
+
+ADJACENCY = "add-remove"
+"""Neighbouring relation of every mechanism here: add or remove one example."""
+
+
+@dataclass(frozen=True)
+class NoiseRecord:
+    """What one privatized step ran: the facts an accountant needs, and nothing private.
+
+    Attributes:
+        mechanism: ``"prism-tangent-gaussian"`` or a baseline's name.
+        noise_multiplier: sigma; the noise std on the summed update is ``sigma * max_norm``.
+        max_norm: clip threshold C, the L2 sensitivity of the sum under add/remove adjacency.
+        expected_batch_size: ``b = q * N``, the divisor of signal and noise.
+        sample_rate: Poisson sampling rate q.
+        sampling: how the batch was drawn; only ``"poisson"`` can be accounted as subsampled.
+        adjacency: the neighbouring relation, always ``"add-remove"``.
+    """
+
+    mechanism: str
+    noise_multiplier: float
+    max_norm: float
+    expected_batch_size: float
+    sample_rate: float
+    sampling: str = "poisson"
+    adjacency: str = ADJACENCY
+
+
+@dataclass(frozen=True)
+class ClippedSum:
+    """Running sum of clipped per-example lifts, one ``Tangent`` per module.
+
+    ``count`` (realised examples) and ``clipped`` (examples with ``alpha_i < 1``) are private
+    diagnostics: they are data-dependent and must never leave the site un-noised.
+    """
+
+    sums: tuple[Tangent, ...]
+    count: int
+    clipped: int
+
+
+def empty_sum(points: Sequence[Point]) -> ClippedSum:
+    """A zero ``ClippedSum``: the start of a step, or a Poisson draw of zero examples."""
+    sums = tuple(
+        Tangent(
+            torch.zeros_like(p.A, dtype=work_dtype(p.A)),
+            torch.zeros_like(p.B, dtype=work_dtype(p.B)),
+        )
+        for p in points
+    )
+    return ClippedSum(sums, 0, 0)
+
+
+def validate_noise_parameters(
+    *, noise_multiplier: float, max_norm: float, expected_batch_size: float, sample_rate: float
+) -> None:
+    """Raise ``PrivacyParameterError`` unless sigma >= 0, C > 0, b > 0 and 0 < q <= 1."""
+    checks = (
+        ("noise_multiplier", noise_multiplier, noise_multiplier >= 0, ">= 0"),
+        ("max_norm", max_norm, max_norm > 0, "> 0"),
+        ("expected_batch_size", expected_batch_size, expected_batch_size > 0, "> 0"),
+        ("sample_rate", sample_rate, 0 < sample_rate <= 1, "in (0, 1]"),
+    )
+    for name, value, ok, allowed in checks:
+        if not (ok and math.isfinite(value)):
+            raise PrivacyParameterError(
+                f"{name}={value!r} is invalid: it must be finite and {allowed}"
+            )
+
+
+def clip_coefficients(norms_sq: Sequence[Tensor] | Tensor, max_norm: float) -> Tensor:
+    """Per-example global clip coefficients ``alpha_i = min(1, C / s_i)``.
+
+    Implements eq. (16) of PRISM: ``s_i = sqrt(sum_l ||dZ_{i,l}||_F^2)`` over ALL modules, so
+    one coefficient per example bounds the whole LoRA update by C.
+
+    Args:
+        norms_sq: a list with one (b,) tensor per module, or a stacked (L, b) tensor.
+        max_norm: clip threshold C > 0.
+
+    Returns:
+        (b,) tensor of coefficients in (0, 1].
+
+    Notes:
+        ``s_i`` is clamped away from zero before dividing; an example with ``s_i = 0`` gets 1.
+    """
+    if not max_norm > 0:
+        raise PrivacyParameterError(f"max_norm={max_norm!r} is invalid: the clip C must be > 0")
+    stacked = norms_sq if isinstance(norms_sq, Tensor) else torch.stack(list(norms_sq))
+    if stacked.dim() != 2:
+        raise ValueError(f"norms_sq must be (L, b), got shape {tuple(stacked.shape)}")
+    total = stacked.to(work_dtype(stacked)).sum(dim=0).clamp_min(0.0).sqrt()
+    return (max_norm / total.clamp_min(torch.finfo(total.dtype).tiny)).clamp(max=1.0)
+
+
+def per_example_norms_sq(points: Sequence[Point], lifts: Sequence[Tangent]) -> Tensor:
+    """Stacked (L, b) squared intrinsic norms of per-example lifts (eq. 15, every module)."""
+    if len(points) != len(lifts):
+        raise ValueError(f"{len(points)} modules but {len(lifts)} lifts")
+    return torch.stack(
+        [tangent_norm_sq(p.A, p.B, t.dA, t.dB) for p, t in zip(points, lifts, strict=True)]
+    )
+
+
+def clip_and_sum(
+    points: Sequence[Point],
+    lifts: Sequence[Tangent],
+    *,
+    max_norm: float,
+    previous: ClippedSum | None = None,
+) -> ClippedSum:
+    """Globally clip per-example lifts and add them to a running sum.
+
+    Implements eqs. (15)-(16) and the sum of Algorithm 1 (line 10, before dividing by b).
+    Call it once per micro-batch with ``previous`` set to the last result: the noise is added
+    once per logical step by ``privatize``.
+
+    Args:
+        points: one ``Point(A, B)`` per module (unbatched).
+        lifts: one ``Tangent`` per module with a leading example dimension (b, m, r), (b, n, r).
+        max_norm: clip threshold C.
+        previous: the running sum of earlier micro-batches of the same step, if any.
+
+    Returns:
+        A new ``ClippedSum``; inputs are not modified.
+
+    Notes:
+        Each example contributes ``alpha_i (dA_i, dB_i)`` with tangent norm ``<= C`` summed
+        over all modules together (the L2 sensitivity under add/remove adjacency).
+    """
+    alpha = clip_coefficients(per_example_norms_sq(points, lifts), max_norm)
+    sums = []
+    for index, t in enumerate(lifts):
+        dtype = work_dtype(t.dA, t.dB, alpha)
+        a = alpha.to(dtype)
+        part = Tangent(
+            torch.einsum("b,bmr->mr", a, t.dA.to(dtype)),
+            torch.einsum("b,bnr->nr", a, t.dB.to(dtype)),
+        )
+        if previous is not None:
+            prev = previous.sums[index]
+            part = Tangent(prev.dA + part.dA, prev.dB + part.dB)
+        sums.append(part)
+    count = int(alpha.shape[0]) + (previous.count if previous else 0)
+    clipped = int((alpha < 1.0).sum()) + (previous.clipped if previous else 0)
+    return ClippedSum(tuple(sums), count, clipped)
+
+
+def tangent_noise(A: Tensor, B: Tensor, generator: NoiseSource) -> Tangent:
+    """Unit-scale isotropic Gaussian on the tangent space, sampled in O((m + n) r).
+
+    Implements eq. (19) / App. A.13 of PRISM with the thin-QR bases of App. A.14::
+
+        Xi_A = (I - Pi_A) U R_B^{-T},  Xi_B = V R_A^{-T},  U ~ N(0, I_{m x r}),  V ~ N(0, I_{n x r})
+
+    so ``Xi_A B.T + A Xi_B.T = (I - Pi_A) U Q_B.T + Q_A V.T``, which is distributed exactly as
+    ``P_{A,B}(Xi)`` for a dense standard Gaussian ``Xi`` (Thm 3.1, Lemma A.18): expected
+    energy ``r (m + n - r)``, zero normal component, gauge invariant. ``R^{-T}`` plays the role
+    of ``N^{-1/2}`` / ``M^{-1/2}`` (both satisfy ``W W.T = N^{-1}``).
+
+    Args:
+        A: (m, r); B: (n, r) the current point.
+        generator: a seeded ``torch.Generator`` (reproducible) or ``prism_core.rng.SecureRNG``
+            (OS CSPRNG, for production).
+
+    Returns:
+        ``Tangent(Xi_A, Xi_B)`` in the work dtype (float32 or better).
+    """
+    dtype = work_dtype(A, B)
+    A, B = A.to(dtype), B.to(dtype)
+    (m, r), (n, _) = A.shape[-2:], B.shape[-2:]
+    QA, RA = torch.linalg.qr(A, mode="reduced")
+    RB = torch.linalg.qr(B, mode="r")[1]
+    U = standard_normal((m, r), generator, dtype=dtype, device=A.device)
+    V = standard_normal((n, r), generator, dtype=dtype, device=A.device)
+    U_perp = U - QA @ (QA.mT @ U)
+    Xi_A = torch.linalg.solve_triangular(RB.mT, U_perp, upper=False, left=False)  # U_perp R_B^{-T}
+    Xi_B = torch.linalg.solve_triangular(RA.mT, V, upper=False, left=False)  # V R_A^{-T}
+    return Tangent(Xi_A, Xi_B)
+
+
+def privatize(
+    points: Sequence[Point],
+    clipped: ClippedSum,
+    *,
+    noise_multiplier: float,
+    max_norm: float,
+    expected_batch_size: float,
+    sample_rate: float,
+    generator: NoiseSource,
+    sampling: str = "poisson",
+) -> tuple[list[Tangent], NoiseRecord]:
+    """Add tangent noise once to a clipped sum and normalise by the expected batch size.
+
+    Implements eqs. (17)-(18) of PRISM::
+
+        (dA_dp, dB_dp) = (sum_i alpha_i (dA_i, dB_i) + sigma C (Xi_A, Xi_B)) / b,   b = q N.
+
+    Args:
+        points: one ``Point`` per module, the same as given to ``clip_and_sum``.
+        clipped: the clipped sum of this logical step (all micro-batches).
+        noise_multiplier: sigma >= 0 (0 disables noise and is accounted as infinite epsilon).
+        max_norm: clip threshold C used by ``clip_and_sum``.
+        expected_batch_size: b = q * N. The realised batch size is never used.
+        sample_rate: Poisson rate q, recorded for accounting.
+        generator: noise source, see ``tangent_noise``.
+        sampling: how the batch was drawn, recorded for accounting.
+
+    Returns:
+        (DP tangent update per module, ``NoiseRecord``).
+    """
+    validate_noise_parameters(
+        noise_multiplier=noise_multiplier,
+        max_norm=max_norm,
+        expected_batch_size=expected_batch_size,
+        sample_rate=sample_rate,
+    )
+    if len(points) != len(clipped.sums):
+        raise ValueError(f"{len(points)} modules but the clipped sum has {len(clipped.sums)}")
+    scale = noise_multiplier * max_norm
+    updates = []
+    for p, s in zip(points, clipped.sums, strict=True):
+        if scale > 0:
+            xi = tangent_noise(p.A, p.B, generator)
+            dA, dB = s.dA + scale * xi.dA.to(s.dA.dtype), s.dB + scale * xi.dB.to(s.dB.dtype)
+        else:
+            dA, dB = s.dA, s.dB
+        updates.append(Tangent(dA / expected_batch_size, dB / expected_batch_size))
+    record = NoiseRecord(
+        mechanism="prism-tangent-gaussian",
+        noise_multiplier=float(noise_multiplier),
+        max_norm=float(max_norm),
+        expected_batch_size=float(expected_batch_size),
+        sample_rate=float(sample_rate),
+        sampling=sampling,
+    )
+    return updates, record
+
+
+def dp_tangent_update(
+    points: Sequence[Point],
+    lifts: Sequence[Tangent],
+    *,
+    noise_multiplier: float,
+    max_norm: float,
+    expected_batch_size: float,
+    sample_rate: float,
+    generator: NoiseSource,
+    sampling: str = "poisson",
+) -> tuple[list[Tangent], NoiseRecord]:
+    """One-shot PRISM step for a batch that fits in memory: ``clip_and_sum`` then ``privatize``.
+
+    Implements eqs. (15)-(18) of PRISM (Algorithm 1, lines 3-12). See ``privatize``.
+    """
+    clipped = clip_and_sum(points, lifts, max_norm=max_norm)
+    return privatize(
+        points,
+        clipped,
+        noise_multiplier=noise_multiplier,
+        max_norm=max_norm,
+        expected_batch_size=expected_batch_size,
+        sample_rate=sample_rate,
+        generator=generator,
+        sampling=sampling,
+    )

@@ -1,0 +1,77 @@
+"""Accounting against Opacus: golden values, calibration never overshoots, RDP >= PRV."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prism_core.accounting import (
+    PrivacyEvent,
+    calibrate_noise_multiplier,
+    compose_events,
+    epsilon,
+    epsilon_report,
+    events_from_records,
+)
+from prism_core.errors import AccountingError, PrivacyParameterError
+from prism_core.mechanism import NoiseRecord
+
+
+def test_golden_prv_and_rdp():
+    events = [PrivacyEvent(1.0, 0.01, 1000)]
+    report = epsilon_report(events, 1e-5)
+    assert report.prv == pytest.approx(1.838, abs=0.005)
+    assert report.rdp == pytest.approx(2.101, abs=0.005)
+
+
+def test_history_split_into_rounds_composes_like_one_run():
+    whole = epsilon([PrivacyEvent(1.0, 0.01, 1000)], 1e-5)
+    split = epsilon([PrivacyEvent(1.0, 0.01, 250)] * 4, 1e-5)
+    assert split == pytest.approx(whole, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("sigma", "q", "steps"), [(0.8, 0.05, 200), (1.5, 0.001, 5000), (3.0, 0.2, 50), (0.6, 0.01, 10)]
+)
+def test_rdp_is_never_smaller_than_prv(sigma, q, steps):
+    report = epsilon_report([PrivacyEvent(sigma, q, steps)], 1e-5)
+    assert report.rdp >= report.prv > 0
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    target=st.floats(0.5, 10.0),
+    q=st.floats(0.001, 0.2),
+    steps=st.integers(10, 2000),
+)
+def test_calibrated_sigma_never_overshoots(target, q, steps):
+    sigma = calibrate_noise_multiplier(
+        target_epsilon=target, delta=1e-5, sample_rate=q, steps=steps
+    )
+    eps = epsilon([PrivacyEvent(sigma, q, steps)], 1e-5)
+    assert eps <= target
+    assert eps >= target * (1 - 0.005) - 1e-9  # tight: within the 0.5 % tolerance
+
+
+def test_degenerate_histories():
+    assert epsilon([], 1e-5) == 0.0
+    assert epsilon([PrivacyEvent(0.0, 0.1, 1)], 1e-5) == math.inf
+    with pytest.raises(AccountingError, match="Poisson"):
+        epsilon([PrivacyEvent(1.0, 0.1, 10, sampling="shuffle")], 1e-5)
+    with pytest.raises(PrivacyParameterError, match="delta"):
+        epsilon([PrivacyEvent(1.0, 0.1, 10)], 0.0)
+    with pytest.raises(PrivacyParameterError, match="sample_rate"):
+        PrivacyEvent(1.0, 0.0, 10)
+    with pytest.raises(PrivacyParameterError, match="target_epsilon"):
+        calibrate_noise_multiplier(target_epsilon=0.0, delta=1e-5, sample_rate=0.1, steps=10)
+
+
+def test_events_from_records_merges_equal_steps():
+    rec = NoiseRecord("prism-tangent-gaussian", 1.1, 0.5, 32.0, 0.01)
+    other = NoiseRecord("prism-tangent-gaussian", 0.9, 0.5, 32.0, 0.01)
+    events = events_from_records([rec, rec, rec, other, rec])
+    assert [(e.noise_multiplier, e.steps) for e in events] == [(1.1, 3), (0.9, 1), (1.1, 1)]
+    assert compose_events([PrivacyEvent(1.0, 0.1, 0)]) == []

@@ -1,0 +1,90 @@
+"""Factor-space DP-LoRA, FFA and non-DP baselines."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from conftest import random_point
+
+from prism_core.baselines import (
+    factor_clip_and_sum,
+    factor_dp_gradient,
+    factor_norms_sq,
+    nondp_gradient,
+)
+from prism_core.manifold import tangent_to_dense
+
+
+def _per_example(seed, b=12, m=10, n=7, r=3, scale=5.0):
+    g = torch.Generator().manual_seed(seed)
+    return [scale * torch.randn(b, m, r, generator=g), scale * torch.randn(b, n, r, generator=g)]
+
+
+def test_factor_clipping_bounds_concatenated_norm():
+    grads = _per_example(0)
+    sums, alpha = factor_clip_and_sum(grads, max_norm=1.5)
+    clipped_norms = (alpha.square() * factor_norms_sq(grads).sum(0)).sqrt()
+    assert (clipped_norms <= 1.5 * (1 + 1e-5)).all()
+    expected = [torch.einsum("b,b...->...", alpha, g) for g in grads]
+    for s, e in zip(sums, expected, strict=True):
+        torch.testing.assert_close(s, e)
+
+
+def test_factor_noise_is_iid_with_sigma_C_over_b():
+    grads = [torch.zeros(4, 200, 8), torch.zeros(4, 150, 8)]
+    out, rec = factor_dp_gradient(
+        grads,
+        noise_multiplier=2.0,
+        max_norm=0.5,
+        expected_batch_size=10.0,
+        sample_rate=0.1,
+        generator=torch.Generator().manual_seed(0),
+    )
+    noise = torch.cat([o.flatten() for o in out])
+    std = 2.0 * 0.5 / 10.0
+    assert abs(noise.std().item() / std - 1) < 5 * math.sqrt(1 / (2 * noise.numel()))
+    assert rec.mechanism == "factor-gaussian" and rec.expected_batch_size == 10.0
+
+
+def test_factor_noise_intrinsic_energy_depends_on_gauge():
+    """Prop. 2.2: the induced noise on Z scales with the factor norms (unlike PRISM)."""
+    A, B = random_point(30, 20, 4, 0, dtype=torch.float32)
+    energies = []
+    for c in (1.0, 4.0):
+        Ac, Bc = c * A, B / c
+        e = 0.0
+        g = torch.Generator().manual_seed(1)
+        for _ in range(200):
+            (nA, nB), _ = factor_dp_gradient(
+                [torch.zeros(1, 30, 4), torch.zeros(1, 20, 4)],
+                noise_multiplier=1.0,
+                max_norm=1.0,
+                expected_batch_size=1.0,
+                sample_rate=0.5,
+                generator=g,
+            )
+            e += tangent_to_dense(Ac, Bc, nA, nB).square().sum().item() / 200
+        energies.append(e)
+    assert energies[0] / energies[1] > 5.0 or energies[1] / energies[0] > 5.0
+
+
+def test_ffa_uses_only_trainable_factor():
+    grads = _per_example(1)
+    out, rec = factor_dp_gradient(
+        grads[:1],
+        noise_multiplier=0.0,
+        max_norm=100.0,
+        expected_batch_size=12.0,
+        sample_rate=0.1,
+        generator=torch.Generator(),
+        mechanism="ffa-gaussian",
+    )
+    assert len(out) == 1 and rec.mechanism == "ffa-gaussian"
+    torch.testing.assert_close(out[0], grads[0].sum(0) / 12.0)
+
+
+def test_nondp_gradient_is_batch_mean():
+    grads = _per_example(2)
+    for out, g in zip(nondp_gradient(grads), grads, strict=True):
+        torch.testing.assert_close(out, g.mean(0))

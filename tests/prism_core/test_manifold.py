@@ -1,0 +1,209 @@
+"""Geometric identities of prism_core.manifold, in float64 over several seeds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import SEEDS, SHAPES, ill_conditioned, random_point
+
+from prism_core.manifold import (
+    check_point,
+    lift,
+    min_norm_lift,
+    project_dense,
+    retract,
+    tangent_displacement,
+    tangent_norm_sq,
+    tangent_to_dense,
+)
+
+RTOL = 1e-9
+
+
+def _grads(A, B, G):
+    return G @ B, G.mT @ A
+
+
+def _rel(x, y):
+    return ((x - y).norm() / y.norm().clamp_min(1e-300)).item()
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(("m", "n", "r"), SHAPES)
+def test_lift_reproduces_dense_projection(seed, m, n, r):
+    A, B = random_point(m, n, r, seed)
+    G = torch.randn(m, n, generator=torch.Generator().manual_seed(seed + 100), dtype=torch.float64)
+    dA, dB = lift(A, B, *_grads(A, B, G))
+    assert _rel(tangent_to_dense(A, B, dA, dB), project_dense(A, B, G)) < RTOL
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(("m", "n", "r"), SHAPES)
+def test_projection_is_idempotent_and_orthogonal(seed, m, n, r):
+    A, B = random_point(m, n, r, seed)
+    g = torch.Generator().manual_seed(seed + 7)
+    G, H = (torch.randn(m, n, generator=g, dtype=torch.float64) for _ in range(2))
+    P = project_dense(A, B, G)
+    assert _rel(project_dense(A, B, P), P) < RTOL
+    # symmetric: <P(G), H> == <G, P(H)>
+    lhs, rhs = (P * H).sum(), (G * project_dense(A, B, H)).sum()
+    assert abs((lhs - rhs).item()) < 1e-9 * G.norm().item() * H.norm().item()
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(("m", "n", "r"), SHAPES)
+def test_tangent_norm_matches_dense_frobenius(seed, m, n, r):
+    A, B = random_point(m, n, r, seed)
+    g = torch.Generator().manual_seed(seed + 3)
+    dA = torch.randn(m, r, generator=g, dtype=torch.float64)
+    dB = torch.randn(n, r, generator=g, dtype=torch.float64)
+    dense = tangent_to_dense(A, B, dA, dB).square().sum()
+    assert abs(tangent_norm_sq(A, B, dA, dB).item() - dense.item()) < RTOL * dense.item()
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_batched_equals_unbatched(seed):
+    m, n, r, b = 14, 11, 3, 6
+    A, B = random_point(m, n, r, seed)
+    G = torch.randn(b, m, n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    gA, gB = _grads(A, B, G)
+    dA, dB = lift(A, B, gA, gB)
+    norms = tangent_norm_sq(A, B, dA, dB)
+    assert dA.shape == (b, m, r) and dB.shape == (b, n, r) and norms.shape == (b,)
+    for i in range(b):
+        dAi, dBi = lift(A, B, gA[i], gB[i])
+        torch.testing.assert_close(dA[i], dAi, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(dB[i], dBi, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(norms[i], tangent_norm_sq(A, B, dAi, dBi), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("cond", [1.0, 1e3])
+def test_lift_is_gauge_invariant(seed, cond):
+    """(A R, B R^{-T}) gives the same tangent vector and intrinsic norm (rel 1e-6)."""
+    m, n, r, b = 18, 13, 4, 5
+    A, B = random_point(m, n, r, seed)
+    R = ill_conditioned(r, seed, cond)
+    A2, B2 = A @ R, B @ torch.linalg.inv(R).T
+    G = torch.randn(b, m, n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    t1 = lift(A, B, *_grads(A, B, G))
+    t2 = lift(A2, B2, *_grads(A2, B2, G))
+    assert _rel(tangent_to_dense(A2, B2, *t2), tangent_to_dense(A, B, *t1)) < 1e-6
+    n1, n2 = tangent_norm_sq(A, B, *t1), tangent_norm_sq(A2, B2, *t2)
+    assert ((n1 - n2).abs() / n1).max().item() < 1e-6
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_min_norm_lift_same_vector_smaller_factors(seed):
+    m, n, r = 15, 10, 3
+    A, B = random_point(m, n, r, seed)
+    g = torch.Generator().manual_seed(seed + 11)
+    dA = torch.randn(m, r, generator=g, dtype=torch.float64)
+    dB = torch.randn(n, r, generator=g, dtype=torch.float64)
+    mA, mB = min_norm_lift(A, B, dA, dB)
+    assert _rel(tangent_to_dense(A, B, mA, mB), tangent_to_dense(A, B, dA, dB)) < RTOL
+    best = (mA.square().sum() + mB.square().sum()).item()
+    for _ in range(20):  # every other representative (mA + A W, mB - B W.T) is longer
+        W = 0.1 * torch.randn(r, r, generator=g, dtype=torch.float64)
+        other = ((mA + A @ W).square().sum() + (mB - B @ W.T).square().sum()).item()
+        assert other >= best * (1 - 1e-12)
+    again = min_norm_lift(A, B, mA, mB)
+    torch.testing.assert_close(again.dA, mA, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(("m", "n", "r"), SHAPES)
+def test_retraction_exact_rank_and_balanced(seed, m, n, r):
+    A, B = random_point(m, n, r, seed)
+    g = torch.Generator().manual_seed(seed + 5)
+    dA = torch.randn(m, r, generator=g, dtype=torch.float64)
+    dB = torch.randn(n, r, generator=g, dtype=torch.float64)
+    A1, B1 = retract(A, B, dA, dB, 0.3)
+    s = torch.linalg.svdvals(A1 @ B1.T)
+    assert s[r - 1] > 1e-6 * s[0]
+    if r < min(m, n):
+        assert s[r] < 1e-10 * s[0]
+    torch.testing.assert_close(A1.T @ A1, B1.T @ B1, rtol=1e-9, atol=1e-9)
+    # best rank-r approximation of the exact (no t^2 term) update Z + t dZ
+    target = A @ B.T + 0.3 * tangent_to_dense(A, B, dA, dB)
+    U, S, Vh = torch.linalg.svd(target)
+    best = (U[:, :r] * S[:r]) @ Vh[:r]
+    assert _rel(A1 @ B1.T, best) < 1e-9
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_retraction_first_order_exact(seed):
+    """||Retr(Z + tV) - (Z + tV)|| = O(t^2): fitted log-log slope ~ 2."""
+    m, n, r = 20, 14, 4
+    A, B = random_point(m, n, r, seed)
+    G = torch.randn(m, n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    dA, dB = lift(A, B, *_grads(A, B, G))
+    V = tangent_to_dense(A, B, dA, dB)
+    ts = np.logspace(-4, -1, 7)
+    errs = []
+    for t in ts:
+        A1, B1 = retract(A, B, dA, dB, float(t))
+        errs.append((A1 @ B1.T - (A @ B.T + t * V)).norm().item())
+    slope = np.polyfit(np.log(ts), np.log(errs), 1)[0]
+    assert 1.9 < slope < 2.1, slope
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_retraction_step_zero_is_gauge_alignment_only(seed):
+    m, n, r = 12, 10, 3
+    A, B = random_point(m, n, r, seed)
+    zero = (torch.zeros(m, r, dtype=torch.float64), torch.zeros(n, r, dtype=torch.float64))
+    A1, B1 = retract(A, B, *zero, 0.5)  # balances the factors, keeps Z
+    assert _rel(A1 @ B1.T, A @ B.T) < 1e-12
+    A2, B2 = retract(A1, B1, *zero, 0.5)  # already balanced: Procrustes returns the same factors
+    torch.testing.assert_close(A2, A1, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(B2, B1, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_tangent_displacement_recovers_step_to_first_order(seed):
+    m, n, r = 22, 15, 4
+    A, B = random_point(m, n, r, seed)
+    G = torch.randn(m, n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    dA, dB = lift(A, B, *_grads(A, B, G))
+    V = tangent_to_dense(A, B, dA, dB)
+    ts = np.logspace(-4, -1, 7)
+    rel_errs = []
+    for t in ts:
+        A1, B1 = retract(A, B, dA, dB, float(t))
+        d = tangent_displacement(A, B, A1, B1)
+        rel_errs.append(((tangent_to_dense(A, B, *d) - t * V).norm() / (t * V.norm())).item())
+    assert max(rel_errs[:3]) < 1e-3
+    slope = np.polyfit(np.log(ts), np.log(rel_errs), 1)[0]
+    assert slope > 0.9, slope  # relative error -> 0 at least linearly in t
+
+
+def test_tangent_displacement_equals_projection_of_difference():
+    m, n, r = 13, 9, 2
+    A, B = random_point(m, n, r, 0)
+    A1, B1 = random_point(m, n, r, 1)
+    d = tangent_displacement(A, B, A1, B1)
+    expected = project_dense(A, B, A1 @ B1.T - A @ B.T)
+    assert _rel(tangent_to_dense(A, B, *d), expected) < RTOL
+
+
+def test_low_precision_inputs_are_computed_in_float32():
+    A, B = random_point(16, 12, 3, 0, dtype=torch.bfloat16)
+    gA, gB = torch.ones(16, 3, dtype=torch.bfloat16), torch.ones(12, 3, dtype=torch.bfloat16)
+    dA, dB = lift(A, B, gA, gB)
+    assert dA.dtype == torch.float32 and dB.dtype == torch.float32
+    assert retract(A, B, dA, dB, 0.1).A.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("shapes", "match"),
+    [(((5, 3), (4, 2)), "same rank"), (((2, 3), (4, 3)), "1 <= r"), (((5,), (4, 2)), "matrices")],
+)
+def test_check_point_rejects_bad_factors(shapes, match):
+    with pytest.raises(ValueError, match=match):
+        check_point(torch.zeros(shapes[0]), torch.zeros(shapes[1]))
+    A = torch.ones(4, 2)
+    A[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="finite"):
+        check_point(A, torch.ones(3, 2))

@@ -1,0 +1,265 @@
+"""The DP boundary: global clipping, tangent noise, expected-batch normalisation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import SEEDS, ill_conditioned, random_point
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prism_core.baselines import factor_norms_sq
+from prism_core.errors import PrivacyParameterError
+from prism_core.manifold import (
+    Point,
+    Tangent,
+    lift,
+    project_dense,
+    tangent_norm_sq,
+    tangent_to_dense,
+)
+from prism_core.mechanism import (
+    clip_and_sum,
+    clip_coefficients,
+    dp_tangent_update,
+    empty_sum,
+    per_example_norms_sq,
+    privatize,
+    tangent_noise,
+)
+from prism_core.rng import SecureRNG
+
+# z-score bound for the statistical tests below: two-sided p ~ 6e-7 per check under the null.
+Z = 5.0
+
+
+def _module_points(seed, dims=((10, 8, 2), (14, 6, 3))):
+    return [Point(*random_point(m, n, r, seed + i)) for i, (m, n, r) in enumerate(dims)]
+
+
+def _random_lifts(points, b, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    lifts = []
+    for A, B in points:
+        G = scale * torch.randn(b, A.shape[0], B.shape[0], generator=g, dtype=torch.float64)
+        lifts.append(lift(A, B, G @ B, G.mT @ A))
+    return lifts
+
+
+def test_clip_coefficients_formula():
+    norms_sq = [torch.tensor([9.0, 0.25, 0.0]), torch.tensor([16.0, 0.0, 0.0])]  # s = 5, 0.5, 0
+    alpha = clip_coefficients(norms_sq, 2.0)
+    torch.testing.assert_close(alpha, torch.tensor([0.4, 1.0, 1.0]), rtol=1e-6, atol=0)
+    torch.testing.assert_close(clip_coefficients(torch.stack(norms_sq), 2.0), alpha)
+    with pytest.raises(PrivacyParameterError, match="max_norm"):
+        clip_coefficients(norms_sq, 0.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    b=st.integers(1, 6),
+    log_scale=st.floats(-2.0, 4.0),
+    max_norm=st.floats(0.05, 5.0),
+)
+def test_each_example_contributes_at_most_C_over_all_modules(seed, b, log_scale, max_norm):
+    """Sensitivity: alpha_i * lift_i has total tangent norm <= C across all modules."""
+    points = _module_points(seed % 97)
+    lifts = _random_lifts(points, b, seed, scale=10.0**log_scale)
+    alpha = clip_coefficients(per_example_norms_sq(points, lifts), max_norm)
+    total = sum(
+        tangent_norm_sq(p.A, p.B, alpha[:, None, None] * t.dA, alpha[:, None, None] * t.dB)
+        for p, t in zip(points, lifts, strict=True)
+    )
+    assert (total.sqrt() <= max_norm * (1 + 1e-9)).all()
+    # adding one example to a batch moves the clipped sum by at most C
+    full = clip_and_sum(points, lifts, max_norm=max_norm)
+    rest = clip_and_sum(points, [Tangent(t.dA[1:], t.dB[1:]) for t in lifts], max_norm=max_norm)
+    diff_sq = sum(
+        tangent_norm_sq(p.A, p.B, f.dA - r.dA, f.dB - r.dB)
+        for p, f, r in zip(points, full.sums, rest.sums, strict=True)
+    )
+    assert diff_sq.sqrt().item() <= max_norm * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_clip_coefficients_are_gauge_invariant_but_factor_clipping_is_not(seed):
+    points = _module_points(seed)
+    b = 8
+    g = torch.Generator().manual_seed(seed)
+    Gs = [
+        torch.randn(b, p.A.shape[0], p.B.shape[0], generator=g, dtype=torch.float64) for p in points
+    ]
+    Rs = [ill_conditioned(p.A.shape[1], seed + i, 1e2) for i, p in enumerate(points)]
+    gauged = [Point(p.A @ R, p.B @ torch.linalg.inv(R).T) for p, R in zip(points, Rs, strict=True)]
+
+    def coefficients(pts):
+        lifts = [lift(p.A, p.B, G @ p.B, G.mT @ p.A) for p, G in zip(pts, Gs, strict=True)]
+        return clip_coefficients(per_example_norms_sq(pts, lifts), 1.0)
+
+    def factor_coefficients(pts):
+        grads = [t for p, G in zip(pts, Gs, strict=True) for t in (G @ p.B, G.mT @ p.A)]
+        return clip_coefficients(factor_norms_sq(grads), 1.0)
+
+    a1, a2 = coefficients(points), coefficients(gauged)
+    assert ((a1 - a2).abs() / a1).max().item() < 1e-6
+    f1, f2 = factor_coefficients(points), factor_coefficients(gauged)
+    assert ((f1 - f2).abs() / f1).max().item() > 0.1  # factor-space clipping moves with the gauge
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_noise_energy_matches_r_times_m_plus_n_minus_r(seed):
+    """Mean ||xi||^2 over K draws: chi-square with K d degrees of freedom, d = r(m+n-r)."""
+    m, n, r, K = 30, 20, 4, 3000
+    A, B = random_point(m, n, r, seed)
+    A, B = A @ ill_conditioned(r, seed, 1e2), B  # an unbalanced gauge must not matter
+    g = torch.Generator().manual_seed(seed)
+    energy = torch.stack([tangent_norm_sq(A, B, *tangent_noise(A, B, g)) for _ in range(K)])
+    d = r * (m + n - r)
+    band = Z * math.sqrt(2 * d / K)  # std of the mean of K chi2_d / 1
+    assert abs(energy.mean().item() - d) < band
+
+
+@pytest.mark.parametrize("generator", ["torch", "secure"])
+def test_noise_is_tangent_and_isotropic(generator):
+    m, n, r, K = 16, 12, 3, 4000
+    A, B = random_point(m, n, r, 3)
+    A = A @ ill_conditioned(r, 3, 1e3)
+    src = torch.Generator().manual_seed(0) if generator == "torch" else SecureRNG()
+    samples = torch.stack([tangent_to_dense(A, B, *tangent_noise(A, B, src)) for _ in range(K)])
+    # normal component is zero
+    normal = samples - project_dense(A, B, samples)
+    assert normal.norm().item() < 1e-9 * samples.norm().item()
+    # covariance on k orthonormal tangent directions is the identity
+    k = 6
+    g = torch.Generator().manual_seed(42)
+    dirs = project_dense(A, B, torch.randn(k, m, n, generator=g, dtype=torch.float64)).reshape(
+        k, -1
+    )
+    Q, _ = torch.linalg.qr(dirs.T)  # (mn, k) orthonormal tangent directions
+    coords = samples.reshape(K, -1) @ Q
+    cov = coords.T @ coords / K
+    diag_tol, off_tol = Z * math.sqrt(2 / K), Z / math.sqrt(K)
+    assert (cov.diagonal() - 1).abs().max().item() < diag_tol
+    assert (cov - torch.diag(cov.diagonal())).abs().max().item() < off_tol
+    assert coords.mean(0).abs().max().item() < Z / math.sqrt(K)
+
+
+def test_secure_rng_differs_between_calls_and_is_standard_normal():
+    rng = SecureRNG()
+    x = rng.normal((200_000,), torch.float64, torch.device("cpu"))
+    y = rng.normal((200_000,), torch.float64, torch.device("cpu"))
+    assert not torch.equal(x, y)
+    assert abs(x.mean().item()) < Z / math.sqrt(x.numel())
+    assert abs(x.var().item() - 1) < Z * math.sqrt(2 / x.numel())
+
+
+def _privatize(points, clipped, seed, b=32.0):
+    return privatize(
+        points,
+        clipped,
+        noise_multiplier=1.3,
+        max_norm=0.7,
+        expected_batch_size=b,
+        sample_rate=0.01,
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+def test_noise_scale_uses_expected_not_realised_batch_size():
+    """Same randomness, different realised batch sizes: identical noise, divided by b."""
+    points = _module_points(0)
+    small = clip_and_sum(points, _random_lifts(points, 3, 1), max_norm=0.7)
+    large = clip_and_sum(points, _random_lifts(points, 60, 2), max_norm=0.7)
+    out_small, rec = _privatize(points, small, seed=9)
+    out_large, _ = _privatize(points, large, seed=9)
+    for s_small, s_large, o_small, o_large in zip(
+        small.sums, large.sums, out_small, out_large, strict=True
+    ):
+        noise_small = o_small.dA - s_small.dA / 32.0
+        noise_large = o_large.dA - s_large.dA / 32.0
+        torch.testing.assert_close(noise_small, noise_large, rtol=1e-10, atol=1e-12)
+    assert (rec.expected_batch_size, rec.noise_multiplier, rec.max_norm) == (32.0, 1.3, 0.7)
+    # and an empty Poisson draw gets exactly the same noise
+    out_empty, _ = _privatize(points, empty_sum(points), seed=9)
+    torch.testing.assert_close(out_empty[0].dA, out_small[0].dA - small.sums[0].dA / 32.0)
+
+
+def test_micro_batch_accumulation_equals_one_batch():
+    points = _module_points(1)
+    lifts = _random_lifts(points, 10, 5, scale=3.0)
+    whole = clip_and_sum(points, lifts, max_norm=0.5)
+    acc = None
+    for lo, hi in [(0, 3), (3, 7), (7, 10)]:
+        part = [Tangent(t.dA[lo:hi], t.dB[lo:hi]) for t in lifts]
+        acc = clip_and_sum(points, part, max_norm=0.5, previous=acc)
+    assert acc.count == whole.count == 10 and acc.clipped == whole.clipped
+    for a, w in zip(acc.sums, whole.sums, strict=True):
+        torch.testing.assert_close(a.dA, w.dA, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(a.dB, w.dB, rtol=1e-12, atol=1e-12)
+    one_shot, _ = dp_tangent_update(
+        points,
+        lifts,
+        noise_multiplier=1.0,
+        max_norm=0.5,
+        expected_batch_size=8.0,
+        sample_rate=0.1,
+        generator=torch.Generator().manual_seed(3),
+    )
+    accumulated, _ = privatize(
+        points,
+        acc,
+        noise_multiplier=1.0,
+        max_norm=0.5,
+        expected_batch_size=8.0,
+        sample_rate=0.1,
+        generator=torch.Generator().manual_seed(3),
+    )
+    torch.testing.assert_close(one_shot[1].dB, accumulated[1].dB, rtol=1e-12, atol=1e-12)
+
+
+def test_dp_update_noise_energy_is_sigma_C_over_b_squared():
+    """Intrinsic noise energy per module is (sigma C / b)^2 r (m + n - r) (Thm 3.1)."""
+    points = _module_points(2)
+    sigma, C, b, K = 2.0, 0.3, 16.0, 1500
+    zero = empty_sum(points)
+    g = torch.Generator().manual_seed(0)
+    energies = torch.zeros(len(points), dtype=torch.float64)
+    for _ in range(K):
+        out, _ = privatize(
+            points,
+            zero,
+            noise_multiplier=sigma,
+            max_norm=C,
+            expected_batch_size=b,
+            sample_rate=0.5,
+            generator=g,
+        )
+        energies += torch.stack(
+            [tangent_norm_sq(p.A, p.B, *t) for p, t in zip(points, out, strict=True)]
+        )
+    for (A, B), e in zip(points, energies / K, strict=True):
+        m, r = A.shape
+        d = r * (m + B.shape[0] - r)
+        expected = (sigma * C / b) ** 2 * d
+        assert abs(e.item() / expected - 1) < Z * math.sqrt(2 / (d * K))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"noise_multiplier": -1.0}, "noise_multiplier"),
+        ({"max_norm": 0.0}, "max_norm"),
+        ({"expected_batch_size": 0.0}, "expected_batch_size"),
+        ({"sample_rate": 1.5}, "sample_rate"),
+        ({"noise_multiplier": float("nan")}, "noise_multiplier"),
+    ],
+)
+def test_privatize_rejects_invalid_parameters(kwargs, match):
+    points = _module_points(0)
+    params = dict(noise_multiplier=1.0, max_norm=1.0, expected_batch_size=4.0, sample_rate=0.1)
+    params.update(kwargs)
+    with pytest.raises(PrivacyParameterError, match=match):
+        privatize(points, empty_sum(points), generator=torch.Generator(), **params)
