@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -28,6 +29,7 @@ __all__ = [
     "ADJACENCY",
     "ClippedSum",
     "NoiseRecord",
+    "PrivateStep",
     "clip_and_sum",
     "clip_coefficients",
     "dp_tangent_update",
@@ -69,17 +71,31 @@ class NoiseRecord:
 class ClippedSum:
     """Running sum of clipped per-example lifts, one ``Tangent`` per module.
 
-    ``count`` (realised examples) and ``clipped`` (examples with ``alpha_i < 1``) are private
-    diagnostics: they are data-dependent and must never leave the site un-noised.
+    ``euclidean`` holds the clipped sums of any other trainable tensors (e.g. a classification
+    head) that share the global clip. ``count`` (realised examples) and ``clipped`` (examples
+    with ``alpha_i < 1``) are private diagnostics: they are data-dependent and must never leave
+    the site un-noised.
     """
 
     sums: tuple[Tangent, ...]
     count: int
     clipped: int
+    euclidean: tuple[Tensor, ...] = ()
 
 
-def empty_sum(points: Sequence[Point]) -> ClippedSum:
-    """A zero ``ClippedSum``: the start of a step, or a Poisson draw of zero examples."""
+class PrivateStep(NamedTuple):
+    """Output of one privatized step: DP tangent updates, DP Euclidean updates, the record."""
+
+    tangents: list[Tangent]
+    euclidean: list[Tensor]
+    record: NoiseRecord
+
+
+def empty_sum(points: Sequence[Point], euclidean_like: Sequence[Tensor] = ()) -> ClippedSum:
+    """A zero ``ClippedSum``: the start of a step, or a Poisson draw of zero examples.
+
+    ``euclidean_like`` are tensors (e.g. head parameters) whose shapes the Euclidean sums take.
+    """
     sums = tuple(
         Tangent(
             torch.zeros_like(p.A, dtype=work_dtype(p.A)),
@@ -87,7 +103,8 @@ def empty_sum(points: Sequence[Point]) -> ClippedSum:
         )
         for p in points
     )
-    return ClippedSum(sums, 0, 0)
+    extra = tuple(torch.zeros_like(t, dtype=work_dtype(t)) for t in euclidean_like)
+    return ClippedSum(sums, 0, 0, extra)
 
 
 def validate_noise_parameters(
@@ -147,6 +164,7 @@ def clip_and_sum(
     *,
     max_norm: float,
     previous: ClippedSum | None = None,
+    euclidean: Sequence[Tensor] = (),
 ) -> ClippedSum:
     """Globally clip per-example lifts and add them to a running sum.
 
@@ -159,15 +177,22 @@ def clip_and_sum(
         lifts: one ``Tangent`` per module with a leading example dimension (b, m, r), (b, n, r).
         max_norm: clip threshold C.
         previous: the running sum of earlier micro-batches of the same step, if any.
+        euclidean: per-example gradients (b, ...) of other trainable tensors (e.g. a
+            classification head); their squared norms join the same global norm ``s_i``.
 
     Returns:
         A new ``ClippedSum``; inputs are not modified.
 
     Notes:
-        Each example contributes ``alpha_i (dA_i, dB_i)`` with tangent norm ``<= C`` summed
-        over all modules together (the L2 sensitivity under add/remove adjacency).
+        Each example contributes ``alpha_i (dA_i, dB_i)`` (and ``alpha_i g_i`` for Euclidean
+        tensors) with total norm ``<= C`` over all modules and tensors together: the L2
+        sensitivity of the sum under add/remove adjacency.
     """
-    alpha = clip_coefficients(per_example_norms_sq(points, lifts), max_norm)
+    norms_sq = per_example_norms_sq(points, lifts)
+    if euclidean:
+        extra = torch.stack([g.flatten(1).to(norms_sq.dtype).square().sum(1) for g in euclidean])
+        norms_sq = torch.cat([norms_sq, extra])
+    alpha = clip_coefficients(norms_sq, max_norm)
     sums = []
     for index, t in enumerate(lifts):
         dtype = work_dtype(t.dA, t.dB, alpha)
@@ -180,9 +205,13 @@ def clip_and_sum(
             prev = previous.sums[index]
             part = Tangent(prev.dA + part.dA, prev.dB + part.dB)
         sums.append(part)
+    extra_sums = []
+    for index, g in enumerate(euclidean):
+        total = torch.einsum("b,b...->...", alpha.to(work_dtype(g)), g.to(work_dtype(g)))
+        extra_sums.append(total if previous is None else previous.euclidean[index] + total)
     count = int(alpha.shape[0]) + (previous.count if previous else 0)
     clipped = int((alpha < 1.0).sum()) + (previous.clipped if previous else 0)
-    return ClippedSum(tuple(sums), count, clipped)
+    return ClippedSum(tuple(sums), count, clipped, tuple(extra_sums))
 
 
 def tangent_noise(A: Tensor, B: Tensor, generator: NoiseSource) -> Tangent:
@@ -228,12 +257,17 @@ def privatize(
     sample_rate: float,
     generator: NoiseSource,
     sampling: str = "poisson",
-) -> tuple[list[Tangent], NoiseRecord]:
-    """Add tangent noise once to a clipped sum and normalise by the expected batch size.
+) -> PrivateStep:
+    """Add Gaussian noise once to a clipped sum and normalise by the expected batch size.
 
     Implements eqs. (17)-(18) of PRISM::
 
-        (dA_dp, dB_dp) = (sum_i alpha_i (dA_i, dB_i) + sigma C (Xi_A, Xi_B)) / b,   b = q N.
+        (dA_dp, dB_dp) = (sum_i alpha_i (dA_i, dB_i) + sigma C (Xi_A, Xi_B)) / b,   b = q N,
+
+    with ``(Xi_A, Xi_B)`` from ``tangent_noise``. Euclidean sums (tensors sharing the global
+    clip, see ``clip_and_sum``) get i.i.d. ``N(0, sigma^2 C^2)`` noise and the same divisor, so
+    the whole release is one Gaussian mechanism with sensitivity C on (tangent spaces x
+    Euclidean spaces).
 
     Args:
         points: one ``Point`` per module, the same as given to ``clip_and_sum``.
@@ -246,7 +280,7 @@ def privatize(
         sampling: how the batch was drawn, recorded for accounting.
 
     Returns:
-        (DP tangent update per module, ``NoiseRecord``).
+        ``PrivateStep(tangents, euclidean, record)``.
     """
     validate_noise_parameters(
         noise_multiplier=noise_multiplier,
@@ -257,14 +291,20 @@ def privatize(
     if len(points) != len(clipped.sums):
         raise ValueError(f"{len(points)} modules but the clipped sum has {len(clipped.sums)}")
     scale = noise_multiplier * max_norm
-    updates = []
+    tangents = []
     for p, s in zip(points, clipped.sums, strict=True):
+        dA, dB = s.dA, s.dB
         if scale > 0:
             xi = tangent_noise(p.A, p.B, generator)
-            dA, dB = s.dA + scale * xi.dA.to(s.dA.dtype), s.dB + scale * xi.dB.to(s.dB.dtype)
-        else:
-            dA, dB = s.dA, s.dB
-        updates.append(Tangent(dA / expected_batch_size, dB / expected_batch_size))
+            dA, dB = dA + scale * xi.dA.to(dA.dtype), dB + scale * xi.dB.to(dB.dtype)
+        tangents.append(Tangent(dA / expected_batch_size, dB / expected_batch_size))
+    euclidean = []
+    for total in clipped.euclidean:
+        if scale > 0:
+            shape = tuple(total.shape)
+            noise = standard_normal(shape, generator, dtype=total.dtype, device=total.device)
+            total = total + scale * noise
+        euclidean.append(total / expected_batch_size)
     record = NoiseRecord(
         mechanism="prism-tangent-gaussian",
         noise_multiplier=float(noise_multiplier),
@@ -273,7 +313,7 @@ def privatize(
         sample_rate=float(sample_rate),
         sampling=sampling,
     )
-    return updates, record
+    return PrivateStep(tangents, euclidean, record)
 
 
 def dp_tangent_update(
@@ -286,12 +326,13 @@ def dp_tangent_update(
     sample_rate: float,
     generator: NoiseSource,
     sampling: str = "poisson",
-) -> tuple[list[Tangent], NoiseRecord]:
+    euclidean: Sequence[Tensor] = (),
+) -> PrivateStep:
     """One-shot PRISM step for a batch that fits in memory: ``clip_and_sum`` then ``privatize``.
 
     Implements eqs. (15)-(18) of PRISM (Algorithm 1, lines 3-12). See ``privatize``.
     """
-    clipped = clip_and_sum(points, lifts, max_norm=max_norm)
+    clipped = clip_and_sum(points, lifts, max_norm=max_norm, euclidean=euclidean)
     return privatize(
         points,
         clipped,

@@ -173,8 +173,8 @@ def test_noise_scale_uses_expected_not_realised_batch_size():
     points = _module_points(0)
     small = clip_and_sum(points, _random_lifts(points, 3, 1), max_norm=0.7)
     large = clip_and_sum(points, _random_lifts(points, 60, 2), max_norm=0.7)
-    out_small, rec = _privatize(points, small, seed=9)
-    out_large, _ = _privatize(points, large, seed=9)
+    out_small, _, rec = _privatize(points, small, seed=9)
+    out_large, _, _ = _privatize(points, large, seed=9)
     for s_small, s_large, o_small, o_large in zip(
         small.sums, large.sums, out_small, out_large, strict=True
     ):
@@ -183,7 +183,7 @@ def test_noise_scale_uses_expected_not_realised_batch_size():
         torch.testing.assert_close(noise_small, noise_large, rtol=1e-10, atol=1e-12)
     assert (rec.expected_batch_size, rec.noise_multiplier, rec.max_norm) == (32.0, 1.3, 0.7)
     # and an empty Poisson draw gets exactly the same noise
-    out_empty, _ = _privatize(points, empty_sum(points), seed=9)
+    out_empty, _, _ = _privatize(points, empty_sum(points), seed=9)
     torch.testing.assert_close(out_empty[0].dA, out_small[0].dA - small.sums[0].dA / 32.0)
 
 
@@ -199,7 +199,7 @@ def test_micro_batch_accumulation_equals_one_batch():
     for a, w in zip(acc.sums, whole.sums, strict=True):
         torch.testing.assert_close(a.dA, w.dA, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(a.dB, w.dB, rtol=1e-12, atol=1e-12)
-    one_shot, _ = dp_tangent_update(
+    one_shot, _, _ = dp_tangent_update(
         points,
         lifts,
         noise_multiplier=1.0,
@@ -208,7 +208,7 @@ def test_micro_batch_accumulation_equals_one_batch():
         sample_rate=0.1,
         generator=torch.Generator().manual_seed(3),
     )
-    accumulated, _ = privatize(
+    accumulated, _, _ = privatize(
         points,
         acc,
         noise_multiplier=1.0,
@@ -228,7 +228,7 @@ def test_dp_update_noise_energy_is_sigma_C_over_b_squared():
     g = torch.Generator().manual_seed(0)
     energies = torch.zeros(len(points), dtype=torch.float64)
     for _ in range(K):
-        out, _ = privatize(
+        out, _, _ = privatize(
             points,
             zero,
             noise_multiplier=sigma,
@@ -263,3 +263,32 @@ def test_privatize_rejects_invalid_parameters(kwargs, match):
     params.update(kwargs)
     with pytest.raises(PrivacyParameterError, match=match):
         privatize(points, empty_sum(points), generator=torch.Generator(), **params)
+
+
+def test_euclidean_tensors_share_the_global_clip_and_noise():
+    """A head's per-example grads join s_i; its noise is iid sigma C / b, like the tangents."""
+    points = _module_points(4)
+    b = 5
+    lifts = _random_lifts(points, b, 8, scale=50.0)
+    head = 50.0 * torch.randn(
+        b, 3, 7, generator=torch.Generator().manual_seed(1), dtype=torch.float64
+    )
+    C = 0.4
+    clipped = clip_and_sum(points, lifts, max_norm=C, euclidean=[head])
+    norms = torch.cat([per_example_norms_sq(points, lifts), head.flatten(1).square().sum(1)[None]])
+    alpha = clip_coefficients(norms, C)
+    per_example = (alpha.square() * norms.sum(0)).sqrt()
+    assert (per_example <= C * (1 + 1e-9)).all()
+    torch.testing.assert_close(clipped.euclidean[0], torch.einsum("b,bij->ij", alpha, head))
+    zero = empty_sum(points, [torch.zeros(40, 50, dtype=torch.float64)])
+    step = privatize(
+        points,
+        zero,
+        noise_multiplier=2.0,
+        max_norm=C,
+        expected_batch_size=8.0,
+        sample_rate=0.1,
+        generator=torch.Generator().manual_seed(0),
+    )
+    noise = step.euclidean[0]
+    assert abs(noise.std().item() / (2.0 * C / 8.0) - 1) < Z * math.sqrt(1 / (2 * noise.numel()))
