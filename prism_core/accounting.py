@@ -28,6 +28,7 @@ __all__ = [
     "epsilon",
     "epsilon_report",
     "events_from_records",
+    "max_steps",
 ]
 
 Accountant = Literal["prv", "rdp"]
@@ -200,3 +201,36 @@ def calibrate_noise_multiplier(
             f"{steps} steps: {exc} Raise the budget or lower the steps or the sampling rate."
         ) from exc
     return float(sigma)
+
+
+def max_steps(
+    history: Sequence[PrivacyEvent],
+    *,
+    noise_multiplier: float,
+    sample_rate: float,
+    delta: float,
+    target_epsilon: float,
+    limit: int,
+) -> int:
+    """Largest ``k <= limit`` such that ``history`` plus ``k`` more steps stays within the target.
+
+    The steps are Poisson-subsampled Gaussian steps with the given sigma and q, composed with
+    the whole history by PRV (the same accountant as ``epsilon``); found by bisection, since
+    epsilon grows with k. Returns 0 when not even one more step fits.
+    """
+    if limit < 0:
+        raise PrivacyParameterError(f"limit={limit!r} must be >= 0")
+
+    def fits(k: int) -> bool:
+        extra = [PrivacyEvent(noise_multiplier, sample_rate, k)]
+        return epsilon([*history, *extra], delta) <= target_epsilon
+
+    if limit == 0 or not fits(1):
+        return 0
+    if fits(limit):
+        return limit
+    lo, hi = 1, limit  # fits(lo) and not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo

@@ -15,6 +15,7 @@ from prism_core.accounting import (
     epsilon,
     epsilon_report,
     events_from_records,
+    max_steps,
 )
 from prism_core.errors import AccountingError, PrivacyParameterError
 from prism_core.mechanism import NoiseRecord
@@ -75,3 +76,25 @@ def test_events_from_records_merges_equal_steps():
     events = events_from_records([rec, rec, rec, other, rec])
     assert [(e.noise_multiplier, e.steps) for e in events] == [(1.1, 3), (0.9, 1), (1.1, 1)]
     assert compose_events([PrivacyEvent(1.0, 0.1, 0)]) == []
+
+
+def test_max_steps_is_the_last_step_within_the_target():
+    history = [PrivacyEvent(1.0, 0.02, 100)]
+    k = max_steps(
+        history, noise_multiplier=1.0, sample_rate=0.02, delta=1e-5, target_epsilon=2.0, limit=5000
+    )
+    assert 0 < k < 5000
+    assert epsilon([*history, PrivacyEvent(1.0, 0.02, k)], 1e-5) <= 2.0
+    assert epsilon([*history, PrivacyEvent(1.0, 0.02, k + 1)], 1e-5) > 2.0
+    spent = epsilon(history, 1e-5)
+    assert (
+        max_steps(
+            history,
+            noise_multiplier=1.0,
+            sample_rate=0.02,
+            delta=1e-5,
+            target_epsilon=spent * 0.99,
+            limit=10,
+        )
+        == 0
+    )

@@ -1,0 +1,415 @@
+"""Private local training on one site: PRISM and its baselines in one loop (Algorithm 1).
+
+Per logical step: a Poisson batch (Opacus ``DPDataLoader``, rate ``q = b / N``) is split into
+micro-batches; each micro-batch runs forward/backward through Opacus' ``GradSampleModule``
+(hooks mode) with a PER-SEQUENCE loss summed over examples, so ``grad_sample`` holds exact
+per-example gradients. Then, by ``method``:
+
+- ``prism``: lift -> global clip (LoRA modules and DP head together) -> accumulate; once per
+  step: tangent noise, divide by the expected batch size, DP-aware adaptive transform, retract.
+- ``dp-adamw``: factor-space clip of the concatenated ``(gA, gB)`` (+ head), iid noise, AdamW.
+- ``ffa``: as ``dp-adamw`` with peft's ``lora_A`` frozen (FFA-LoRA).
+- ``nondp``: plain LoRA with AdamW on the mean per-sequence loss (no clipping, no noise).
+
+Every DP method draws the same Poisson batches and is accounted the same way: one
+subsampled-Gaussian event per step in a persistent history, epsilon by PRV. A step that would
+take epsilon past the target is refused with ``BudgetExceededError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from opacus import GradSampleModule
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import Tensor, nn
+from torch.utils.data import Dataset
+from tqdm import tqdm
+
+from client.data import IGNORE_INDEX, make_collate, micro_batches, poisson_loader
+from client.errors import ConfigError
+from client.lora import per_example_factor_grads, read_points, write_points_
+from client.model import LoadedModel
+from prism_core.accounting import (
+    PrivacyEvent,
+    calibrate_noise_multiplier,
+    epsilon,
+    max_steps,
+)
+from prism_core.adaptive import AdaptiveConfig, AdaptiveState, adaptive_direction, init_state
+from prism_core.baselines import factor_clip_and_sum, factor_privatize
+from prism_core.errors import BudgetExceededError
+from prism_core.manifold import Point, lift, retract
+from prism_core.mechanism import clip_and_sum, empty_sum, privatize
+from prism_core.rng import NoiseSource, SecureRNG
+
+__all__ = ["METHODS", "PrivateTrainer", "StepResult", "TrainConfig", "per_example_loss"]
+
+log = logging.getLogger(__name__)
+
+Method = Literal["prism", "dp-adamw", "ffa", "nondp"]
+METHODS: tuple[str, ...] = ("prism", "dp-adamw", "ffa", "nondp")
+
+
+class AdaptiveSettings(BaseModel):
+    """PRISM's adaptive transform (``prism_core.adaptive.AdaptiveConfig``), reference defaults."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.999, ge=0, lt=1)
+    floor_mode: Literal["scalar", "geometry"] = "scalar"
+    floor_scale: float = Field(0.5, ge=0)
+    cond_max: float = Field(1e4, ge=1)
+    debias_second_moment: bool = False
+    relift_gradient: bool = True
+    relift_direction: bool = True
+
+    def to_config(self) -> AdaptiveConfig:
+        return AdaptiveConfig(**self.model_dump())
+
+
+class TrainConfig(BaseModel):
+    """Local training and privacy settings of one site."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Method = Field("prism", description="prism, dp-adamw, ffa or nondp")
+    epsilon: float | None = Field(None, gt=0, description="target epsilon (cap); calibrates sigma")
+    delta: float = Field(1e-5, gt=0, lt=1, description="delta of the (epsilon, delta) guarantee")
+    noise_multiplier: float | None = Field(None, ge=0, description="sigma; else calibrated")
+    steps: int = Field(100, ge=1, description="planned logical steps")
+    batch_size: int = Field(64, ge=1, description="EXPECTED (Poisson) batch size b = q N")
+    micro_batch_size: int = Field(32, ge=1, description="examples per forward/backward (memory)")
+    max_norm: float = Field(
+        0.3, gt=0, description="clip C; choose near the typical per-example norm"
+    )
+    lr: float = Field(5e-3, gt=0, description="learning rate (retraction step for prism)")
+    head_lr: float | None = Field(None, gt=0, description="classifier head lr (default: lr)")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (baselines, head)")
+    adaptive: AdaptiveSettings = AdaptiveSettings()
+    seed: int = Field(0, description="seeds sampling, dropout and (unless secure_rng) the noise")
+    secure_rng: bool = Field(False, description="noise from the OS CSPRNG (production)")
+    progress: bool = Field(True, description="tqdm progress bar on stderr")
+
+    @model_validator(mode="after")
+    def _privacy_given(self) -> TrainConfig:
+        if self.method != "nondp" and self.epsilon is None and self.noise_multiplier is None:
+            raise ValueError(
+                f"method={self.method!r} needs epsilon (a target to calibrate sigma) or "
+                "noise_multiplier"
+            )
+        return self
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step did. ``loss`` and ``batch_size`` are PRIVATE (un-noised): keep them local."""
+
+    step: int
+    loss: float
+    batch_size: int
+
+
+def per_example_loss(model: nn.Module, batch: dict[str, Tensor], task: str) -> Tensor:
+    """Per-SEQUENCE loss (b,): no token averaging across examples (privacy rule 3).
+
+    seq-cls: cross-entropy of each example. causal-lm: mean token cross-entropy over that
+    sequence's supervised tokens (labels != -100), 0 for a sequence with none.
+    """
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs).logits.float()
+    labels = batch["labels"]
+    if task == "seq-cls":
+        return F.cross_entropy(logits, labels, reduction="none")
+    shift_logits, shift_labels = logits[:, :-1], labels[:, 1:]
+    tokens = F.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.shape[-1]),
+        shift_labels.reshape(-1),
+        reduction="none",
+        ignore_index=IGNORE_INDEX,
+    ).view(shift_labels.shape)
+    mask = (shift_labels != IGNORE_INDEX).to(tokens.dtype)
+    return (tokens * mask).sum(1) / mask.sum(1).clamp_min(1.0)
+
+
+class PrivateTrainer:
+    """Runs private local steps on one site's dataset with a persistent privacy history.
+
+    Args:
+        loaded: the model from ``client.model.load_model`` (same ``method``).
+        dataset: the site's tokenized training set (``client.data.TokenizedDataset``).
+        config: training settings.
+        history: privacy events this site already spent (e.g. earlier federated rounds).
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        dataset: Dataset[dict[str, object]],
+        config: TrainConfig,
+        *,
+        history: Sequence[PrivacyEvent] = (),
+    ) -> None:
+        self.loaded, self.config = loaded, config
+        self.task = loaded.config.task
+        self.num_examples = len(dataset)  # type: ignore[arg-type]
+        if config.batch_size > self.num_examples:
+            raise ConfigError(
+                f"batch_size={config.batch_size} is larger than the dataset ({self.num_examples} "
+                "examples): lower batch_size or add data"
+            )
+        seed = int.from_bytes(os.urandom(8), "little") if config.secure_rng else config.seed
+        torch.manual_seed(seed)  # dropout
+        self._loader, self.sample_rate = poisson_loader(
+            dataset,
+            expected_batch_size=config.batch_size,
+            collate_fn=make_collate(loaded.tokenizer, self.task),
+            generator=torch.Generator().manual_seed(seed),
+        )
+        self._batches = self._forever()
+        self.noise: NoiseSource = (
+            SecureRNG() if config.secure_rng else torch.Generator().manual_seed(seed + 1)
+        )
+        self.expected_batch_size = self.sample_rate * self.num_examples
+        self.history: list[PrivacyEvent] = list(history)
+        self.noise_multiplier = self._noise_multiplier()
+        self.steps_done = 0
+        self._allowed: int | None = None  # steps left under the cap, computed on demand
+        self._setup_method()
+
+    # -- privacy ---------------------------------------------------------------------------
+
+    @property
+    def is_private(self) -> bool:
+        return self.config.method != "nondp"
+
+    def _noise_multiplier(self) -> float:
+        cfg = self.config
+        if not self.is_private:
+            return 0.0
+        if cfg.noise_multiplier is not None:
+            return cfg.noise_multiplier
+        assert cfg.epsilon is not None  # validated by TrainConfig
+        if self.history:
+            raise ConfigError(
+                "a site with spent budget must be given noise_multiplier; calibration assumes "
+                "a fresh history"
+            )
+        sigma = calibrate_noise_multiplier(
+            target_epsilon=cfg.epsilon,
+            delta=cfg.delta,
+            sample_rate=self.sample_rate,
+            steps=cfg.steps,
+        )
+        log.info(
+            "calibrated sigma=%.4f for epsilon=%s over %d steps", sigma, cfg.epsilon, cfg.steps
+        )
+        return sigma
+
+    def epsilon(self) -> float:
+        """Epsilon spent so far (PRV over the whole history, at ``config.delta``)."""
+        return epsilon(self.history, self.config.delta) if self.is_private else math.inf
+
+    def steps_allowed(self) -> int:
+        """How many more steps fit under ``config.epsilon`` (the planned steps if no cap)."""
+        cfg = self.config
+        if not self.is_private or cfg.epsilon is None:
+            return max(cfg.steps - self.steps_done, 0) if self.is_private else sys.maxsize
+        if self._allowed is None:
+            self._allowed = self.steps_done + max_steps(
+                self.history,
+                noise_multiplier=self.noise_multiplier,
+                sample_rate=self.sample_rate,
+                delta=cfg.delta,
+                target_epsilon=cfg.epsilon,
+                limit=max(cfg.steps, 1) * 4,
+            )
+        return self._allowed - self.steps_done
+
+    def _check_budget(self) -> None:
+        if self.is_private and self.config.epsilon is not None and self.steps_allowed() <= 0:
+            raise BudgetExceededError(
+                f"refusing step {self.steps_done + 1}: it would take epsilon past the target "
+                f"{self.config.epsilon} at delta={self.config.delta} (spent {self.epsilon():.4f}). "
+                "Stop here, or raise the target only if your privacy policy allows it."
+            )
+
+    # -- setup -----------------------------------------------------------------------------
+
+    def _forever(self) -> Iterator[dict[str, Tensor]]:
+        while True:
+            yield from self._loader
+
+    def _setup_method(self) -> None:
+        model, cfg = self.loaded.model, self.config
+        model.train()
+        self.module: nn.Module = model
+        if self.is_private:
+            self.module = GradSampleModule(model, batch_first=True, loss_reduction="sum")
+            self.module.train()
+        head_lr = cfg.head_lr or cfg.lr
+        if cfg.method == "prism":
+            self.states: list[AdaptiveState] = [
+                init_state(p.A, p.B) for p in read_points(self.loaded.handles)
+            ]
+            self.adaptive = cfg.adaptive.to_config()
+            params = self.loaded.head_params
+            self.optimizer = (
+                torch.optim.AdamW(params, lr=head_lr, weight_decay=cfg.weight_decay)
+                if params
+                else None
+            )
+        else:
+            self.params = [p for p in model.parameters() if p.requires_grad]
+            lora = [p for h in self.loaded.handles for p in (h.lora_A, h.lora_B) if p.requires_grad]
+            groups = [{"params": lora, "lr": cfg.lr}]
+            if self.loaded.head_params:
+                groups.append({"params": self.loaded.head_params, "lr": head_lr})
+            self.optimizer = torch.optim.AdamW(groups, weight_decay=cfg.weight_decay)
+
+    # -- one step --------------------------------------------------------------------------
+
+    def step(self) -> StepResult:
+        """Run one logical step (refused with ``BudgetExceededError`` past the cap)."""
+        self._check_budget()
+        batch = next(self._batches)
+        batch = {k: v.to(self.loaded.device) for k, v in batch.items()}
+        with self._autocast():
+            if self.config.method == "prism":
+                loss = self._prism_step(batch)
+            elif self.is_private:
+                loss = self._factor_step(batch)
+            else:
+                loss = self._nondp_step(batch)
+        if self.is_private:
+            self.history.append(PrivacyEvent(self.noise_multiplier, self.sample_rate, 1))
+        self.steps_done += 1
+        return StepResult(self.steps_done, loss, int(batch["labels"].shape[0]))
+
+    def _autocast(self) -> torch.autocast:
+        enabled = self.loaded.device.type == "cuda"
+        return torch.autocast(self.loaded.device.type, dtype=torch.bfloat16, enabled=enabled)
+
+    def _backward(self, micro: dict[str, Tensor]) -> float:
+        losses = per_example_loss(self.module, micro, self.task)
+        with warnings.catch_warnings():  # Opacus' hooks on a frozen-input first layer
+            warnings.filterwarnings("ignore", "Full backward hook is firing", UserWarning)
+            losses.sum().backward()
+        return float(losses.detach().sum())
+
+    def _clear_grads(self) -> None:
+        for p in self.loaded.model.parameters():
+            p.grad = None
+            if hasattr(p, "grad_sample"):
+                p.grad_sample = None
+
+    def _prism_step(self, batch: dict[str, Tensor]) -> float:
+        cfg, handles, head = self.config, self.loaded.handles, self.loaded.head_params
+        points = read_points(handles)
+        acc, total = None, 0.0
+        for micro in micro_batches(batch, cfg.micro_batch_size):
+            total += self._backward(micro)
+            lifts = [
+                lift(p.A, p.B, gA, gB)
+                for p, (gA, gB) in zip(points, per_example_factor_grads(handles), strict=True)
+            ]
+            head_grads = [p.grad_sample.to(torch.float32) for p in head]
+            acc = clip_and_sum(
+                points, lifts, max_norm=cfg.max_norm, previous=acc, euclidean=head_grads
+            )
+            self._clear_grads()
+        if acc is None:
+            acc = empty_sum(points, head)
+        released = privatize(
+            points,
+            acc,
+            noise_multiplier=self.noise_multiplier,
+            max_norm=cfg.max_norm,
+            expected_batch_size=self.expected_batch_size,
+            sample_rate=self.sample_rate,
+            generator=self.noise,
+        )
+        tau = self.noise_multiplier * cfg.max_norm / self.expected_batch_size
+        new_points = []
+        for index, (point, update) in enumerate(zip(points, released.tangents, strict=True)):
+            direction, self.states[index] = adaptive_direction(
+                point, update, self.states[index], noise_std=tau, config=self.adaptive
+            )
+            new_points.append(retract(point.A, point.B, direction.dA, direction.dB, -cfg.lr))
+        write_points_(handles, new_points)
+        if self.optimizer is not None:
+            for p, g in zip(head, released.euclidean, strict=True):
+                p.grad = g.to(p.dtype)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return total / max(acc.count, 1)
+
+    def _factor_step(self, batch: dict[str, Tensor]) -> float:
+        cfg = self.config
+        acc: list[Tensor] | None = None
+        total, count = 0.0, 0
+        for micro in micro_batches(batch, cfg.micro_batch_size):
+            total += self._backward(micro)
+            count += int(micro["labels"].shape[0])
+            grads = [p.grad_sample.to(torch.float32) for p in self.params]
+            acc, _ = factor_clip_and_sum(grads, max_norm=cfg.max_norm, previous=acc)
+            self._clear_grads()
+        if acc is None:
+            acc = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
+        noisy, _ = factor_privatize(
+            acc,
+            noise_multiplier=self.noise_multiplier,
+            max_norm=cfg.max_norm,
+            expected_batch_size=self.expected_batch_size,
+            sample_rate=self.sample_rate,
+            generator=self.noise,
+            mechanism="ffa-gaussian" if cfg.method == "ffa" else "factor-gaussian",
+        )
+        for p, g in zip(self.params, noisy, strict=True):
+            p.grad = g.to(p.dtype)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total / max(count, 1)
+
+    def _nondp_step(self, batch: dict[str, Tensor]) -> float:
+        count = int(batch["labels"].shape[0])
+        total = 0.0
+        for micro in micro_batches(batch, self.config.micro_batch_size):
+            losses = per_example_loss(self.module, micro, self.task)
+            (losses.sum() / count).backward()
+            total += float(losses.detach().sum())
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total / max(count, 1)
+
+    # -- loop ------------------------------------------------------------------------------
+
+    def train(self, steps: int | None = None) -> list[StepResult]:
+        """Run ``steps`` (default: the planned ``config.steps``) with a progress bar."""
+        todo = self.config.steps if steps is None else steps
+        results = []
+        every = max(1, todo // 10)  # a PRV evaluation costs ~0.1 s
+        with tqdm(
+            total=todo, disable=not self.config.progress, file=sys.stderr, desc=self.config.method
+        ) as bar:
+            for _ in range(todo):
+                results.append(self.step())
+                bar.update(1)
+                show = self.config.progress and self.is_private
+                if show and (self.steps_done % every == 0 or len(results) == todo):
+                    bar.set_postfix(epsilon=f"{self.epsilon():.3f}")
+        return results
+
+    def current_points(self) -> list[Point]:
+        """The current factors ``(A, B)`` of every LoRA module."""
+        return read_points(self.loaded.handles)
