@@ -49,7 +49,7 @@ from prism_core.adaptive import AdaptiveConfig, AdaptiveState, adaptive_directio
 from prism_core.baselines import factor_clip_and_sum, factor_privatize
 from prism_core.errors import BudgetExceededError
 from prism_core.manifold import Point, lift, retract
-from prism_core.mechanism import clip_and_sum, empty_sum, privatize
+from prism_core.mechanism import ClippedSum, clip_and_sum, empty_sum, privatize
 from prism_core.rng import NoiseSource, SecureRNG
 
 __all__ = ["METHODS", "PrivateTrainer", "StepResult", "TrainConfig", "per_example_loss"]
@@ -313,23 +313,30 @@ class PrivateTrainer:
             if hasattr(p, "grad_sample"):
                 p.grad_sample = None
 
-    def _prism_step(self, batch: dict[str, Tensor]) -> float:
+    def clipped_sum(
+        self, batch: dict[str, Tensor], points: Sequence[Point]
+    ) -> tuple[ClippedSum, float]:
+        """Globally clipped sum of per-example lifts (and DP-head grads) over micro-batches.
+
+        Returns the ``ClippedSum`` and the summed per-sequence loss (private, local only).
+        """
         cfg, handles, head = self.config, self.loaded.handles, self.loaded.head_params
-        points = read_points(handles)
         acc, total = None, 0.0
         for micro in micro_batches(batch, cfg.micro_batch_size):
             total += self._backward(micro)
-            lifts = [
-                lift(p.A, p.B, gA, gB)
-                for p, (gA, gB) in zip(points, per_example_factor_grads(handles), strict=True)
-            ]
+            grads = per_example_factor_grads(handles)
+            lifts = [lift(p.A, p.B, gA, gB) for p, (gA, gB) in zip(points, grads, strict=True)]
             head_grads = [p.grad_sample.to(torch.float32) for p in head]
             acc = clip_and_sum(
                 points, lifts, max_norm=cfg.max_norm, previous=acc, euclidean=head_grads
             )
             self._clear_grads()
-        if acc is None:
-            acc = empty_sum(points, head)
+        return (acc if acc is not None else empty_sum(points, head)), total
+
+    def _prism_step(self, batch: dict[str, Tensor]) -> float:
+        cfg, handles, head = self.config, self.loaded.handles, self.loaded.head_params
+        points = read_points(handles)
+        acc, total = self.clipped_sum(batch, points)
         released = privatize(
             points,
             acc,

@@ -1,0 +1,507 @@
+"""``prism-train``: private LoRA fine-tuning of one model on one site's data, from the shell.
+
+Example (MiniLM on SST-2, PRISM at epsilon 3)::
+
+    prism-train --model PATH --data train.jsonl --eval-data dev.jsonl --task seq-cls \\
+        --method prism --epsilon 3 --delta 1e-5 --steps 60 --batch-size 256 --max-norm 0.1 \\
+        --out runs/sst2-prism
+
+Settings come from ``--config FILE`` (a flat YAML or TOML mapping whose keys are the option names,
+kebab-case or snake_case) and from the command line, which wins. Everything is validated by the
+pydantic models ``client.model.ModelConfig`` and ``client.trainer.TrainConfig`` (plus
+``RunOptions`` here) before any data or model is loaded.
+
+Writes ``<out>/adapter`` (peft format, loads on the original base with
+``PeftModel.from_pretrained``) and ``<out>/metrics.json``: privacy parameters and spent epsilon,
+held-out metrics. No training loss or accuracy is written: they are computed from un-noised
+private data. Exit codes: 0 success, 1 data error, 2 configuration error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import sys
+import time
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, get_args
+
+import annotated_types
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from client.errors import ConfigError, DataError
+
+__all__ = ["EXIT_CONFIG_ERROR", "EXIT_DATA_ERROR", "EXIT_OK", "RunOptions", "build_parser", "main"]
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_DATA_ERROR = 1
+EXIT_CONFIG_ERROR = 2
+
+PROG = "prism-train"
+DEFAULT_INIT = {"prism": "spectral-residual"}  # the baselines start from peft's standard init
+BASELINE_INIT = "standard"
+
+# Option (snake_case, as in the config file) -> field of ModelConfig / TrainConfig.
+MODEL_FIELDS = {
+    "model": "model",
+    "task": "task",
+    "num_labels": "num_labels",
+    "rank": "rank",
+    "alpha": "alpha",
+    "target_modules": "target_modules",
+    "init": "init",
+    "seed": "seed",
+}
+TRAIN_FIELDS = {
+    "method": "method",
+    "epsilon": "epsilon",
+    "delta": "delta",
+    "noise_multiplier": "noise_multiplier",
+    "steps": "steps",
+    "batch_size": "batch_size",
+    "micro_batch_size": "micro_batch_size",
+    "max_norm": "max_norm",
+    "lr": "lr",
+    "seed": "seed",
+    "secure_rng": "secure_rng",
+    "no_progress": "progress",  # negated below
+}
+
+
+class RunOptions(BaseModel):
+    """Settings of one ``prism-train`` run that are not model or training settings."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    data: Path = Field(description="training data of this site (.jsonl, .csv, save_to_disk)")
+    eval_data: Path | None = Field(None, description="held-out evaluation data")
+    max_length: int = Field(128, ge=2, description="tokens per example, special tokens included")
+    train_limit: int | None = Field(None, ge=1, description="use only the first N training rows")
+    eval_limit: int | None = Field(None, ge=1, description="use only the first N evaluation rows")
+    out: Path | None = Field(None, description="output folder (default runs/<method>-<time>)")
+
+
+RUN_FIELDS = {name: name for name in RunOptions.model_fields}
+
+
+# --------------------------------------------------------------------------------------------
+# Command line and config file
+# --------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser; every option defaults to "not given" so the config file can fill it."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Differentially private LoRA fine-tuning (PRISM and baselines) on one site.",
+        argument_default=argparse.SUPPRESS,
+        epilog="Exit codes: 0 success, 1 data error, 2 configuration error.",
+    )
+    add = parser.add_argument
+    add(
+        "--config", metavar="FILE", help="YAML (.yaml/.yml) or TOML (.toml) flat mapping of options"
+    )
+    io = parser.add_argument_group("data and model")
+    io.add_argument("--model", help="local model folder or a model in the local HF cache")
+    io.add_argument("--data", metavar="FILE", help="training data (.jsonl, .csv, save_to_disk)")
+    io.add_argument("--eval-data", metavar="FILE", help="held-out evaluation data")
+    io.add_argument("--task", choices=["seq-cls", "causal-lm"], help="default seq-cls")
+    io.add_argument("--num-labels", type=int, help="classes (seq-cls; default: max label + 1)")
+    io.add_argument("--max-length", type=int, help="tokens per example (default 128)")
+    io.add_argument("--train-limit", type=int, metavar="N", help="use the first N training rows")
+    io.add_argument("--eval-limit", type=int, metavar="N", help="use the first N evaluation rows")
+    io.add_argument("--out", metavar="DIR", help="output folder (default runs/<method>-<time>)")
+    dp = parser.add_argument_group("privacy")
+    dp.add_argument("--method", choices=["prism", "dp-adamw", "ffa", "nondp"], help="default prism")
+    dp.add_argument("--epsilon", type=float, help="target epsilon; calibrates sigma")
+    dp.add_argument("--delta", type=float, help="delta (default 1e-5; keep it << 1/N)")
+    dp.add_argument("--noise-multiplier", type=float, help="sigma (instead of calibrating it)")
+    dp.add_argument("--max-norm", type=float, help="clip C (default 0.3)")
+    dp.add_argument("--secure-rng", action="store_true", help="noise from the OS CSPRNG")
+    opt = parser.add_argument_group("optimisation")
+    opt.add_argument("--steps", type=int, help="logical steps (default 100)")
+    opt.add_argument("--batch-size", type=int, help="EXPECTED Poisson batch size (default 64)")
+    opt.add_argument("--micro-batch-size", type=int, help="examples per forward (default 32)")
+    opt.add_argument("--lr", type=float, help="learning rate (default 5e-3)")
+    opt.add_argument("--seed", type=int, help="seed of sampling, noise and init (default 0)")
+    opt.add_argument("--no-progress", action="store_true", help="no progress bar")
+    lora = parser.add_argument_group("LoRA")
+    lora.add_argument("--rank", type=int, help="LoRA rank r (default 8)")
+    lora.add_argument("--alpha", type=float, help="LoRA alpha, scaling alpha / r (default 16)")
+    lora.add_argument("--target-modules", help="comma list of module names (default query,value)")
+    lora.add_argument(
+        "--init",
+        choices=["spectral-residual", "orthonormal", "standard"],
+        help="default spectral-residual for prism, standard for the baselines",
+    )
+    return parser
+
+
+def _option_names(parser: argparse.ArgumentParser) -> list[str]:
+    """snake_case names of the options a config file may set (all but --config and --help)."""
+    return sorted(
+        a.dest for a in parser._actions if a.option_strings and a.dest not in ("config", "help")
+    )
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def read_config_file(path: Path, valid: Sequence[str]) -> dict[str, Any]:
+    """A flat mapping from a YAML or TOML file, keys normalised to snake_case.
+
+    Raises:
+        ConfigError: missing or unreadable file, unknown format, not a flat mapping, unknown or
+            duplicated keys (the message lists the valid keys).
+    """
+    if not path.is_file():
+        raise ConfigError(f"config file {path}: no such file. Check the path of --config.")
+    suffix = path.suffix.lower()
+    try:
+        if suffix in (".yaml", ".yml"):
+            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        elif suffix == ".toml":
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        else:
+            raise ConfigError(
+                f"config file {path}: unsupported type {suffix or '(no suffix)'!r}. "
+                "Use .yaml, .yml or .toml."
+            )
+    except (yaml.YAMLError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path}: cannot parse it ({exc}).") from exc
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(
+            f"config file {path}: expected a mapping of option names to values, found "
+            f"{type(raw).__name__}."
+        )
+    values: dict[str, Any] = {}
+    unknown = []
+    for key, value in raw.items():
+        name = str(key).replace("-", "_")
+        if name not in valid:
+            unknown.append(str(key))
+        elif name in values:
+            raise ConfigError(f"config file {path}: {name!r} is set twice (kebab and snake case).")
+        elif isinstance(value, Mapping):
+            raise ConfigError(
+                f"config file {path}: {key!r} is a nested table; the config is a flat mapping."
+            )
+        else:
+            values[name] = value
+    if unknown:
+        listing = ", ".join(n.replace("_", "-") for n in valid)
+        raise ConfigError(
+            f"config file {path}: unknown key(s) {', '.join(map(repr, unknown))}. "
+            f"Valid keys (kebab-case or snake_case): {listing}."
+        )
+    return values
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------
+
+
+def _allowed(model: type[BaseModel], field: str) -> str:
+    """Human description of a field's allowed values, e.g. ``a number > 0 and < 1``."""
+    info = model.model_fields[field]
+    choices = [a for a in get_args(info.annotation) if isinstance(a, str)]
+    if choices:
+        return "one of " + ", ".join(choices)
+    kinds = {int: "an integer", float: "a number", bool: "true or false"}
+    args = get_args(info.annotation) or (info.annotation,)
+    kind = next((kinds[a] for a in args if a in kinds), "")
+    symbols = {
+        annotated_types.Gt: ("gt", ">"),
+        annotated_types.Ge: ("ge", ">="),
+        annotated_types.Lt: ("lt", "<"),
+        annotated_types.Le: ("le", "<="),
+    }
+    bounds = [
+        f"{symbol} {getattr(m, attr)}"
+        for m in info.metadata
+        for cls, (attr, symbol) in symbols.items()
+        if isinstance(m, cls)
+    ]
+    return " and ".join(filter(None, [kind, " and ".join(bounds)])).strip()
+
+
+def _problems(
+    exc: ValidationError,
+    model: type[BaseModel],
+    option_of: Mapping[str, str],
+    sources: Mapping[str, str],
+) -> list[str]:
+    """One line per validation problem, naming the option, its value, and what is allowed."""
+    lines = []
+    for err in exc.errors():
+        if not err["loc"]:  # a model-level rule, e.g. DP without epsilon or noise multiplier
+            lines.append(str(err["msg"]).removeprefix("Value error, "))
+            continue
+        field = str(err["loc"][0])
+        option = option_of.get(field, field)
+        flag = _flag(option)
+        if err["type"] == "missing":
+            lines.append(f"{flag} is required: give it, or set '{option}' in the config file.")
+            continue
+        value = err.get("input")
+        where = f" (from {sources[option]})" if option in sources else ""
+        allowed = _allowed(model, field) if field in model.model_fields else ""
+        hint = f"; allowed: {allowed}" if allowed else ""
+        lines.append(f"{flag}={value!r}{where}: {err['msg']}{hint}.")
+    return lines
+
+
+def _validated(
+    model: type[BaseModel],
+    fields: Mapping[str, str],
+    values: Mapping[str, Any],
+    sources: Mapping[str, str],
+    problems: list[str],
+) -> Any:
+    data = {field: values[option] for option, field in fields.items() if option in values}
+    if "progress" in data:
+        data["progress"] = not data["progress"]
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        option_of = {field: option for option, field in fields.items()}
+        problems.extend(_problems(exc, model, option_of, sources))
+        return None
+
+
+def build_configs(values: Mapping[str, Any], sources: Mapping[str, str]) -> tuple[Any, Any, Any]:
+    """Validate merged options into ``(ModelConfig, TrainConfig, RunOptions)``.
+
+    Raises:
+        ConfigError: every problem found, one per line.
+    """
+    from client.model import ModelConfig
+    from client.trainer import TrainConfig
+
+    merged = dict(values)
+    if "init" not in merged:
+        merged["init"] = DEFAULT_INIT.get(str(merged.get("method", "prism")), BASELINE_INIT)
+    problems: list[str] = []
+    model_cfg = _validated(ModelConfig, MODEL_FIELDS, merged, sources, problems)
+    train_cfg = _validated(TrainConfig, TRAIN_FIELDS, merged, sources, problems)
+    run_opts = _validated(RunOptions, RUN_FIELDS, merged, sources, problems)
+    if problems:  # a shared option (seed) can be reported by two models: keep the first
+        raise ConfigError("\n".join(dict.fromkeys(problems)))
+    return model_cfg, train_cfg, run_opts
+
+
+# --------------------------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------------------------
+
+
+def _load_data(path: Path, task: str, limit: int | None, what: str) -> list[dict[str, Any]]:
+    from client.data import load_examples
+
+    examples = load_examples(path, task)
+    if limit is not None and limit < len(examples):
+        log.info("using the first %d of %d %s examples", limit, len(examples), what)
+        examples = examples[:limit]
+    return examples
+
+
+def _check_labels(examples: Sequence[Mapping[str, Any]], num_labels: int, source: Path) -> None:
+    top = max(int(ex["label"]) for ex in examples)
+    if top >= num_labels:
+        raise DataError(
+            f"{source}: label {top} is out of range for num_labels={num_labels} (labels must be "
+            f"0..{num_labels - 1}). Raise --num-labels or fix the labels."
+        )
+
+
+def _check_max_length(loaded: Any, max_length: int) -> None:
+    limit = getattr(loaded.model.config, "max_position_embeddings", None)
+    if isinstance(limit, int) and max_length > limit:
+        raise ConfigError(
+            f"--max-length={max_length} exceeds the model's max_position_embeddings={limit}: "
+            f"use --max-length <= {limit}."
+        )
+
+
+def _default_out(method: str) -> Path:
+    return Path("runs") / f"{method}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def run(values: Mapping[str, Any], sources: Mapping[str, str]) -> int:
+    """Validate, load, train, evaluate, export. Returns the exit code (errors are raised)."""
+    started = time.perf_counter()
+    model_cfg, train_cfg, opts = build_configs(values, sources)
+
+    from client.data import TokenizedDataset
+    from client.evaluate import evaluate
+    from client.export import export_adapter, write_metrics
+    from client.model import load_model
+    from client.trainer import PrivateTrainer
+    from prism_core.accounting import epsilon_report
+
+    task = model_cfg.task
+    train = _load_data(opts.data, task, opts.train_limit, "training")
+    held_out = (
+        _load_data(opts.eval_data, task, opts.eval_limit, "evaluation") if opts.eval_data else None
+    )
+    if task == "seq-cls":
+        if "num_labels" not in values:
+            inferred = max(2, max(int(ex["label"]) for ex in train) + 1)
+            log.info("num_labels=%d (max training label + 1)", inferred)
+            model_cfg = model_cfg.model_copy(update={"num_labels": inferred})
+        _check_labels(train, model_cfg.num_labels, opts.data)
+        if held_out is not None and opts.eval_data is not None:
+            _check_labels(held_out, model_cfg.num_labels, opts.eval_data)
+    if train_cfg.method != "nondp" and train_cfg.delta >= 1 / len(train):
+        log.warning(
+            "delta=%g is not << 1/N = %g: the guarantee allows leaking a whole record with "
+            "probability delta. Use delta well below 1/N.",
+            train_cfg.delta,
+            1 / len(train),
+        )
+
+    loaded = load_model(model_cfg, method=train_cfg.method)
+    _check_max_length(loaded, opts.max_length)
+    dataset = TokenizedDataset(train, loaded.tokenizer, task, max_length=opts.max_length)
+    trainer = PrivateTrainer(loaded, dataset, train_cfg)
+    if trainer.is_private and train_cfg.epsilon is not None:
+        allowed = trainer.steps_allowed()
+        if allowed < train_cfg.steps:
+            raise ConfigError(
+                f"--steps={train_cfg.steps} does not fit the budget: only {allowed} steps with "
+                f"noise multiplier {trainer.noise_multiplier} and q={trainer.sample_rate:.4g} stay "
+                f"within epsilon={train_cfg.epsilon}. Lower --steps or raise --noise-multiplier."
+            )
+    train_started = time.perf_counter()
+    trainer.train()
+    train_time = time.perf_counter() - train_started
+
+    eval_metrics = None
+    if held_out is not None:
+        eval_metrics = evaluate(loaded, held_out, max_length=opts.max_length)
+    out = opts.out or _default_out(train_cfg.method)
+    adapter_dir = export_adapter(loaded, out / "adapter")
+
+    report = epsilon_report(trainer.history, train_cfg.delta) if trainer.is_private else None
+    metrics = {
+        "method": train_cfg.method,
+        "model": model_cfg.model,
+        "task": task,
+        "num_labels": model_cfg.num_labels if task == "seq-cls" else None,
+        "rank": model_cfg.rank,
+        "alpha": model_cfg.alpha,
+        "target_modules": list(model_cfg.target_modules),
+        "init": model_cfg.init,
+        "max_length": opts.max_length,
+        "lr": train_cfg.lr,
+        "noise_multiplier": trainer.noise_multiplier if trainer.is_private else None,
+        "sample_rate": trainer.sample_rate,
+        "expected_batch_size": trainer.expected_batch_size,
+        "micro_batch_size": train_cfg.micro_batch_size,
+        "max_norm": train_cfg.max_norm if trainer.is_private else None,
+        "steps": trainer.steps_done,
+        "delta": train_cfg.delta if trainer.is_private else None,
+        "epsilon": trainer.epsilon() if trainer.is_private else None,
+        "epsilon_rdp": report.rdp if report is not None else None,
+        "target_epsilon": train_cfg.epsilon,
+        "secure_rng": train_cfg.secure_rng,
+        "seed": train_cfg.seed,
+        "num_train_examples": len(train),
+        "eval_data": str(opts.eval_data) if opts.eval_data else None,
+        "eval": eval_metrics,
+        "train_time_s": round(train_time, 3),
+        "wall_time_s": round(time.perf_counter() - started, 3),
+    }
+    metrics_path = write_metrics(out, metrics)
+    _print_summary(metrics, adapter_dir, metrics_path)
+    return EXIT_OK
+
+
+def _print_summary(metrics: Mapping[str, Any], adapter: Path, metrics_path: Path) -> None:
+    lines = [
+        f"{PROG}: {metrics['method']} on {metrics['num_train_examples']} examples, "
+        f"{metrics['steps']} steps of expected batch {metrics['expected_batch_size']:.0f}, "
+        f"{metrics['wall_time_s']:.0f} s"
+    ]
+    if metrics["epsilon"] is None:
+        lines.append("privacy: none (non-DP baseline)")
+    else:
+        lines.append(
+            f"privacy: epsilon={metrics['epsilon']:.4f} (PRV; RDP {metrics['epsilon_rdp']:.4f}) "
+            f"at delta={metrics['delta']:g}, sigma={metrics['noise_multiplier']:.4f}, "
+            f"q={metrics['sample_rate']:.4g}, C={metrics['max_norm']:g}"
+        )
+    ev = metrics["eval"]
+    if ev is not None:
+        shown = ", ".join(
+            f"{k}={v:.4f}" for k, v in ev.items() if k != "examples" and math.isfinite(v)
+        )
+        lines.append(f"eval: {shown} on {ev['examples']} examples")
+    lines += [f"adapter: {adapter}", f"metrics: {metrics_path}"]
+    print("\n".join(lines))
+
+
+# --------------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------------
+
+
+def _setup_logging() -> None:
+    root = logging.getLogger()
+    if not root.handlers:  # leave an embedding application's (or pytest's) logging alone
+        logging.basicConfig(
+            level=logging.INFO,
+            stream=sys.stderr,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
+
+
+def _error(message: str) -> None:
+    for line in message.splitlines():
+        print(f"{PROG}: error: {line}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``prism-train`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    parser = build_parser()
+    try:
+        args = vars(parser.parse_args(argv))
+    except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
+        return int(exc.code) if isinstance(exc.code, int) else EXIT_CONFIG_ERROR
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download at run time unless asked
+    _setup_logging()
+    from prism_core.errors import BudgetExceededError, PrivacyParameterError
+
+    valid = _option_names(parser)
+    try:
+        config_path = args.pop("config", None)
+        values: dict[str, Any] = {}
+        sources: dict[str, str] = {}
+        if config_path is not None:
+            values = read_config_file(Path(config_path), valid)
+            sources = dict.fromkeys(values, str(config_path))
+        values.update(args)  # the command line wins over the config file
+        for name in args:
+            sources.pop(name, None)
+        return run(values, sources)
+    except DataError as exc:
+        _error(str(exc))
+        return EXIT_DATA_ERROR
+    except (ConfigError, PrivacyParameterError, BudgetExceededError) as exc:
+        _error(str(exc))
+        return EXIT_CONFIG_ERROR
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

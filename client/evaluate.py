@@ -1,0 +1,211 @@
+"""Held-out evaluation of a (trained) peft model: accuracy for seq-cls, exact match for causal-lm.
+
+Evaluation data is public or held out by the site; nothing computed here touches the private
+training set, so its metrics may be reported.
+
+- ``seq-cls``: argmax of the logits against the label, and the mean per-example cross-entropy
+  (the same per-sequence loss the trainer clips, ``client.trainer.per_example_loss``).
+- ``causal-lm``: greedy generation from ``[bos] + format_prompt(instruction, input)`` (the prompt
+  the model was trained on), then the LAST number in the generated text is compared with the
+  example's ``answer`` (or, without one, with the last number of its ``output``) to an absolute
+  tolerance of ``NUMERIC_TOLERANCE``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from client.data import TokenizedDataset, format_prompt, make_collate
+from client.errors import ConfigError
+from client.model import LoadedModel
+from client.trainer import per_example_loss
+
+__all__ = ["NUMERIC_TOLERANCE", "evaluate", "extract_last_number", "numeric_match"]
+
+log = logging.getLogger(__name__)
+
+NUMERIC_TOLERANCE = 1e-4
+"""Absolute tolerance of the causal-lm exact-match comparison."""
+
+# Integers and decimals with optional thousands separators and sign: "-1,234.5", "42", ".5".
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+def extract_last_number(text: str) -> float | None:
+    """The last number written in ``text`` (commas removed), or ``None`` if there is none.
+
+    >>> extract_last_number("3 apples and 1,204.5 pears.")
+    1204.5
+    """
+    for match in reversed(_NUMBER.findall(text)):
+        cleaned = match.replace(",", "")
+        if cleaned in ("", "-"):
+            continue
+        try:
+            return float(cleaned)
+        except ValueError:  # pragma: no cover - the pattern only matches parseable numbers
+            continue
+    return None
+
+
+def numeric_match(generated: str, reference: str) -> bool:
+    """Whether the last number of ``generated`` equals the last number of ``reference``."""
+    predicted, expected = extract_last_number(generated), extract_last_number(reference)
+    if predicted is None or expected is None:
+        return False
+    return math.isclose(predicted, expected, rel_tol=0.0, abs_tol=NUMERIC_TOLERANCE)
+
+
+def evaluate(
+    loaded: LoadedModel,
+    examples: Sequence[Mapping[str, Any]],
+    *,
+    max_length: int,
+    batch_size: int = 64,
+    max_new_tokens: int = 32,
+) -> dict[str, float]:
+    """Evaluate ``loaded.model`` on held-out examples of its task.
+
+    Runs under ``torch.no_grad()`` in eval mode on ``loaded.device`` and restores the previous
+    train/eval mode afterwards.
+
+    Args:
+        loaded: The model from ``client.model.load_model`` (possibly trained).
+        examples: Output of ``client.data.load_examples`` for the model's task.
+        max_length: Token limit per example (seq-cls) or per prompt (causal-lm; longer prompts
+            keep their last tokens, which hold the response marker).
+        batch_size: Examples per forward pass or per generation batch.
+        max_new_tokens: causal-lm only: the generation budget per example.
+
+    Returns:
+        seq-cls: ``{"accuracy", "loss", "examples"}``; causal-lm: ``{"exact_match", "examples"}``.
+
+    Raises:
+        ConfigError: ``batch_size`` or ``max_new_tokens`` below 1, or no examples.
+    """
+    if batch_size < 1:
+        raise ConfigError(f"batch_size must be at least 1, got {batch_size}.")
+    if not examples:
+        raise ConfigError("No evaluation examples: give a non-empty evaluation file.")
+    model = loaded.model
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), _autocast(loaded.device):
+            if loaded.config.task == "seq-cls":
+                return _evaluate_classifier(loaded, examples, max_length, batch_size)
+            if max_new_tokens < 1:
+                raise ConfigError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
+            return _evaluate_generation(loaded, examples, max_length, batch_size, max_new_tokens)
+    finally:
+        model.train(was_training)
+
+
+def _autocast(device: torch.device) -> torch.autocast:
+    # Same precision as training: on CUDA the frozen base is bf16 and the LoRA factors float32.
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+def _chunks(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def _evaluate_classifier(
+    loaded: LoadedModel, examples: Sequence[Mapping[str, Any]], max_length: int, batch_size: int
+) -> dict[str, float]:
+    dataset = TokenizedDataset(examples, loaded.tokenizer, "seq-cls", max_length=max_length)
+    collate = make_collate(loaded.tokenizer, "seq-cls")
+    logits: list[Tensor] = []
+
+    def keep_logits(_module: nn.Module, _inputs: Any, output: Any) -> None:
+        logits.append(output.logits.detach())
+
+    # One forward per batch gives both the loss (per_example_loss) and the logits (this hook).
+    hook = loaded.model.register_forward_hook(keep_logits)
+    correct, loss_sum = 0, 0.0
+    try:
+        for items in _chunks([dataset[i] for i in range(len(dataset))], batch_size):
+            batch = {k: v.to(loaded.device) for k, v in collate(items).items()}
+            loss_sum += float(per_example_loss(loaded.model, batch, "seq-cls").sum())
+            predicted = logits.pop().float().argmax(dim=-1)
+            correct += int((predicted == batch["labels"]).sum())
+    finally:
+        hook.remove()
+    n = len(dataset)
+    return {"accuracy": correct / n, "loss": loss_sum / n, "examples": n}
+
+
+def _reference(example: Mapping[str, Any]) -> str:
+    answer = example.get("answer")
+    if answer is not None and str(answer).strip():
+        return str(answer)
+    return str(example.get("output") or "")
+
+
+def _prompt_ids(loaded: LoadedModel, example: Mapping[str, Any], max_length: int) -> list[int]:
+    tokenizer = loaded.tokenizer
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    prompt = format_prompt(example["instruction"], example.get("input") or "")
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    keep = max(max_length - len(bos), 1)
+    return bos + ids[-keep:]
+
+
+def _pad_id(loaded: LoadedModel) -> int:
+    tokenizer = loaded.tokenizer
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise ConfigError(
+            "The tokenizer has neither a pad nor an eos token, which generation needs. "
+            "Set tokenizer.pad_token first."
+        )
+    return int(pad)
+
+
+def _left_pad(prompts: Sequence[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, ids in enumerate(prompts):
+        input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[row, width - len(ids) :] = 1
+    return input_ids, attention_mask
+
+
+def _evaluate_generation(
+    loaded: LoadedModel,
+    examples: Sequence[Mapping[str, Any]],
+    max_length: int,
+    batch_size: int,
+    max_new_tokens: int,
+) -> dict[str, float]:
+    tokenizer, pad_id = loaded.tokenizer, _pad_id(loaded)
+    matches = 0
+    for chunk in _chunks(examples, batch_size):
+        input_ids, attention_mask = _left_pad(
+            [_prompt_ids(loaded, ex, max_length) for ex in chunk], pad_id
+        )
+        generated = loaded.model.generate(
+            input_ids=input_ids.to(loaded.device),
+            attention_mask=attention_mask.to(loaded.device),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=pad_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        texts = tokenizer.batch_decode(generated[:, input_ids.shape[1] :], skip_special_tokens=True)
+        matches += sum(
+            numeric_match(text, _reference(ex)) for text, ex in zip(texts, chunk, strict=True)
+        )
+    unscorable = sum(extract_last_number(_reference(ex)) is None for ex in examples)
+    if unscorable:
+        log.warning("%d of %d examples have no number in their answer", unscorable, len(examples))
+    return {"exact_match": matches / len(examples), "examples": len(examples)}

