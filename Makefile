@@ -9,7 +9,7 @@ export TRANSFORMERS_OFFLINE := 1
 export FLWR_TELEMETRY_ENABLED := 0
 export FLWR_DISABLE_UPDATE_CHECK := 1
 
-.PHONY: install test lint typecheck pytest test-slow bench-mechanism clean
+.PHONY: install demo test lint typecheck pytest test-slow bench-mechanism clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,9 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	touch $(STAMP)
 
 install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m server.demo
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -40,4 +43,4 @@ bench-mechanism: $(STAMP)
 	$(BIN)/python bench/mechanism.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .flwr

@@ -47,6 +47,7 @@ EXIT_CONFIG_ERROR = 2
 PROG = "prism-train"
 DEFAULT_INIT = {"prism": "spectral-residual"}  # the baselines start from peft's standard init
 BASELINE_INIT = "standard"
+DEFAULT_MAX_LENGTH = 128
 
 # Option (snake_case, as in the config file) -> field of ModelConfig / TrainConfig.
 MODEL_FIELDS = {
@@ -82,7 +83,9 @@ class RunOptions(BaseModel):
 
     data: Path = Field(description="training data of this site (.jsonl, .csv, save_to_disk)")
     eval_data: Path | None = Field(None, description="held-out evaluation data")
-    max_length: int = Field(128, ge=2, description="tokens per example, special tokens included")
+    max_length: int | None = Field(
+        None, ge=2, description="tokens per example (default: 128, capped by the model's limit)"
+    )
     train_limit: int | None = Field(None, ge=1, description="use only the first N training rows")
     eval_limit: int | None = Field(None, ge=1, description="use only the first N evaluation rows")
     out: Path | None = Field(None, description="output folder (default runs/<method>-<time>)")
@@ -104,9 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS,
         epilog="Exit codes: 0 success, 1 data error, 2 configuration error.",
     )
-    add = parser.add_argument
-    add(
-        "--config", metavar="FILE", help="YAML (.yaml/.yml) or TOML (.toml) flat mapping of options"
+    parser.add_argument(
+        "--config", metavar="FILE", help="flat YAML (.yaml/.yml) or TOML (.toml) mapping of options"
     )
     io = parser.add_argument_group("data and model")
     io.add_argument("--model", help="local model folder or a model in the local HF cache")
@@ -233,7 +235,7 @@ def _allowed(model: type[BaseModel], field: str) -> str:
         for cls, (attr, symbol) in symbols.items()
         if isinstance(m, cls)
     ]
-    return " and ".join(filter(None, [kind, " and ".join(bounds)])).strip()
+    return " ".join(filter(None, [kind, " and ".join(bounds)]))
 
 
 def _problems(
@@ -257,7 +259,7 @@ def _problems(
         value = err.get("input")
         where = f" (from {sources[option]})" if option in sources else ""
         allowed = _allowed(model, field) if field in model.model_fields else ""
-        hint = f"; allowed: {allowed}" if allowed else ""
+        hint = f" (allowed: {allowed})" if allowed else ""
         lines.append(f"{flag}={value!r}{where}: {err['msg']}{hint}.")
     return lines
 
@@ -325,13 +327,19 @@ def _check_labels(examples: Sequence[Mapping[str, Any]], num_labels: int, source
         )
 
 
-def _check_max_length(loaded: Any, max_length: int) -> None:
+def _max_length(loaded: Any, given: int | None) -> int:
+    """``given`` if the model's position embeddings allow it; default 128 capped by the model."""
     limit = getattr(loaded.model.config, "max_position_embeddings", None)
-    if isinstance(limit, int) and max_length > limit:
+    if not isinstance(limit, int):
+        return given or DEFAULT_MAX_LENGTH
+    if given is None:
+        return min(DEFAULT_MAX_LENGTH, limit)
+    if given > limit:
         raise ConfigError(
-            f"--max-length={max_length} exceeds the model's max_position_embeddings={limit}: "
+            f"--max-length={given} exceeds the model's max_position_embeddings={limit}: "
             f"use --max-length <= {limit}."
         )
+    return given
 
 
 def _default_out(method: str) -> Path:
@@ -372,8 +380,8 @@ def run(values: Mapping[str, Any], sources: Mapping[str, str]) -> int:
         )
 
     loaded = load_model(model_cfg, method=train_cfg.method)
-    _check_max_length(loaded, opts.max_length)
-    dataset = TokenizedDataset(train, loaded.tokenizer, task, max_length=opts.max_length)
+    max_length = _max_length(loaded, opts.max_length)
+    dataset = TokenizedDataset(train, loaded.tokenizer, task, max_length=max_length)
     trainer = PrivateTrainer(loaded, dataset, train_cfg)
     if trainer.is_private and train_cfg.epsilon is not None:
         allowed = trainer.steps_allowed()
@@ -389,7 +397,7 @@ def run(values: Mapping[str, Any], sources: Mapping[str, str]) -> int:
 
     eval_metrics = None
     if held_out is not None:
-        eval_metrics = evaluate(loaded, held_out, max_length=opts.max_length)
+        eval_metrics = evaluate(loaded, held_out, max_length=max_length)
     out = opts.out or _default_out(train_cfg.method)
     adapter_dir = export_adapter(loaded, out / "adapter")
 
@@ -403,7 +411,7 @@ def run(values: Mapping[str, Any], sources: Mapping[str, str]) -> int:
         "alpha": model_cfg.alpha,
         "target_modules": list(model_cfg.target_modules),
         "init": model_cfg.init,
-        "max_length": opts.max_length,
+        "max_length": max_length,
         "lr": train_cfg.lr,
         "noise_multiplier": trainer.noise_multiplier if trainer.is_private else None,
         "sample_rate": trainer.sample_rate,

@@ -27,7 +27,13 @@ from client.errors import ConfigError
 from client.model import LoadedModel
 from client.trainer import per_example_loss
 
-__all__ = ["NUMERIC_TOLERANCE", "evaluate", "extract_last_number", "numeric_match"]
+__all__ = [
+    "NUMERIC_TOLERANCE",
+    "evaluate",
+    "extract_last_number",
+    "generate_responses",
+    "numeric_match",
+]
 
 log = logging.getLogger(__name__)
 
@@ -180,15 +186,32 @@ def _left_pad(prompts: Sequence[list[int]], pad_id: int) -> tuple[Tensor, Tensor
     return input_ids, attention_mask
 
 
-def _evaluate_generation(
+def generate_responses(
     loaded: LoadedModel,
     examples: Sequence[Mapping[str, Any]],
+    *,
     max_length: int,
-    batch_size: int,
-    max_new_tokens: int,
-) -> dict[str, float]:
+    batch_size: int = 16,
+    max_new_tokens: int = 32,
+) -> list[str]:
+    """Greedy responses of a causal LM to the prompts of ``examples`` (instruction + input).
+
+    Prompts are ``[bos] + format_prompt(...)`` as in training, left-padded within a batch so
+    every response starts right after its prompt; the prompt itself is not returned.
+    Call under ``torch.no_grad()`` with the model in eval mode (``evaluate`` does).
+
+    Args:
+        loaded: A causal-lm model from ``client.model.load_model``.
+        examples: Records with ``instruction`` and optional ``input``.
+        max_length: Longest prompt in tokens; longer prompts keep their last tokens.
+        batch_size: Prompts per ``generate`` call.
+        max_new_tokens: Generation budget per prompt.
+
+    Returns:
+        One decoded response per example, special tokens removed.
+    """
     tokenizer, pad_id = loaded.tokenizer, _pad_id(loaded)
-    matches = 0
+    responses: list[str] = []
     for chunk in _chunks(examples, batch_size):
         input_ids, attention_mask = _left_pad(
             [_prompt_ids(loaded, ex, max_length) for ex in chunk], pad_id
@@ -201,11 +224,29 @@ def _evaluate_generation(
             pad_token_id=pad_id,
             eos_token_id=tokenizer.eos_token_id,
         )
-        texts = tokenizer.batch_decode(generated[:, input_ids.shape[1] :], skip_special_tokens=True)
-        matches += sum(
-            numeric_match(text, _reference(ex)) for text, ex in zip(texts, chunk, strict=True)
+        responses += tokenizer.batch_decode(
+            generated[:, input_ids.shape[1] :], skip_special_tokens=True
         )
-    unscorable = sum(extract_last_number(_reference(ex)) is None for ex in examples)
+    return responses
+
+
+def _evaluate_generation(
+    loaded: LoadedModel,
+    examples: Sequence[Mapping[str, Any]],
+    max_length: int,
+    batch_size: int,
+    max_new_tokens: int,
+) -> dict[str, float]:
+    responses = generate_responses(
+        loaded,
+        examples,
+        max_length=max_length,
+        batch_size=batch_size,
+        max_new_tokens=max_new_tokens,
+    )
+    references = [_reference(ex) for ex in examples]
+    unscorable = sum(extract_last_number(ref) is None for ref in references)
     if unscorable:
         log.warning("%d of %d examples have no number in their answer", unscorable, len(examples))
+    matches = sum(numeric_match(r, ref) for r, ref in zip(responses, references, strict=True))
     return {"exact_match": matches / len(examples), "examples": len(examples)}

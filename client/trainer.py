@@ -244,6 +244,17 @@ class PrivateTrainer:
                 "Stop here, or raise the target only if your privacy policy allows it."
             )
 
+    def begin_round(self, history: Sequence[PrivacyEvent], steps: int) -> None:
+        """Start a new block of ``steps`` steps on top of ``history`` (a federated round).
+
+        The model, its Opacus wrapper, the sampler and the optimizer state are kept; the
+        privacy history is replaced by the site's durable one.
+        """
+        self.history = list(history)
+        self.steps_done = 0
+        self._allowed = None
+        self.config = self.config.model_copy(update={"steps": steps})
+
     # -- setup -----------------------------------------------------------------------------
 
     def _forever(self) -> Iterator[dict[str, Tensor]]:

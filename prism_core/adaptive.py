@@ -19,7 +19,7 @@ from torch import Tensor
 
 from prism_core.manifold import Point, Tangent, min_norm_lift, work_dtype
 
-__all__ = ["AdaptiveConfig", "AdaptiveState", "adaptive_direction", "init_state"]
+__all__ = ["AdaptiveConfig", "AdaptiveState", "adaptive_direction", "init_state", "realign_state"]
 
 
 @dataclass(frozen=True)
@@ -174,3 +174,25 @@ def adaptive_direction(
     if config.relift_direction:
         U_A, U_B = min_norm_lift(A, B, U_A, U_B)
     return Tangent(U_A, U_B), AdaptiveState(mA, mB, VA, VB, step)
+
+
+def realign_state(state: AdaptiveState, old: Point, new: Point) -> AdaptiveState:
+    """Carry one module's moments from factors ``old`` to nearby factors ``new``.
+
+    Moments live in factor coordinates; when the factors move (e.g. a site starts a round from
+    a new global point), the orthogonal gauge ``O`` that best aligns ``old`` to ``new``
+    (Procrustes: polar factor of ``old.A.T new.A + old.B.T new.B``) is applied as in
+    Prop. A.30: ``m -> m O``, ``V -> O.T V O``. Post-processing only; no privacy cost.
+    """
+    dtype = work_dtype(old.A, new.A, state.mA)
+    P, _, Qh = torch.linalg.svd(
+        old.A.to(dtype).mT @ new.A.to(dtype) + old.B.to(dtype).mT @ new.B.to(dtype)
+    )
+    O = P @ Qh
+    return AdaptiveState(
+        state.mA.to(dtype) @ O,
+        state.mB.to(dtype) @ O,
+        O.mT @ state.VA.to(dtype) @ O,
+        O.mT @ state.VB.to(dtype) @ O,
+        state.step,
+    )

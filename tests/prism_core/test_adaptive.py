@@ -94,3 +94,21 @@ def test_invalid_config_is_rejected():
         AdaptiveConfig(beta1=1.0)
     with pytest.raises(ValueError, match="floor_mode"):
         AdaptiveConfig(floor_mode="nope")  # type: ignore[arg-type]
+
+
+def test_realign_state_follows_an_orthogonal_gauge_change():
+    from prism_core.adaptive import realign_state
+
+    m, n, r = 12, 9, 3
+    A, B = random_point(m, n, r, 5)
+    R, _ = torch.linalg.qr(
+        torch.randn(r, r, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    )
+    state = init_state(A, B)
+    for upd in _updates(m, n, r, 3, 6):
+        _, state = adaptive_direction(
+            Point(A, B), upd, state, noise_std=0.1, config=AdaptiveConfig()
+        )
+    moved = realign_state(state, Point(A, B), Point(A @ R, B @ R))
+    torch.testing.assert_close(moved.mA, state.mA @ R, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(moved.VB, R.T @ state.VB @ R, rtol=1e-9, atol=1e-12)

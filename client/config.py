@@ -1,0 +1,158 @@
+"""Typed federation settings: the run config (``[tool.flwr.app.config]``) and a site's node config.
+
+Flower hands both over as flat dicts with kebab-case keys; they are validated here once, at the
+top of the ServerApp and the ClientApp. Unknown keys are an error listing the valid ones, and
+every error names the key, the value found and what is allowed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from client.errors import ConfigError
+
+__all__ = ["RunConfig", "SiteConfig", "parse_config", "site_method"]
+
+FedMethod = Literal["prism", "fedavg-factors", "ffa", "nondp"]
+MINILM = "minilm"
+
+
+class _Kebab(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+def _alias(name: str) -> str:
+    return name.replace("_", "-")
+
+
+class RunConfig(_Kebab):
+    """Everything the coordinator configures for a run (keys of ``[tool.flwr.app.config]``)."""
+
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, alias_generator=_alias, populate_by_name=True
+    )
+
+    model: str = Field(MINILM, description="HF model folder/name; 'minilm' = the bundled MiniLM")
+    task: Literal["seq-cls", "causal-lm"] = "seq-cls"
+    num_labels: int = Field(2, ge=2)
+    lora_rank: int = Field(8, ge=1)
+    lora_alpha: float = Field(16.0, gt=0)
+    lora_targets: str = Field("query,value", min_length=1, description="comma-separated names")
+    lora_init: Literal["auto", "spectral-residual", "orthonormal", "standard"] = "auto"
+    method: FedMethod = "prism"
+    num_rounds: int = Field(3, ge=1)
+    sites_per_round: int = Field(3, ge=1)
+    min_sites: int = Field(1, ge=1, description="fewest valid replies that update the model")
+    local_steps: int = Field(5, ge=1, description="tau: private steps per site per round")
+    batch_size: int = Field(32, ge=1, description="expected Poisson batch per local step")
+    micro_batch_size: int = Field(32, ge=1)
+    max_norm: float = Field(0.3, gt=0, description="clip C")
+    lr: float = Field(5e-3, gt=0, description="local learning rate")
+    server_lr: float = Field(1.0, gt=0, description="server step on the aggregated update")
+    noise_multiplier: float = Field(
+        -1.0, description="sigma; -1 = calibrate from target-epsilon over the planned steps"
+    )
+    target_epsilon: float = Field(3.0, gt=0, description="default per-site epsilon cap")
+    delta: float = Field(1e-5, gt=0, lt=1, description="default per-site delta")
+    data: str = Field("synthetic", description="'synthetic' or a JSONL/CSV file to partition")
+    partitioner: Literal["iid", "dirichlet"] = "iid"
+    dirichlet_alpha: float = Field(0.5, gt=0)
+    synthetic_examples: int = Field(240, ge=8, description="rows per site of the built-in task")
+    max_length: int = Field(64, ge=8)
+    seed: int = 0
+    secure_rng: bool = False
+    run_dir: str = Field("", description="output folder; '' = runs/<UTC timestamp>")
+    server_eval_data: str = Field(
+        "", description="held-out JSONL/CSV the coordinator owns; 'synthetic' for the built-in task"
+    )
+    report_train_loss: bool = Field(
+        False, description="NON-PRIVATE opt-in: sites send their un-noised mean training loss"
+    )
+    weight_by_examples: bool = Field(
+        False, description="weight sites by reported example counts (sites must share them)"
+    )
+    round_timeout: float = Field(3600.0, gt=0, description="seconds to wait for replies")
+
+    @model_validator(mode="after")
+    def _check(self) -> RunConfig:
+        if self.noise_multiplier < 0 and self.noise_multiplier != -1.0:
+            raise ValueError("noise-multiplier must be >= 0, or -1 to calibrate")
+        if self.min_sites > self.sites_per_round:
+            raise ValueError(
+                f"min-sites={self.min_sites} exceeds sites-per-round={self.sites_per_round}"
+            )
+        return self
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
+
+    @property
+    def init(self) -> str:
+        if self.lora_init != "auto":
+            return self.lora_init
+        return "spectral-residual" if self.method == "prism" else "standard"
+
+    @property
+    def planned_site_steps(self) -> int:
+        """Steps a site may run if chosen every round: sigma is calibrated for this."""
+        return self.num_rounds * self.local_steps
+
+
+class SiteConfig(_Kebab):
+    """A site's own settings (``--node-config`` of its SuperNode). The server cannot raise them."""
+
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, alias_generator=_alias, populate_by_name=True
+    )
+
+    site_id: str = Field("", description="stable site name; default site-<partition-id>")
+    data_path: str = Field("", description="the site's training file (deployment)")
+    epsilon_cap: float = Field(-1.0, description="the site's own epsilon cap; -1 = run default")
+    delta: float = Field(-1.0, description="the site's own delta; -1 = run default")
+    share_num_examples: bool = Field(False, description="report the shard size to the server")
+    state_dir: str = Field("", description="durable site-local privacy ledger and optimizer state")
+    partition_id: int = Field(-1, ge=-1, description="simulation: index of this site's partition")
+    num_partitions: int = Field(-1, ge=-1, description="simulation: number of partitions")
+
+    def cap(self, run: RunConfig) -> tuple[float, float]:
+        """(epsilon cap, delta): the site's own values when set, never looser than the run's."""
+        eps = (
+            run.target_epsilon
+            if self.epsilon_cap <= 0
+            else min(self.epsilon_cap, run.target_epsilon)
+        )
+        delta = run.delta if self.delta <= 0 else min(self.delta, run.delta)
+        return eps, delta
+
+    def name(self) -> str:
+        if self.site_id:
+            return self.site_id
+        if self.partition_id >= 0:
+            return f"site-{self.partition_id}"
+        raise ConfigError("node config needs site-id (deployment) or partition-id (simulation)")
+
+
+def parse_config(model: type[_Kebab], values: Mapping[str, Any], *, what: str) -> Any:
+    """Validate a kebab-case mapping into ``model``; errors name key, value and the rule."""
+    valid = sorted(_alias(name) for name in model.model_fields)
+    unknown = sorted(k for k in values if k not in valid)
+    if unknown:
+        raise ConfigError(f"unknown {what} key(s) {unknown}; valid keys: {valid}")
+    try:
+        return model.model_validate(dict(values))
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            key = ".".join(str(p) for p in err["loc"]) or "(config)"
+            value = values.get(key, err.get("input"))
+            lines.append(f"{what} {key}={value!r}: {err['msg']}")
+        raise ConfigError("; ".join(lines)) from exc
+
+
+def site_method(method: str) -> str:
+    """The local trainer method a federated method runs on each site."""
+    return {"prism": "prism", "fedavg-factors": "dp-adamw", "ffa": "ffa", "nondp": "nondp"}[method]

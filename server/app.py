@@ -1,0 +1,20 @@
+"""Flower ServerApp of the prism-fl coordinator (thin: validate config, run the federation)."""
+
+from __future__ import annotations
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+from client.config import RunConfig, parse_config
+from client.logs import setup_logging
+from server.federation import run_federation
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Validate the run config, then run every round (see ``server.federation``)."""
+    setup_logging()
+    run = parse_config(RunConfig, context.run_config, what="run config")
+    run_federation(grid, run)

@@ -1,0 +1,28 @@
+"""Exceptions raised by the ``server`` package. Each message says what was found and what to do."""
+
+from __future__ import annotations
+
+__all__ = ["ConfigError", "InvalidEventError", "LedgerError", "ReplyError", "ServerError"]
+
+
+class ServerError(Exception):
+    """Base class of every error raised by the ``server`` package."""
+
+
+class LedgerError(ServerError):
+    """The privacy ledger cannot be used: a missing, corrupt or foreign file, or a refused write.
+
+    The message names the file, what was found and what to do.
+    """
+
+
+class InvalidEventError(LedgerError, ValueError):
+    """A ledger event has a value out of range (e.g. ``q > 1``); nothing was written."""
+
+
+class ConfigError(ServerError, ValueError):
+    """A server setting is invalid or inconsistent."""
+
+
+class ReplyError(ServerError, ValueError):
+    """A site's reply is invalid (missing keys, wrong shapes, impossible accounting facts)."""

@@ -1,0 +1,131 @@
+"""The coordinator's run: set up the run folder, drive the strategy, write adapter and reports.
+
+Outputs in one run folder (default ``runs/<UTC timestamp>/``): ``run-config.json``,
+``ledger.sqlite`` (the privacy ledger), ``adapter/`` (peft format, loads on the original base
+model), ``report.json`` / ``report.csv`` / ``report.html`` (budget reports) and ``summary.json``
+(per-round outcomes and any server-side evaluation).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.serverapp import Grid
+
+from client.config import RunConfig, site_method
+from client.data import load_examples
+from client.evaluate import evaluate
+from client.exchange import head_named, load_arrays, to_arrays
+from client.export import export_adapter
+from client.model import LoadedModel, load_model
+from client.site import model_config
+from client.synthetic import synthetic_examples
+from server.ledger import Ledger
+from server.report import build_report, format_round_table, write_reports
+from server.strategy import PrismStrategy, RoundSummary
+
+__all__ = ["make_run_dir", "run_federation"]
+
+log = logging.getLogger(__name__)
+
+
+def make_run_dir(run: RunConfig) -> Path:
+    """The run folder: ``run-dir`` if set, else ``runs/<UTC timestamp>``."""
+    if run.run_dir:
+        path = Path(run.run_dir)
+    else:
+        stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+        path = Path("runs") / stamp
+    path.mkdir(parents=True, exist_ok=True)
+    return path.resolve()
+
+
+def _server_eval(run: RunConfig, loaded: LoadedModel) -> Any:
+    if not run.server_eval_data:
+        return None
+    if run.server_eval_data == "synthetic":  # a held-out draw of the built-in task
+        examples = synthetic_examples(200, seed=run.seed * 1000 + 999)
+    else:
+        examples = load_examples(run.server_eval_data, run.task)
+
+    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        load_arrays(loaded, arrays.to_torch_state_dict())
+        metrics = evaluate(loaded, examples, max_length=run.max_length)
+        log.info("round %d: server-side evaluation %s", server_round, metrics)
+        return MetricRecord({k: float(v) for k, v in metrics.items()})
+
+    return evaluate_fn
+
+
+def run_federation(grid: Grid, run: RunConfig) -> Path:
+    """Run the whole federation for ``run`` on ``grid``; return the run folder."""
+    run_dir = make_run_dir(run)
+    (run_dir / "run-config.json").write_text(json.dumps(run.model_dump(by_alias=True), indent=2))
+    loaded = load_model(model_config(run), method=site_method(run.method))
+    initial = to_arrays(loaded)
+    modules = [h.name for h in loaded.handles]
+    head = [name for name, _ in head_named(loaded)]
+    ledger = Ledger.open(run_dir / "ledger.sqlite")
+    run_id = run_dir.name
+    ledger.record_run(run_id, run.model_dump(by_alias=True))
+    strategy = PrismStrategy(
+        modules=modules,
+        head=head,
+        mode="tangent" if run.method == "prism" else "factor-average",
+        ledger=ledger,
+        run_id=run_id,
+        sites_per_round=run.sites_per_round,
+        min_sites=run.min_sites,
+        server_lr=run.server_lr,
+        local_steps=run.local_steps,
+        target_epsilon=run.target_epsilon,
+        delta=run.delta,
+        weight_by_examples=run.weight_by_examples,
+        seed=run.seed,
+    )
+
+    def on_round_end(server_round: int, arrays: ArrayRecord, summary: RoundSummary) -> None:
+        report = build_report(ledger, planned_steps_per_round=run.local_steps)
+        log.info(
+            "round %d: %d accepted, %d refused, %d rejected, applied=%s\n%s",
+            server_round,
+            len(summary.accepted),
+            len(summary.refused),
+            len(summary.rejected),
+            summary.applied,
+            format_round_table(report["sites"]),
+        )
+
+    result = strategy.start(
+        grid,
+        ArrayRecord(initial),
+        num_rounds=run.num_rounds,
+        timeout=run.round_timeout,
+        train_config=ConfigRecord({"run-dir": str(run_dir)}),
+        evaluate_fn=_server_eval(run, loaded),
+        on_round_end=on_round_end,
+    )
+    load_arrays(loaded, result.arrays.to_torch_state_dict())
+    adapter = export_adapter(loaded, run_dir / "adapter")
+    report_files = write_reports(
+        build_report(ledger, planned_steps_per_round=run.local_steps), run_dir
+    )
+    summary = {
+        "run-id": run_id,
+        "rounds": [vars(s) for s in strategy.summaries],
+        "server-eval": {r: dict(m) for r, m in result.evaluate_metrics_serverapp.items()},
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    ledger.close()
+    log.info("adapter: %s", adapter)
+    log.info("budget report: %s", report_files.get("html", run_dir / "report.html"))
+    print(f"prism-fl: adapter in {adapter}")
+    print(
+        f"prism-fl: budget report in {run_dir / 'report.html'} (ledger {run_dir / 'ledger.sqlite'})"
+    )
+    return run_dir

@@ -1,0 +1,785 @@
+"""The coordinator's durable, append-only privacy ledger (DESIGN.md §3, STYLE.md habit 2).
+
+One SQLite file holds every accounting fact the server configured and the sites reported: per
+site and round, the mechanism, neighbouring relation, sampling method, sigma, q, steps and delta
+(and the site's epsilon cap). Epsilon is never stored: ``Ledger.epsilon`` recomputes it from the
+site's whole history with ``prism_core.accounting`` (PRV, with the RDP cross-check) every time.
+
+File layout (schema version 1):
+
+- ``meta(key, value)``: ``application = "prism-fl-ledger"``, ``schema_version = "1"``,
+  ``created_at``; the SQLite header also carries ``application_id = LEDGER_APPLICATION_ID`` and
+  ``user_version = SCHEMA_VERSION``, so a foreign file is recognised from its first 100 bytes.
+- ``events``: one row per (run, round, site), append-only: TRIGGERs abort any UPDATE or DELETE.
+  ``UNIQUE (run_id, round, site_id)`` makes a replayed record impossible to count twice.
+- ``runs(run_id, started_at, config_json)``: one row per federated run, append-only too.
+
+Durability: WAL journal, ``synchronous = FULL`` (a committed append survives power loss), every
+write in one ``BEGIN IMMEDIATE`` transaction. A new ledger is built in a temporary file and
+linked into place, so a half-initialised ledger never appears under the real name.
+
+The triggers guard against accidents (a stray ``DELETE``), not against someone with write access
+to the file, who can drop them; the trust model is in the README.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import sqlite3
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, fields
+from datetime import UTC, datetime
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Final, Self
+
+from prism_core.accounting import EpsilonReport, PrivacyEvent, epsilon, epsilon_report
+from prism_core.errors import AccountingError
+from prism_core.mechanism import ADJACENCY
+from server.errors import InvalidEventError, LedgerError
+
+__all__ = [
+    "APPLICATION",
+    "LEDGER_APPLICATION_ID",
+    "SCHEMA_VERSION",
+    "Ledger",
+    "LedgerEvent",
+    "RunRecord",
+    "epsilon_series",
+]
+
+log = logging.getLogger(__name__)
+
+APPLICATION: Final = "prism-fl-ledger"
+"""Value of ``meta.application`` in every prism-fl ledger."""
+SCHEMA_VERSION: Final = 1
+"""Schema version written by, and the only one read by, this module."""
+LEDGER_APPLICATION_ID: Final = 0x50524C47  # "PRLG"
+"""``PRAGMA application_id`` of a prism-fl ledger (bytes 68-71 of the SQLite header)."""
+
+SQLITE_MAGIC: Final = b"SQLite format 3\x00"
+HEADER_SIZE: Final = 100
+BUSY_TIMEOUT_S: Final = 30.0
+DEFAULT_MECHANISM: Final = "prism-tangent-gaussian"
+
+_SCHEMA: Final = f"""
+CREATE TABLE meta (
+    key TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+CREATE TABLE runs (
+    run_id TEXT PRIMARY KEY CHECK (length(run_id) > 0),
+    started_at TEXT NOT NULL,
+    config_json TEXT NOT NULL
+);
+CREATE TABLE events (
+    id INTEGER PRIMARY KEY,
+    run_id TEXT NOT NULL CHECK (length(run_id) > 0),
+    round INTEGER NOT NULL CHECK (round >= 0),
+    site_id TEXT NOT NULL CHECK (length(site_id) > 0),
+    mechanism TEXT NOT NULL CHECK (length(mechanism) > 0),
+    adjacency TEXT NOT NULL CHECK (length(adjacency) > 0),
+    sampling TEXT NOT NULL CHECK (length(sampling) > 0),
+    sigma REAL NOT NULL CHECK (sigma >= 0),
+    q REAL NOT NULL CHECK (q > 0 AND q <= 1),
+    steps INTEGER NOT NULL CHECK (steps >= 0),
+    delta REAL NOT NULL CHECK (delta > 0 AND delta < 1),
+    epsilon_cap REAL CHECK (epsilon_cap IS NULL OR epsilon_cap > 0),
+    recorded_at TEXT NOT NULL,
+    UNIQUE (run_id, round, site_id)
+);
+CREATE INDEX events_by_site ON events (site_id, id);
+CREATE TRIGGER events_no_update BEFORE UPDATE ON events
+BEGIN SELECT RAISE(ABORT, 'prism-fl ledger: events are append-only, UPDATE refused'); END;
+CREATE TRIGGER events_no_delete BEFORE DELETE ON events
+BEGIN SELECT RAISE(ABORT, 'prism-fl ledger: events are append-only, DELETE refused'); END;
+CREATE TRIGGER runs_no_update BEFORE UPDATE ON runs
+BEGIN SELECT RAISE(ABORT, 'prism-fl ledger: runs are append-only, UPDATE refused'); END;
+CREATE TRIGGER runs_no_delete BEFORE DELETE ON runs
+BEGIN SELECT RAISE(ABORT, 'prism-fl ledger: runs are append-only, DELETE refused'); END;
+CREATE TRIGGER meta_no_update BEFORE UPDATE ON meta
+BEGIN SELECT RAISE(ABORT, 'prism-fl ledger: meta is read-only, UPDATE refused'); END;
+CREATE TRIGGER meta_no_delete BEFORE DELETE ON meta
+BEGIN SELECT RAISE(ABORT, 'prism-fl ledger: meta is read-only, DELETE refused'); END;
+PRAGMA application_id = {LEDGER_APPLICATION_ID};
+PRAGMA user_version = {SCHEMA_VERSION};
+"""
+_TABLES: Final = frozenset({"meta", "runs", "events"})
+_TRIGGERS: Final = frozenset(
+    {
+        "events_no_update",
+        "events_no_delete",
+        "runs_no_update",
+        "runs_no_delete",
+        "meta_no_update",
+        "meta_no_delete",
+    }
+)
+_EVENT_COLUMNS: Final = (
+    "run_id",
+    "round",
+    "site_id",
+    "mechanism",
+    "adjacency",
+    "sampling",
+    "sigma",
+    "q",
+    "steps",
+    "delta",
+    "epsilon_cap",
+    "recorded_at",
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Records
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LedgerEvent:
+    """What one site ran in one round of one run: the facts the accountant needs.
+
+    Attributes:
+        run_id: the federated run.
+        round: server round, ``>= 0``.
+        site_id: the site, non-empty.
+        sigma: noise multiplier of every step, ``>= 0`` (0 means no privacy: epsilon is inf).
+        q: Poisson sampling rate, in ``(0, 1]``.
+        steps: local DP steps run this round, ``>= 0``.
+        delta: the site's delta, in ``(0, 1)``.
+        epsilon_cap: the site's epsilon budget, ``> 0``, or None for no cap.
+        mechanism: the mechanism that ran (``NoiseRecord.mechanism``).
+        adjacency: the neighbouring relation, ``"add-remove"`` for every mechanism here.
+        sampling: how batches were drawn; only ``"poisson"`` can be accounted.
+        recorded_at: UTC ISO-8601 time the ledger stored the event; set by the ledger (a value
+            given to ``Ledger.append`` is ignored).
+
+    Raises:
+        InvalidEventError: on construction, for a value out of its range.
+    """
+
+    run_id: str
+    round: int
+    site_id: str
+    sigma: float
+    q: float
+    steps: int
+    delta: float
+    epsilon_cap: float | None = None
+    mechanism: str = DEFAULT_MECHANISM
+    adjacency: str = ADJACENCY
+    sampling: str = "poisson"
+    recorded_at: str | None = None
+
+    def __post_init__(self) -> None:
+        _validate_event(self)
+
+    def privacy_event(self) -> PrivacyEvent:
+        """The accountant's view of this event."""
+        return PrivacyEvent(self.sigma, self.q, self.steps, self.sampling, self.adjacency)
+
+    def same_facts(self, other: LedgerEvent) -> bool:
+        """Equal in every field but ``recorded_at``."""
+        return all(
+            getattr(self, f.name) == getattr(other, f.name)
+            for f in fields(self)
+            if f.name != "recorded_at"
+        )
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One federated run: its id, when it was recorded and its configuration."""
+
+    run_id: str
+    started_at: str
+    config: dict[str, Any]
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and not math.isnan(x)
+
+
+def _validate_event(e: LedgerEvent) -> None:
+    """Raise InvalidEventError naming every out-of-range field of ``e``."""
+    problems = []
+    for name in ("run_id", "site_id", "mechanism", "adjacency", "sampling"):
+        value = getattr(e, name)
+        if not isinstance(value, str) or not value.strip():
+            problems.append(f"{name}={value!r} must be a non-empty string")
+    if not (_is_int(e.round) and e.round >= 0):
+        problems.append(f"round={e.round!r} must be an integer >= 0")
+    if not (_is_real(e.sigma) and 0 <= e.sigma < math.inf):
+        problems.append(f"sigma={e.sigma!r} must be a finite number >= 0")
+    if not (_is_real(e.q) and 0 < e.q <= 1):
+        problems.append(f"q={e.q!r} must be in (0, 1]")
+    if not (_is_int(e.steps) and e.steps >= 0):
+        problems.append(f"steps={e.steps!r} must be an integer >= 0")
+    if not (_is_real(e.delta) and 0 < e.delta < 1):
+        problems.append(f"delta={e.delta!r} must be in (0, 1)")
+    if e.epsilon_cap is not None and not (_is_real(e.epsilon_cap) and 0 < e.epsilon_cap < math.inf):
+        problems.append(f"epsilon_cap={e.epsilon_cap!r} must be a finite number > 0 or None")
+    if problems:
+        who = f"site {e.site_id!r}, run {e.run_id!r}, round {e.round!r}"
+        raise InvalidEventError(f"invalid ledger event ({who}): " + "; ".join(problems))
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="microseconds")
+
+
+def _event_from_row(row: Sequence[Any]) -> LedgerEvent:
+    values = dict(zip(_EVENT_COLUMNS, row, strict=True))
+    return LedgerEvent(
+        run_id=values["run_id"],
+        round=int(values["round"]),
+        site_id=values["site_id"],
+        sigma=float(values["sigma"]),
+        q=float(values["q"]),
+        steps=int(values["steps"]),
+        delta=float(values["delta"]),
+        epsilon_cap=None if values["epsilon_cap"] is None else float(values["epsilon_cap"]),
+        mechanism=values["mechanism"],
+        adjacency=values["adjacency"],
+        sampling=values["sampling"],
+        recorded_at=values["recorded_at"],
+    )
+
+
+def epsilon_series(events: Sequence[LedgerEvent], delta: float) -> list[tuple[int, float]]:
+    """``(round, PRV epsilon of events[: i + 1])`` for each event ``i`` that ran steps > 0.
+
+    The events are composed in the given order (one site's history, in ledger order).
+    """
+    out: list[tuple[int, float]] = []
+    history: list[PrivacyEvent] = []
+    for e in events:
+        history.append(e.privacy_event())
+        if e.steps > 0:
+            out.append((e.round, epsilon(history, delta)))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Opening: validate read-only, never touch a file that is not a ledger
+# --------------------------------------------------------------------------------------------
+
+
+def _check_header(path: Path) -> None:
+    """Refuse, from its first bytes alone, a file that is not a prism-fl ledger."""
+    try:
+        with path.open("rb") as f:
+            header = f.read(HEADER_SIZE)
+        size = path.stat().st_size
+    except OSError as exc:
+        raise LedgerError(f"ledger {path}: cannot read it ({exc}).") from exc
+    if size == 0:
+        raise LedgerError(
+            f"ledger {path}: the file is empty (0 bytes), not a prism-fl ledger. Point to the "
+            "real ledger, or delete the empty file to start a new one."
+        )
+    if not header.startswith(SQLITE_MAGIC):
+        raise LedgerError(
+            f"ledger {path}: not an SQLite database (first bytes {header[:16]!r}), so not a "
+            "prism-fl ledger. Check the path; the file was not modified."
+        )
+    if len(header) < HEADER_SIZE:
+        raise LedgerError(
+            f"ledger {path}: truncated SQLite file ({size} bytes, shorter than its 100-byte "
+            "header). Restore the ledger from a backup; the file was not modified."
+        )
+    app_id = int.from_bytes(header[68:72], "big")
+    if app_id != LEDGER_APPLICATION_ID:
+        raise LedgerError(
+            f"ledger {path}: an SQLite database with application_id {app_id:#x} and tables "
+            f"{_table_names(path)}, not a prism-fl ledger (application_id "
+            f"{LEDGER_APPLICATION_ID:#x}). Check the path; the file was not modified."
+        )
+    page_size = int.from_bytes(header[16:18], "big")
+    page_size = 65536 if page_size == 1 else page_size
+    if page_size < 512 or size % page_size:
+        raise LedgerError(
+            f"ledger {path}: truncated or corrupt ({size} bytes is not a whole number of "
+            f"{page_size}-byte pages). Restore the ledger from a backup; the file was not modified."
+        )
+
+
+def _table_names(path: Path) -> list[str] | str:
+    """Tables of a foreign SQLite file, read without locks or side files (for messages only)."""
+    try:
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro&immutable=1", uri=True)
+        try:
+            rows = conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall()
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        return f"(unreadable: {exc})"
+    return sorted(str(r[0]) for r in rows)
+
+
+def _validate_ledger(conn: sqlite3.Connection, path: Path) -> None:
+    """Check integrity, meta, tables and triggers of an open ledger; raise LedgerError if wrong."""
+    try:
+        check = [str(r[0]) for r in conn.execute("PRAGMA quick_check").fetchall()]
+        objects = conn.execute("SELECT type, name FROM sqlite_master").fetchall()
+        tables = {str(n) for t, n in objects if t == "table"}
+        triggers = {str(n) for t, n in objects if t == "trigger"}
+        meta: dict[str, str] = {}
+        if "meta" in tables:
+            meta = {str(k): str(v) for k, v in conn.execute("SELECT key, value FROM meta")}
+    except sqlite3.DatabaseError as exc:
+        raise LedgerError(
+            f"ledger {path}: corrupt SQLite file ({exc}). Restore it from a backup; the file "
+            "was not modified."
+        ) from exc
+    if check != ["ok"]:
+        raise LedgerError(
+            f"ledger {path}: integrity check failed ({'; '.join(check[:3])}). Restore it from a "
+            "backup; the file was not modified."
+        )
+    if meta.get("application") != APPLICATION:
+        raise LedgerError(
+            f"ledger {path}: meta.application is {meta.get('application')!r} (tables "
+            f"{sorted(tables)}), expected {APPLICATION!r}; not a prism-fl ledger."
+        )
+    version = meta.get("schema_version")
+    if version != str(SCHEMA_VERSION):
+        raise LedgerError(
+            f"ledger {path}: schema version {version!r}, this prism-fl reads version "
+            f"{SCHEMA_VERSION}. Use the prism-fl release that wrote it."
+        )
+    missing = sorted((_TABLES - tables) | (_TRIGGERS - triggers))
+    if missing:
+        raise LedgerError(
+            f"ledger {path}: tables or append-only triggers missing: {missing}. The ledger was "
+            "altered outside prism-fl; restore it from a backup."
+        )
+
+
+def _create(path: Path) -> None:
+    """Build an empty ledger in a temporary file and link it to ``path`` (no clobbering)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        conn = sqlite3.connect(tmp, isolation_level=None)
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")
+            conn.execute("PRAGMA synchronous = FULL")
+            conn.execute("BEGIN IMMEDIATE")
+            for statement in _statements(_SCHEMA):
+                conn.execute(statement)
+            conn.executemany(
+                "INSERT INTO meta (key, value) VALUES (?, ?)",
+                [
+                    ("application", APPLICATION),
+                    ("schema_version", str(SCHEMA_VERSION)),
+                    ("created_at", _now()),
+                ],
+            )
+            conn.execute("COMMIT")
+        finally:
+            conn.close()
+        with tmp.open("rb") as f:
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)  # atomic; fails if another process created the ledger meanwhile
+        except FileExistsError:
+            log.info("ledger %s was created concurrently; using that one", path)
+        _fsync_dir(path.parent)
+    except (OSError, sqlite3.Error) as exc:
+        raise LedgerError(f"ledger {path}: cannot create it ({exc}).") from exc
+    finally:
+        for p in (tmp, Path(f"{tmp}-wal"), Path(f"{tmp}-shm")):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+
+
+def _statements(script: str) -> list[str]:
+    """Split the schema into statements (triggers contain ``;`` inside BEGIN ... END)."""
+    out: list[str] = []
+    buf = ""
+    for line in script.strip().splitlines():
+        buf += line + "\n"
+        if sqlite3.complete_statement(buf):
+            out.append(buf.strip())
+            buf = ""
+    return out
+
+
+def _fsync_dir(directory: Path) -> None:
+    with contextlib.suppress(OSError):  # not supported everywhere (e.g. some network FS)
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+# --------------------------------------------------------------------------------------------
+# The ledger
+# --------------------------------------------------------------------------------------------
+
+
+class Ledger:
+    """Append-only per-site privacy ledger over one SQLite file. Open it with ``Ledger.open``.
+
+    Thread-safe (one connection behind a lock). Use as a context manager or call ``close``.
+    """
+
+    def __init__(self, conn: sqlite3.Connection, path: Path, *, read_only: bool) -> None:
+        self._conn = conn
+        self._path = path
+        self._read_only = read_only
+        self._lock = threading.RLock()
+        self._closed = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    @classmethod
+    def open(
+        cls, path: str | os.PathLike[str], *, create: bool = True, read_only: bool = False
+    ) -> Self:
+        """Open the ledger at ``path``, creating an empty one if it is missing and ``create``.
+
+        An existing file is first checked without writing anything: its SQLite header (the
+        ``application_id``), then, on a read-only connection, its integrity, ``meta`` table,
+        schema version, tables and triggers. Only a file that passes is opened for writing.
+
+        Args:
+            path: the ledger file.
+            create: create a new ledger if ``path`` does not exist.
+            read_only: open without write access (for reports); appends raise LedgerError.
+                SQLite may leave ``-wal``/``-shm`` files beside the ledger: it needs them to
+                read a WAL database while a server may be writing it.
+
+        Raises:
+            LedgerError: missing file with ``create=False`` (or ``read_only``); an empty,
+                truncated, corrupt or foreign file (it is left byte-for-byte unchanged); a
+                ledger of another schema version.
+        """
+        p = Path(path)
+        if not p.exists():
+            if not create or read_only:
+                raise LedgerError(
+                    f"ledger {p}: no such file. Check the path, or let the server create it."
+                )
+            _create(p)
+        elif p.is_dir():
+            raise LedgerError(f"ledger {p}: is a directory, expected a prism-fl ledger file.")
+        _check_header(p)
+        # Without a WAL file every committed page is in the main file and nothing is being
+        # written, so read it as immutable: no locks and no -wal/-shm files left beside a
+        # rejected file. With one, a read-only connection reads the WAL too.
+        wal = Path(f"{p}-wal")
+        mode = "ro" if wal.exists() and wal.stat().st_size > 0 else "ro&immutable=1"
+        try:
+            ro = sqlite3.connect(f"{p.resolve().as_uri()}?mode={mode}", uri=True)
+        except sqlite3.Error as exc:
+            raise LedgerError(f"ledger {p}: cannot open it read-only ({exc}).") from exc
+        try:
+            _validate_ledger(ro, p)
+        finally:
+            ro.close()
+        if read_only:
+            conn = sqlite3.connect(
+                f"{p.resolve().as_uri()}?mode=ro",
+                uri=True,
+                isolation_level=None,
+                check_same_thread=False,
+                timeout=BUSY_TIMEOUT_S,
+            )
+        else:
+            conn = sqlite3.connect(
+                p, isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_S
+            )
+            try:
+                mode = str(conn.execute("PRAGMA journal_mode = WAL").fetchone()[0])
+                conn.execute("PRAGMA synchronous = FULL")
+            except sqlite3.Error as exc:
+                conn.close()
+                raise LedgerError(f"ledger {p}: cannot open it for writing ({exc}).") from exc
+            if mode.lower() != "wal":
+                log.warning("ledger %s: WAL journal unavailable, using %s", p, mode)
+        return cls(conn, p, read_only=read_only)
+
+    @property
+    def path(self) -> Path:
+        """The ledger file."""
+        return self._path
+
+    def close(self) -> None:
+        """Close the connection (checkpoints the WAL into the file). Idempotent."""
+        with self._lock:
+            if not self._closed:
+                self._conn.close()
+                self._closed = True
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- writing -----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction: committed on success, rolled back on any exception."""
+        with self._lock:
+            if self._closed:
+                raise LedgerError(f"ledger {self._path}: closed.")
+            if self._read_only:
+                raise LedgerError(f"ledger {self._path}: opened read-only, write refused.")
+            try:
+                self._conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as exc:
+                raise LedgerError(f"ledger {self._path}: cannot start a write ({exc}).") from exc
+            try:
+                yield self._conn
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            try:
+                self._conn.execute("COMMIT")
+            except sqlite3.Error as exc:
+                with contextlib.suppress(sqlite3.Error):
+                    self._conn.execute("ROLLBACK")
+                raise LedgerError(f"ledger {self._path}: commit failed ({exc}).") from exc
+
+    def _insert(self, conn: sqlite3.Connection, event: LedgerEvent) -> bool:
+        if not isinstance(event, LedgerEvent):
+            raise InvalidEventError(f"expected a LedgerEvent, found {type(event).__name__}")
+        _validate_event(event)  # again: a frozen dataclass can still be altered by force
+        row = {c: getattr(event, c) for c in _EVENT_COLUMNS}
+        row["recorded_at"] = _now()
+        names = ", ".join(_EVENT_COLUMNS)
+        marks = ", ".join(f":{c}" for c in _EVENT_COLUMNS)
+        try:
+            cur = conn.execute(
+                f"INSERT INTO events ({names}) VALUES ({marks}) "
+                "ON CONFLICT (run_id, round, site_id) DO NOTHING",
+                row,
+            )
+        except sqlite3.IntegrityError as exc:
+            raise InvalidEventError(f"ledger {self._path}: event refused ({exc}).") from exc
+        if cur.rowcount == 1:
+            return True
+        existing = _event_from_row(
+            conn.execute(
+                f"SELECT {names} FROM events WHERE run_id = ? AND round = ? AND site_id = ?",
+                (event.run_id, event.round, event.site_id),
+            ).fetchone()
+        )
+        if existing.same_facts(event):
+            log.info(
+                "ledger: duplicate record of site %s, run %s, round %d ignored",
+                event.site_id,
+                event.run_id,
+                event.round,
+            )
+            return False
+        raise LedgerError(
+            f"ledger {self._path}: site {event.site_id!r} already has a different record for run "
+            f"{event.run_id!r}, round {event.round} (stored {existing}, new {event}). The stored "
+            "record is kept; a site runs at most once per round. Investigate the site's replies."
+        )
+
+    def append(self, event: LedgerEvent) -> bool:
+        """Durably record one event.
+
+        Duplicates: ``(run_id, round, site_id)`` is unique. Re-recording an identical event (a
+        replayed or re-delivered reply) is a no-op that returns False, so it is never counted
+        twice. A *different* event under the same key raises LedgerError and keeps the stored one.
+
+        Returns:
+            True if the event was written, False if an identical one was already there.
+
+        Raises:
+            InvalidEventError: a value out of range (nothing written).
+            LedgerError: a conflicting record for the same key, or a read-only/closed ledger.
+        """
+        with self._write() as conn:
+            return self._insert(conn, event)
+
+    def append_many(self, events: Iterable[LedgerEvent]) -> int:
+        """Record several events in ONE transaction: all are written or none.
+
+        Identical duplicates (of stored events or within the batch) are skipped as in ``append``;
+        an invalid or conflicting event aborts the whole batch.
+
+        Returns:
+            The number of events written.
+        """
+        batch = list(events)
+        with self._write() as conn:
+            return sum(self._insert(conn, e) for e in batch)
+
+    def record_run(self, run_id: str, config: Mapping[str, Any]) -> bool:
+        """Record a federated run and its configuration (JSON).
+
+        Returns:
+            True if recorded, False if the run was already recorded with the same config.
+
+        Raises:
+            InvalidEventError: empty ``run_id`` or a config that is not JSON-serialisable.
+            LedgerError: the run was already recorded with a different config (use a new id).
+        """
+        if not isinstance(run_id, str) or not run_id.strip():
+            raise InvalidEventError(f"run_id={run_id!r} must be a non-empty string")
+        try:
+            config_json = json.dumps(dict(config), sort_keys=True, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise InvalidEventError(
+                f"config of run {run_id!r} is not JSON-serialisable ({exc})"
+            ) from exc
+        with self._write() as conn:
+            cur = conn.execute(
+                "INSERT INTO runs (run_id, started_at, config_json) VALUES (?, ?, ?) "
+                "ON CONFLICT (run_id) DO NOTHING",
+                (run_id, _now(), config_json),
+            )
+            if cur.rowcount == 1:
+                return True
+            (stored,) = conn.execute(
+                "SELECT config_json FROM runs WHERE run_id = ?", (run_id,)
+            ).fetchone()
+            if stored == config_json:
+                return False
+            raise LedgerError(
+                f"ledger {self._path}: run {run_id!r} is already recorded with another config. "
+                "Start a new run id for a new configuration."
+            )
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def _query(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+        with self._lock:
+            if self._closed:
+                raise LedgerError(f"ledger {self._path}: closed.")
+            try:
+                return self._conn.execute(sql, params).fetchall()
+            except sqlite3.DatabaseError as exc:
+                raise LedgerError(f"ledger {self._path}: read failed ({exc}).") from exc
+
+    def events(self, site_id: str | None = None, run_id: str | None = None) -> list[LedgerEvent]:
+        """Recorded events, optionally of one site and/or run, in insertion order."""
+        where: list[str] = []
+        params: list[Any] = []
+        if site_id is not None:
+            where.append("site_id = ?")
+            params.append(site_id)
+        if run_id is not None:
+            where.append("run_id = ?")
+            params.append(run_id)
+        clause = f" WHERE {' AND '.join(where)}" if where else ""
+        rows = self._query(
+            f"SELECT {', '.join(_EVENT_COLUMNS)} FROM events{clause} ORDER BY id", params
+        )
+        return [_event_from_row(r) for r in rows]
+
+    def sites(self) -> list[str]:
+        """Sites with at least one event, in order of their first event."""
+        rows = self._query("SELECT site_id FROM events GROUP BY site_id ORDER BY min(id)")
+        return [str(r[0]) for r in rows]
+
+    def runs(self) -> list[RunRecord]:
+        """Runs recorded with ``record_run``, in order."""
+        rows = self._query("SELECT run_id, started_at, config_json FROM runs ORDER BY rowid")
+        return [RunRecord(str(r), str(s), json.loads(c)) for r, s, c in rows]
+
+    def run_ids(self) -> list[str]:
+        """Ids of recorded runs and of runs that have events, in order of first appearance."""
+        ids = [r.run_id for r in self.runs()]
+        rows = self._query("SELECT run_id FROM events GROUP BY run_id ORDER BY min(id)")
+        ids += [str(r[0]) for r in rows if str(r[0]) not in ids]
+        return ids
+
+    # -- accounting --------------------------------------------------------------------------
+
+    def site_delta(self, site_id: str) -> float:
+        """The delta a site is accounted at: the smallest delta among its events.
+
+        Raises:
+            LedgerError: the site has no events.
+        """
+        rows = self._query("SELECT min(delta) FROM events WHERE site_id = ?", (site_id,))
+        if rows[0][0] is None:
+            raise LedgerError(f"ledger {self._path}: no events of site {site_id!r}.")
+        return float(rows[0][0])
+
+    def epsilon(self, site_id: str, *, delta: float | None = None) -> EpsilonReport:
+        """Epsilon spent by one site, recomputed from all its events (PRV, RDP cross-check).
+
+        Composes every event of the site (all runs) with ``prism_core.accounting.epsilon_report``.
+        Nothing is stored or summed. If the site's events carry different deltas and ``delta``
+        is not given, the SMALLEST delta is used (the strictest: the largest epsilon); the
+        report's ``delta`` says which.
+
+        Raises:
+            LedgerError: the site has no events and no ``delta`` was given.
+            prism_core.errors.AccountingError: an event that cannot be accounted (non-Poisson
+                sampling or another adjacency).
+        """
+        history = [e.privacy_event() for e in self.events(site_id=site_id)]
+        d = self.site_delta(site_id) if delta is None and history else delta
+        if d is None:
+            raise LedgerError(
+                f"ledger {self._path}: no events of site {site_id!r}; pass delta to get 0."
+            )
+        return epsilon_report(history, d)
+
+    def epsilon_by_round(
+        self, site_id: str, *, delta: float | None = None
+    ) -> list[tuple[int, float]]:
+        """PRV epsilon of a site after each round it took part in (ran steps > 0), in order.
+
+        Each value composes the site's whole history up to and including that round (all runs,
+        in insertion order); ``delta`` defaults to the site's smallest delta as in ``epsilon``.
+        With several runs the round numbers restart; the list stays in ledger order.
+        """
+        events = self.events(site_id=site_id)
+        if not events:
+            return []
+        return epsilon_series(events, min(e.delta for e in events) if delta is None else delta)
+
+    def can_run(
+        self,
+        site_id: str,
+        *,
+        sigma: float,
+        q: float,
+        steps: int,
+        epsilon_cap: float,
+        delta: float,
+    ) -> bool:
+        """Would one more round of ``steps`` steps at (sigma, q) keep the site within its cap?
+
+        Composes the site's whole history plus the new steps with the PRV accountant at
+        ``delta`` and compares with ``epsilon_cap``. A history that cannot be accounted (e.g.
+        non-Poisson sampling) answers False, with a warning: its privacy loss is unknown.
+
+        Raises:
+            prism_core.errors.PrivacyParameterError: sigma, q, steps or delta out of range.
+        """
+        new = PrivacyEvent(sigma, q, steps)
+        history = [e.privacy_event() for e in self.events(site_id=site_id)]
+        try:
+            return epsilon([*history, new], delta) <= epsilon_cap
+        except AccountingError as exc:
+            log.warning("ledger: site %s cannot be accounted (%s); not selected", site_id, exc)
+            return False

@@ -1,0 +1,97 @@
+"""A federated site's round: its own cap, its durable ledger, and what leaves it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from client.config import RunConfig, SiteConfig, parse_config
+from client.errors import ConfigError
+from client.exchange import to_arrays
+from client.protocol import ACCOUNTING_KEYS, HEAD_PREFIX, STATUS_OK, STATUS_REFUSED
+from client.site import Site
+from prism_core.accounting import PrivacyEvent, epsilon
+
+
+def _run(tiny_bert, **overrides):
+    values = {
+        "model": tiny_bert,
+        "lora-rank": 4,
+        "local-steps": 2,
+        "batch-size": 16,
+        "micro-batch-size": 8,
+        "synthetic-examples": 64,
+        "max-length": 24,
+        "noise-multiplier": 1.0,
+        "target-epsilon": 50.0,
+    }
+    values.update(overrides)
+    return parse_config(RunConfig, values, what="run config")
+
+
+def _site(tiny_bert, tmp_path, run=None, **node):
+    run = run or _run(tiny_bert)
+    config = parse_config(
+        SiteConfig, {"partition-id": 0, "num-partitions": 3, **node}, what="node config"
+    )
+    return Site(run, config, tmp_path / "state")
+
+
+def test_default_reply_carries_only_dp_update_and_accounting_facts(tiny_bert, tmp_path):
+    site = _site(tiny_bert, tmp_path)
+    reply = site.train_round(1, to_arrays(site.loaded))
+    assert reply.accounting["status"] == STATUS_OK
+    assert set(reply.accounting) <= set(ACCOUNTING_KEYS)
+    assert "num-examples" not in reply.accounting  # not shared unless the site allows it
+    assert reply.nonprivate == {}
+    modules = {h.name for h in site.loaded.handles}
+    for name in reply.arrays:
+        if name.startswith(HEAD_PREFIX):
+            continue
+        module, part = name.rsplit("/", 1)
+        assert module in modules and part in ("dA", "dB")
+    assert all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in reply.arrays.values())
+
+
+def test_nonprivate_metrics_only_on_opt_in_and_labelled(tiny_bert, tmp_path):
+    run = _run(tiny_bert, **{"report-train-loss": True})
+    site = _site(tiny_bert, tmp_path, run=run, **{"share-num-examples": True})
+    reply = site.train_round(1, to_arrays(site.loaded))
+    assert list(reply.nonprivate) == ["nonprivate-train-loss"]
+    assert reply.accounting["num-examples"] == 64
+
+
+def test_site_refuses_past_its_own_cap_even_if_asked(tiny_bert, tmp_path):
+    run = _run(tiny_bert)
+    one_round = epsilon([PrivacyEvent(1.0, 16 / 64, 2)], 1e-5)
+    site = _site(tiny_bert, tmp_path, run=run, **{"epsilon-cap": one_round * 1.2})
+    first = site.train_round(1, to_arrays(site.loaded))
+    second = site.train_round(2, to_arrays(site.loaded))  # the server ignored the cap
+    assert first.accounting["status"] == STATUS_OK
+    assert second.accounting["status"] == STATUS_REFUSED and second.arrays == {}
+    assert "exceed this site's cap" in second.accounting["reason"]
+    assert [e.steps for e in site.ledger.entries()] == [2]
+    assert site.ledger.epsilon(1e-5) == pytest.approx(one_round)
+
+
+def test_site_cap_can_only_be_lowered_and_a_restart_remembers_spent_budget(tiny_bert, tmp_path):
+    run = _run(tiny_bert)
+    high = parse_config(
+        SiteConfig, {"partition-id": 0, "num-partitions": 3, "epsilon-cap": 500.0}, what="n"
+    )
+    assert high.cap(run) == (50.0, 1e-5)  # the site cannot be given more than the run allows
+    site = _site(tiny_bert, tmp_path, run=run)
+    site.train_round(1, to_arrays(site.loaded))
+    restarted = _site(tiny_bert, tmp_path, run=run)
+    spent = site.ledger.epsilon(1e-5)
+    assert spent > 0
+    assert restarted.ledger.epsilon(1e-5) == pytest.approx(spent)
+
+
+def test_bad_run_and_node_configs_name_the_key():
+    with pytest.raises(ConfigError, match=r"unknown run config key\(s\) \['lora-rnak'\]"):
+        parse_config(RunConfig, {"lora-rnak": 4}, what="run config")
+    with pytest.raises(ConfigError, match="run config local-steps=0"):
+        parse_config(RunConfig, {"local-steps": 0}, what="run config")
+    with pytest.raises(ConfigError, match="min-sites=5 exceeds sites-per-round=3"):
+        parse_config(RunConfig, {"min-sites": 5}, what="run config")

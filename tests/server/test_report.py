@@ -1,0 +1,214 @@
+"""Budget reports (JSON, CSV, HTML) and the ``prism-fl report`` command."""
+
+from __future__ import annotations
+
+import base64
+import csv
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from prism_core.accounting import PrivacyEvent, epsilon
+from server.cli import main
+from server.ledger import Ledger, LedgerEvent
+from server.report import build_report, format_round_table, projected_rounds_left, write_reports
+
+DELTA = 1e-5
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def ev(rnd: int, site: str, **kw: object) -> LedgerEvent:
+    args: dict[str, object] = dict(
+        run_id="run-1", round=rnd, site_id=site, sigma=1.0, q=0.01, steps=20, delta=DELTA
+    )
+    args.update(kw)
+    return LedgerEvent(**args)  # type: ignore[arg-type]
+
+
+def brute_force_rounds(history: list[PrivacyEvent], *, steps: int, cap: float) -> int:
+    """Count further rounds one at a time until the next would pass the cap."""
+    k = 0
+    while epsilon([*history, PrivacyEvent(1.0, 0.01, (k + 1) * steps)], DELTA) <= cap:
+        k += 1
+    return k
+
+
+# eps of (sigma=1, q=0.01) after 20 * k steps, used to place caps between whole rounds
+def eps_after(rounds: int, steps: int = 20) -> float:
+    return epsilon([PrivacyEvent(1.0, 0.01, rounds * steps)], DELTA)
+
+
+@pytest.fixture(scope="module")
+def ledger_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Three sites: 'a' with room for 3 more rounds, 'b' exhausted, 'c' uncapped and changing
+    sigma, 'z' noiseless (epsilon inf)."""
+    path = tmp_path_factory.mktemp("ledger") / "ledger.sqlite"
+    cap_a = (eps_after(5) + eps_after(6)) / 2  # 2 rounds done, 3 more fit, the 4th does not
+    with Ledger.open(path) as led:
+        led.record_run("run-1", {"rounds": 2})
+        for r in range(2):
+            led.append_many(
+                [
+                    ev(r, "a", epsilon_cap=cap_a),
+                    ev(r, "b", epsilon_cap=eps_after(2) - 0.01),
+                    ev(r, "c", sigma=1.0 + r),
+                ]
+            )
+        led.append(ev(0, "z", sigma=0.0, epsilon_cap=1.0))
+    return path
+
+
+@pytest.fixture(scope="module")
+def report(ledger_path: Path) -> dict[str, object]:
+    with Ledger.open(ledger_path, read_only=True) as led:
+        return build_report(led)
+
+
+def rows(report: dict[str, object]) -> dict[str, dict[str, object]]:
+    return {r["site_id"]: r for r in report["sites"]}  # type: ignore[attr-defined, index]
+
+
+def test_report_numbers_match_the_ledger(ledger_path: Path, report: dict[str, object]) -> None:
+    by_site = rows(report)
+    assert list(by_site) == ["a", "b", "c", "z"]
+    with Ledger.open(ledger_path, read_only=True) as led:
+        for site in ("a", "b", "c"):
+            eps = led.epsilon(site)
+            assert by_site[site]["epsilon"] == pytest.approx(eps.prv, rel=1e-12)
+            assert by_site[site]["epsilon_rdp"] == pytest.approx(eps.rdp, rel=1e-12)
+            series = report["series"][site]  # type: ignore[index]
+            assert [(p["round"], p["epsilon"]) for p in series] == led.epsilon_by_round(site)
+    a, b, c, z = (by_site[s] for s in "abcz")
+    assert (a["rounds"], a["steps"], a["sigma"], a["q"], a["delta"]) == (2, 40, 1.0, 0.01, DELTA)
+    assert (a["status"], b["status"], c["status"], z["status"]) == (
+        "active",
+        "exhausted",
+        "active",
+        "exhausted",
+    )
+    assert c["sigma"] == 2.0 and c["sigma_values"] == [1.0, 2.0] and c["q_values"] == [0.01]
+    assert c["epsilon_cap"] is None and c["projected_rounds_left"] is None
+    assert b["projected_rounds_left"] == 0
+    assert z["epsilon"] == math.inf and z["projected_rounds_left"] == 0
+    assert report["run_ids"] == ["run-1"]
+    assert report["accountant"]["epsilon"] == "prv"  # type: ignore[index]
+    assert report["accountant"]["cross_check"] == "rdp"  # type: ignore[index]
+
+
+def test_projected_rounds_left_matches_brute_force(report: dict[str, object]) -> None:
+    history = [PrivacyEvent(1.0, 0.01, 40)]
+    cap = rows(report)["a"]["epsilon_cap"]
+    assert isinstance(cap, float)
+    expected = brute_force_rounds(history, steps=20, cap=cap)
+    assert expected == 3  # by construction of the cap
+    assert rows(report)["a"]["projected_rounds_left"] == expected
+    # a different round size: 50 steps per round
+    got, capped = projected_rounds_left(
+        history, sigma=1.0, q=0.01, steps_per_round=50, epsilon_cap=cap, delta=DELTA
+    )
+    assert (got, capped) == (brute_force_rounds(history, steps=50, cap=cap), False)
+    # past the horizon the count stops and says so
+    got, capped = projected_rounds_left(
+        history, sigma=1.0, q=0.01, steps_per_round=20, epsilon_cap=cap, delta=DELTA,
+        horizon_rounds=2,
+    )  # fmt: skip
+    assert (got, capped) == (2, True)
+
+
+def test_planned_steps_per_round(ledger_path: Path) -> None:
+    with Ledger.open(ledger_path, read_only=True) as led:
+        planned = rows(build_report(led, planned_steps_per_round=30))["a"]
+    cap = planned["epsilon_cap"]
+    assert isinstance(cap, float)
+    assert planned["steps_per_round"] == 30
+    assert planned["projected_rounds_left"] == brute_force_rounds(
+        [PrivacyEvent(1.0, 0.01, 40)], steps=30, cap=cap
+    )
+
+
+def test_write_reports(tmp_path: Path, report: dict[str, object]) -> None:
+    paths = write_reports(report, tmp_path / "out")
+    assert {k: p.name for k, p in paths.items()} == {
+        "json": "report.json",
+        "csv": "report.csv",
+        "html": "report.html",
+    }
+    by_site = rows(report)
+
+    loaded = json.loads(paths["json"].read_text(), parse_constant=pytest.fail)
+    for row in loaded["sites"]:
+        want = by_site[row["site_id"]]["epsilon"]
+        assert row["epsilon"] == ("inf" if want == math.inf else want)
+    assert loaded["series"]["a"][-1]["epsilon"] == by_site["a"]["epsilon"]
+
+    with paths["csv"].open(newline="") as f:
+        table = list(csv.DictReader(f))
+    assert [r["site_id"] for r in table] == ["a", "b", "c", "z"]
+    for r in table[:3]:
+        assert float(r["epsilon"]) == by_site[r["site_id"]]["epsilon"]
+        assert r["status"] == by_site[r["site_id"]]["status"]
+    assert table[2]["sigma_values"] == "1.0;2.0" and table[2]["epsilon_cap"] == ""
+
+    page = paths["html"].read_text()
+    assert not re.search(r"https?://", page)
+    assert "<script" not in page and "<link" not in page
+    images = re.findall(r'<img [^>]*src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
+    assert len(images) == 1 and base64.b64decode(images[0]).startswith(PNG_MAGIC)
+    assert f"{by_site['a']['epsilon']:.3f}" in page and "exhausted" in page
+
+
+def test_format_round_table(report: dict[str, object]) -> None:
+    text = format_round_table(report["sites"])  # type: ignore[arg-type]
+    lines = text.splitlines()
+    assert lines[0].split() == ["site", "epsilon", "cap", "status"]
+    assert len(lines) == 5 and len({len(line.rstrip()) for line in lines[1:4]}) <= 2
+    a = rows(report)["a"]
+    assert lines[1].split() == ["a", f"{a['epsilon']:.3f}", f"{a['epsilon_cap']:.3f}", "active"]
+    assert lines[3].split()[2] == "-"  # no cap
+    assert lines[4].split()[1] == "inf"
+
+
+def test_cli_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ledger_path = tmp_path / "ledger.sqlite"
+    with Ledger.open(ledger_path) as led:
+        led.append_many([ev(0, "a"), ev(1, "a", steps=30)])
+        eps = led.epsilon("a").prv
+    before = ledger_path.read_bytes()
+    out = tmp_path / "reports"
+    assert main(["report", "--ledger", str(ledger_path), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    for name in ("report.json", "report.csv", "report.html"):
+        assert (out / name).is_file() and str(out / name) in printed
+    assert f"{eps:.3f}" in printed  # the round table
+    assert json.loads((out / "report.json").read_text())["sites"][0]["epsilon"] == eps
+    assert ledger_path.read_bytes() == before  # the report never writes the ledger
+
+
+@pytest.mark.parametrize("content", [b"not a ledger\n", b""])
+def test_cli_refuses_a_foreign_file(
+    tmp_path: Path, content: bytes, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "other.db"
+    path.write_bytes(content)
+    out = tmp_path / "reports"
+    assert main(["report", "--ledger", str(path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and "not a prism-fl ledger" in err
+    assert not out.exists() and path.read_bytes() == content
+
+
+def test_cli_missing_ledger_and_bad_arguments(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "missing.sqlite"
+    assert main(["report", "--ledger", str(missing), "--out", str(tmp_path)]) == 2
+    assert "no such file" in capsys.readouterr().err and not missing.exists()
+    with pytest.raises(SystemExit) as info:
+        main(["report", "--ledger", "x", "--out", "y", "--planned-steps-per-round", "0"])
+    assert info.value.code == 2
+    with pytest.raises(SystemExit) as info:
+        main([])
+    assert info.value.code == 2

@@ -1,0 +1,181 @@
+"""Coordinator strategy: exact tangent aggregation, FedAvg-of-factors error, reply validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_point
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+from server.ledger import Ledger
+
+from client.protocol import ACCOUNTING, UPDATE, key
+from prism_core.manifold import project_dense, retract, tangent_displacement, tangent_to_dense
+from server.strategy import PrismStrategy
+
+MODULES = ["layer.0.q", "layer.0.v"]
+SHAPES = {"layer.0.q": (12, 10, 3), "layer.0.v": (12, 10, 3)}
+
+
+@pytest.fixture(autouse=True)
+def _flower_identity():
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+
+
+class _Grid:
+    def __init__(self, nodes):
+        self.nodes = nodes
+
+    def get_node_ids(self):
+        return list(self.nodes)
+
+
+def _global(seed=0):
+    arrays = {}
+    for i, module in enumerate(MODULES):
+        m, n, r = SHAPES[module]
+        A, B = random_point(m, n, r, seed + i, dtype=torch.float32)
+        arrays[key(module, "A")], arrays[key(module, "B")] = A, B
+    return arrays
+
+
+def _strategy(tmp_path, mode="tangent", **kw):
+    ledger = Ledger.open(tmp_path / "ledger.sqlite")
+    params = dict(
+        modules=MODULES,
+        head=[],
+        mode=mode,
+        ledger=ledger,
+        run_id="run-1",
+        sites_per_round=3,
+        min_sites=1,
+        server_lr=1.0,
+        local_steps=2,
+        target_epsilon=10.0,
+        delta=1e-5,
+        wait_for_nodes=0.0,
+    )
+    params.update(kw)
+    return PrismStrategy(**params), ledger
+
+
+def _facts(site, steps=2, status="ok"):
+    return {
+        "site-id": site,
+        "status": status,
+        "server-round": 1,
+        "mechanism": "prism-tangent-gaussian",
+        "adjacency": "add-remove",
+        "sampling": "poisson",
+        "sigma": 1.0,
+        "q": 0.05,
+        "steps": steps,
+        "delta": 1e-5,
+        "epsilon-cap": 10.0,
+        "epsilon": 0.5,
+    }
+
+
+def _reply(request, arrays, facts):
+    content = RecordDict({UPDATE: ArrayRecord(arrays), ACCOUNTING: ConfigRecord(facts)})
+    return Message(content=content, reply_to=request)
+
+
+def _site_ends(glob, k, seed, scale=0.05):
+    g = torch.Generator().manual_seed(seed)
+    ends = []
+    for _ in range(k):
+        end = {}
+        for module in MODULES:
+            A, B = glob[key(module, "A")], glob[key(module, "B")]
+            end[module] = (
+                A + scale * torch.randn(A.shape, generator=g),
+                B + scale * torch.randn(B.shape, generator=g),
+            )
+        ends.append(end)
+    return ends
+
+
+def _round(strategy, glob, payloads):
+    requests = list(
+        strategy.configure_train(1, ArrayRecord(glob), ConfigRecord(), _Grid([11, 12, 13]))
+    )
+    replies = [_reply(req, *payload) for req, payload in zip(requests, payloads, strict=True)]
+    return strategy.aggregate_train(1, replies)
+
+
+def test_tangent_aggregation_is_the_exact_mean_of_projected_site_displacements(tmp_path):
+    glob = _global()
+    ends = _site_ends(glob, 3, seed=1)
+    payloads = []
+    for i, end in enumerate(ends):
+        arrays = {}
+        for module in MODULES:
+            A, B = glob[key(module, "A")].double(), glob[key(module, "B")].double()
+            d = tangent_displacement(A, B, *(t.double() for t in end[module]))
+            arrays[key(module, "dA")], arrays[key(module, "dB")] = d.dA.float(), d.dB.float()
+        payloads.append((arrays, _facts(f"site-{i}")))
+    strategy, ledger = _strategy(tmp_path)
+    new, metrics = _round(strategy, glob, payloads)
+    assert metrics["sites-accepted"] == 3
+    new = new.to_torch_state_dict()
+    for module in MODULES:
+        A, B = glob[key(module, "A")].double(), glob[key(module, "B")].double()
+        target = (
+            sum(
+                project_dense(A, B, e[module][0].double() @ e[module][1].double().T - A @ B.T)
+                for e in ends
+            )
+            / 3
+        )
+        # the server's aggregated tangent vector, recovered exactly from the messages
+        mean = [
+            sum(p[0][key(module, part)].double() for p in payloads) / 3 for part in ("dA", "dB")
+        ]
+        got = tangent_to_dense(A, B, *mean)
+        assert ((got - target).norm() / target.norm()).item() < 1e-6
+        # and the new global point is its retraction (server lr 1)
+        A1, B1 = retract(A, B, *mean, 1.0)
+        torch.testing.assert_close(
+            new[key(module, "A")].double() @ new[key(module, "B")].double().T,
+            A1 @ B1.T,
+            atol=1e-5,
+            rtol=1e-5,
+        )
+        # FedAvg of factors on the same inputs is not the mean of the Z_k
+        mean_A = sum(e[module][0].double() for e in ends) / 3
+        mean_B = sum(e[module][1].double() for e in ends) / 3
+        mean_Z = sum(e[module][0].double() @ e[module][1].double().T for e in ends) / 3
+        assert ((mean_A @ mean_B.T - mean_Z).norm() / mean_Z.norm()).item() > 1e-4
+    assert ledger.sites() == ["site-0", "site-1", "site-2"]
+
+
+def test_invalid_replies_are_skipped_and_still_charged(tmp_path):
+    glob = _global()
+    good = {}
+    for module in MODULES:
+        good[key(module, "dA")] = torch.zeros_like(glob[key(module, "A")])
+        good[key(module, "dB")] = torch.zeros_like(glob[key(module, "B")])
+    nan = dict(good)
+    nan[key(MODULES[0], "dA")] = torch.full_like(good[key(MODULES[0], "dA")], float("nan"))
+    wrong_shape = dict(good)
+    wrong_shape[key(MODULES[1], "dB")] = torch.zeros(3, 3)
+    strategy, ledger = _strategy(tmp_path)
+    new, metrics = _round(
+        strategy, glob, [(good, _facts("a")), (nan, _facts("b")), (wrong_shape, _facts("c"))]
+    )
+    assert metrics["sites-accepted"] == 1 and metrics["replies-rejected"] == 2
+    reasons = [why for _, why in strategy.summaries[-1].rejected]
+    assert any("NaN" in r for r in reasons) and any("shape" in r for r in reasons)
+    assert ledger.sites() == ["a", "b", "c"]  # their budget was spent all the same
+    assert all(torch.isfinite(t).all() for t in new.to_torch_state_dict().values())
+
+
+def test_too_few_valid_replies_leave_the_adapter_unchanged(tmp_path):
+    glob = _global()
+    strategy, _ = _strategy(tmp_path, min_sites=2)
+    bad = {key(MODULES[0], "dA"): torch.zeros(1)}
+    new, metrics = _round(
+        strategy, glob, [(bad, _facts("a")), (bad, _facts("b")), (bad, _facts("c"))]
+    )
+    assert new is None and metrics["applied"] == 0
