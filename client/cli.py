@@ -58,6 +58,7 @@ MODEL_FIELDS = {
     "alpha": "alpha",
     "target_modules": "target_modules",
     "init": "init",
+    "head": "head",
     "seed": "seed",
 }
 TRAIN_FIELDS = {
@@ -70,6 +71,7 @@ TRAIN_FIELDS = {
     "micro_batch_size": "micro_batch_size",
     "max_norm": "max_norm",
     "lr": "lr",
+    "head_lr": "head_lr",
     "seed": "seed",
     "secure_rng": "secure_rng",
     "no_progress": "progress",  # negated below
@@ -132,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--batch-size", type=int, help="EXPECTED Poisson batch size (default 64)")
     opt.add_argument("--micro-batch-size", type=int, help="examples per forward (default 32)")
     opt.add_argument("--lr", type=float, help="learning rate (default 5e-3)")
+    opt.add_argument("--head-lr", type=float, help="seq-cls head learning rate (default: --lr)")
     opt.add_argument("--seed", type=int, help="seed of sampling, noise and init (default 0)")
     opt.add_argument("--no-progress", action="store_true", help="no progress bar")
     lora = parser.add_argument_group("LoRA")
@@ -142,6 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--init",
         choices=["spectral-residual", "orthonormal", "standard"],
         help="default spectral-residual for prism, standard for the baselines",
+    )
+    lora.add_argument(
+        "--head",
+        choices=["train", "frozen"],
+        help="seq-cls head: trained inside the DP mechanism (default) or frozen at its seeded init",
     )
     return parser
 
@@ -413,6 +421,8 @@ def run(values: Mapping[str, Any], sources: Mapping[str, str]) -> int:
         "init": model_cfg.init,
         "max_length": max_length,
         "lr": train_cfg.lr,
+        "head": model_cfg.head if task == "seq-cls" else None,
+        "head_lr": (train_cfg.head_lr or train_cfg.lr) if task == "seq-cls" else None,
         "noise_multiplier": trainer.noise_multiplier if trainer.is_private else None,
         "sample_rate": trainer.sample_rate,
         "expected_batch_size": trainer.expected_batch_size,

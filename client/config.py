@@ -47,10 +47,10 @@ class RunConfig(_Kebab):
     sites_per_round: int = Field(3, ge=1)
     min_sites: int = Field(1, ge=1, description="fewest valid replies that update the model")
     local_steps: int = Field(5, ge=1, description="tau: private steps per site per round")
-    batch_size: int = Field(32, ge=1, description="expected Poisson batch per local step")
-    micro_batch_size: int = Field(32, ge=1)
-    max_norm: float = Field(0.3, gt=0, description="clip C")
-    lr: float = Field(5e-3, gt=0, description="local learning rate")
+    batch_size: int = Field(128, ge=1, description="expected Poisson batch per local step")
+    micro_batch_size: int = Field(64, ge=1)
+    max_norm: float = Field(0.05, gt=0, description="clip C (near the typical per-example norm)")
+    lr: float = Field(0.02, gt=0, description="local learning rate")
     server_lr: float = Field(1.0, gt=0, description="server step on the aggregated update")
     noise_multiplier: float = Field(
         -1.0, description="sigma; -1 = calibrate from target-epsilon over the planned steps"
@@ -60,7 +60,7 @@ class RunConfig(_Kebab):
     data: str = Field("synthetic", description="'synthetic' or a JSONL/CSV file to partition")
     partitioner: Literal["iid", "dirichlet"] = "iid"
     dirichlet_alpha: float = Field(0.5, gt=0)
-    synthetic_examples: int = Field(240, ge=8, description="rows per site of the built-in task")
+    synthetic_examples: int = Field(720, ge=8, description="rows per site of the built-in task")
     max_length: int = Field(64, ge=8)
     seed: int = 0
     secure_rng: bool = False

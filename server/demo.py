@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 __all__ = ["demo_env", "main", "stop_local_superlinks"]
@@ -24,6 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def demo_env(flwr_home: Path) -> dict[str, str]:
     """Environment for a local, offline Flower run that installs nothing at run time."""
     env = dict(os.environ)
+    # Ray's socket paths must stay under 108 bytes: keep its folder short.
+    ray_dir = Path(tempfile.gettempdir()) / f"pfl-ray-{os.getuid()}"
+    ray_dir.mkdir(parents=True, exist_ok=True)
     env.update(
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
         FLWR_HOME=str(flwr_home),
@@ -32,10 +36,10 @@ def demo_env(flwr_home: Path) -> dict[str, str]:
         FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
-        RAY_TMPDIR=str(flwr_home / "ray"),
+        RAY_TMPDIR=str(ray_dir),
         RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO="0",
     )
-    (flwr_home / "ray").mkdir(parents=True, exist_ok=True)
+    flwr_home.mkdir(parents=True, exist_ok=True)
     return env
 
 

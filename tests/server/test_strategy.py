@@ -7,10 +7,10 @@ import torch
 from conftest import random_point
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
-from server.ledger import Ledger
 
 from client.protocol import ACCOUNTING, UPDATE, key
 from prism_core.manifold import project_dense, retract, tangent_displacement, tangent_to_dense
+from server.ledger import Ledger
 from server.strategy import PrismStrategy
 
 MODULES = ["layer.0.q", "layer.0.v"]

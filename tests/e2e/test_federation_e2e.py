@@ -1,0 +1,146 @@
+"""End to end: the prism-fl app on Flower's simulation engine and on real SuperLink/SuperNodes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from flower_harness import (
+    BIN,
+    flower_env,
+    flwr_run,
+    free_port,
+    port_open,
+    processes,
+    wait_for,
+    write_connection,
+)
+from peft import PeftModel
+from transformers import AutoModelForSequenceClassification
+
+from prism_core.accounting import PrivacyEvent, epsilon
+from server.demo import stop_local_superlinks
+from server.ledger import Ledger
+
+ROUNDS, STEPS = 2, 2
+
+
+def _run_config(model: str, run_dir: Path, **extra: object) -> str:
+    values = {
+        "model": f"'{model}'",
+        "lora-rank": 4,
+        "num-rounds": ROUNDS,
+        "local-steps": STEPS,
+        "batch-size": 16,
+        "micro-batch-size": 16,
+        "synthetic-examples": 64,
+        "max-length": 24,
+        "target-epsilon": 8.0,
+        "run-dir": f"'{run_dir}'",
+    }
+    values.update(extra)
+    return " ".join(f"{k}={v}" for k, v in values.items())
+
+
+def _check_outputs(run_dir: Path, model: str, sites: int) -> None:
+    for name in (
+        "run-config.json",
+        "ledger.sqlite",
+        "report.json",
+        "report.csv",
+        "report.html",
+        "summary.json",
+    ):
+        assert (run_dir / name).is_file(), name
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [r["applied"] for r in summary["rounds"]] == [True] * ROUNDS
+    report = json.loads((run_dir / "report.json").read_text())
+    with Ledger.open(run_dir / "ledger.sqlite", read_only=True) as ledger:
+        assert len(ledger.sites()) == sites
+        for row in report["sites"]:
+            events = [e.privacy_event() for e in ledger.events(site_id=row["site_id"])]
+            assert sum(e.steps for e in events) == ROUNDS * STEPS
+            assert row["epsilon"] == pytest.approx(epsilon(events, row["delta"]), rel=1e-9)
+            assert row["epsilon"] <= row["epsilon_cap"]
+            sigma, q = events[0].noise_multiplier, events[0].sample_rate
+            assert row["epsilon"] == pytest.approx(
+                epsilon([PrivacyEvent(sigma, q, ROUNDS * STEPS)], row["delta"])
+            )
+    base = AutoModelForSequenceClassification.from_pretrained(model, num_labels=2)
+    adapter = PeftModel.from_pretrained(base, str(run_dir / "adapter")).eval()
+    ids = torch.tensor([[101, 2023, 2003, 2204, 102]])
+    assert torch.isfinite(adapter(input_ids=ids).logits).all()
+
+
+def test_simulation_three_sites_two_rounds(tiny_bert, tmp_path):
+    home, run_dir = tmp_path / "flwr", tmp_path / "run"
+    env = flower_env(home)
+    try:
+        result = flwr_run(
+            env,
+            "local",
+            _run_config(tiny_bert, run_dir),
+            extra=["--federation-config", "num-supernodes=3 client-resources-num-cpus=1"],
+        )
+    finally:
+        stop_local_superlinks(home)
+    output = result.stdout[-4000:] + result.stderr[-3000:]
+    assert result.returncode == 0, output
+    assert (run_dir / "summary.json").exists(), output
+    _check_outputs(run_dir, tiny_bert, sites=3)
+    assert not stop_local_superlinks(home)  # nothing left running
+
+
+def test_deployment_superlink_and_three_supernodes(tiny_bert, sst2_rows, tmp_path):
+    home, run_dir = tmp_path / "flwr", tmp_path / "run"
+    env = flower_env(home)
+    port = free_port()
+    write_connection(home, "loopback", f"127.0.0.1:{port}")
+    with processes(env, tmp_path / "logs") as group:
+        group.start(
+            "superlink",
+            [
+                str(BIN / "flower-superlink"),
+                "--insecure",
+                "--disable-runtime-dependency-installation",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--database",
+                str(tmp_path / "superlink.db"),
+            ],
+        )
+        wait_for(lambda: port_open(port), 60, "the SuperLink port")
+        for i, site in enumerate(("hospital-a", "hospital-b", "clinic-c")):
+            data = tmp_path / f"{site}.jsonl"
+            data.write_text("".join(json.dumps(r) + "\n" for r in sst2_rows[i * 60 : (i + 1) * 60]))
+            node_config = (
+                f"site-id='{site}' data-path='{data}' state-dir='{tmp_path / 'state' / site}'"
+            )
+            group.start(
+                site,
+                [
+                    str(BIN / "flower-supernode"),
+                    "--insecure",
+                    "--superlink",
+                    f"127.0.0.1:{port}",
+                    "--port",
+                    str(free_port()),
+                    "--node-config",
+                    node_config,
+                ],
+            )
+        result = flwr_run(env, "loopback", _run_config(tiny_bert, run_dir, **{"min-sites": 3}))
+        logs = "\n".join(group.log(n)[-2000:] for n in ("superlink", "hospital-a"))
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:] + logs
+        wait_for(lambda: (run_dir / "summary.json").exists(), 120, "the run's summary")
+    _check_outputs(run_dir, tiny_bert, sites=3)
+    with Ledger.open(run_dir / "ledger.sqlite", read_only=True) as ledger:
+        assert sorted(ledger.sites()) == ["clinic-c", "hospital-a", "hospital-b"]
+    for site in ("hospital-a", "hospital-b", "clinic-c"):  # each site's own durable ledger
+        assert (tmp_path / "state" / site / "privacy-ledger.jsonl").read_text().count(
+            "\n"
+        ) == ROUNDS
