@@ -9,6 +9,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from client.protocol import ACCOUNTING, UPDATE, key
+from prism_core.accounting import PrivacyEvent, epsilon
 from prism_core.manifold import project_dense, retract, tangent_displacement, tangent_to_dense
 from server.ledger import Ledger
 from server.strategy import PrismStrategy
@@ -179,3 +180,67 @@ def test_too_few_valid_replies_leave_the_adapter_unchanged(tmp_path):
         strategy, glob, [(bad, _facts("a")), (bad, _facts("b")), (bad, _facts("c"))]
     )
     assert new is None and metrics["applied"] == 0
+
+
+class _ReplyingGrid(_Grid):
+    """Answers every train message like a site with the given (sigma, q, cap)."""
+
+    def __init__(self, nodes, facts_of, update_of):
+        super().__init__(nodes)
+        self.facts_of, self.update_of = facts_of, update_of
+        self.asked: list[list[int]] = []
+
+    def send_and_receive(self, messages, timeout):
+        messages = list(messages)
+        self.asked.append(sorted(m.metadata.dst_node_id for m in messages))
+        return [
+            _reply(m, self.update_of(), self.facts_of(m.metadata.dst_node_id)) for m in messages
+        ]
+
+
+def _zero_update(glob):
+    return lambda: {
+        key(m, p): torch.zeros_like(glob[key(m, b)])
+        for m in MODULES
+        for p, b in (("dA", "A"), ("dB", "B"))
+    }
+
+
+def test_exhausted_sites_are_never_selected_again_and_the_run_ends_cleanly(tmp_path):
+    glob = _global()
+
+    def after(rounds):
+        return epsilon([PrivacyEvent(1.0, 0.05, 2 * rounds)], 1e-5)
+
+    caps = {11: after(1) * 1.001, 12: after(2) * 1.001, 13: after(2) * 1.001}  # 1, 2, 2 rounds
+
+    def facts_of(node):
+        facts = _facts(f"site-{node}")
+        facts["epsilon-cap"] = caps[node]
+        return facts
+
+    grid = _ReplyingGrid([11, 12, 13], facts_of, _zero_update(glob))
+    strategy, ledger = _strategy(tmp_path)
+    result = strategy.start(grid, ArrayRecord(glob), num_rounds=5)
+    assert grid.asked == [[11, 12, 13], [12, 13]]  # site-11 dropped after the round that filled it
+    assert len(strategy.summaries) == 2  # round 3: nobody can continue, the run ends
+    for node in caps:
+        assert ledger.epsilon(f"site-{node}").prv <= caps[node]
+    assert set(result.arrays.keys()) == set(glob)
+
+
+def test_factor_average_mode_is_fedavg_of_factors(tmp_path):
+    glob = _global()
+    ends = _site_ends(glob, 3, seed=4)
+    payloads = []
+    for i, end in enumerate(ends):
+        arrays = {}
+        for module in MODULES:
+            arrays[key(module, "A")], arrays[key(module, "B")] = end[module]
+        payloads.append((arrays, _facts(f"s{i}")))
+    strategy, _ = _strategy(tmp_path, mode="factor-average")
+    new, _ = _round(strategy, glob, payloads)
+    new = new.to_torch_state_dict()
+    for module in MODULES:
+        mean_A = sum(e[module][0] for e in ends) / 3
+        torch.testing.assert_close(new[key(module, "A")], mean_A, rtol=1e-6, atol=1e-6)

@@ -1,0 +1,550 @@
+"""Time one PRISM mechanism step against the dense reference it replaces.
+
+One step (DESIGN.md §2, steps 2-5 and 7) for every LoRA module of a configuration:
+
+* low-dimensional path (``prism_core``): ``lift`` of the per-example factor gradients
+  ``(gA_i, gB_i)``, intrinsic norms + global clip + sum (``clip_and_sum``), tangent noise and
+  division by b (``privatize``), and the QR + 2r x 2r SVD ``retract``;
+* dense reference: per-example gradients ``G_i`` (m x n), ``project_dense`` of each, dense
+  Frobenius norms, the same global clip, a dense Gaussian ``Xi`` (m x n) projected with
+  ``project_dense``, and a rank-r truncated ``torch.linalg.svd`` of ``Z + step * dZ``.
+
+Both paths get the same inputs (``gA_i = G_i B``, ``gB_i = G_i.T A``) wherever the dense
+per-example gradients fit in memory; the clipped sums of the two paths are checked to agree
+before timing. Run::
+
+    .venv/bin/python bench/mechanism.py [--repeats N] [--out FILE.json]
+        [--threads T] [--clock {wall,cpu}] [--skip-gemma]
+
+It prints markdown tables to stdout (the numbers in ``docs/benchmarks.md``), progress to
+stderr, and optionally writes the raw timings (both clocks) as JSON. On a machine shared with
+other jobs, multi-threaded MKL/OpenMP wall-clock times degrade by an order of magnitude; use
+``--threads 1 --clock cpu`` there for numbers that depend little on the other jobs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from prism_core.manifold import Point, lift, project_dense, retract, tangent_to_dense
+from prism_core.mechanism import clip_and_sum, clip_coefficients, privatize
+
+NOISE_MULTIPLIER = 1.0
+MAX_NORM = 1.0
+LEARNING_RATE = 1e-3
+DATASET_SIZE = 50_000  # N_site; only sets the recorded sample rate q = b / N
+DTYPE = torch.float32
+LOG = logging.getLogger("bench.mechanism")
+PHASES = ("lift / project", "norm + clip + sum", "noise", "retract")
+
+
+@dataclass(frozen=True)
+class Module:
+    """One LoRA module: ``m = out_features``, ``n = in_features`` (DESIGN.md §1)."""
+
+    name: str
+    m: int
+    n: int
+
+
+@dataclass(frozen=True)
+class Config:
+    """A set of modules sharing the LoRA rank r."""
+
+    name: str
+    modules: tuple[Module, ...]
+    r: int
+
+
+MINILM = Config(
+    name="MiniLM (6 layers x {query, value})",
+    modules=tuple(Module(f"layer{i}.{p}", 384, 384) for i in range(6) for p in ("query", "value")),
+    r=8,
+)
+
+GEMMA_LAYER = Config(
+    name="Gemma-3-4B, one decoder layer",
+    modules=(
+        Module("q_proj", 2048, 2560),
+        Module("k_proj", 1024, 2560),
+        Module("v_proj", 1024, 2560),
+        Module("o_proj", 2560, 2048),
+        Module("gate_proj", 10240, 2560),
+        Module("up_proj", 10240, 2560),
+        Module("down_proj", 2560, 10240),
+    ),
+    r=16,
+)
+
+
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+"""``wall``: elapsed time. ``cpu``: CPU seconds of this process, summed over its threads; with
+``--threads 1`` it is robust to other processes sharing the cores."""
+
+
+@dataclass
+class PhaseTimer:
+    """Collects seconds per phase on every clock, one list entry per repeat."""
+
+    seconds: dict[str, dict[str, list[float]]] = field(
+        default_factory=lambda: {clock: {} for clock in CLOCKS}
+    )
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = {clock: read() for clock, read in CLOCKS.items()}
+        yield
+        for clock, read in CLOCKS.items():
+            self.seconds[clock].setdefault(phase, []).append(read() - start[clock])
+
+    def totals(self, clock: str) -> list[float]:
+        """Per-repeat total over all phases."""
+        return [sum(parts) for parts in zip(*self.seconds[clock].values(), strict=True)]
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Median milliseconds of one path, in total and per phase, on every clock."""
+
+    repeats: int
+    median_ms: dict[str, float]
+    phase_ms: dict[str, dict[str, float]]
+
+    @staticmethod
+    def from_timer(timer: PhaseTimer) -> Timing:
+        return Timing(
+            repeats=len(timer.totals("wall")),
+            median_ms={c: 1e3 * statistics.median(timer.totals(c)) for c in CLOCKS},
+            phase_ms={
+                c: {k: 1e3 * statistics.median(v) for k, v in timer.seconds[c].items()}
+                for c in CLOCKS
+            },
+        )
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def make_points(config: Config, gen: torch.Generator) -> list[Point]:
+    """Random full-rank factors with ``||A||_F ~ ||B||_F ~ 1`` (balanced, well conditioned)."""
+    r = config.r
+    return [
+        Point(
+            torch.randn(mod.m, r, generator=gen, dtype=DTYPE) / math.sqrt(mod.m),
+            torch.randn(mod.n, r, generator=gen, dtype=DTYPE) / math.sqrt(mod.n),
+        )
+        for mod in config.modules
+    ]
+
+
+def make_dense_grads(config: Config, b: int, gen: torch.Generator) -> list[Tensor]:
+    """Per-example dense gradients ``G_i`` (b, m, n), one tensor per module."""
+    return [
+        torch.randn(b, mod.m, mod.n, generator=gen, dtype=DTYPE) / math.sqrt(mod.m * mod.n)
+        for mod in config.modules
+    ]
+
+
+def factor_grads(points: Sequence[Point], dense: Sequence[Tensor]) -> list[tuple[Tensor, Tensor]]:
+    """``gA_i = G_i B`` and ``gB_i = G_i.T A`` from the dense gradients (same inputs)."""
+    return [(G @ p.B, G.mT @ p.A) for p, G in zip(points, dense, strict=True)]
+
+
+def random_factor_grads(
+    config: Config, b: int, gen: torch.Generator
+) -> list[tuple[Tensor, Tensor]]:
+    """Random ``(gA_i, gB_i)`` of the right shapes, for batches whose ``G_i`` cannot be held."""
+    r = config.r
+    return [
+        (
+            torch.randn(b, mod.m, r, generator=gen, dtype=DTYPE) / math.sqrt(mod.m),
+            torch.randn(b, mod.n, r, generator=gen, dtype=DTYPE) / math.sqrt(mod.n),
+        )
+        for mod in config.modules
+    ]
+
+
+# --------------------------------------------------------------------------- the two paths
+
+
+def lowdim_step(
+    points: Sequence[Point],
+    grads: Sequence[tuple[Tensor, Tensor]],
+    *,
+    b: int,
+    gen: torch.Generator,
+    timer: PhaseTimer,
+) -> list[Point]:
+    """One PRISM step with ``prism_core``: O((m + n) r^2) per example and module."""
+    with timer("lift / project"):
+        lifts = [lift(p.A, p.B, gA, gB) for p, (gA, gB) in zip(points, grads, strict=True)]
+    with timer("norm + clip + sum"):
+        clipped = clip_and_sum(points, lifts, max_norm=MAX_NORM)
+    with timer("noise"):
+        updates = privatize(
+            points,
+            clipped,
+            noise_multiplier=NOISE_MULTIPLIER,
+            max_norm=MAX_NORM,
+            expected_batch_size=b,
+            sample_rate=b / DATASET_SIZE,
+            generator=gen,
+        ).tangents
+    with timer("retract"):
+        return [
+            retract(p.A, p.B, u.dA, u.dB, -LEARNING_RATE)
+            for p, u in zip(points, updates, strict=True)
+        ]
+
+
+def dense_clipped_sums(
+    points: Sequence[Point], dense: Sequence[Tensor], timer: PhaseTimer
+) -> list[Tensor]:
+    """Dense projection of every ``G_i``, Frobenius norms, global clip, clipped sum (m x n)."""
+    with timer("lift / project"):
+        projected = [project_dense(p.A, p.B, G) for p, G in zip(points, dense, strict=True)]
+    with timer("norm + clip + sum"):
+        norms_sq = torch.stack([P.square().sum(dim=(-2, -1)) for P in projected])
+        alpha = clip_coefficients(norms_sq, MAX_NORM)
+        return [torch.einsum("b,bmn->mn", alpha, P) for P in projected]
+
+
+def dense_step(
+    points: Sequence[Point],
+    dense: Sequence[Tensor],
+    *,
+    b: int,
+    gen: torch.Generator,
+    timer: PhaseTimer,
+) -> list[Point]:
+    """The dense reference step: m x n per example, dense noise, full SVD truncated to rank r."""
+    sums = dense_clipped_sums(points, dense, timer)
+    scale = NOISE_MULTIPLIER * MAX_NORM
+    with timer("noise"):
+        directions = []
+        for p, s in zip(points, sums, strict=True):
+            xi = torch.randn(s.shape, generator=gen, dtype=s.dtype)
+            directions.append((s + scale * project_dense(p.A, p.B, xi)) / b)
+    with timer("retract"):
+        new_points = []
+        for p, dZ in zip(points, directions, strict=True):
+            r = p.A.shape[-1]
+            U, S, Vh = torch.linalg.svd(p.A @ p.B.mT - LEARNING_RATE * dZ, full_matrices=False)
+            root = S[:r].sqrt()
+            new_points.append(Point(U[:, :r] * root, Vh[:r].mT * root))
+        return new_points
+
+
+def agreement(
+    points: Sequence[Point], grads: Sequence[tuple[Tensor, Tensor]], dense: Sequence[Tensor]
+) -> float:
+    """Max relative difference between the clipped sums of the two paths (noise-free)."""
+    lifts = [lift(p.A, p.B, gA, gB) for p, (gA, gB) in zip(points, grads, strict=True)]
+    clipped = clip_and_sum(points, lifts, max_norm=MAX_NORM)
+    reference = dense_clipped_sums(points, dense, PhaseTimer())
+    worst = 0.0
+    for p, t, ref in zip(points, clipped.sums, reference, strict=True):
+        ours = tangent_to_dense(p.A, p.B, t.dA, t.dB)
+        worst = max(worst, float((ours - ref).norm() / ref.norm().clamp_min(1e-30)))
+    return worst
+
+
+def time_path(
+    label: str, step: Callable[[PhaseTimer], object], *, warmup: int, repeats: int
+) -> Timing:
+    """Run ``step`` ``warmup`` times untimed, then ``repeats`` times timed; return medians."""
+    for _ in range(warmup):
+        step(PhaseTimer())
+    timer = PhaseTimer()
+    for _ in range(repeats):
+        step(timer)
+    timing = Timing.from_timer(timer)
+    LOG.info(
+        "  %s: median %.2f ms wall, %.2f ms CPU over %d repeats",
+        label,
+        timing.median_ms["wall"],
+        timing.median_ms["cpu"],
+        repeats,
+    )
+    return timing
+
+
+# --------------------------------------------------------------------------- runs
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the results table."""
+
+    config: str
+    b: int
+    lowdim: Timing
+    dense: Timing | None
+    note: str
+    lowdim_bytes: int
+    dense_bytes: int
+    max_rel_diff: float | None = None
+
+    def ratio(self, clock: str) -> float | None:
+        if self.dense is None:
+            return None
+        return self.dense.median_ms[clock] / self.lowdim.median_ms[clock]
+
+
+def input_bytes(config: Config, b: int) -> tuple[int, int]:
+    """Bytes of per-example gradients, low-dim ``(gA_i, gB_i)`` and dense ``G_i``, all modules."""
+    size = torch.finfo(DTYPE).bits // 8
+    low = sum(b * (mod.m + mod.n) * config.r for mod in config.modules) * size
+    dense = sum(b * mod.m * mod.n for mod in config.modules) * size
+    return low, dense
+
+
+def run_pair(
+    config: Config,
+    b: int,
+    *,
+    seed: int,
+    warmup: int,
+    repeats: int,
+    dense_warmup: int,
+    dense_repeats: int,
+    note: str,
+) -> Row:
+    """Time both paths on the same inputs (``gA_i = G_i B``, ``gB_i = G_i.T A``)."""
+    gen = torch.Generator().manual_seed(seed)
+    points = make_points(config, gen)
+    dense = make_dense_grads(config, b, gen)
+    grads = factor_grads(points, dense)
+    LOG.info("%s, b=%d: inputs ready", config.name, b)
+    diff = agreement(points, grads, dense)
+    LOG.info("  clipped sums agree to %.1e (relative)", diff)
+    lowdim = time_path(
+        "low-dim",
+        lambda t: lowdim_step(points, grads, b=b, gen=gen, timer=t),
+        warmup=warmup,
+        repeats=repeats,
+    )
+    ref = time_path(
+        "dense",
+        lambda t: dense_step(points, dense, b=b, gen=gen, timer=t),
+        warmup=dense_warmup,
+        repeats=dense_repeats,
+    )
+    return Row(config.name, b, lowdim, ref, note, *input_bytes(config, b), max_rel_diff=diff)
+
+
+def run_lowdim_only(
+    config: Config, b: int, *, seed: int, warmup: int, repeats: int, note: str
+) -> Row:
+    """Time the low-dimensional path alone, on random factor gradients."""
+    gen = torch.Generator().manual_seed(seed)
+    points = make_points(config, gen)
+    grads = random_factor_grads(config, b, gen)
+    LOG.info("%s, b=%d: inputs ready", config.name, b)
+    lowdim = time_path(
+        "low-dim",
+        lambda t: lowdim_step(points, grads, b=b, gen=gen, timer=t),
+        warmup=warmup,
+        repeats=repeats,
+    )
+    return Row(config.name, b, lowdim, None, note, *input_bytes(config, b))
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _mib(n: int) -> str:
+    mib = n / 2**20
+    return f"{mib:,.0f}" if mib >= 10 else f"{mib:.2f}"
+
+
+def results_table(rows: Sequence[Row], clock: str) -> str:
+    lines = [
+        "| config | b | low-dim ms | dense ms | dense / low-dim "
+        "| per-example grads MiB, low-dim / dense | note |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for row in rows:
+        dense = "—" if row.dense is None else f"{row.dense.median_ms[clock]:,.1f}"
+        ratio = row.ratio(clock)
+        ratio_s = "—" if ratio is None else f"{ratio:,.0f}x"
+        lines.append(
+            f"| {row.config} | {row.b} | {row.lowdim.median_ms[clock]:,.2f} | {dense} | {ratio_s} "
+            f"| {_mib(row.lowdim_bytes)} / {_mib(row.dense_bytes)} | {row.note} |"
+        )
+    return "\n".join(lines)
+
+
+def phase_table(rows: Sequence[Row], clock: str) -> str:
+    lines = [
+        "| config | b | path | " + " | ".join(PHASES) + " | total |",
+        "| --- | ---: | --- | " + " | ".join("---:" for _ in PHASES) + " | ---: |",
+    ]
+    for row in rows:
+        for path, timing in (("low-dim", row.lowdim), ("dense", row.dense)):
+            if timing is None:
+                continue
+            cells = " | ".join(f"{timing.phase_ms[clock][p]:,.2f}" for p in PHASES)
+            total = timing.median_ms[clock]
+            lines.append(f"| {row.config} | {row.b} | {path} | {cells} | {total:,.2f} |")
+    return "\n".join(lines)
+
+
+def environment() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "uncommitted"
+    return {
+        "cpu": cpu,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
+        "commit": commit,
+        "dtype": str(DTYPE),
+        "load_average_1min": os.getloadavg()[0],
+    }
+
+
+def _to_json(row: Row) -> dict[str, Any]:
+    def timing(t: Timing | None) -> dict[str, Any] | None:
+        if t is None:
+            return None
+        return {"repeats": t.repeats, "median_ms": t.median_ms, "phase_ms": t.phase_ms}
+
+    return {
+        "config": row.config,
+        "b": row.b,
+        "lowdim": timing(row.lowdim),
+        "dense": timing(row.dense),
+        "ratio_dense_over_lowdim": {clock: row.ratio(clock) for clock in CLOCKS},
+        "per_example_grad_bytes": {"lowdim": row.lowdim_bytes, "dense": row.dense_bytes},
+        "max_rel_diff_clipped_sum": row.max_rel_diff,
+        "note": row.note,
+    }
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=20, help="timed repeats (default 20)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed warm-up runs (default 3)")
+    parser.add_argument(
+        "--gemma-dense-repeats",
+        type=int,
+        default=3,
+        help="timed repeats of the Gemma dense path, 20-75 s each on 2 cores (default 3)",
+    )
+    parser.add_argument(
+        "--gemma-dense-batch",
+        type=int,
+        default=4,
+        help="b for the Gemma dense comparison; 64 dense m x n gradients do not fit (default 4)",
+    )
+    parser.add_argument("--batch", type=int, default=64, help="b of the low-dim path (default 64)")
+    parser.add_argument("--skip-gemma", action="store_true", help="MiniLM shapes only")
+    parser.add_argument(
+        "--threads", type=int, help="torch.set_num_threads (default: leave torch's default)"
+    )
+    parser.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="which clock the printed tables use; the JSON has both (default wall)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quiet", action="store_true", help="no progress messages on stderr")
+    parser.add_argument("--out", type=Path, help="also write the results as JSON to this file")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.WARNING if args.quiet else logging.INFO,
+        format="%(asctime)s %(message)s",
+        stream=sys.stderr,
+    )
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    env = environment()
+    started = time.perf_counter()
+    rows = []
+    common = {"seed": args.seed, "warmup": args.warmup, "repeats": args.repeats}
+    with torch.inference_mode():
+        rows.append(
+            run_pair(
+                MINILM,
+                args.batch,
+                dense_warmup=args.warmup,
+                dense_repeats=args.repeats,
+                note="same inputs",
+                **common,
+            )
+        )
+        if not args.skip_gemma:
+            rows.append(run_lowdim_only(GEMMA_LAYER, args.batch, note="low-dim only", **common))
+            rows.append(
+                run_pair(
+                    GEMMA_LAYER,
+                    args.gemma_dense_batch,
+                    dense_warmup=0,
+                    dense_repeats=args.gemma_dense_repeats,
+                    note=f"same inputs; dense median of {args.gemma_dense_repeats}",
+                    **common,
+                )
+            )
+    elapsed = time.perf_counter() - started
+    env["load_average_1min_end"] = os.getloadavg()[0]
+
+    print(
+        f"CPU: {env['cpu']} | torch {env['torch']} ({env['torch_threads']} threads) | "
+        f"{env['dtype']} | {env['date']} | commit {env['commit']} | {elapsed:.0f} s total | "
+        f"1-min load average {env['load_average_1min']:.2f} at start, "
+        f"{env['load_average_1min_end']:.2f} at end\n"
+    )
+    clock = "wall-clock" if args.clock == "wall" else "CPU-time"
+    print(f"Median {clock} ms per step:\n")
+    print(results_table(rows, args.clock))
+    print(f"\nMedian {clock} ms per phase:\n")
+    print(phase_table(rows, args.clock))
+    diffs = [
+        f"{r.config} b={r.b}: {r.max_rel_diff:.1e}" for r in rows if r.max_rel_diff is not None
+    ]
+    print("\nMax relative difference of the clipped sums, low-dim vs dense: " + "; ".join(diffs))
+    if args.out is not None:
+        payload = {"environment": env, "elapsed_s": elapsed, "results": [_to_json(r) for r in rows]}
+        args.out.write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"\nwrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
