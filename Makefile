@@ -21,8 +21,10 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 install: $(STAMP)
 
+DEMO_ARGS ?=
+
 demo: $(STAMP)
-	$(BIN)/python -m server.demo
+	$(BIN)/python -m server.demo $(DEMO_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
