@@ -24,7 +24,7 @@ install: $(STAMP)
 DEMO_ARGS ?=
 
 demo: $(STAMP)
-	$(BIN)/python -m server.demo $(DEMO_ARGS)
+	$(BIN)/python -m server.demo "$(DEMO_ARGS)"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
