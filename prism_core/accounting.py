@@ -79,7 +79,10 @@ def _check_delta(delta: float) -> None:
 
 
 def compose_events(events: Iterable[PrivacyEvent]) -> list[PrivacyEvent]:
-    """Merge consecutive events with equal parameters; drop zero-step events."""
+    """Merge consecutive events with equal parameters; drop zero-step events.
+
+    Implements the composition bookkeeping of Thm 3.4 / App. A.25 of PRISM (T identical steps).
+    """
     merged: list[PrivacyEvent] = []
     for e in events:
         if e.steps == 0:
@@ -100,7 +103,10 @@ def compose_events(events: Iterable[PrivacyEvent]) -> list[PrivacyEvent]:
 
 
 def events_from_records(records: Iterable[NoiseRecord]) -> list[PrivacyEvent]:
-    """One event per mechanism record (one step each), merged with ``compose_events``."""
+    """One event per mechanism record (one step each), merged with ``compose_events``.
+
+    Implements Thm 3.4 of PRISM: each record is one subsampled Gaussian mechanism.
+    """
     return compose_events(
         PrivacyEvent(r.noise_multiplier, r.sample_rate, 1, r.sampling, r.adjacency) for r in records
     )
@@ -144,6 +150,8 @@ def epsilon(
 def epsilon_report(events: Sequence[PrivacyEvent], delta: float) -> EpsilonReport:
     """PRV epsilon with the RDP cross-check; raises if RDP is smaller than PRV.
 
+    Implements the accounting of Thm 3.4 / App. A.25 of PRISM with two accountants.
+
     RDP is an upper bound on the true epsilon and PRV a tight (upper) estimate, so
     ``rdp >= prv`` must hold (up to PRV's discretisation error ``PRV_EPS_ERROR``).
 
@@ -166,6 +174,8 @@ def calibrate_noise_multiplier(
     relative_tolerance: float = 0.005,
 ) -> float:
     """Smallest sigma (to a tolerance) whose PRV epsilon after ``steps`` stays below the target.
+
+    Implements the calibration side of Thm 3.4 of PRISM (sigma for a target epsilon).
 
     Uses Opacus' ``get_noise_multiplier`` with the PRV accountant, the same accountant that
     reports epsilon, and an absolute tolerance of ``relative_tolerance * target_epsilon``:
@@ -213,6 +223,8 @@ def max_steps(
     limit: int,
 ) -> int:
     """Largest ``k <= limit`` such that ``history`` plus ``k`` more steps stays within the target.
+
+    Implements the budget check of Thm 3.4 of PRISM (composition of T steps).
 
     The steps are Poisson-subsampled Gaussian steps with the given sigma and q, composed with
     the whole history by PRV (the same accountant as ``epsilon``); found by bisection, since

@@ -73,7 +73,10 @@ class AdaptiveState:
 
 
 def init_state(A: Tensor, B: Tensor) -> AdaptiveState:
-    """Zero moments for a module with factors ``A`` (m, r) and ``B`` (n, r)."""
+    """Zero moments for a module with factors ``A`` (m, r) and ``B`` (n, r).
+
+    Implements the initial state of eq. (24) of PRISM.
+    """
     dtype = work_dtype(A, B)
     r = A.shape[-1]
     zeros_rr = torch.zeros(r, r, dtype=dtype, device=A.device)
@@ -178,6 +181,8 @@ def adaptive_direction(
 
 def realign_state(state: AdaptiveState, old: Point, new: Point) -> AdaptiveState:
     """Carry one module's moments from factors ``old`` to nearby factors ``new``.
+
+    Implements the moment transformation of Prop. A.30 of PRISM under a Procrustes gauge.
 
     Moments live in factor coordinates; when the factors move (e.g. a site starts a round from
     a new global point), the orthogonal gauge ``O`` that best aligns ``old`` to ``new``

@@ -139,5 +139,8 @@ def factor_dp_gradient(
 
 
 def nondp_gradient(per_example_grads: Sequence[Tensor]) -> list[Tensor]:
-    """Mean gradient over the realised batch (no clipping, no noise: NOT private)."""
+    """Mean gradient over the realised batch (no clipping, no noise: NOT private).
+
+    Implements the non-private LoRA baseline of §4 (Table 2, "Non-DP").
+    """
     return [g.mean(dim=0) for g in per_example_grads]

@@ -47,7 +47,10 @@ class Tangent(NamedTuple):
 
 
 def work_dtype(*tensors: Tensor) -> torch.dtype:
-    """The dtype PRISM computes in: the promoted input dtype, never below float32."""
+    """The dtype PRISM computes in: the promoted input dtype, never below float32.
+
+    Implements the numerics of App. A.14 of PRISM (r x r solves in float32 or better).
+    """
     dtype = torch.float32
     for t in tensors:
         dtype = torch.promote_types(dtype, t.dtype)
@@ -56,6 +59,9 @@ def work_dtype(*tensors: Tensor) -> torch.dtype:
 
 def check_point(A: Tensor, B: Tensor) -> None:
     """Validate a factor pair: shapes (m, r) and (n, r), 1 <= r <= min(m, n), finite values.
+
+    Implements the standing assumption of PRISM §3.1 (eq. 13): ``A`` and ``B`` have full column
+    rank r, so ``Z = A B.T`` lies on the rank-r manifold.
 
     Raises:
         ValueError: if the shapes disagree or the rank is impossible.
@@ -154,7 +160,10 @@ def tangent_norm_sq(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor) -> Tensor:
 
 
 def tangent_to_dense(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor) -> Tensor:
-    """``dA @ B.T + A @ dB.T`` as a dense (..., m, n) matrix. For tests and diagnostics only."""
+    """``dA @ B.T + A @ dB.T`` as a dense (..., m, n) matrix. For tests and diagnostics only.
+
+    Implements the tangent-space parametrisation of eq. (12)/(36) of PRISM (App. A.6).
+    """
     return dA @ B.mT + A @ dB.mT
 
 

@@ -94,6 +94,8 @@ class PrivateStep(NamedTuple):
 def empty_sum(points: Sequence[Point], euclidean_like: Sequence[Tensor] = ()) -> ClippedSum:
     """A zero ``ClippedSum``: the start of a step, or a Poisson draw of zero examples.
 
+    Implements the empty sum of eq. (17): the noise is still added, divided by b.
+
     ``euclidean_like`` are tensors (e.g. head parameters) whose shapes the Euclidean sums take.
     """
     sums = tuple(
@@ -110,7 +112,10 @@ def empty_sum(points: Sequence[Point], euclidean_like: Sequence[Tensor] = ()) ->
 def validate_noise_parameters(
     *, noise_multiplier: float, max_norm: float, expected_batch_size: float, sample_rate: float
 ) -> None:
-    """Raise ``PrivacyParameterError`` unless sigma >= 0, C > 0, b > 0 and 0 < q <= 1."""
+    """Raise ``PrivacyParameterError`` unless sigma >= 0, C > 0, b > 0 and 0 < q <= 1.
+
+    Implements the parameter ranges of eqs. (16)-(18) and Thm 3.4 of PRISM.
+    """
     checks = (
         ("noise_multiplier", noise_multiplier, noise_multiplier >= 0, ">= 0"),
         ("max_norm", max_norm, max_norm > 0, "> 0"),
@@ -150,7 +155,10 @@ def clip_coefficients(norms_sq: Sequence[Tensor] | Tensor, max_norm: float) -> T
 
 
 def per_example_norms_sq(points: Sequence[Point], lifts: Sequence[Tangent]) -> Tensor:
-    """Stacked (L, b) squared intrinsic norms of per-example lifts (eq. 15, every module)."""
+    """Stacked (L, b) squared intrinsic norms of per-example lifts.
+
+    Implements eq. (15) of PRISM for every module ``l`` (the terms of ``s_i`` in eq. 16).
+    """
     if len(points) != len(lifts):
         raise ValueError(f"{len(points)} modules but {len(lifts)} lifts")
     return torch.stack(

@@ -28,7 +28,7 @@ class SecureRNG:
     """
 
     def normal(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-        """Return a tensor of i.i.d. N(0, 1) samples with the given shape, dtype and device."""
+        """I.i.d. N(0, 1) samples with the given shape, dtype and device (eq. 19's ``U``, ``V``)."""
         count = math.prod(shape)
         draws = [self._box_muller(count) for _ in range(2)]
         z = (draws[0] + draws[1]) / math.sqrt(2.0)
@@ -51,7 +51,10 @@ NoiseSource = torch.Generator | SecureRNG
 def standard_normal(
     shape: tuple[int, ...], generator: NoiseSource, *, dtype: torch.dtype, device: torch.device
 ) -> Tensor:
-    """I.i.d. N(0, 1) samples drawn from ``generator`` (seeded torch or ``SecureRNG``)."""
+    """I.i.d. N(0, 1) samples drawn from ``generator`` (seeded torch or ``SecureRNG``).
+
+    Implements the Gaussian draws ``U``, ``V`` of eq. (19) / App. A.13 of PRISM.
+    """
     if isinstance(generator, SecureRNG):
         return generator.normal(shape, dtype, device)
     return torch.randn(shape, generator=generator, dtype=dtype, device=device)
