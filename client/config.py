@@ -42,6 +42,9 @@ class RunConfig(_Kebab):
     lora_alpha: float = Field(16.0, gt=0)
     lora_targets: str = Field("query,value", min_length=1, description="comma-separated names")
     lora_init: Literal["auto", "spectral-residual", "orthonormal", "standard"] = "auto"
+    lora_head: Literal["frozen", "train"] = Field(
+        "frozen", description="seq-cls head: frozen (seeded, public) or DP-trained (global clip)"
+    )
     method: FedMethod = "prism"
     num_rounds: int = Field(3, ge=1)
     sites_per_round: int = Field(3, ge=1)

@@ -52,6 +52,7 @@ def model_config(run: RunConfig) -> ModelConfig:
         alpha=run.lora_alpha,
         target_modules=run.targets,
         init=run.init,  # type: ignore[arg-type]
+        head=run.lora_head,
         device="auto",
         seed=run.seed,
     )
