@@ -120,11 +120,17 @@ def test_prism_end_to_end(tiny_bert: Path, sst2: tuple[Path, Path], tmp_path: Pa
     base = AutoModelForSequenceClassification.from_pretrained(tiny_bert, num_labels=2)
     reloaded = PeftModel.from_pretrained(base, out / "adapter").eval()
     assert reloaded.peft_config["default"].r == 8
+    # ... and reproduces the reported held-out loss and accuracy (the export is exact).
     tokenizer = AutoTokenizer.from_pretrained(tiny_bert)
-    batch = tokenizer(["a gorgeous film", "dull and tired"], return_tensors="pt", padding=True)
+    dev = [json.loads(line) for line in sst2[1].read_text().splitlines()]
+    texts, labels = [r["text"] for r in dev], torch.tensor([r["label"] for r in dev])
+    batch = tokenizer(texts, truncation=True, max_length=32, padding=True, return_tensors="pt")
     with torch.no_grad():
-        logits = reloaded(**batch).logits
-    assert logits.shape == (2, 2) and torch.isfinite(logits).all()
+        logits = reloaded(**batch).logits.float()
+    loss = torch.nn.functional.cross_entropy(logits, labels).item()
+    assert loss == pytest.approx(metrics["eval"]["loss"], abs=1e-4)
+    accuracy = (logits.argmax(-1) == labels).float().mean().item()
+    assert accuracy == pytest.approx(metrics["eval"]["accuracy"], abs=1e-6)
 
 
 def test_yaml_config_with_cli_override(
