@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from prism_core.manifold import Point, Tangent, min_norm_lift, work_dtype
+from prism_core.manifold import Point, Tangent, min_norm_lift, procrustes_gauge, work_dtype
 
 __all__ = ["AdaptiveConfig", "AdaptiveState", "adaptive_direction", "init_state", "realign_state"]
 
@@ -190,10 +190,7 @@ def realign_state(state: AdaptiveState, old: Point, new: Point) -> AdaptiveState
     Prop. A.30: ``m -> m O``, ``V -> O.T V O``. Post-processing only; no privacy cost.
     """
     dtype = work_dtype(old.A, new.A, state.mA)
-    P, _, Qh = torch.linalg.svd(
-        old.A.to(dtype).mT @ new.A.to(dtype) + old.B.to(dtype).mT @ new.B.to(dtype)
-    )
-    O = P @ Qh
+    O = procrustes_gauge(old, new).to(dtype)
     return AdaptiveState(
         state.mA.to(dtype) @ O,
         state.mB.to(dtype) @ O,

@@ -23,6 +23,7 @@ __all__ = [
     "check_point",
     "lift",
     "min_norm_lift",
+    "procrustes_gauge",
     "project_dense",
     "retract",
     "tangent_displacement",
@@ -245,6 +246,19 @@ def min_norm_lift(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor) -> Tangent:
     return Tangent(dA + A @ W, dB - B @ W.mT)
 
 
+def procrustes_gauge(source: Point, target: Point) -> Tensor:
+    """Orthogonal ``O`` minimising ``||A_s O - A_t||^2 + ||B_s O - B_t||^2``.
+
+    Implements the Procrustes alignment of App. A.24 of PRISM: ``O`` is the polar factor of
+    ``A_s.T A_t + B_s.T B_t``, and ``(A_s O, B_s O)`` is a gauge transform of ``source``.
+    """
+    dtype = work_dtype(source.A, target.A)
+    cross = source.A.to(dtype).mT @ target.A.to(dtype) + source.B.to(dtype).mT @ target.B.to(dtype)
+    P, _, Qh = torch.linalg.svd(cross)
+    O: Tensor = P @ Qh
+    return O
+
+
 def retract(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, step: float) -> Point:
     """Rank-r truncated-SVD retraction of ``Z + step * (dA B.T + A dB.T)``.
 
@@ -285,7 +299,5 @@ def retract(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, step: float) -> Point:
     root = S[..., :r].clamp_min(0.0).sqrt()
     A_new = (QX @ U[..., :r]) * root.unsqueeze(-2)
     B_new = (QY @ Vh[..., :r, :].mT) * root.unsqueeze(-2)
-    # Procrustes alignment to the previous factors (a gauge transform by an orthogonal matrix).
-    P, _, Qh = torch.linalg.svd(A_new.mT @ A + B_new.mT @ B)
-    O = P @ Qh
+    O = procrustes_gauge(Point(A_new, B_new), Point(A, B))
     return Point(A_new @ O, B_new @ O)
