@@ -26,7 +26,7 @@ from client.model import LoadedModel, ModelConfig, load_model
 from client.protocol import HEAD_PREFIX, STATUS_OK, STATUS_REFUSED, key
 from client.site_ledger import SiteLedger, SiteLedgerEntry
 from client.synthetic import synthetic_examples
-from client.trainer import PrivateTrainer, TrainConfig
+from client.trainer import MECHANISMS, PrivateTrainer, TrainConfig
 from prism_core.accounting import PrivacyEvent, calibrate_noise_multiplier, epsilon
 from prism_core.adaptive import AdaptiveState, realign_state
 from prism_core.manifold import Point, tangent_displacement
@@ -186,12 +186,7 @@ class Site:
         return facts
 
     def trainer_mechanism(self) -> str:
-        return {
-            "prism": "prism-tangent-gaussian",
-            "dp-adamw": "factor-gaussian",
-            "ffa": "ffa-gaussian",
-            "nondp": "none",
-        }[self.method]
+        return MECHANISMS[self.method]
 
     def train_round(self, server_round: int, arrays: dict[str, Tensor]) -> RoundReply:
         """Run one round from the broadcast ``arrays``; refuse if it would pass the site's cap."""

@@ -52,12 +52,26 @@ from prism_core.manifold import Point, lift, retract
 from prism_core.mechanism import ClippedSum, clip_and_sum, empty_sum, privatize
 from prism_core.rng import NoiseSource, SecureRNG
 
-__all__ = ["METHODS", "PrivateTrainer", "StepResult", "TrainConfig", "per_example_loss"]
+__all__ = [
+    "MECHANISMS",
+    "METHODS",
+    "PrivateTrainer",
+    "StepResult",
+    "TrainConfig",
+    "per_example_loss",
+]
 
 log = logging.getLogger(__name__)
 
 Method = Literal["prism", "dp-adamw", "ffa", "nondp"]
 METHODS: tuple[str, ...] = ("prism", "dp-adamw", "ffa", "nondp")
+MECHANISMS: dict[str, str] = {
+    "prism": "prism-tangent-gaussian",
+    "dp-adamw": "factor-gaussian",
+    "ffa": "ffa-gaussian",
+    "nondp": "none",
+}
+"""The ``NoiseRecord.mechanism`` each training method runs."""
 
 
 class AdaptiveSettings(BaseModel):
@@ -391,7 +405,7 @@ class PrivateTrainer:
             expected_batch_size=self.expected_batch_size,
             sample_rate=self.sample_rate,
             generator=self.noise,
-            mechanism="ffa-gaussian" if cfg.method == "ffa" else "factor-gaussian",
+            mechanism=MECHANISMS[cfg.method],
         )
         for p, g in zip(self.params, noisy, strict=True):
             p.grad = g.to(p.dtype)
