@@ -7,7 +7,15 @@ from flwr.clientapp import ClientApp
 
 from client.config import RunConfig, SiteConfig, parse_config
 from client.logs import setup_logging
-from client.protocol import ACCOUNTING, ARRAYS, CONFIG, NONPRIVATE, UPDATE
+from client.protocol import (
+    ACCOUNTING,
+    ARRAYS,
+    CONFIG,
+    NONPRIVATE,
+    ROUND_NONCE,
+    SERVER_ROUND,
+    UPDATE,
+)
 from client.site import get_site
 
 app = ClientApp()
@@ -22,7 +30,8 @@ def train(msg: Message, context: Context) -> Message:
     config = msg.content[CONFIG]
     arrays = msg.content[ARRAYS].to_torch_state_dict()
     worker = get_site(run, site, run_dir=str(config.get("run-dir", "")))
-    reply = worker.train_round(int(config["server-round"]), arrays)
+    nonce = str(config.get(ROUND_NONCE, ""))
+    reply = worker.train_round(int(config[SERVER_ROUND]), arrays, nonce=nonce)
     content = RecordDict(
         {UPDATE: ArrayRecord(reply.arrays), ACCOUNTING: ConfigRecord(reply.accounting)}
     )

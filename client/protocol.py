@@ -3,7 +3,9 @@
 Server -> site (train): RecordDict with
   ``ARRAYS``   ArrayRecord: per LoRA module ``<module>/A`` (m, r) and ``<module>/B`` (n, r)
                float32 in PRISM layout (DESIGN.md §1), and ``head/<name>`` for a DP head;
-  ``CONFIG``   ConfigRecord: ``server-round``, ``run-dir`` (simulation only).
+  ``CONFIG``   ConfigRecord: ``SERVER_ROUND``, ``ROUND_NONCE`` (fresh random per round; the
+               site echoes both in its accounting facts so a stale or replayed reply is
+               recognised), ``run-dir`` (simulation only).
 Site -> server (train reply): RecordDict with
   ``UPDATE``   ArrayRecord: PRISM: ``<module>/dA``, ``<module>/dB`` (the tangent update at the
                broadcast point) and ``head/<name>`` deltas; factor-averaging baselines: the end
@@ -21,6 +23,8 @@ __all__ = [
     "CONFIG",
     "HEAD_PREFIX",
     "NONPRIVATE",
+    "ROUND_NONCE",
+    "SERVER_ROUND",
     "STATUS_OK",
     "STATUS_REFUSED",
     "UPDATE",
@@ -34,6 +38,9 @@ ACCOUNTING = "accounting"
 NONPRIVATE = "nonprivate-metrics"
 HEAD_PREFIX = "head/"
 
+SERVER_ROUND = "server-round"
+ROUND_NONCE = "round-nonce"
+
 STATUS_OK = "ok"
 STATUS_REFUSED = "refused"
 
@@ -42,6 +49,7 @@ ACCOUNTING_KEYS = (
     "status",
     "reason",
     "server-round",
+    "round-nonce",
     "mechanism",
     "adjacency",
     "sampling",

@@ -25,4 +25,12 @@ class ConfigError(ServerError, ValueError):
 
 
 class ReplyError(ServerError, ValueError):
-    """A site's reply is invalid (missing keys, wrong shapes, impossible accounting facts)."""
+    """A site's reply is invalid (missing keys, wrong shapes, impossible accounting facts).
+
+    ``code`` is a short reason class (e.g. ``"shape"``, ``"norm"``, ``"replay"``) counted per
+    round in the summary; the message says what was found.
+    """
+
+    def __init__(self, message: str, code: str = "invalid") -> None:
+        super().__init__(message)
+        self.code = code

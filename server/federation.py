@@ -27,7 +27,7 @@ from client.site import model_config
 from client.synthetic import synthetic_examples
 from server.ledger import Ledger
 from server.report import build_report, format_round_table, write_reports
-from server.strategy import PrismStrategy, RoundSummary
+from server.strategy import PrismStrategy, RoundSummary, UpdateBound
 
 __all__ = ["make_run_dir", "run_federation"]
 
@@ -87,6 +87,10 @@ def run_federation(grid: Grid, run: RunConfig) -> Path:
         delta=run.delta,
         weight_by_examples=run.weight_by_examples,
         seed=run.seed,
+        # the sites' trainer: PRISM's adaptive transform, torch AdamW for the head and baselines
+        update_bound=UpdateBound(
+            lr=run.lr, max_norm=run.max_norm, expected_batch_size=run.batch_size
+        ),
     )
 
     def on_round_end(server_round: int, arrays: ArrayRecord, summary: RoundSummary) -> None:

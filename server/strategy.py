@@ -9,9 +9,10 @@ Sums are streamed reply by reply, so memory does not grow with the number of sit
 Baselines (``mode="factor-average"``): FedIT-style FedAvg of ``A`` and ``B`` separately (inexact:
 ``mean(A) mean(B).T != mean(A B.T)``), used with factor-space DP or FFA on the sites.
 
-Every reply is validated before it touches the aggregate; a bad reply is logged and skipped. A
-reply's accounting facts go to the ledger even when its update is rejected: spent budget is
-never under-counted.
+Every reply is validated before it touches the aggregate; a bad reply is logged, counted per
+reason in the round summary and skipped (see ``PrismStrategy.aggregate_train`` for the checks
+and for which accounting facts reach the ledger). No NaN or Inf can reach the global adapter:
+the replies, their mean and the retracted result are all checked before anything is applied.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import secrets
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -33,19 +35,28 @@ from torch import Tensor
 
 from client.protocol import (
     ACCOUNTING,
+    ACCOUNTING_KEYS,
     ARRAYS,
     CONFIG,
     HEAD_PREFIX,
+    ROUND_NONCE,
+    SERVER_ROUND,
     STATUS_OK,
     STATUS_REFUSED,
     UPDATE,
     key,
 )
-from prism_core.manifold import retract
-from server.errors import ReplyError
+from prism_core.bounds import (
+    FLOAT32_SLACK,
+    adam_gain,
+    factor_update_norm_bounds,
+    round_update_norm_bound,
+)
+from prism_core.manifold import Point, retract, tangent_norm_sq
+from server.errors import InvalidEventError, ReplyError
 from server.ledger import Ledger, LedgerEvent
 
-__all__ = ["PrismStrategy", "RoundSummary", "validate_facts"]
+__all__ = ["PrismStrategy", "RoundSummary", "UpdateBound", "validate_facts"]
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +65,11 @@ Mode = Literal["tangent", "factor-average"]
 
 @dataclass
 class RoundSummary:
-    """What happened in one round (logged and kept for the run summary)."""
+    """What happened in one round (logged and kept for the run summary).
+
+    ``rejected`` holds ``(who, why)``; ``rejected_by_reason`` counts them by ``ReplyError.code``.
+    ``discarded`` says why an aggregate was computed but not applied (non-finite or rank lost).
+    """
 
     server_round: int
     sent: int = 0
@@ -62,27 +77,99 @@ class RoundSummary:
     refused: list[str] = field(default_factory=list)
     rejected: list[tuple[str, str]] = field(default_factory=list)  # (who, why)
     applied: bool = False
+    rejected_by_reason: dict[str, int] = field(default_factory=dict)
+    discarded: str = ""
+
+    def reject(self, who: str, exc: ReplyError) -> None:
+        self.rejected.append((who, str(exc)))
+        self.rejected_by_reason[exc.code] = self.rejected_by_reason.get(exc.code, 0) + 1
+
+
+@dataclass(frozen=True)
+class UpdateBound:
+    """What the coordinator knows of the sites' local optimizer, to bound an honest update.
+
+    See ``prism_core.bounds``. ``optimizer="adaptive"`` is PRISM's transform (the trainer's);
+    ``"sgd"`` bounds plain DP steps from ``max_norm``, ``expected_batch_size`` and the site's
+    reported ``sigma``/``q`` with false-rejection probability ``failure`` per round. The DP head
+    and the factor-space baselines use torch AdamW (betas ``head_betas``, no weight decay).
+    """
+
+    lr: float
+    optimizer: str = "adaptive"
+    beta1: float = 0.9
+    beta2: float = 0.999
+    bias_correction: bool = True
+    head_lr: float | None = None
+    head_betas: tuple[float, float] = (0.9, 0.999)
+    max_norm: float = 0.0
+    expected_batch_size: float = 0.0
+    failure: float = 1e-9
+
+
+_MAX_STEPS = 10**6  # more local steps than any real round; larger is a garbled fact
+_MAX_SIGMA = 1e4
+_MAX_ABS = 1e8  # no adapter or update entry is this large; rejected before any arithmetic
+_MIN_RANK_RATIO = 1e-6  # smallest / largest singular value a retracted factor may keep
+_OPTIONAL_FACTS: dict[str, type] = {
+    SERVER_ROUND: int,
+    ROUND_NONCE: str,
+    "reason": str,
+    "mechanism": str,
+    "adjacency": str,
+    "sampling": str,
+    "delta": float,
+    "epsilon-cap": float,
+    "epsilon": float,
+    "num-examples": int,
+}
+
+
+def _check_type(name: str, value: Any, kind: type) -> None:
+    if kind is float and not (isinstance(value, int | float) and not isinstance(value, bool)):
+        raise ReplyError(f"accounting fact {name}={value!r} is not a number", "facts")
+    if kind is float and not math.isfinite(float(value)):
+        raise ReplyError(f"accounting fact {name}={value!r} is not finite", "facts")
+    if kind is int and (not isinstance(value, int) or isinstance(value, bool)):
+        raise ReplyError(f"accounting fact {name}={value!r} is not an integer", "facts")
+    if kind is str and not isinstance(value, str):
+        raise ReplyError(f"accounting fact {name}={value!r} is not a string", "facts")
+    if kind is str and (len(value) > 1000 or not value.isprintable()):
+        raise ReplyError(f"accounting fact {name} is too long or has control characters", "facts")
 
 
 def validate_facts(facts: dict[str, Any]) -> dict[str, Any]:
-    """Check a reply's accounting facts; return them typed. Raises ``ReplyError``."""
+    """Check a reply's accounting facts; return them typed. Raises ``ReplyError``.
+
+    Required: ``site-id``, ``status``, ``sigma``, ``q``, ``steps``; every other key must be one
+    of ``client.protocol.ACCOUNTING_KEYS`` with the right type; values must be in range.
+    """
+    unknown = sorted(set(facts) - set(ACCOUNTING_KEYS))
+    if unknown:
+        raise ReplyError(f"unknown accounting facts {unknown[:3]}", "facts")
     required = {"site-id": str, "status": str, "sigma": float, "q": float, "steps": int}
     for name, kind in required.items():
         if name not in facts:
-            raise ReplyError(f"accounting facts lack {name!r}")
-        if kind is float and not isinstance(facts[name], int | float):
-            raise ReplyError(f"{name}={facts[name]!r} is not a number")
-        if kind is int and (not isinstance(facts[name], int) or isinstance(facts[name], bool)):
-            raise ReplyError(f"{name}={facts[name]!r} is not an integer")
-        if kind is str and not isinstance(facts[name], str):
-            raise ReplyError(f"{name}={facts[name]!r} is not a string")
-    if not facts["site-id"]:
-        raise ReplyError("empty site-id")
+            raise ReplyError(f"accounting facts lack {name!r}", "facts")
+        _check_type(name, facts[name], kind)
+    for name, kind in _OPTIONAL_FACTS.items():
+        if name in facts:
+            _check_type(name, facts[name], kind)
+    if not facts["site-id"] or len(facts["site-id"]) > 128:
+        raise ReplyError(f"site-id {facts['site-id'][:20]!r} is empty or too long", "facts")
     if facts["status"] not in (STATUS_OK, STATUS_REFUSED):
-        raise ReplyError(f"unknown status {facts['status']!r}")
+        raise ReplyError(f"unknown status {facts['status'][:20]!r}", "facts")
     sigma, q, steps = float(facts["sigma"]), float(facts["q"]), int(facts["steps"])
-    if not (math.isfinite(sigma) and sigma >= 0 and 0 < q <= 1 and steps >= 0):
-        raise ReplyError(f"impossible mechanism parameters sigma={sigma}, q={q}, steps={steps}")
+    if not (0 <= sigma <= _MAX_SIGMA and 0 < q <= 1 and 0 <= steps <= _MAX_STEPS):
+        raise ReplyError(
+            f"impossible mechanism parameters sigma={sigma}, q={q}, steps={steps}", "facts"
+        )
+    if "delta" in facts and not 0 < float(facts["delta"]) < 1:
+        raise ReplyError(f"delta={facts['delta']!r} is not in (0, 1)", "facts")
+    if "num-examples" in facts and not 1 <= int(facts["num-examples"]) <= 10**12:
+        raise ReplyError(f"num-examples={facts['num-examples']!r} is not in [1, 1e12]", "facts")
+    if SERVER_ROUND in facts and int(facts[SERVER_ROUND]) < 0:
+        raise ReplyError(f"server-round={facts[SERVER_ROUND]!r} is negative", "facts")
     return facts
 
 
@@ -97,6 +184,8 @@ class PrismStrategy(Strategy):
         run_id: this run's id in the ledger.
         sites_per_round, min_sites, server_lr, weight_by_examples, local_steps, default cap
         (epsilon, delta) and seed: see ``client.config.RunConfig``.
+        update_bound: the sites' local optimizer settings; when given, a reply whose update
+            norm exceeds what an honest site can produce (``prism_core.bounds``) is rejected.
     """
 
     def __init__(
@@ -116,6 +205,7 @@ class PrismStrategy(Strategy):
         weight_by_examples: bool = False,
         seed: int = 0,
         wait_for_nodes: float = 120.0,
+        update_bound: UpdateBound | None = None,
     ) -> None:
         self.modules, self.head, self.mode = modules, head, mode
         self.ledger, self.run_id = ledger, run_id
@@ -133,6 +223,12 @@ class PrismStrategy(Strategy):
         self.summaries: list[RoundSummary] = []
         self._broadcast: dict[str, Tensor] = {}
         self._sent_to: dict[int, int] = {}
+        self.update_bound = update_bound
+        self.site_node: dict[str, int] = {}
+        self._nonce = ""
+        self._connected: set[int] = set()
+        self._norm_bound: float | None = None  # tangent mode: bound on the update's norm
+        self._factor_bounds: dict[str, float] = {}  # factor-average: per-tensor bounds
 
     # -- selection -------------------------------------------------------------------------
 
@@ -173,7 +269,11 @@ class PrismStrategy(Strategy):
             return []
         chosen = self.rng.sample(eligible, min(self.sites_per_round, len(eligible)))
         self._broadcast = {k: v.clone() for k, v in arrays.to_torch_state_dict().items()}
-        config["server-round"] = server_round
+        self._connected = set(nodes)
+        self._nonce = secrets.token_hex(16)  # a replayed reply of any earlier round lacks it
+        config[SERVER_ROUND] = server_round
+        config[ROUND_NONCE] = self._nonce
+        self._set_bounds(server_round)
         content = RecordDict({ARRAYS: arrays, CONFIG: config})
         self._sent_to = {n: server_round for n in chosen}
         self.summaries.append(RoundSummary(server_round, sent=len(chosen)))
@@ -193,28 +293,151 @@ class PrismStrategy(Strategy):
             shapes[HEAD_PREFIX + name] = tuple(self._broadcast[HEAD_PREFIX + name].shape)
         return shapes
 
-    def _validate_update(self, update: ArrayRecord) -> dict[str, Tensor]:
+    def _set_bounds(self, server_round: int) -> None:
+        """This round's norm bounds on an honest update (``prism_core.bounds``)."""
+        self._norm_bound, self._factor_bounds = None, {}
+        ub = self.update_bound
+        if ub is None:
+            return
+        max_step = server_round * self.local_steps
+        head_lr = ub.lr if ub.head_lr is None else ub.head_lr
+        head_gain = adam_gain(beta1=ub.head_betas[0], beta2=ub.head_betas[1], max_step=max_step)
+        head_size = sum(self._broadcast[HEAD_PREFIX + n].numel() for n in self.head)
+        if self.mode == "tangent":
+            if ub.optimizer == "sgd":
+                return  # depends on the reply's sigma and q: computed per reply
+            points = [
+                Point(self._broadcast[key(m, "A")], self._broadcast[key(m, "B")])
+                for m in self.modules
+            ]
+            gain = adam_gain(
+                beta1=ub.beta1,
+                beta2=ub.beta2,
+                bias_correction=ub.bias_correction,
+                max_step=max_step,
+            )
+            self._norm_bound = round_update_norm_bound(
+                points,
+                lr=ub.lr,
+                local_steps=self.local_steps,
+                gain=gain,
+                head_size=head_size,
+                head_lr=head_lr,
+                head_gain=head_gain,
+            )
+            return
+        gain = adam_gain(beta1=ub.head_betas[0], beta2=ub.head_betas[1], max_step=max_step)
+        shapes = []
+        for m in self.modules:
+            (rows, r), n = self._broadcast[key(m, "A")].shape, self._broadcast[key(m, "B")].shape[0]
+            shapes.append((int(rows), int(n), int(r)))
+        bounds = factor_update_norm_bounds(
+            shapes, lr=ub.lr, local_steps=self.local_steps, gain=gain
+        )
+        for m, (bound_a, bound_b) in zip(self.modules, bounds, strict=True):
+            self._factor_bounds[key(m, "A")], self._factor_bounds[key(m, "B")] = bound_a, bound_b
+        for n in self.head:
+            size = self._broadcast[HEAD_PREFIX + n].numel()
+            self._factor_bounds[HEAD_PREFIX + n] = (
+                head_lr * self.local_steps * head_gain * (math.sqrt(size))
+            )
+
+    def _sgd_bound(self, facts: dict[str, Any]) -> float:
+        """Tangent-mode bound for plain DP-SGD sites, from the reply's sigma and q."""
+        from prism_core.bounds import dp_step_norm_bound, tangent_dimension
+
+        ub = self.update_bound
+        assert ub is not None
+        shapes = [
+            (*self._broadcast[key(m, "A")].shape, self._broadcast[key(m, "B")].shape[0])
+            for m in self.modules
+        ]
+        dim = tangent_dimension([(m, n, r) for m, r, n in shapes])
+        dim += sum(self._broadcast[HEAD_PREFIX + n].numel() for n in self.head)
+        step = dp_step_norm_bound(
+            max_norm=ub.max_norm,
+            noise_multiplier=float(facts["sigma"]),
+            expected_batch_size=ub.expected_batch_size,
+            sample_rate=float(facts["q"]),
+            dimension=dim,
+            failure=ub.failure / self.local_steps,
+        )
+        return round_update_norm_bound(
+            [], lr=ub.lr, local_steps=self.local_steps, optimizer="sgd", dp_step=step
+        )
+
+    def _validate_update(self, update: Any, facts: dict[str, Any]) -> dict[str, Tensor]:
+        """Keys, dtype, shapes, finite and sane values, and the mechanism's norm bound."""
+        if not isinstance(update, ArrayRecord):
+            raise ReplyError(f"update is a {type(update).__name__}, not an ArrayRecord", "keys")
         expected = self._expected_update_keys()
         got = set(update.keys())
         if got != set(expected):
             missing, extra = sorted(set(expected) - got), sorted(got - set(expected))
-            raise ReplyError(f"wrong update keys (missing {missing[:3]}, unexpected {extra[:3]})")
+            raise ReplyError(
+                f"wrong update keys (missing {missing[:3]}, unexpected {extra[:3]})", "keys"
+            )
         tensors = {}
         for name, array in update.items():
             if array.dtype != "float32":
-                raise ReplyError(f"{name}: dtype {array.dtype}, expected float32")
+                raise ReplyError(f"{name}: dtype {array.dtype}, expected float32", "dtype")
             if tuple(array.shape) != expected[name]:
-                raise ReplyError(f"{name}: shape {tuple(array.shape)}, expected {expected[name]}")
-            tensor = torch.from_numpy(array.numpy().copy())
+                raise ReplyError(
+                    f"{name}: shape {tuple(array.shape)}, expected {expected[name]}", "shape"
+                )
+            tensor = torch.from_numpy(array.numpy().copy()).reshape(expected[name])
             if not torch.isfinite(tensor).all():
-                raise ReplyError(f"{name}: contains NaN or Inf")
+                raise ReplyError(f"{name}: contains NaN or Inf", "non-finite")
+            if tensor.numel() and float(tensor.abs().max()) > _MAX_ABS:
+                raise ReplyError(
+                    f"{name}: an entry of size {float(tensor.abs().max()):.3g} > {_MAX_ABS:g}",
+                    "magnitude",
+                )
             tensors[name] = tensor
+        self._check_norm(tensors, facts)
         return tensors
+
+    def _check_norm(self, tensors: dict[str, Tensor], facts: dict[str, Any]) -> None:
+        """Reject an update larger than an honest site's round can produce (float64 norms)."""
+        if self.update_bound is None:
+            return
+        if self.mode == "factor-average":
+            for name, bound in self._factor_bounds.items():
+                moved = float((tensors[name].double() - self._broadcast[name].double()).norm())
+                if moved > bound * (1 + FLOAT32_SLACK) + 1e-6:
+                    raise ReplyError(
+                        f"{name} moved by {moved:.4g}, more than the {bound:.4g} that "
+                        f"{self.local_steps} AdamW steps at lr {self.update_bound.lr} allow",
+                        "norm",
+                    )
+            return
+        bound = self._norm_bound if self._norm_bound is not None else self._sgd_bound(facts)
+        total = 0.0
+        for m in self.modules:
+            A, B = self._broadcast[key(m, "A")].double(), self._broadcast[key(m, "B")].double()
+            dA, dB = tensors[key(m, "dA")].double(), tensors[key(m, "dB")].double()
+            total += float(tangent_norm_sq(A, B, dA, dB).clamp_min(0.0))
+        for n in self.head:
+            total += float(tensors[HEAD_PREFIX + n].double().square().sum())
+        norm = math.sqrt(total)
+        scale = math.sqrt(sum(float(v.double().square().sum()) for v in self._broadcast.values()))
+        if not math.isfinite(norm) or norm > bound * (1 + FLOAT32_SLACK) + 1e-6 * scale:
+            raise ReplyError(
+                f"update norm {norm:.4g} exceeds the bound {bound:.4g} implied by the mechanism "
+                f"({self.local_steps} steps at lr {self.update_bound.lr}, "
+                f"{self.update_bound.optimizer} optimizer)",
+                "norm",
+            )
 
     # -- aggregation -----------------------------------------------------------------------
 
     def _record(self, server_round: int, facts: dict[str, Any]) -> None:
-        if int(facts["steps"]) <= 0:
+        """Charge a reply's accounting facts to the ledger (see ``aggregate_train``)."""
+        steps = int(facts["steps"])
+        if facts["status"] == STATUS_OK:
+            # the round asked for tau steps: a site claiming fewer is charged tau all the same
+            steps = max(steps, self.local_steps)
+        if steps <= 0:
             return
         cap = float(facts.get("epsilon-cap", self.target_epsilon))
         delta = float(facts.get("delta", self.delta))
@@ -222,21 +445,69 @@ class PrismStrategy(Strategy):
             run_id=self.run_id,
             round=server_round,
             site_id=str(facts["site-id"]),
-            mechanism=str(facts.get("mechanism", "unknown")),
-            adjacency=str(facts.get("adjacency", "add-remove")),
-            sampling=str(facts.get("sampling", "poisson")),
+            mechanism=str(facts.get("mechanism", "unknown")) or "unknown",
+            adjacency=str(facts.get("adjacency", "add-remove")) or "add-remove",
+            sampling=str(facts.get("sampling", "poisson")) or "poisson",
             sigma=float(facts["sigma"]),
             q=float(facts["q"]),
-            steps=int(facts["steps"]),
+            steps=steps,
             delta=delta,
             epsilon_cap=cap if cap > 0 else None,
         )
-        self.ledger.append(event)
+        try:
+            self.ledger.append(event)
+        except InvalidEventError as exc:
+            raise ReplyError(f"accounting facts refused by the ledger: {exc}", "facts") from exc
+
+    def _check_origin(self, server_round: int, node: int, facts: dict[str, Any]) -> str:
+        """Round, nonce, node<->site binding and one reply per site; returns the site id.
+
+        A reply failing here is NOT charged to the ledger: a stale or replayed reply's facts
+        belong to (and were recorded in) another round, a reply from a node that was not asked
+        carries no steps this round asked for, and facts claiming another node's site cannot be
+        attributed. Sites keep their own durable ledger, which is the authority on their spend.
+        """
+        site = str(facts["site-id"])
+        if self._sent_to.get(node) != server_round:
+            raise ReplyError(f"node {node} was not asked in round {server_round}", "not-asked")
+        claimed = facts.get(SERVER_ROUND)
+        if claimed != server_round:
+            raise ReplyError(
+                f"reply is for round {claimed!r}, the current round is {server_round} "
+                "(stale or replayed)",
+                "stale-round",
+            )
+        if facts.get(ROUND_NONCE) != self._nonce:
+            raise ReplyError("reply does not echo this round's nonce (replayed)", "replay")
+        bound = self.node_site.get(node)
+        if bound is not None and bound != site:
+            raise ReplyError(f"node {node} is {bound!r} but claims to be {site!r}", "site-binding")
+        owner = self.site_node.get(site)
+        if owner is not None and owner != node and owner in self._connected:
+            raise ReplyError(
+                f"site {site!r} belongs to node {owner}, still connected; node {node} claims it",
+                "site-binding",
+            )
+        if owner is not None and owner != node:
+            log.warning("site %s moved from node %d to node %d", site, owner, node)
+            self.node_site.pop(owner, None)
+        self.node_site[node], self.site_node[site] = site, node
+        return site
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Validate, ledger and stream-aggregate the replies; apply if enough are valid."""
+        """Validate, ledger and stream-aggregate the replies; apply if enough are valid.
+
+        Per reply, in order: an error reply is skipped; the accounting facts are type- and
+        range-checked (``validate_facts``); the reply must come from a node asked this round,
+        carry this round's number and nonce, match the node's bound site id, and be the site's
+        first reply this round (``_check_origin``). Only then are its facts charged to the
+        ledger, so garbled facts, stale or replayed replies and duplicates are never counted,
+        while a reply whose UPDATE is bad (keys, dtype, shape, NaN/Inf, huge entries, a norm
+        beyond the mechanism's bound, steps other than the round's) is still charged: the
+        site spent that budget. Refusals are recorded and end the site's selection.
+        """
         summary = self.summaries[-1]
         sums: dict[str, Tensor] = {}
         total_weight = 0.0
@@ -244,21 +515,17 @@ class PrismStrategy(Strategy):
         for msg in replies:
             node = msg.metadata.src_node_id
             who = self.node_site.get(node, f"node-{node}")
-            if msg.has_error():
-                summary.rejected.append((who, f"error reply: {msg.error.reason}"))
-                continue
             try:
-                facts = validate_facts(dict(msg.content[ACCOUNTING]))
-                site = facts["site-id"]
-                bound = self.node_site.setdefault(node, site)
-                if bound != site:
-                    raise ReplyError(f"node {node} is {bound!r} but claims to be {site!r}")
-                if site in seen:
-                    raise ReplyError(f"second reply of {site!r} in round {server_round}")
-                if self._sent_to.get(node) != server_round:
-                    raise ReplyError(f"node {node} was not asked in round {server_round}")
-                seen.add(site)
+                if msg.has_error():
+                    raise ReplyError(f"error reply: {msg.error.reason}", "error-reply")
+                facts = self._facts_of(msg)
+                site = self._check_origin(server_round, node, facts)
                 who = site
+                if site in seen:
+                    raise ReplyError(
+                        f"second reply of {site!r} in round {server_round}", "duplicate"
+                    )
+                seen.add(site)
                 self._record(server_round, facts)
                 sigma, q = float(facts["sigma"]), float(facts["q"])
                 cap = float(facts.get("epsilon-cap", self.target_epsilon))
@@ -270,14 +537,20 @@ class PrismStrategy(Strategy):
                         "site %s refused round %d: %s", site, server_round, facts.get("reason", "")
                     )
                     continue
-                update = self._validate_update(msg.content[UPDATE])
-            except (ReplyError, KeyError, TypeError, ValueError) as exc:
-                summary.rejected.append((who, str(exc)))
+                if int(facts["steps"]) != self.local_steps:
+                    raise ReplyError(
+                        f"reply ran {facts['steps']} steps, the round asked for {self.local_steps}",
+                        "steps",
+                    )
+                update = self._validate_update(msg.content.get(UPDATE), facts)
+                weight = self._weight(facts)
+            except ReplyError as exc:
+                summary.reject(who, exc)
                 log.warning("round %d: rejected reply from %s: %s", server_round, who, exc)
                 continue
-            weight = float(facts.get("num-examples", 1)) if self.weight_by_examples else 1.0
             for name, tensor in update.items():
-                sums[name] = sums[name] + weight * tensor if name in sums else weight * tensor
+                value = weight * tensor.double()
+                sums[name] = sums[name] + value if name in sums else value
             total_weight += weight
             summary.accepted.append(site)
         if len(summary.accepted) < self.min_sites or total_weight <= 0:
@@ -288,9 +561,51 @@ class PrismStrategy(Strategy):
                 self.min_sites,
             )
             return None, self._metrics(summary)
-        means = {k: v / total_weight for k, v in sums.items()}
+        means = {k: (v / total_weight).float() for k, v in sums.items()}
+        new = self._apply_checked(means, summary)
+        if new is None:
+            return None, self._metrics(summary)
         summary.applied = True
-        return ArrayRecord(self._apply(means)), self._metrics(summary)
+        return ArrayRecord(new), self._metrics(summary)
+
+    def _facts_of(self, msg: Message) -> dict[str, Any]:
+        record = msg.content.get(ACCOUNTING)
+        if not isinstance(record, ConfigRecord):
+            raise ReplyError("reply has no accounting facts record", "facts")
+        return validate_facts(dict(record))
+
+    def _weight(self, facts: dict[str, Any]) -> float:
+        if not self.weight_by_examples:
+            return 1.0
+        if "num-examples" not in facts:
+            raise ReplyError("weight-by-examples is on but the reply has no num-examples", "facts")
+        return float(facts["num-examples"])
+
+    def _apply_checked(
+        self, means: dict[str, Tensor], summary: RoundSummary
+    ) -> dict[str, Tensor] | None:
+        """``_apply``, guarded: a non-finite mean or result, or lost rank, keeps the old adapter."""
+        reason = ""
+        if not all(torch.isfinite(v).all() for v in means.values()):
+            reason = "the aggregated update is not finite"
+        else:
+            new = self._apply(means)
+            if not all(torch.isfinite(v).all() for v in new.values()):
+                reason = "the retracted adapter is not finite"
+            else:
+                for m in self.modules:
+                    for part in ("A", "B"):
+                        sv = torch.linalg.svdvals(new[key(m, part)].double())
+                        if sv.numel() and float(sv[-1]) <= _MIN_RANK_RATIO * float(sv[0]):
+                            reason = f"the new {key(m, part)} lost rank (singular values {sv})"
+                            break
+                    if reason:
+                        break
+        if reason:
+            summary.discarded = reason
+            log.error("round %d: %s; global adapter unchanged", summary.server_round, reason)
+            return None
+        return new
 
     def _apply(self, means: dict[str, Tensor]) -> dict[str, Tensor]:
         new: dict[str, Tensor] = {}
@@ -321,6 +636,7 @@ class PrismStrategy(Strategy):
                 "sites-refused": len(summary.refused),
                 "replies-rejected": len(summary.rejected),
                 "applied": int(summary.applied),
+                **{f"rejected-{code}": n for code, n in sorted(summary.rejected_by_reason.items())},
             }
         )
 

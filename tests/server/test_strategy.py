@@ -8,7 +8,7 @@ from conftest import random_point
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
-from client.protocol import ACCOUNTING, UPDATE, key
+from client.protocol import ACCOUNTING, CONFIG, ROUND_NONCE, SERVER_ROUND, UPDATE, key
 from prism_core.accounting import PrivacyEvent, epsilon
 from prism_core.manifold import project_dense, retract, tangent_displacement, tangent_to_dense
 from server.ledger import Ledger
@@ -78,6 +78,8 @@ def _facts(site, steps=2, status="ok"):
 
 
 def _reply(request, arrays, facts):
+    config = request.content[CONFIG]  # an honest site echoes the round and its nonce
+    facts = {**facts, SERVER_ROUND: config[SERVER_ROUND], ROUND_NONCE: config[ROUND_NONCE]}
     content = RecordDict({UPDATE: ArrayRecord(arrays), ACCOUNTING: ConfigRecord(facts)})
     return Message(content=content, reply_to=request)
 
