@@ -1,0 +1,147 @@
+"""The coordinator's norm bound on a site's round update (prism_core.bounds), on real sites.
+
+Honest replies from the real trainer (tiny BERT, several seeds, PRISM with a DP head and the
+factor-space baseline) must pass with a wide margin; the same reply scaled past the bound must
+be rejected with reason ``norm``, and its accounting facts still charged.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+from client.config import RunConfig, SiteConfig, parse_config
+from client.exchange import head_named, to_arrays
+from client.protocol import ACCOUNTING, CONFIG, ROUND_NONCE, SERVER_ROUND, UPDATE
+from client.site import Site
+from server.ledger import Ledger
+from server.strategy import PrismStrategy, UpdateBound
+
+MARGIN = 0.5  # an honest update uses less than half of the bound
+
+
+@pytest.fixture(autouse=True)
+def _flower_identity():
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+
+
+class _Grid:
+    def __init__(self, nodes):
+        self.nodes = nodes
+
+    def get_node_ids(self):
+        return list(self.nodes)
+
+
+def _run(tiny_bert, seed, **overrides):
+    values = {
+        "model": tiny_bert,
+        "lora-rank": 4,
+        "local-steps": 3,
+        "batch-size": 16,
+        "micro-batch-size": 16,
+        "synthetic-examples": 48,
+        "max-length": 16,
+        "noise-multiplier": 0.8,
+        "target-epsilon": 50.0,
+        "max-norm": 0.5,
+        "lr": 0.05,
+        "seed": seed,
+    }
+    values.update(overrides)
+    return parse_config(RunConfig, values, what="run config")
+
+
+def _strategy(run, site, tmp_path):
+    return PrismStrategy(
+        modules=[h.name for h in site.loaded.handles],
+        head=[n for n, _ in head_named(site.loaded)],
+        mode="tangent" if run.method == "prism" else "factor-average",
+        ledger=Ledger.open(tmp_path / "ledger.sqlite"),
+        run_id="run",
+        sites_per_round=1,
+        min_sites=1,
+        server_lr=1.0,
+        local_steps=run.local_steps,
+        target_epsilon=run.target_epsilon,
+        delta=run.delta,
+        wait_for_nodes=0.0,
+        update_bound=UpdateBound(
+            lr=run.lr, max_norm=run.max_norm, expected_batch_size=run.batch_size
+        ),
+    )
+
+
+def _one_round(strategy, site, server_round):
+    """The real site trains from the strategy's broadcast; its reply (maybe scaled) goes back."""
+    broadcast = to_arrays(site.loaded)
+    (request,) = strategy.configure_train(
+        server_round, ArrayRecord(broadcast), ConfigRecord(), _Grid([7])
+    )
+    config = request.content[CONFIG]
+    reply = site.train_round(config[SERVER_ROUND], broadcast, nonce=config[ROUND_NONCE])
+    content = RecordDict(
+        {UPDATE: ArrayRecord(reply.arrays), ACCOUNTING: ConfigRecord(reply.accounting)}
+    )
+    return strategy.aggregate_train(server_round, [Message(content=content, reply_to=request)])
+
+
+def _norm_and_bound(strategy, arrays):
+    """The strategy's own norm of a reply and this round's bound, via a rejected probe."""
+    tensors = {k: torch.as_tensor(v) for k, v in arrays.items()}
+    strategy._check_norm(tensors, {})  # raises if over the bound
+    if strategy.mode == "tangent":
+        from prism_core.manifold import tangent_norm_sq
+
+        total = 0.0
+        for m in strategy.modules:
+            A, B = strategy._broadcast[f"{m}/A"].double(), strategy._broadcast[f"{m}/B"].double()
+            dA, dB = tensors[f"{m}/dA"].double(), tensors[f"{m}/dB"].double()
+            total += float(tangent_norm_sq(A, B, dA, dB))
+        for n in strategy.head:
+            total += float(tensors[f"head/{n}"].double().square().sum())
+        return total**0.5, strategy._norm_bound
+    ratios = [
+        float((tensors[k].double() - strategy._broadcast[k].double()).norm()) / b
+        for k, b in strategy._factor_bounds.items()
+    ]
+    return max(ratios), 1.0
+
+
+@pytest.mark.parametrize(
+    ("method", "seed"),
+    [("prism", 0), ("prism", 1), ("prism", 2), ("fedavg-factors", 0)],
+)
+def test_honest_site_updates_pass_with_margin_and_scaled_ones_are_rejected(
+    tiny_bert, tmp_path, method, seed
+):
+    head = {"lora-head": "train"} if method == "prism" else {}  # PRISM with its DP head
+    run = _run(tiny_bert, seed, method=method, **head)
+    node = parse_config(SiteConfig, {"partition-id": seed, "num-partitions": 3}, what="node config")
+    site = Site(run, node, tmp_path / "state")
+    strategy = _strategy(run, site, tmp_path)
+    for server_round in (1,):  # the next round starts with warm optimizer moments
+        _, metrics = _one_round(strategy, site, server_round)
+        assert metrics["sites-accepted"] == 1, strategy.summaries[-1].rejected
+    # measure the honest margin on one more round, then send that same reply scaled up
+    broadcast = to_arrays(site.loaded)
+    (request,) = strategy.configure_train(2, ArrayRecord(broadcast), ConfigRecord(), _Grid([7]))
+    config = request.content[CONFIG]
+    reply = site.train_round(2, broadcast, nonce=config[ROUND_NONCE])
+    norm, bound = _norm_and_bound(strategy, reply.arrays)
+    print(f"honest norm / bound = {norm / bound:.4f}")
+    assert 0 < norm < MARGIN * bound, (norm, bound)
+    factor = 1.5 * bound / norm
+    if strategy.mode == "tangent":
+        arrays = {k: (v * factor).contiguous() for k, v in reply.arrays.items()}
+    else:  # move the factors 1.5x further than the bound allows
+        arrays = {
+            k: (strategy._broadcast[k] + factor * (v - strategy._broadcast[k])).contiguous()
+            for k, v in reply.arrays.items()
+        }
+    content = RecordDict({UPDATE: ArrayRecord(arrays), ACCOUNTING: ConfigRecord(reply.accounting)})
+    new, metrics = strategy.aggregate_train(2, [Message(content=content, reply_to=request)])
+    assert new is None and metrics["rejected-norm"] == 1
+    assert [e.round for e in strategy.ledger.events(site.site_id)] == [1, 2]  # still charged
