@@ -1,0 +1,385 @@
+"""Hostile and broken replies through the strategy's real aggregation path (hypothesis fuzz).
+
+Each generated case runs two rounds on a fresh SQLite ledger: round 1 binds every node to its
+site with honest replies; round 2 receives, in a generated order, a mix of honest replies and
+malformed ones (wrong keys, shapes, dtypes, NaN/Inf, huge norms or entries, stale or replayed
+rounds, a wrong nonce, impersonated or unknown site ids, duplicates, unasked nodes, error
+replies, missing, garbled or mistyped accounting facts). After each round the global adapter
+must be finite and equal to what the honest replies alone give, and the ledger must hold
+exactly the events it should: facts of replies whose UPDATE is bad are charged; garbled facts,
+replays and duplicates are not.
+"""
+
+from __future__ import annotations
+
+import secrets
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from client.protocol import ACCOUNTING, CONFIG, ROUND_NONCE, SERVER_ROUND, UPDATE, key
+from prism_core.manifold import retract
+from server.ledger import Ledger
+from server.strategy import PrismStrategy, UpdateBound
+
+MODULES = ["m.0", "m.1"]
+SHAPE = (8, 6, 2)  # m, n, r
+HEAD = ["classifier.weight"]
+HEAD_SHAPE = (2, 6)
+NODES = [11, 12, 13]
+TAU = 2
+MIN_MALFORMED = 1000
+TOL = dict(rtol=1e-6, atol=1e-7)
+
+# kinds of one node's reply, by what the coordinator must do with its accounting facts
+VALID = ("valid", "valid-denormal")
+CHARGED = (  # facts fine, update bad: rejected, but the spent steps are recorded
+    "missing-key",
+    "extra-key",
+    "empty-update",
+    "wrong-shape",
+    "wrong-dtype",
+    "nan",
+    "inf",
+    "huge-norm",
+    "huge-entry",
+    "no-update",
+    "update-not-arrays",
+    "wrong-steps",
+)
+UNCHARGED = (  # facts unusable or not of this round: rejected and never recorded
+    "facts-missing",
+    "facts-type",
+    "facts-range",
+    "facts-unknown-key",
+    "no-facts",
+    "facts-not-config",
+    "stale-round",
+    "bad-nonce",
+    "no-nonce",
+    "impersonate",
+    "intruder",
+    "error",
+)
+KINDS = VALID + CHARGED + UNCHARGED + ("refused",)
+NOT_OF_THIS_ROUND = ("replay", "not-asked")  # extra replies: never charged, never aggregated
+REQUIRED = ("site-id", "status", "sigma", "q", "steps")
+BAD_TYPES = [
+    ("sigma", "1.0"),
+    ("q", True),
+    ("steps", 2.0),
+    ("steps", "2"),
+    ("site-id", 5),
+    ("status", b"ok"),
+    ("delta", "1e-5"),
+    ("server-round", 2.0),
+    ("round-nonce", 7),
+    ("epsilon-cap", [1.0, 2.0]),
+]
+BAD_RANGES = [
+    ("q", 0.0),
+    ("q", 1.5),
+    ("q", float("nan")),
+    ("sigma", -1.0),
+    ("sigma", float("nan")),
+    ("sigma", float("inf")),
+    ("steps", -1),
+    ("steps", 10**9),
+    ("delta", 2.0),
+    ("delta", 0.0),
+    ("status", "maybe"),
+    ("site-id", ""),
+    ("site-id", "x" * 300),
+    ("site-id", "line\nbreak"),
+    ("epsilon-cap", float("inf")),
+    ("num-examples", 0),
+    ("server-round", -2),
+]
+
+
+@pytest.fixture(autouse=True)
+def _flower_identity():
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+
+
+class _Grid:
+    def get_node_ids(self):
+        return list(NODES)
+
+
+def _site(node: int) -> str:
+    return f"site-{node}"
+
+
+def _global(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    m, n, r = SHAPE
+    arrays = {}
+    for module in MODULES:
+        arrays[key(module, "A")] = torch.randn(m, r, generator=g)
+        arrays[key(module, "B")] = torch.randn(n, r, generator=g)
+    for name in HEAD:
+        arrays["head/" + name] = torch.randn(*HEAD_SHAPE, generator=g)
+    return arrays
+
+
+def _honest_update(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    m, n, r = SHAPE
+    update = {}
+    for module in MODULES:
+        update[key(module, "dA")] = 1e-3 * torch.randn(m, r, generator=g)
+        update[key(module, "dB")] = 1e-3 * torch.randn(n, r, generator=g)
+    for name in HEAD:
+        update["head/" + name] = 1e-3 * torch.randn(*HEAD_SHAPE, generator=g)
+    return update
+
+
+def _honest_facts(node: int, request: Message) -> dict:
+    config = request.content[CONFIG]
+    return {
+        "site-id": _site(node),
+        "status": "ok",
+        "reason": "",
+        SERVER_ROUND: config[SERVER_ROUND],
+        ROUND_NONCE: config[ROUND_NONCE],
+        "mechanism": "prism-tangent-gaussian",
+        "adjacency": "add-remove",
+        "sampling": "poisson",
+        "sigma": 0.0,  # keeps the PRV accountant (selection) out of this fast loop
+        "q": 0.05,
+        "steps": TAU,
+        "delta": 1e-5,
+        "epsilon-cap": 10.0,
+        "epsilon": -1.0,
+    }
+
+
+@dataclass
+class Spec:
+    """One reply to send and what the coordinator must do with it."""
+
+    node: int
+    kind: str
+    message: Message
+    update: dict[str, torch.Tensor] | None = None  # what a valid reply contributes
+    charged_steps: int = TAU
+
+
+def _malform(kind, node, request, data, bound) -> Spec:
+    """Build a reply of the given kind from node ``node`` to ``request``."""
+    update = _honest_update(data.draw(st.integers(0, 2**16), label="update seed"))
+    facts = _honest_facts(node, request)
+    update_record: object = None
+    charged = TAU
+    pick = data.draw(st.sampled_from(sorted(update)), label="tensor")
+    if kind == "valid-denormal":
+        update[pick] = update[pick].clone()
+        update[pick].view(-1)[0] = 1e-45
+    elif kind == "missing-key":
+        del update[pick]
+    elif kind == "extra-key":
+        update["m.0/C"] = torch.zeros(3)
+    elif kind == "empty-update":
+        update = {}
+    elif kind == "wrong-shape":
+        update[pick] = torch.zeros(update[pick].shape[0] + 1, update[pick].shape[1])
+    elif kind == "wrong-dtype":
+        dtype = data.draw(st.sampled_from([torch.float64, torch.float16, torch.int32]))
+        update[pick] = update[pick].to(dtype)
+    elif kind in ("nan", "inf"):
+        value = float("nan") if kind == "nan" else data.draw(st.sampled_from([1, -1])) * 1e999
+        update[pick] = update[pick].clone()
+        index = data.draw(st.integers(0, update[pick].numel() - 1), label="index")
+        update[pick].view(-1)[index] = value
+    elif kind == "huge-norm":  # a consistent update, far beyond what tau steps can move
+        norm = sum(float(v.double().square().sum()) for v in update.values()) ** 0.5
+        factor = data.draw(st.floats(3.0, 1e3)) * bound / norm
+        update = {k: v * factor for k, v in update.items()}
+    elif kind == "huge-entry":
+        update[pick] = update[pick].clone()
+        update[pick].view(-1)[0] = data.draw(st.sampled_from([1e30, -3e38, 1e9]))
+    elif kind == "update-not-arrays":
+        update_record = ConfigRecord({"x": 1})
+    elif kind == "wrong-steps":
+        facts["steps"] = data.draw(st.sampled_from([0, 1, 3, 50]))
+        charged = max(facts["steps"], TAU)
+    elif kind == "facts-missing":
+        del facts[data.draw(st.sampled_from(REQUIRED))]
+    elif kind == "facts-type":
+        name, value = data.draw(st.sampled_from(BAD_TYPES))
+        facts[name] = value
+    elif kind == "facts-range":
+        name, value = data.draw(st.sampled_from(BAD_RANGES))
+        facts[name] = value
+    elif kind == "facts-unknown-key":
+        facts["train-loss"] = 0.31
+    elif kind == "stale-round":
+        facts[SERVER_ROUND] = data.draw(st.sampled_from([0, 1, 3, 10**6]))
+    elif kind == "bad-nonce":
+        facts[ROUND_NONCE] = secrets.token_hex(16)
+    elif kind == "no-nonce":
+        del facts[ROUND_NONCE]
+    elif kind == "impersonate":
+        facts["site-id"] = _site(data.draw(st.sampled_from([n for n in NODES if n != node])))
+    elif kind == "intruder":
+        facts["site-id"] = "intruder"
+    elif kind == "refused":
+        facts.update(status="refused", steps=0, reason="cap reached")
+        update = {}
+    if kind == "error":
+        message = Message(Error(code=1, reason="site crashed"), reply_to=request)
+        return Spec(node, kind, message)
+    content = RecordDict()
+    if kind == "no-update":
+        pass
+    elif update_record is not None:
+        content[UPDATE] = update_record
+    else:
+        content[UPDATE] = ArrayRecord({k: v.contiguous() for k, v in update.items()})
+    if kind == "facts-not-config":
+        content[ACCOUNTING] = MetricRecord({"sigma": 1.0})
+    elif kind != "no-facts":
+        content[ACCOUNTING] = ConfigRecord(facts)
+    valid = update if kind in VALID else None
+    return Spec(node, kind, Message(content=content, reply_to=request), valid, charged)
+
+
+def _strategy(folder: Path) -> PrismStrategy:
+    return PrismStrategy(
+        modules=MODULES,
+        head=HEAD,
+        mode="tangent",
+        ledger=Ledger.open(folder / "ledger.sqlite"),
+        run_id="fuzz",
+        sites_per_round=len(NODES),
+        min_sites=1,
+        server_lr=1.0,
+        local_steps=TAU,
+        target_epsilon=10.0,
+        delta=1e-5,
+        wait_for_nodes=0.0,
+        update_bound=UpdateBound(lr=0.05),
+    )
+
+
+def _expected_adapter(broadcast, updates):
+    """What the honest updates alone give: the exact tangent mean, retracted (server lr 1)."""
+    if not updates:
+        return None
+    mean = {k: (sum(u[k].double() for u in updates) / len(updates)).float() for k in updates[0]}
+    new = {}
+    for module in MODULES:
+        A, B = broadcast[key(module, "A")], broadcast[key(module, "B")]
+        A1, B1 = retract(A, B, mean[key(module, "dA")], mean[key(module, "dB")], 1.0)
+        new[key(module, "A")], new[key(module, "B")] = A1.float(), B1.float()
+    for name in HEAD:
+        new["head/" + name] = broadcast["head/" + name] + mean["head/" + name]
+    return new
+
+
+def _oracle(specs):
+    """Which replies are accepted and which facts are charged, from the kinds alone."""
+    seen, accepted, events = set(), [], []
+    for spec in specs:
+        if spec.kind in UNCHARGED + NOT_OF_THIS_ROUND:
+            continue
+        site = _site(spec.node)
+        if site in seen:  # one reply per site per round
+            continue
+        seen.add(site)
+        if spec.kind == "refused":
+            continue  # no steps ran
+        events.append((site, spec.charged_steps))
+        if spec.kind in VALID:
+            accepted.append(spec.update)
+    return accepted, events
+
+
+def _check_round(strategy, server_round, broadcast, specs, new, metrics, expected_events):
+    accepted, events = _oracle(specs)
+    want = _expected_adapter(broadcast, accepted)
+    if want is None:
+        assert new is None
+    else:
+        got = new.to_torch_state_dict()
+        assert all(torch.isfinite(t).all() for t in got.values())
+        assert set(got) == set(want)
+        for name, tensor in want.items():
+            torch.testing.assert_close(got[name], tensor, **TOL)
+    assert metrics["sites-accepted"] == len(accepted)
+    expected_events.extend((site, server_round, steps) for site, steps in events)
+    stored = [(e.site_id, e.round, e.steps) for e in strategy.ledger.events()]
+    assert sorted(stored) == sorted(expected_events)
+
+
+malformed_sent = 0
+
+
+@settings(
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(data=st.data())
+def _fuzz_two_rounds(data):
+    global malformed_sent
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as d:
+        strategy = _strategy(Path(d))
+        expected_events: list = []
+        glob = _global(data.draw(st.integers(0, 99), label="global seed"))
+        # round 1: honest replies bind each node to its site
+        requests = list(strategy.configure_train(1, ArrayRecord(glob), ConfigRecord(), _Grid()))
+        specs1 = [_malform("valid", r.metadata.dst_node_id, r, data, 1.0) for r in requests]
+        new, metrics = strategy.aggregate_train(1, [s.message for s in specs1])
+        _check_round(strategy, 1, glob, specs1, new, metrics, expected_events)
+        broadcast = new.to_torch_state_dict()
+        # round 2: one first reply per node plus extras, in a generated order
+        requests = list(
+            strategy.configure_train(2, ArrayRecord(broadcast), ConfigRecord(), _Grid())
+        )
+        by_node = {r.metadata.dst_node_id: r for r in requests}
+        bound = strategy._norm_bound
+        specs = []
+        for node, request in by_node.items():
+            kind = data.draw(st.sampled_from(KINDS), label=f"kind {node}")
+            specs.append(_malform(kind, node, request, data, bound))
+        for _ in range(data.draw(st.integers(3, 9), label="extras")):
+            extra = data.draw(st.sampled_from(["duplicate", "replay", "not-asked"]))
+            node = data.draw(st.sampled_from(NODES))
+            if extra == "duplicate":
+                kind = data.draw(st.sampled_from(KINDS))
+                specs.append(_malform(kind, node, by_node[node], data, bound))
+            elif extra == "replay":  # round 1's honest reply, re-sent in round 2
+                old = next(s for s in specs1 if s.node == node).message
+                replay = Message(content=old.content, reply_to=by_node[node])
+                specs.append(Spec(node, "replay", replay))
+            else:  # a node that was never asked sends a copy of a valid reply of this round
+                valid = _malform("valid", node, by_node[node], data, bound).message
+                stranger = Message(RecordDict(), dst_node_id=99, message_type="train")
+                specs.append(Spec(99, "not-asked", Message(valid.content, reply_to=stranger)))
+        order = data.draw(st.permutations(range(len(specs))), label="order")
+        specs = [specs[i] for i in order]
+        new, metrics = strategy.aggregate_train(2, [s.message for s in specs])
+        _check_round(strategy, 2, broadcast, specs, new, metrics, expected_events)
+        summary = strategy.summaries[-1]
+        assert metrics["replies-rejected"] == len(summary.rejected)
+        assert sum(summary.rejected_by_reason.values()) == len(summary.rejected)
+        malformed_sent += sum(s.kind not in (*VALID, "refused") for s in specs)
+        strategy.ledger.close()
+
+
+def test_fuzzed_hostile_replies_never_reach_the_adapter_and_ledger_is_exact():
+    global malformed_sent
+    malformed_sent = 0
+    _fuzz_two_rounds()
+    print(f"malformed replies sent: {malformed_sent}")
+    assert malformed_sent >= MIN_MALFORMED, malformed_sent
