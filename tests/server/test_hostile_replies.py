@@ -21,7 +21,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from client.protocol import ACCOUNTING, CONFIG, ROUND_NONCE, SERVER_ROUND, UPDATE, key
@@ -327,6 +327,7 @@ malformed_sent = 0
     max_examples=150,
     deadline=None,
     derandomize=True,
+    phases=(Phase.explicit, Phase.reuse, Phase.generate),  # a failure reports unshrunk, fast
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 @given(data=st.data())
