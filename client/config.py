@@ -8,13 +8,21 @@ every error names the key, the value found and what is allowed.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+import annotated_types
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from client.errors import ConfigError
 
-__all__ = ["RunConfig", "SiteConfig", "parse_config", "site_method"]
+__all__ = ["RunConfig", "SiteConfig", "describe_allowed", "parse_config", "site_method"]
 
 FedMethod = Literal["prism", "fedavg-factors", "ffa", "nondp"]
 MINILM = "minilm"
@@ -28,11 +36,20 @@ def _alias(name: str) -> str:
     return name.replace("_", "-")
 
 
+def _allowed_note(text: str) -> Any:
+    """``json_schema_extra`` for a field whose rule is not a plain bound (see describe_allowed)."""
+    return {"allowed": text}
+
+
 class RunConfig(_Kebab):
     """Everything the coordinator configures for a run (keys of ``[tool.flwr.app.config]``)."""
 
     model_config = ConfigDict(
-        extra="forbid", frozen=True, alias_generator=_alias, populate_by_name=True
+        extra="forbid",
+        frozen=True,
+        alias_generator=_alias,
+        populate_by_name=True,
+        allow_inf_nan=False,
     )
 
     model: str = Field(MINILM, description="HF model folder/name; 'minilm' = the bundled MiniLM")
@@ -40,7 +57,12 @@ class RunConfig(_Kebab):
     num_labels: int = Field(2, ge=2)
     lora_rank: int = Field(8, ge=1)
     lora_alpha: float = Field(16.0, gt=0)
-    lora_targets: str = Field("query,value", min_length=1, description="comma-separated names")
+    lora_targets: str = Field(
+        "query,value",
+        min_length=1,
+        description="comma-separated names",
+        json_schema_extra=_allowed_note("comma-separated module names, at least one"),
+    )
     lora_init: Literal["auto", "spectral-residual", "orthonormal", "standard"] = "auto"
     lora_head: Literal["frozen", "train"] = Field(
         "frozen", description="seq-cls head: frozen (seeded, public) or DP-trained (global clip)"
@@ -56,7 +78,9 @@ class RunConfig(_Kebab):
     lr: float = Field(0.02, gt=0, description="local learning rate")
     server_lr: float = Field(1.0, gt=0, description="server step on the aggregated update")
     noise_multiplier: float = Field(
-        -1.0, description="sigma; -1 = calibrate from target-epsilon over the planned steps"
+        -1.0,
+        description="sigma; -1 = calibrate from target-epsilon over the planned steps",
+        json_schema_extra=_allowed_note("a number >= 0, or -1 to calibrate"),
     )
     target_epsilon: float = Field(3.0, gt=0, description="default per-site epsilon cap")
     delta: float = Field(1e-5, gt=0, lt=1, description="default per-site delta")
@@ -79,13 +103,26 @@ class RunConfig(_Kebab):
     )
     round_timeout: float = Field(3600.0, gt=0, description="seconds to wait for replies")
 
+    @field_validator("noise_multiplier")
+    @classmethod
+    def _sigma_or_calibrate(cls, value: float) -> float:
+        if value < 0 and value != -1.0:
+            raise ValueError("must be >= 0, or -1 to calibrate")
+        return value
+
+    @field_validator("lora_targets")
+    @classmethod
+    def _some_target(cls, value: str) -> str:
+        if not any(t.strip() for t in value.split(",")):
+            raise ValueError("names no module")
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
-        if self.noise_multiplier < 0 and self.noise_multiplier != -1.0:
-            raise ValueError("noise-multiplier must be >= 0, or -1 to calibrate")
         if self.min_sites > self.sites_per_round:
             raise ValueError(
-                f"min-sites={self.min_sites} exceeds sites-per-round={self.sites_per_round}"
+                f"min-sites={self.min_sites} exceeds sites-per-round={self.sites_per_round} "
+                f"(allowed: 1 <= min-sites <= sites-per-round)"
             )
         return self
 
@@ -109,17 +146,43 @@ class SiteConfig(_Kebab):
     """A site's own settings (``--node-config`` of its SuperNode). The server cannot raise them."""
 
     model_config = ConfigDict(
-        extra="forbid", frozen=True, alias_generator=_alias, populate_by_name=True
+        extra="forbid",
+        frozen=True,
+        alias_generator=_alias,
+        populate_by_name=True,
+        allow_inf_nan=False,
     )
 
     site_id: str = Field("", description="stable site name; default site-<partition-id>")
     data_path: str = Field("", description="the site's training file (deployment)")
-    epsilon_cap: float = Field(-1.0, description="the site's own epsilon cap; -1 = run default")
-    delta: float = Field(-1.0, description="the site's own delta; -1 = run default")
+    epsilon_cap: float = Field(
+        -1.0,
+        description="the site's own epsilon cap; -1 = run default",
+        json_schema_extra=_allowed_note("a number > 0, or -1 for the run's cap"),
+    )
+    delta: float = Field(
+        -1.0,
+        description="the site's own delta; -1 = run default",
+        json_schema_extra=_allowed_note("a number > 0 and < 1, or -1 for the run's delta"),
+    )
     share_num_examples: bool = Field(False, description="report the shard size to the server")
     state_dir: str = Field("", description="durable site-local privacy ledger and optimizer state")
     partition_id: int = Field(-1, ge=-1, description="simulation: index of this site's partition")
     num_partitions: int = Field(-1, ge=-1, description="simulation: number of partitions")
+
+    @field_validator("epsilon_cap")
+    @classmethod
+    def _cap_or_default(cls, value: float) -> float:
+        if value <= 0 and value != -1.0:
+            raise ValueError("must be > 0, or -1 for the run's cap")
+        return value
+
+    @field_validator("delta")
+    @classmethod
+    def _delta_or_default(cls, value: float) -> float:
+        if not (0 < value < 1 or value == -1.0):
+            raise ValueError("must be > 0 and < 1, or -1 for the run's delta")
+        return value
 
     def cap(self, run: RunConfig) -> tuple[float, float]:
         """(epsilon cap, delta): the site's own values when set, never looser than the run's."""
@@ -139,8 +202,48 @@ class SiteConfig(_Kebab):
         raise ConfigError("node config needs site-id (deployment) or partition-id (simulation)")
 
 
+_BOUNDS = {
+    annotated_types.Gt: ("gt", ">"),
+    annotated_types.Ge: ("ge", ">="),
+    annotated_types.Lt: ("lt", "<"),
+    annotated_types.Le: ("le", "<="),
+}
+
+
+def describe_allowed(model: type[BaseModel], field: str) -> str:
+    """Human description of a field's allowed values, e.g. ``a number > 0 and < 1``.
+
+    A field whose rule is not a plain bound says it in ``json_schema_extra={"allowed": ...}``.
+    """
+    info = model.model_fields[field]
+    extra = info.json_schema_extra
+    if isinstance(extra, dict) and isinstance(extra.get("allowed"), str):
+        return str(extra["allowed"])
+    choices = [a for a in get_args(info.annotation) if isinstance(a, str)]
+    if choices:
+        return "one of " + ", ".join(repr(c) for c in choices)
+    kinds = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    args = get_args(info.annotation) or (info.annotation,)
+    kind = next((kinds[a] for a in args if a in kinds), "")
+    bounds = [
+        f"{symbol} {getattr(m, attr)}"
+        for m in info.metadata
+        for cls, (attr, symbol) in _BOUNDS.items()
+        if isinstance(m, cls)
+    ]
+    if any(getattr(m, "min_length", None) for m in info.metadata):
+        kind = "a non-empty string"
+    if float in args and model.model_config.get("allow_inf_nan", True) is False:
+        kind = "a finite number"
+    return " ".join(filter(None, [kind, " and ".join(bounds)]))
+
+
 def parse_config(model: type[_Kebab], values: Mapping[str, Any], *, what: str) -> Any:
-    """Validate a kebab-case mapping into ``model``; errors name key, value and the rule."""
+    """Validate a kebab-case mapping into ``model``; errors name key, value and allowed range.
+
+    Raises:
+        ConfigError: one ``<what> <key>=<value>: <problem> (allowed: <range>)`` per problem.
+    """
     valid = sorted(_alias(name) for name in model.model_fields)
     unknown = sorted(k for k in values if k not in valid)
     if unknown:
@@ -148,11 +251,18 @@ def parse_config(model: type[_Kebab], values: Mapping[str, Any], *, what: str) -
     try:
         return model.model_validate(dict(values))
     except ValidationError as exc:
+        by_key = {_alias(name): name for name in model.model_fields}
         lines = []
         for err in exc.errors():
-            key = ".".join(str(p) for p in err["loc"]) or "(config)"
+            msg = str(err["msg"]).removeprefix("Value error, ")
+            if not err["loc"]:  # a rule across keys: its message names keys, values and rule
+                lines.append(f"{what}: {msg}")
+                continue
+            key = _alias(str(err["loc"][0]))
             value = values.get(key, err.get("input"))
-            lines.append(f"{what} {key}={value!r}: {err['msg']}")
+            allowed = describe_allowed(model, by_key[key]) if key in by_key else ""
+            hint = f" (allowed: {allowed})" if allowed else ""
+            lines.append(f"{what} {key}={value!r}: {msg}{hint}")
         raise ConfigError("; ".join(lines)) from exc
 
 
