@@ -81,7 +81,7 @@ TRAIN_FIELDS = {
 class RunOptions(BaseModel):
     """Settings of one ``prism-train`` run that are not model or training settings."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     data: Path = Field(description="training data of this site (.jsonl, .csv, save_to_disk)")
     eval_data: Path | None = Field(None, description="held-out evaluation data")

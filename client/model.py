@@ -53,7 +53,7 @@ Init = Literal["spectral-residual", "orthonormal", "standard"]
 class ModelConfig(BaseModel):
     """What model to load and how to attach LoRA."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     model: str = Field(description="Hugging Face model name (local cache) or a local folder")
     task: Task = Field("seq-cls", description="seq-cls or causal-lm")

@@ -77,7 +77,7 @@ MECHANISMS: dict[str, str] = {
 class AdaptiveSettings(BaseModel):
     """PRISM's adaptive transform (``prism_core.adaptive.AdaptiveConfig``), reference defaults."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.999, ge=0, lt=1)
@@ -95,7 +95,7 @@ class AdaptiveSettings(BaseModel):
 class TrainConfig(BaseModel):
     """Local training and privacy settings of one site."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     method: Method = Field("prism", description="prism, dp-adamw, ffa or nondp")
     epsilon: float | None = Field(None, gt=0, description="target epsilon (cap); calibrates sigma")

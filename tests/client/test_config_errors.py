@@ -127,3 +127,16 @@ def test_every_problem_is_reported_at_once():
 def test_defaults_are_valid():
     assert parse_config(RunConfig, {}, what="run config") == RunConfig()
     assert parse_config(SiteConfig, {}, what="node config") == SiteConfig()
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan])
+@pytest.mark.parametrize("option", ["lr", "max_norm", "epsilon", "delta", "noise_multiplier"])
+def test_prism_train_refuses_non_finite_numbers_naming_flag_value_and_range(option, value):
+    from client.cli import build_configs
+
+    values = {"model": "m", "data": "train.jsonl", "epsilon": 3.0, option: value}
+    with pytest.raises(ConfigError) as info:
+        build_configs(values, {})
+    message = str(info.value)
+    assert f"--{option.replace('_', '-')}={value!r}" in message
+    assert "finite number" in message and "(allowed: a number >" in message
