@@ -364,6 +364,37 @@ def _validate_ledger(conn: sqlite3.Connection, path: Path) -> None:
             f"ledger {path}: tables or append-only triggers missing: {missing}. The ledger was "
             "altered outside prism-fl; restore it from a backup."
         )
+    _validate_rows(conn, path)
+
+
+def _validate_rows(conn: sqlite3.Connection, path: Path) -> None:
+    """Every stored event must be a valid ``LedgerEvent`` with the column types it was written with.
+
+    SQLite does not re-check CHECK constraints or column types on read, so a row edited outside
+    prism-fl (e.g. with ``ignore_check_constraints``) would otherwise be accounted as found. A
+    consistent edit to in-range values by someone with write access is NOT detectable here (no
+    MAC over the rows); protect the file with permissions and backups.
+    """
+    text, number, integer = {"text"}, {"integer", "real"}, {"integer"}
+    kinds = dict.fromkeys(_EVENT_COLUMNS, text)
+    kinds.update(round=integer, steps=integer, sigma=number, q=number, delta=number)
+    kinds["epsilon_cap"] = number | {"null"}
+    types = ", ".join(f"typeof({c})" for c in _EVENT_COLUMNS)
+    n = len(_EVENT_COLUMNS)
+    row_id: object = "?"
+    try:
+        for row in conn.execute(f"SELECT id, {', '.join(_EVENT_COLUMNS)}, {types} FROM events"):
+            row_id = row[0]
+            found = dict(zip(_EVENT_COLUMNS, row[1 + n :], strict=True))
+            wrong = {c: t for c, t in found.items() if t not in kinds[c]}
+            if wrong:
+                raise InvalidEventError(f"column types {wrong}")
+            _event_from_row(row[1 : 1 + n])
+    except (InvalidEventError, ValueError, TypeError, sqlite3.DatabaseError) as exc:
+        raise LedgerError(
+            f"ledger {path}: event row {row_id} is invalid ({exc}); the ledger was altered "
+            "outside prism-fl. Restore it from a backup; the file was not modified."
+        ) from exc
 
 
 def _create(path: Path) -> None:

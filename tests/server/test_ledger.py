@@ -291,9 +291,49 @@ def _truncated_ledger(keep: int | None) -> object:
     return make
 
 
+_NO_UPDATE = (
+    "CREATE TRIGGER events_no_update BEFORE UPDATE ON events BEGIN SELECT "
+    "RAISE(ABORT, 'prism-fl ledger: events are append-only, UPDATE refused'); END"
+)
+
+
+def _tampered(*statements: str, restore_trigger: bool = True) -> object:
+    """A real ledger edited outside prism-fl: trigger dropped, a row changed, trigger restored."""
+
+    def make(path: Path) -> None:
+        with Ledger.open(path) as led:
+            led.append_many([ev(r) for r in range(20)])
+        conn = sqlite3.connect(path)
+        conn.execute("PRAGMA ignore_check_constraints = ON")
+        conn.execute("DROP TRIGGER events_no_update")
+        for statement in statements:
+            conn.execute(statement)
+        if restore_trigger:
+            conn.execute(_NO_UPDATE)
+        conn.commit()
+        conn.close()
+
+    return make
+
+
+def _garbled_page(path: Path) -> None:
+    """Bytes overwritten at the start of the second page (a b-tree page header)."""
+    with Ledger.open(path) as led:
+        led.append_many([ev(r) for r in range(20)])
+    data = bytearray(path.read_bytes())
+    data[4096 : 4096 + 8] = bytes(b ^ 0xFF for b in data[4096 : 4096 + 8])
+    path.write_bytes(bytes(data))
+
+
 @pytest.mark.parametrize(
     ("make", "message"),
     [
+        (_tampered("UPDATE events SET sigma = 5.0", restore_trigger=False), "triggers missing"),
+        (_tampered("UPDATE events SET sigma = -1.0 WHERE round = 3"), "event row 4 is invalid"),
+        (_tampered("UPDATE events SET q = 2.0 WHERE round = 0"), "event row 1 is invalid"),
+        (_tampered("UPDATE events SET steps = 'many' WHERE round = 7"), "event row 8 is invalid"),
+        (_tampered("UPDATE events SET sigma = 'x' WHERE round = 9"), "column types"),
+        (_garbled_page, "corrupt|integrity check failed"),
         (_foreign_sqlite, r"application_id 0x0 and tables \['patients'\]"),
         (_spoofed_sqlite, "meta.application is 'something-else'"),
         (_newer_schema, "schema version '2'"),
@@ -305,6 +345,12 @@ def _truncated_ledger(keep: int | None) -> object:
         (_truncated_ledger(60), "truncated"),
     ],
     ids=[
+        "tampered-no-trigger",
+        "tampered-sigma",
+        "tampered-q",
+        "tampered-steps-text",
+        "tampered-sigma-text",
+        "garbled-page",
         "foreign",
         "spoofed",
         "newer",
