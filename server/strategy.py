@@ -49,8 +49,10 @@ from client.protocol import (
 from prism_core.bounds import (
     FLOAT32_SLACK,
     adam_gain,
+    dp_step_norm_bound,
     factor_update_norm_bounds,
     round_update_norm_bound,
+    tangent_dimension,
 )
 from prism_core.manifold import Point, retract, tangent_norm_sq
 from server.errors import InvalidEventError, ReplyError
@@ -299,9 +301,15 @@ class PrismStrategy(Strategy):
         ub = self.update_bound
         if ub is None:
             return
-        max_step = server_round * self.local_steps
+
+        def horizon(beta1: float, beta2: float) -> int | None:
+            # A site's optimizer step count can exceed server_round * tau (a state folder kept
+            # across runs), so take the supremum over all t when it is finite (b1^2 < b2).
+            return None if beta1**2 < beta2 else server_round * self.local_steps
+
         head_lr = ub.lr if ub.head_lr is None else ub.head_lr
-        head_gain = adam_gain(beta1=ub.head_betas[0], beta2=ub.head_betas[1], max_step=max_step)
+        b1, b2 = ub.head_betas
+        head_gain = adam_gain(beta1=b1, beta2=b2, max_step=horizon(b1, b2))
         head_size = sum(self._broadcast[HEAD_PREFIX + n].numel() for n in self.head)
         if self.mode == "tangent":
             if ub.optimizer == "sgd":
@@ -314,7 +322,7 @@ class PrismStrategy(Strategy):
                 beta1=ub.beta1,
                 beta2=ub.beta2,
                 bias_correction=ub.bias_correction,
-                max_step=max_step,
+                max_step=horizon(ub.beta1, ub.beta2),
             )
             self._norm_bound = round_update_norm_bound(
                 points,
@@ -326,7 +334,7 @@ class PrismStrategy(Strategy):
                 head_gain=head_gain,
             )
             return
-        gain = adam_gain(beta1=ub.head_betas[0], beta2=ub.head_betas[1], max_step=max_step)
+        gain = head_gain  # the baselines' factors use the same torch AdamW
         shapes = []
         for m in self.modules:
             (rows, r), n = self._broadcast[key(m, "A")].shape, self._broadcast[key(m, "B")].shape[0]
@@ -339,13 +347,11 @@ class PrismStrategy(Strategy):
         for n in self.head:
             size = self._broadcast[HEAD_PREFIX + n].numel()
             self._factor_bounds[HEAD_PREFIX + n] = (
-                head_lr * self.local_steps * head_gain * (math.sqrt(size))
+                head_lr * self.local_steps * head_gain * math.sqrt(size)
             )
 
     def _sgd_bound(self, facts: dict[str, Any]) -> float:
         """Tangent-mode bound for plain DP-SGD sites, from the reply's sigma and q."""
-        from prism_core.bounds import dp_step_norm_bound, tangent_dimension
-
         ub = self.update_bound
         assert ub is not None
         shapes = [
