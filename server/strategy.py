@@ -128,9 +128,10 @@ _OPTIONAL_FACTS: dict[str, type] = {
 
 
 def _check_type(name: str, value: Any, kind: type) -> None:
+    """Type (and for numbers finiteness) of one fact; the site's own ``epsilon`` may be inf."""
     if kind is float and not (isinstance(value, int | float) and not isinstance(value, bool)):
         raise ReplyError(f"accounting fact {name}={value!r} is not a number", "facts")
-    if kind is float and not math.isfinite(float(value)):
+    if kind is float and name != "epsilon" and not math.isfinite(float(value)):
         raise ReplyError(f"accounting fact {name}={value!r} is not finite", "facts")
     if kind is int and (not isinstance(value, int) or isinstance(value, bool)):
         raise ReplyError(f"accounting fact {name}={value!r} is not an integer", "facts")

@@ -145,3 +145,60 @@ def test_honest_site_updates_pass_with_margin_and_scaled_ones_are_rejected(
     new, metrics = strategy.aggregate_train(2, [Message(content=content, reply_to=request)])
     assert new is None and metrics["rejected-norm"] == 1
     assert [e.round for e in strategy.ledger.events(site.site_id)] == [1, 2]  # still charged
+
+
+def test_sgd_bound_follows_the_reported_noise_and_rejects_past_it(tmp_path):
+    """Plain DP-SGD sites: the bound uses C, b and the reply's sigma; 0.9x passes, 1.1x fails."""
+    from conftest import random_point
+
+    from prism_core.bounds import dp_step_norm_bound, tangent_dimension
+    from prism_core.manifold import tangent_norm_sq
+
+    m, n, r = 12, 10, 3
+    A, B = random_point(m, n, r, 0, dtype=torch.float32)
+    glob = {"mod/A": A, "mod/B": B}
+    g = torch.Generator().manual_seed(0)
+    dA, dB = torch.randn(m, r, generator=g), torch.randn(n, r, generator=g)
+    unit = float(tangent_norm_sq(A.double(), B.double(), dA.double(), dB.double())) ** 0.5
+    C, b, lr, tau, sigma, q = 0.5, 32.0, 0.1, 2, 1.2, 0.1
+    step = dp_step_norm_bound(
+        max_norm=C,
+        noise_multiplier=sigma,
+        expected_batch_size=b,
+        sample_rate=q,
+        dimension=tangent_dimension([(m, n, r)]),
+        failure=1e-9 / tau,
+    )
+    bound = 2 * lr * tau * step
+    for factor, accepted in ((0.9, 1), (1.1, 0)):
+        strategy = PrismStrategy(
+            modules=["mod"],
+            head=[],
+            mode="tangent",
+            ledger=Ledger.open(tmp_path / f"ledger-{factor}.sqlite"),
+            run_id="run",
+            sites_per_round=1,
+            min_sites=1,
+            server_lr=1.0,
+            local_steps=tau,
+            target_epsilon=10.0,
+            delta=1e-5,
+            wait_for_nodes=0.0,
+            update_bound=UpdateBound(lr=lr, optimizer="sgd", max_norm=C, expected_batch_size=b),
+        )
+        (request,) = strategy.configure_train(1, ArrayRecord(glob), ConfigRecord(), _Grid([3]))
+        config = request.content[CONFIG]
+        facts = {
+            "site-id": "s",
+            "status": "ok",
+            "sigma": sigma,
+            "q": q,
+            "steps": tau,
+            SERVER_ROUND: 1,
+            ROUND_NONCE: config[ROUND_NONCE],
+        }
+        scale = factor * bound / unit
+        update = {"mod/dA": (scale * dA).contiguous(), "mod/dB": (scale * dB).contiguous()}
+        content = RecordDict({UPDATE: ArrayRecord(update), ACCOUNTING: ConfigRecord(facts)})
+        _, metrics = strategy.aggregate_train(1, [Message(content=content, reply_to=request)])
+        assert metrics["sites-accepted"] == accepted, strategy.summaries[-1].rejected
