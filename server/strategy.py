@@ -112,7 +112,7 @@ class UpdateBound:
 _MAX_STEPS = 10**6  # more local steps than any real round; larger is a garbled fact
 _MAX_SIGMA = 1e4
 _MAX_ABS = 1e8  # no adapter or update entry is this large; rejected before any arithmetic
-_MIN_RANK_RATIO = 1e-6  # smallest / largest singular value a retracted factor may keep
+_MIN_RANK_RATIO = 1e-6  # s_r / s_1 of a retracted Z = A B.T below this: rank r is lost in float32
 _OPTIONAL_FACTS: dict[str, type] = {
     SERVER_ROUND: int,
     ROUND_NONCE: str,
@@ -601,12 +601,12 @@ class PrismStrategy(Strategy):
                 reason = "the retracted adapter is not finite"
             else:
                 for m in self.modules:
-                    for part in ("A", "B"):
-                        sv = torch.linalg.svdvals(new[key(m, part)].double())
-                        if sv.numel() and float(sv[-1]) <= _MIN_RANK_RATIO * float(sv[0]):
-                            reason = f"the new {key(m, part)} lost rank (singular values {sv})"
-                            break
-                    if reason:
+                    A, B = new[key(m, "A")].double(), new[key(m, "B")].double()
+                    RA = torch.linalg.qr(A, mode="r")[1]
+                    RB = torch.linalg.qr(B, mode="r")[1]
+                    sv = torch.linalg.svdvals(RA @ RB.mT)  # singular values of Z = A B.T
+                    if not float(sv[-1]) > _MIN_RANK_RATIO * float(sv[0]):
+                        reason = f"the new {m} lost rank (singular values {sv.tolist()})"
                         break
         if reason:
             summary.discarded = reason

@@ -384,3 +384,46 @@ def test_fuzzed_hostile_replies_never_reach_the_adapter_and_ledger_is_exact():
     _fuzz_two_rounds()
     print(f"malformed replies sent: {malformed_sent}")
     assert malformed_sent >= MIN_MALFORMED, malformed_sent
+
+
+def test_an_update_that_annihilates_a_direction_keeps_the_old_adapter(tmp_path, caplog):
+    """A valid-looking tangent update ``-s_r u_r v_r^T`` makes the retraction lose rank."""
+    glob = _global(3)
+    strategy = PrismStrategy(
+        modules=MODULES,
+        head=HEAD,
+        mode="tangent",
+        ledger=Ledger.open(tmp_path / "ledger.sqlite"),
+        run_id="rank",
+        sites_per_round=1,
+        min_sites=1,
+        server_lr=1.0,
+        local_steps=TAU,
+        target_epsilon=10.0,
+        delta=1e-5,
+        wait_for_nodes=0.0,
+    )
+
+    class _One:
+        def get_node_ids(self):
+            return [NODES[0]]
+
+    (request,) = strategy.configure_train(1, ArrayRecord(glob), ConfigRecord(), _One())
+    update = {}
+    for module in MODULES:
+        A, B = glob[key(module, "A")].double(), glob[key(module, "B")].double()
+        U, S, Vh = torch.linalg.svd(A @ B.T)
+        G = -S[SHAPE[2] - 1] * torch.outer(U[:, SHAPE[2] - 1], Vh[SHAPE[2] - 1])  # in tangent space
+        # its lift: dA = G B N^{-1} (dB = 0) represents G exactly since G's columns lie in col(A)
+        dA = G @ B @ torch.linalg.inv(B.T @ B)
+        update[key(module, "dA")] = dA.float()
+        update[key(module, "dB")] = torch.zeros(SHAPE[1], SHAPE[2])
+    update["head/" + HEAD[0]] = torch.zeros(*HEAD_SHAPE)
+    facts = _honest_facts(NODES[0], request)
+    content = RecordDict({UPDATE: ArrayRecord(update), ACCOUNTING: ConfigRecord(facts)})
+    with caplog.at_level("ERROR", logger="server.strategy"):
+        new, metrics = strategy.aggregate_train(1, [Message(content=content, reply_to=request)])
+    assert new is None and metrics["applied"] == 0 and metrics["sites-accepted"] == 1
+    assert "lost rank" in strategy.summaries[-1].discarded
+    assert "lost rank" in caplog.text
+    assert [(e.site_id, e.steps) for e in strategy.ledger.events()] == [(_site(NODES[0]), TAU)]
