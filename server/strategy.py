@@ -55,7 +55,7 @@ from prism_core.bounds import (
     tangent_dimension,
 )
 from prism_core.manifold import Point, retract, tangent_norm_sq
-from server.errors import InvalidEventError, ReplyError
+from server.errors import ConfigError, InvalidEventError, ReplyError
 from server.ledger import Ledger, LedgerEvent
 
 __all__ = ["PrismStrategy", "RoundSummary", "UpdateBound", "validate_facts"]
@@ -98,7 +98,7 @@ class UpdateBound:
     """
 
     lr: float
-    optimizer: str = "adaptive"
+    optimizer: Literal["adaptive", "sgd"] = "adaptive"
     beta1: float = 0.9
     beta2: float = 0.999
     bias_correction: bool = True
@@ -107,6 +107,19 @@ class UpdateBound:
     max_norm: float = 0.0
     expected_batch_size: float = 0.0
     failure: float = 1e-9
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in ("adaptive", "sgd"):
+            raise ConfigError(f"optimizer={self.optimizer!r}: use 'adaptive' or 'sgd'")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ConfigError(f"lr={self.lr!r}: the sites' local lr must be finite and > 0")
+        if self.optimizer == "sgd" and not (self.max_norm > 0 and self.expected_batch_size > 0):
+            raise ConfigError(
+                f"optimizer='sgd' needs max_norm > 0 and expected_batch_size > 0, got "
+                f"{self.max_norm!r} and {self.expected_batch_size!r}"
+            )
+        if not 0 < self.failure < 1:
+            raise ConfigError(f"failure={self.failure!r}: must be in (0, 1)")
 
 
 _MAX_STEPS = 10**6  # more local steps than any real round; larger is a garbled fact
