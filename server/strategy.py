@@ -405,7 +405,10 @@ class PrismStrategy(Strategy):
                 raise ReplyError(
                     f"{name}: shape {tuple(array.shape)}, expected {expected[name]}", "shape"
                 )
-            tensor = torch.from_numpy(array.numpy().copy()).reshape(expected[name])
+            try:
+                tensor = torch.from_numpy(array.numpy().copy()).reshape(expected[name])
+            except Exception as exc:  # a garbled payload of the right declared dtype and shape
+                raise ReplyError(f"{name}: cannot decode the array ({exc!r})", "dtype") from exc
             if not torch.isfinite(tensor).all():
                 raise ReplyError(f"{name}: contains NaN or Inf", "non-finite")
             if tensor.numel() and float(tensor.abs().max()) > _MAX_ABS:
@@ -564,9 +567,10 @@ class PrismStrategy(Strategy):
                     )
                 update = self._validate_update(msg.content.get(UPDATE), facts)
                 weight = self._weight(facts)
-            except ReplyError as exc:
-                summary.reject(who, exc)
-                log.warning("round %d: rejected reply from %s: %s", server_round, who, exc)
+            except (ReplyError, KeyError, TypeError, ValueError) as exc:
+                error = exc if isinstance(exc, ReplyError) else ReplyError(repr(exc), "invalid")
+                summary.reject(who, error)
+                log.warning("round %d: rejected reply from %s: %s", server_round, who, error)
                 continue
             for name, tensor in update.items():
                 value = weight * tensor.double()

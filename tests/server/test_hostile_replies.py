@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -53,6 +53,7 @@ CHARGED = (  # facts fine, update bad: rejected, but the spent steps are recorde
     "no-update",
     "update-not-arrays",
     "wrong-steps",
+    "garbled-payload",
 )
 UNCHARGED = (  # facts unusable or not of this round: rejected and never recorded
     "facts-missing",
@@ -243,7 +244,20 @@ def _malform(kind, node, request, data, bound) -> Spec:
     elif update_record is not None:
         content[UPDATE] = update_record
     else:
-        content[UPDATE] = ArrayRecord({k: v.contiguous() for k, v in update.items()})
+        arrays = {k: Array(v.contiguous().numpy()) for k, v in update.items()}
+        if kind == "garbled-payload":  # declared float32 and the right shape, bytes are not
+            shape = tuple(update[pick].shape)
+            payload = data.draw(
+                st.sampled_from(
+                    [
+                        b"garbage",
+                        Array(torch.zeros(2, 2).numpy()).data,  # a valid array of another shape
+                        bytes(data.draw(st.binary(min_size=0, max_size=300), label="bytes")),
+                    ]
+                )
+            )
+            arrays[pick] = Array(dtype="float32", shape=shape, stype="numpy.ndarray", data=payload)
+        content[UPDATE] = ArrayRecord(arrays)
     if kind == "facts-not-config":
         content[ACCOUNTING] = MetricRecord({"sigma": 1.0})
     elif kind != "no-facts":
