@@ -7,15 +7,7 @@ from flwr.clientapp import ClientApp
 
 from client.config import RunConfig, SiteConfig, parse_config
 from client.logs import setup_logging
-from client.protocol import (
-    ACCOUNTING,
-    ARRAYS,
-    CONFIG,
-    NONPRIVATE,
-    ROUND_NONCE,
-    SERVER_ROUND,
-    UPDATE,
-)
+from client.protocol import ACCOUNTING, ARRAYS, CONFIG, NONPRIVATE, ROUND_NONCE, UPDATE
 from client.site import get_site
 
 app = ClientApp()
@@ -30,11 +22,13 @@ def train(msg: Message, context: Context) -> Message:
     config = msg.content[CONFIG]
     arrays = msg.content[ARRAYS].to_torch_state_dict()
     worker = get_site(run, site, run_dir=str(config.get("run-dir", "")))
-    nonce = str(config.get(ROUND_NONCE, ""))
-    reply = worker.train_round(int(config[SERVER_ROUND]), arrays, nonce=nonce)
+    reply = worker.train_round(int(config["server-round"]), arrays)
     content = RecordDict(
         {UPDATE: ArrayRecord(reply.arrays), ACCOUNTING: ConfigRecord(reply.accounting)}
     )
     if reply.nonprivate:  # opt-in only, labelled non-private in its key and record name
         content[NONPRIVATE] = MetricRecord(reply.nonprivate)
+    # Freshness: echo this round's nonce (also on a stored reply the site resends), so the
+    # coordinator can tell this answer from a replay of an earlier round's.
+    content[ACCOUNTING][ROUND_NONCE] = str(config.get(ROUND_NONCE, ""))
     return Message(content=content, reply_to=msg)

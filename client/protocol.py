@@ -3,15 +3,17 @@
 Server -> site (train): RecordDict with
   ``ARRAYS``   ArrayRecord: per LoRA module ``<module>/A`` (m, r) and ``<module>/B`` (n, r)
                float32 in PRISM layout (DESIGN.md §1), and ``head/<name>`` for a DP head;
-  ``CONFIG``   ConfigRecord: ``SERVER_ROUND``, ``ROUND_NONCE`` (fresh random per round; the
-               site echoes both in its accounting facts so a stale or replayed reply is
-               recognised), ``run-dir`` (simulation only).
+  ``CONFIG``   ConfigRecord: ``server-round``, ``run-dir`` (simulation only).
 Site -> server (train reply): RecordDict with
   ``UPDATE``   ArrayRecord: PRISM: ``<module>/dA``, ``<module>/dB`` (the tangent update at the
                broadcast point) and ``head/<name>`` deltas; factor-averaging baselines: the end
                factors ``<module>/A``, ``<module>/B`` and ``head/<name>`` values;
   ``ACCOUNTING`` ConfigRecord of accounting facts only (see ``ACCOUNTING_KEYS``);
   ``NONPRIVATE`` MetricRecord, present only when the run opts in (labelled non-private).
+
+Freshness: every train message's ``CONFIG`` also carries ``ROUND_NONCE`` (random, new each
+round); the ClientApp echoes it in ``ACCOUNTING`` next to ``server-round`` (``SERVER_ROUND``),
+so the coordinator rejects a stale or replayed reply.
 """
 
 from __future__ import annotations

@@ -23,14 +23,7 @@ from client.errors import ConfigError
 from client.exchange import head_named, load_arrays
 from client.lora import read_points
 from client.model import LoadedModel, ModelConfig, load_model
-from client.protocol import (
-    HEAD_PREFIX,
-    ROUND_NONCE,
-    SERVER_ROUND,
-    STATUS_OK,
-    STATUS_REFUSED,
-    key,
-)
+from client.protocol import HEAD_PREFIX, STATUS_OK, STATUS_REFUSED, key
 from client.site_ledger import SiteLedger, SiteLedgerEntry
 from client.synthetic import synthetic_examples
 from client.trainer import MECHANISMS, PrivateTrainer, TrainConfig
@@ -171,14 +164,13 @@ class Site:
     # -- one round -------------------------------------------------------------------------
 
     def _facts(
-        self, server_round: int, status: str, steps: int, reason: str = "", nonce: str = ""
+        self, server_round: int, status: str, steps: int, reason: str = ""
     ) -> dict[str, Any]:
         facts: dict[str, Any] = {
             "site-id": self.site_id,
             "status": status,
             "reason": reason,
-            SERVER_ROUND: server_round,
-            ROUND_NONCE: nonce,  # echoed so the coordinator can tell a replay from this round
+            "server-round": server_round,
             "mechanism": self.trainer_mechanism(),
             "adjacency": ADJACENCY,
             "sampling": "poisson",
@@ -196,13 +188,8 @@ class Site:
     def trainer_mechanism(self) -> str:
         return MECHANISMS[self.method]
 
-    def train_round(
-        self, server_round: int, arrays: dict[str, Tensor], *, nonce: str = ""
-    ) -> RoundReply:
-        """Run one round from the broadcast ``arrays``; refuse if it would pass the site's cap.
-
-        ``nonce`` is the round's ``ROUND_NONCE`` from the coordinator, echoed in the facts.
-        """
+    def train_round(self, server_round: int, arrays: dict[str, Tensor]) -> RoundReply:
+        """Run one round from the broadcast ``arrays``; refuse if it would pass the site's cap."""
         tau = self.run.local_steps
         history = self.ledger.events()
         if self.method != "nondp":
@@ -214,7 +201,7 @@ class Site:
                     f"(spent {spent:.4f} at delta={self.delta})"
                 )
                 log.warning("site %s refuses round %d: %s", self.site_id, server_round, reason)
-                return RoundReply({}, self._facts(server_round, STATUS_REFUSED, 0, reason, nonce))
+                return RoundReply({}, self._facts(server_round, STATUS_REFUSED, 0, reason))
             self.ledger.charge(
                 SiteLedgerEntry(
                     server_round,
@@ -244,8 +231,7 @@ class Site:
                 value - arrays[HEAD_PREFIX + name].float() if self.run.method == "prism" else value
             )
         reply = RoundReply(
-            {k: v.contiguous() for k, v in out.items()},
-            self._facts(server_round, STATUS_OK, tau, nonce=nonce),
+            {k: v.contiguous() for k, v in out.items()}, self._facts(server_round, STATUS_OK, tau)
         )
         if self.run.report_train_loss:
             reply.nonprivate["nonprivate-train-loss"] = sum(r.loss for r in results) / len(results)

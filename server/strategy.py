@@ -240,7 +240,6 @@ class PrismStrategy(Strategy):
         self._broadcast: dict[str, Tensor] = {}
         self._sent_to: dict[int, int] = {}
         self.update_bound = update_bound
-        self.site_node: dict[str, int] = {}
         self._nonce = ""
         self._connected: set[int] = set()
         self._norm_bound: float | None = None  # tangent mode: bound on the update's norm
@@ -482,6 +481,11 @@ class PrismStrategy(Strategy):
         except InvalidEventError as exc:
             raise ReplyError(f"accounting facts refused by the ledger: {exc}", "facts") from exc
 
+    @property
+    def site_node(self) -> dict[str, int]:
+        """The node each bound site answers from (the inverse of ``node_site``)."""
+        return {site: node for node, site in self.node_site.items()}
+
     def _check_origin(self, server_round: int, node: int, facts: dict[str, Any]) -> str:
         """Round, nonce, node<->site binding and one reply per site; returns the site id.
 
@@ -514,7 +518,7 @@ class PrismStrategy(Strategy):
         if owner is not None and owner != node:
             log.warning("site %s moved from node %d to node %d", site, owner, node)
             self.node_site.pop(owner, None)
-        self.node_site[node], self.site_node[site] = site, node
+        self.node_site[node] = site
         return site
 
     def aggregate_train(

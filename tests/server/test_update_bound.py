@@ -81,10 +81,9 @@ def _one_round(strategy, site, server_round):
         server_round, ArrayRecord(broadcast), ConfigRecord(), _Grid([7])
     )
     config = request.content[CONFIG]
-    reply = site.train_round(config[SERVER_ROUND], broadcast, nonce=config[ROUND_NONCE])
-    content = RecordDict(
-        {UPDATE: ArrayRecord(reply.arrays), ACCOUNTING: ConfigRecord(reply.accounting)}
-    )
+    reply = site.train_round(config[SERVER_ROUND], broadcast)
+    facts = {**reply.accounting, ROUND_NONCE: config[ROUND_NONCE]}  # as the ClientApp echoes it
+    content = RecordDict({UPDATE: ArrayRecord(reply.arrays), ACCOUNTING: ConfigRecord(facts)})
     return strategy.aggregate_train(server_round, [Message(content=content, reply_to=request)])
 
 
@@ -129,7 +128,8 @@ def test_honest_site_updates_pass_with_margin_and_scaled_ones_are_rejected(
     broadcast = to_arrays(site.loaded)
     (request,) = strategy.configure_train(2, ArrayRecord(broadcast), ConfigRecord(), _Grid([7]))
     config = request.content[CONFIG]
-    reply = site.train_round(2, broadcast, nonce=config[ROUND_NONCE])
+    reply = site.train_round(2, broadcast)
+    reply.accounting[ROUND_NONCE] = config[ROUND_NONCE]  # as the ClientApp echoes it
     norm, bound = _norm_and_bound(strategy, reply.arrays)
     print(f"honest norm / bound = {norm / bound:.4f}")
     assert 0 < norm < MARGIN * bound, (norm, bound)
