@@ -209,8 +209,8 @@ def round_update_norm_bound(
       factors' spectral norms; after a retraction the factors are balanced,
       ``||A_k||_2 = ||B_k||_2 = sqrt(s1(Z_k))``, and ``s1(Z_{k+1}) <= s1(Z_k) + lr ||xi_k||``.
     - ``optimizer="sgd"``: ``xi_k`` is the DP update itself; ``dp_step`` bounds its norm over
-      all modules and the head (``dp_step_norm_bound`` with ``failure / tau`` per step), and the
-      whole round is ``<= 2 lr tau dp_step``.
+      all modules and the head, stepped with the same lr (``dp_step_norm_bound`` with
+      ``failure / tau`` per step, a union bound), and the whole round is ``<= 2 lr tau dp_step``.
     - A DP head trained with torch Adam/AdamW (no weight decay) moves by at most
       ``head_lr tau head_gain sqrt(head_size)``; the result combines modules and head in
       quadrature.
