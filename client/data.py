@@ -110,7 +110,11 @@ def _row_error(row: _Row, what: str, fix: str) -> DataError:
 
 
 def load_examples(
-    path: str | PathLike[str], task: str, *, text_fields: Sequence[str] | None = None
+    path: str | PathLike[str],
+    task: str,
+    *,
+    text_fields: Sequence[str] | None = None,
+    num_labels: int | None = None,
 ) -> list[Example]:
     """Read and validate the examples of one site.
 
@@ -122,6 +126,8 @@ def load_examples(
         text_fields: Only for ``"seq-cls"``: the name of the text field, or the two names of a
             text pair, e.g. ``("question1", "question2")``. By default ``("text_a", "text_b")``
             when the first record has ``text_a``, else ``("text",)``.
+        num_labels: Only for ``"seq-cls"``: the number of classes K; a label outside 0..K-1 is
+            a ``DataError`` naming its file and line.
 
     Returns:
         One dict per example. ``"seq-cls"``: ``{"text", "label"}`` or
@@ -142,7 +148,15 @@ def load_examples(
         if task == "seq-cls":
             if fields is None:
                 fields = _detect_text_fields(row)
-            examples.append(_parse_seq_cls(row, fields))
+            example = _parse_seq_cls(row, fields)
+            if num_labels is not None and int(example["label"]) >= num_labels:
+                raise _row_error(
+                    row,
+                    f"label {example['label']} is out of range for num-labels={num_labels} "
+                    f"(allowed: 0..{num_labels - 1})",
+                    "Fix the label, or raise num-labels to the number of classes.",
+                )
+            examples.append(example)
         else:
             examples.append(_parse_causal_lm(row))
     if not examples:

@@ -58,16 +58,20 @@ def model_config(run: RunConfig) -> ModelConfig:
     )
 
 
+def _num_labels(run: RunConfig) -> int | None:
+    return run.num_labels if run.task == "seq-cls" else None
+
+
 def site_examples(run: RunConfig, site: SiteConfig) -> list[dict[str, Any]]:
     """The site's training rows: its own file, or its partition of the run's data (simulation)."""
     if site.data_path:
-        return load_examples(site.data_path, run.task)
+        return load_examples(site.data_path, run.task, num_labels=_num_labels(run))
     if site.partition_id < 0 or site.num_partitions < 1:
         raise ConfigError("node config needs data-path, or partition-id and num-partitions")
     if run.data == "synthetic":
         seed = run.seed * 1000 + site.partition_id
         return synthetic_examples(run.synthetic_examples, seed=seed)
-    rows = load_examples(run.data, run.task)
+    rows = load_examples(run.data, run.task, num_labels=_num_labels(run))
     if run.partitioner == "iid":
         parts = iid_partition(len(rows), site.num_partitions, run.seed)
     else:

@@ -51,7 +51,8 @@ def _server_eval(run: RunConfig, loaded: LoadedModel) -> Any:
     if run.server_eval_data == "synthetic":  # a held-out draw of the built-in task
         examples = synthetic_examples(200, seed=run.seed * 1000 + 999)
     else:
-        examples = load_examples(run.server_eval_data, run.task)
+        labels = run.num_labels if run.task == "seq-cls" else None
+        examples = load_examples(run.server_eval_data, run.task, num_labels=labels)
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         load_arrays(loaded, arrays.to_torch_state_dict())

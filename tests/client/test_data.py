@@ -513,3 +513,22 @@ def test_dirichlet_rebalances_when_draws_leave_parts_empty() -> None:
     assert sorted(map(len, result)) == [1] * 8
     with pytest.raises(ConfigError, match="alpha must be > 0"):
         dirichlet_partition(labels, 2, 0.0, seed=0)
+
+
+def test_label_out_of_range_names_file_line_and_range(tmp_path: Path) -> None:
+    from client.config import RunConfig, SiteConfig, parse_config
+    from client.site import site_examples
+
+    path = tmp_path / "site.jsonl"
+    rows = [{"text": "good", "label": 1}, {"text": "bad", "label": 0}, {"text": "odd", "label": 5}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    message = f"{path}, line 3: label 5 is out of range for num-labels=2 (allowed: 0..1)"
+    with pytest.raises(DataError) as info:
+        load_examples(path, "seq-cls", num_labels=2)
+    assert str(info.value).startswith(message)
+    assert len(load_examples(path, "seq-cls", num_labels=6)) == 3
+    run = parse_config(RunConfig, {"num-labels": 2}, what="run config")
+    site = parse_config(SiteConfig, {"data-path": str(path)}, what="node config")
+    with pytest.raises(DataError) as info:  # a federated site checks its file the same way
+        site_examples(run, site)
+    assert str(info.value).startswith(message)
