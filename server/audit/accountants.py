@@ -10,10 +10,10 @@ For each site of a ledger the whole history is composed by
   Poisson-subsampled Gaussian composition under add/remove adjacency; pessimistic
   discretisation, so also an upper bound).
 
-A site fails when RDP < PRV - eps_error, when |PLD - PRV| is beyond ``pld_tolerance`` (either
-direction: PRV under-reporting is a privacy failure, over-reporting a broken accountant), when
-the history cannot be accounted (non-Poisson sampling, other adjacency), or when PRV exceeds the
-site's own cap.
+A site fails when its epsilon is infinite (a step ran without noise), when RDP < PRV -
+eps_error, when |PLD - PRV| is beyond ``pld_tolerance`` (either direction: PRV under-reporting
+is a privacy failure, over-reporting a broken accountant), when the history cannot be accounted
+(non-Poisson sampling, other adjacency), or when PRV exceeds the site's own cap.
 """
 
 from __future__ import annotations
@@ -115,7 +115,9 @@ class SiteCheck:
 def _compare(prv: float, rdp: float, pld: float, cap: float | None) -> list[str]:
     reasons = []
     if math.isinf(prv) or math.isinf(rdp) or math.isinf(pld):
-        if not (math.isinf(prv) and math.isinf(rdp) and math.isinf(pld)):
+        if math.isinf(prv) and math.isinf(rdp) and math.isinf(pld):
+            reasons.append("epsilon is infinite: steps ran without noise (sigma = 0), no DP claim")
+        else:
             reasons.append(f"only some accountants are infinite (PRV {prv}, RDP {rdp}, PLD {pld})")
     else:
         if rdp < prv - PRV_EPS_ERROR:

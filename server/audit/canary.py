@@ -46,10 +46,17 @@ from scipy.stats import binom
 from torch import Tensor
 
 from prism_core.accounting import PrivacyEvent, epsilon
-from prism_core.manifold import Point, lift, tangent_to_dense
+from prism_core.manifold import Point, Tangent, lift, tangent_to_dense
 from server.audit.mechanisms import CORRECT, Mechanism
 
-__all__ = ["CanaryResult", "CanarySettings", "epsilon_lower_bound", "p_value", "run_canary_audit"]
+__all__ = [
+    "CanaryResult",
+    "CanarySettings",
+    "canary_scores",
+    "epsilon_lower_bound",
+    "p_value",
+    "run_canary_audit",
+]
 
 
 @dataclass(frozen=True)
@@ -169,39 +176,54 @@ def _tangent_basis(m: int, n: int, r: int) -> list[tuple[int, int]]:
     return [(j, k) for j in range(m) for k in range(n) if j < r or k < r]
 
 
-def run_canary_audit(
-    settings: CanarySettings | None = None, mechanism: Mechanism = CORRECT
-) -> CanaryResult:
-    """Run the one-run canary audit of ``mechanism`` (see the module docstring)."""
-    s = settings or CanarySettings()
+_Module = tuple[Point, Tensor, Tensor, Tensor]  # point, U_m, U_n, (k, 2) owned basis indices
+
+
+def _synthetic_modules(s: CanarySettings, g: torch.Generator) -> list[_Module]:
+    """``s.modules`` points whose tangent bases are ``u_j v_k^T``; each canary owns one element."""
     m, n, r = s.shape
-    g = torch.Generator().manual_seed(s.seed)
     basis = _tangent_basis(m, n, r)
-    modules = []
+    out = []
     for _ in range(s.modules):
         Um, Un = _orthogonal(m, g), _orthogonal(n, g)
-        mix_a = torch.eye(r, dtype=torch.float64) + 0.3 * torch.randn(
-            r, r, generator=g, dtype=torch.float64
-        )
-        mix_b = torch.eye(r, dtype=torch.float64) + 0.3 * torch.randn(
-            r, r, generator=g, dtype=torch.float64
-        )
-        point = Point((Um[:, :r] @ mix_a).float(), (Un[:, :r] @ mix_b).float())
+        mix = [
+            torch.eye(r, dtype=torch.float64)
+            + 0.3 * torch.randn(r, r, generator=g, dtype=torch.float64)
+            for _ in range(2)
+        ]
+        point = Point((Um[:, :r] @ mix[0]).float(), (Un[:, :r] @ mix[1]).float())
         owned = torch.randperm(len(basis), generator=g)[: s.canaries]
-        jk = torch.tensor([basis[i] for i in owned.tolist()])
-        modules.append((point, Um, Un, jk))
-    included = torch.rand(s.canaries, generator=g, dtype=torch.float64) < 0.5
-    members = included.nonzero().flatten()
-    kappa = 2 * math.sqrt(s.modules) * s.max_norm
+        out.append((point, Um, Un, torch.tensor([basis[i] for i in owned.tolist()])))
+    return out
+
+
+def _canary_lifts(s: CanarySettings, modules: list[_Module], members: Tensor) -> list[Tangent]:
+    """Lifts of the member canaries' gradients ``G = c u v^T`` (joint norm ``2 sqrt(L) C``)."""
+    c = 2 * s.max_norm  # per module: kappa / sqrt(L) with kappa = 2 sqrt(L) C
     lifts = []
     for point, Um, Un, jk in modules:
         u = Um[:, jk[members, 0]].T.float()  # (b, m)
         v = Un[:, jk[members, 1]].T.float()  # (b, n)
-        c = kappa / math.sqrt(s.modules)
-        # G = c u v^T: gA = G B = c u (v^T B), gB = G^T A = c v (u^T A)
-        gA = c * u[:, :, None] * (v @ point.B)[:, None, :]
-        gB = c * v[:, :, None] * (u @ point.A)[:, None, :]
+        gA = c * u[:, :, None] * (v @ point.B)[:, None, :]  # G B = c u (v^T B)
+        gB = c * v[:, :, None] * (u @ point.A)[:, None, :]  # G^T A = c v (u^T A)
         lifts.append(lift(point.A, point.B, gA, gB))
+    return lifts
+
+
+def canary_scores(
+    settings: CanarySettings, mechanism: Mechanism = CORRECT
+) -> tuple[Tensor, Tensor]:
+    """Scores of every canary after ``settings.steps`` releases, and the secret inclusion mask.
+
+    For a correct mechanism the score of canary i is ``steps * C / b * S_i`` plus
+    ``N(0, steps * (sigma C / b)^2)`` noise, independent across canaries (they are orthonormal).
+    """
+    s = settings
+    m, n, _ = s.shape
+    g = torch.Generator().manual_seed(s.seed)
+    modules = _synthetic_modules(s, g)
+    included = torch.rand(s.canaries, generator=g, dtype=torch.float64) < 0.5
+    lifts = _canary_lifts(s, modules, included.nonzero().flatten())
     points = [p for p, *_ in modules]
     noise = torch.Generator().manual_seed(s.seed + 1)
     expected = s.canaries / 2
@@ -223,6 +245,15 @@ def run_canary_audit(
     for (_, Um, Un, jk), dense in zip(modules, total, strict=True):
         coords = Um.T @ dense @ Un  # coordinates in the basis u_j v_k^T
         scores += coords[jk[:, 0], jk[:, 1]]
+    return scores / math.sqrt(s.modules), included  # inner product with the unit direction
+
+
+def run_canary_audit(
+    settings: CanarySettings | None = None, mechanism: Mechanism = CORRECT
+) -> CanaryResult:
+    """Run the one-run canary audit of ``mechanism`` (see the module docstring)."""
+    s = settings or CanarySettings()
+    scores, included = canary_scores(s, mechanism)
     order = torch.argsort(scores)
     half = s.guesses // 2
     correct = int(included[order[-half:]].sum()) + int((~included[order[:half]]).sum())
