@@ -53,3 +53,32 @@ def test_per_module_clipping_is_caught_by_the_joint_sensitivity(model_dir):
     # C is below every module's own norm: each of the 6 tensors is clipped to C separately
     assert checks["sensitivity"].measured == pytest.approx(math.sqrt(TENSORS), rel=TOL)
     assert checks["noise"].passed and checks["noise-std"].passed
+
+
+def test_the_audited_release_is_the_one_every_training_step_uses(model_dir, monkeypatch):
+    from client.data import TokenizedDataset
+    from client.model import ModelConfig, load_model
+    from client.synthetic import synthetic_examples
+    from client.trainer import PrivateTrainer, TrainConfig
+
+    calls = []
+    original = PrivateTrainer.release
+
+    def spy(self, batch, points, **kw):
+        out = original(self, batch, points, **kw)
+        calls.append((kw, out[0].record))
+        return out
+
+    monkeypatch.setattr(PrivateTrainer, "release", spy)
+    lm = load_model(ModelConfig(model=model_dir, rank=4, head="train"))
+    rows = synthetic_examples(32, seed=1)
+    config = TrainConfig(noise_multiplier=1.3, max_norm=0.2, batch_size=8, steps=2, progress=False)
+    trainer = PrivateTrainer(
+        lm, TokenizedDataset(rows, lm.tokenizer, "seq-cls", max_length=32), config
+    )
+    trainer.train()
+    assert len(calls) == 2
+    for kw, record in calls:
+        assert kw == {}  # prism_core's own clip_and_sum and privatize
+        assert record.noise_multiplier == 1.3 and record.max_norm == 0.2
+        assert record.expected_batch_size == pytest.approx(8.0, rel=1e-12)  # q N, not realised
