@@ -142,7 +142,7 @@ def localize(
     for host in mounts.values():
         host.mkdir(parents=True, exist_ok=True)
     argv = list(service.get("entrypoint") or image.entrypoint) + list(
-        service["command"] if "command" in service else image.cmd
+        service.get("command", image.cmd)
     )
     if argv[0] == "python":
         argv[0] = sys.executable

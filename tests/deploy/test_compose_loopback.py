@@ -232,7 +232,7 @@ def test_compose_services_on_loopback(tiny_bert, tmp_path):
 
     # secrets are never logged
     texts = [p.read_text(errors="replace") for p in (tmp_path / "logs").glob("*.log")]
-    texts += outputs + [result.stdout, result.stderr]
+    texts += [*outputs, result.stdout, result.stderr]
     keys = [tls / "server.key", *(svc[s].host_path("/keys/site.key") for s in SITES)]
     keys.append(svc["pki"].host_path("/pki/ca/ca.key"))
     secret_lines = [line for key in keys for line in _key_material(key)]
