@@ -143,10 +143,15 @@ def test_dockerfile_copies_existing_files_and_pins_the_project_torch():
     for parts in copies:
         sources = [p for p in parts[:-1] if not p.startswith("--")]
         for source in sources:
-            assert (ROOT / source).exists(), f"COPY source {source} is missing"
-    # everything the image needs to run is copied (the packages pyproject installs)
+            assert list(ROOT.glob(source.rstrip("/"))), f"COPY source {source} is missing"
+    # everything the image needs to run is copied (the packages pyproject installs) ...
     copied = {s.rstrip("/") for parts in copies for s in parts[:-1]}
-    assert {"pyproject.toml", "prism_core", "client", "server", "deploy"} <= copied
+    assert {"pyproject.toml", "prism_core", "client", "server", "deploy/*.py"} <= copied
+    # ... and the build context lets exactly those in: never keys, data, .env files or runs
+    rules = [r for r in (ROOT / ".dockerignore").read_text().splitlines() if r and r[0] != "#"]
+    assert rules[0] == "**"
+    assert {f"!{s}" for s in copied} <= set(rules)
+    assert not [r for r in rules if r.startswith("!deploy/") and r != "!deploy/*.py"]
     args = dict(
         re.findall(r"^(\w+)=(\S+)$", "\n".join(r for w, r in instructions if w == "ARG"), re.M)
     )
