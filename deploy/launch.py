@@ -106,7 +106,6 @@ def superlink_args(env: Mapping[str, str], extra: Sequence[str] = ()) -> list[st
         env.get("PRISM_PORT", "8000"),
     ]
     if env.get("PRISM_DATABASE"):
-        Path(env["PRISM_DATABASE"]).parent.mkdir(parents=True, exist_ok=True)
         command += ["--database", env["PRISM_DATABASE"]]
     if _plain_text(env, extra, bool(tls_dir)):
         command.append("--insecure")
@@ -208,6 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DeployError as exc:
         print(f"prism-fl launch: {exc}", file=sys.stderr)
         return 2
+    if "--database" in command:  # the SuperLink's state folder (a volume in compose)
+        Path(command[command.index("--database") + 1]).parent.mkdir(parents=True, exist_ok=True)
     if "--insecure" in command:
         print(WARNING, file=sys.stderr)
     print(f"prism-fl launch: {' '.join(command)}", file=sys.stderr, flush=True)

@@ -13,6 +13,10 @@ from pathlib import Path
 import pytest
 from compose_local import DOCKERFILE, compose, compose_config, dockerfile_instructions
 from flower_harness import ROOT
+from flwr.common.config import parse_config_args
+
+from deploy.launch import superlink_args, supernode_args
+from deploy.pki import init_federation
 
 DEPLOY = ROOT / "deploy"
 SITE_ENV = DEPLOY / "site" / "site.env.example"
@@ -177,3 +181,39 @@ def test_every_compose_build_uses_this_dockerfile():
             build = service["build"]
             assert Path(build["context"]) == ROOT, name
             assert (Path(build["context"]) / build["dockerfile"]) == DOCKERFILE, name
+
+
+def _service_env(file: Path, env_file: Path, service: str) -> dict[str, str]:
+    done = compose(file, "--env-file", str(env_file), "config", "--format", "json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)["services"][service]["environment"]
+
+
+def test_site_kit_settings_start_a_tls_authenticated_supernode(tmp_path):
+    """The site kit's template, as compose resolves it, is accepted by the launcher."""
+    init_federation(tmp_path / "pki", ["hospital-a"])
+    env = _service_env(DEPLOY / "site" / "docker-compose.yml", SITE_ENV, "supernode")
+    keys = tmp_path / "pki" / "sites" / "hospital-a"
+    local = {k: v.replace("/keys", str(keys)) for k, v in env.items()}
+    args = supernode_args(local)
+    assert "--insecure" not in args
+    assert args[args.index("--superlink") + 1] == "coordinator.example.org:8000"
+    assert args[args.index("--auth-supernode-private-key") + 1] == str(keys / "site.key")
+    node = parse_config_args([args[args.index("--node-config") + 1]])
+    assert node == {
+        "site-id": "hospital-a",
+        "data-path": "/data/train.jsonl",
+        "state-dir": "/var/lib/prism",
+        "epsilon-cap": 3.0,
+        "delta": 1e-5,
+        "share-num-examples": False,
+    }
+
+
+def test_coordinator_kit_starts_a_tls_superlink_with_auth(tmp_path):
+    init_federation(tmp_path / "pki", [])
+    env = _service_env(DEPLOY / "coordinator" / "docker-compose.yml", COORDINATOR_ENV, "superlink")
+    local = {k: v.replace("/tls", str(tmp_path / "pki" / "superlink")) for k, v in env.items()}
+    args = superlink_args(local)
+    assert "--enable-supernode-auth" in args and "--insecure" not in args
+    assert args[args.index("--database") + 1] == "/var/lib/prism/superlink.db"
