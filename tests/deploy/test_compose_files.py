@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
 import shutil
@@ -217,3 +218,25 @@ def test_coordinator_kit_starts_a_tls_superlink_with_auth(tmp_path):
     args = superlink_args(local)
     assert "--enable-supernode-auth" in args and "--insecure" not in args
     assert args[args.index("--database") + 1] == "/var/lib/prism/superlink.db"
+
+
+def test_image_sources_hold_every_module_the_services_run():
+    """The files the Dockerfile COPYs contain, and pyproject packages, every module run."""
+    copied: set[str] = set()
+    for word, rest in dockerfile_instructions():
+        if word == "COPY":
+            for source in rest.split()[:-1]:
+                for path in ROOT.glob(source.rstrip("/")):
+                    files = path.rglob("*.py") if path.is_dir() else [path]
+                    copied |= {str(f.relative_to(ROOT)) for f in files}
+    services = compose_config(ROOT / "docker-compose.yml")["services"]
+    modules = {"deploy.launch", "server.app", "client.app"}  # image ENTRYPOINT, Flower apps
+    modules |= {s["entrypoint"][2] for s in services.values() if s.get("entrypoint")}
+    assert modules == {"deploy.launch", "deploy.pki", "deploy.register", "server.app", "client.app"}
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    include = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    for module in modules:
+        package = module.split(".")[0]
+        assert f"{module.replace('.', '/')}.py" in copied, module
+        assert f"{package}/__init__.py" in copied, package
+        assert any(fnmatch.fnmatch(package, pattern) for pattern in include), package
