@@ -137,7 +137,9 @@ def localize(
         if mount["type"] == "volume":
             host = tmp / "volumes" / mount["source"] / mount.get("volume", {}).get("subpath", "")
         else:
-            host = tmp / "binds" / Path(mount["source"]).name
+            source = Path(mount["source"])
+            relative = source.relative_to(ROOT) if source.is_relative_to(ROOT) else source.name
+            host = tmp / "binds" / relative
         mounts[mount["target"]] = host
     for host in mounts.values():
         host.mkdir(parents=True, exist_ok=True)

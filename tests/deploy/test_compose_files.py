@@ -97,6 +97,7 @@ def test_one_host_federation_is_secure_by_default():
         assert keys["read_only"] and keys["volume"]["subpath"] == f"sites/{site}"
         key_paths.add(keys["volume"]["subpath"])
         assert mounts["/data"]["read_only"]
+        assert mounts["/data"]["source"] == str(ROOT / "deploy" / "local" / site / "data")
         assert mounts["/var/lib/prism"]["source"] == f"{site}-state"  # its own durable ledger
         assert service["depends_on"]["register"]["condition"] == "service_completed_successfully"
     assert len(key_paths) == len(SITES)

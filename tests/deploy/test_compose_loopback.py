@@ -112,6 +112,7 @@ def test_compose_services_on_loopback(tiny_bert, tmp_path):
         svc[site].env["PRISM_CLIENTAPP_PORT"] = str(free_port())
     superlink = svc["superlink"]
     runs = superlink.host_path("/srv/prism/runs")
+    assert runs == tmp_path / "binds" / "runs"  # ./runs on the host
     outputs: list[str] = []
 
     with processes(base, tmp_path / "logs") as group:
