@@ -209,6 +209,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if "--database" in command:  # the SuperLink's state folder (a volume in compose)
         Path(command[command.index("--database") + 1]).parent.mkdir(parents=True, exist_ok=True)
+    elif command[0] == "flower-superlink":
+        print(
+            "WARNING: PRISM_DATABASE is not set: the SuperLink keeps registered sites and runs "
+            "in memory and loses them on restart",
+            file=sys.stderr,
+        )
     if "--insecure" in command:
         print(WARNING, file=sys.stderr)
     print(f"prism-fl launch: {' '.join(command)}", file=sys.stderr, flush=True)

@@ -107,6 +107,7 @@ def test_insecure_start_prints_a_warning(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert "WARNING: prism-fl is running WITHOUT TLS" in done.stderr
+    assert "PRISM_DATABASE is not set" in done.stderr  # state in memory: said out loud
     assert "1.42.0" in done.stdout + done.stderr  # flower-superlink itself ran (exec)
 
 
