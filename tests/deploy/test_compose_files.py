@@ -212,6 +212,22 @@ def test_site_kit_settings_start_a_tls_authenticated_supernode(tmp_path):
     }
 
 
+def _sans(command: list[str]) -> set[str]:
+    return {command[i + 1] for i, arg in enumerate(command) if arg == "--san"}
+
+
+def test_server_certificates_cover_every_name_the_superlink_is_reached_by():
+    """Sites use the service or public name; the SuperLink's own SuperExec uses 127.0.0.1."""
+    root = compose_config(ROOT / "docker-compose.yml")["services"]["pki"]["command"]
+    assert _sans(root) == {"superlink", "localhost", "127.0.0.1"}
+    done = compose(
+        DEPLOY / "coordinator" / "docker-compose.yml",
+        *("--env-file", str(COORDINATOR_ENV), "config", "--format", "json"),
+    )
+    coordinator = json.loads(done.stdout)["services"]["pki"]["command"]
+    assert _sans(coordinator) == {"coordinator.example.org", "superlink", "localhost", "127.0.0.1"}
+
+
 def test_coordinator_kit_starts_a_tls_superlink_with_auth(tmp_path):
     init_federation(tmp_path / "pki", [])
     env = _service_env(DEPLOY / "coordinator" / "docker-compose.yml", COORDINATOR_ENV, "superlink")
