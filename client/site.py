@@ -185,6 +185,9 @@ class Site:
 
     def _restore_adaptive(self, start: list[Point]) -> None:
         saved = self._last_round()
+        legacy = self.state_dir / "adaptive-state.pt"  # written by earlier releases
+        if saved is None and legacy.exists():
+            saved = {"adaptive": torch.load(legacy, weights_only=True)}
         if self.method != "prism" or saved is None or saved.get("adaptive") is None:
             return
         adaptive = saved["adaptive"]

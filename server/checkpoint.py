@@ -15,6 +15,7 @@ so a stateful server optimizer can store its moments there.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,8 @@ from client.testhooks import pause_point
 from server.errors import ConfigError
 
 __all__ = ["CHECKPOINT", "Checkpoint", "config_differences", "load_checkpoint", "save_checkpoint"]
+
+log = logging.getLogger(__name__)
 
 CHECKPOINT = "checkpoint.safetensors"
 FORMAT = "prism-fl-checkpoint"
@@ -82,6 +85,9 @@ def load_checkpoint(run_dir: Path) -> Checkpoint | None:
         ConfigError: the file is not a prism-fl checkpoint or is damaged (it is left as is).
     """
     path = run_dir / CHECKPOINT
+    for stale in run_dir.glob(f".{CHECKPOINT}.*.tmp"):  # a write cut short by a crash
+        log.info("removing %s: an unfinished checkpoint write", stale)
+        stale.unlink(missing_ok=True)
     if not path.exists():
         return None
     data = path.read_bytes()

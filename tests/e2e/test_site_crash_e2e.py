@@ -110,7 +110,9 @@ def test_site_killed_mid_round_is_charged_and_remembers_after_restart(tiny_bert,
         pid = json.loads(pause.read_text())["pid"]
         os.kill(pid, signal.SIGKILL)  # the process running site-1's ClientApp, mid-round
         # The charge made before training survived the crash.
-        charged = [json.loads(x) for x in (state[1] / "privacy-ledger.jsonl").read_text().split()]
+        charged = [
+            json.loads(x) for x in (state[1] / "privacy-ledger.jsonl").read_text().splitlines()
+        ]
         assert [(e["server_round"], e["steps"]) for e in charged] == [(1, STEPS)]
         wait_for(lambda: runner.poll() is not None, 900, "the run")
         logs = group.log("flwr-run")[-3000:] + group.log("site-1")[-2000:]
@@ -124,7 +126,7 @@ def test_site_killed_mid_round_is_charged_and_remembers_after_restart(tiny_bert,
     # Round 2: the restarted site trained again; round 3: it refused on its own books.
     assert sorted(rounds[1]["accepted"]) == ["site-0", "site-1"], rounds
     assert rounds[2]["refused"] == ["site-1"] and rounds[2]["accepted"] == ["site-0"], rounds
-    lines = (state[1] / "privacy-ledger.jsonl").read_text().split()
+    lines = (state[1] / "privacy-ledger.jsonl").read_text().splitlines()
     own = [json.loads(x) for x in lines]
     assert [(e["server_round"], e["steps"]) for e in own] == [(1, STEPS), (2, STEPS)]
     with Ledger.open(run_dir / "ledger.sqlite", read_only=True) as ledger:

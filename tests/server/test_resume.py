@@ -145,8 +145,10 @@ def test_sigkilled_coordinator_resumes_to_the_uninterrupted_result(tiny_bert, tm
     # Kill 2: round 3, checkpoint written to its temporary file but not yet renamed.
     _run_and_kill(crashed, "mid-checkpoint@3", tmp_path)
     assert load_checkpoint(crashed_dir).server_round == 2  # type: ignore[union-attr]
+    assert list(crashed_dir.glob(".checkpoint.safetensors.*.tmp"))  # the cut-short write
     log = _run_to_end(crashed, tmp_path / "resumed.log")
     assert "resuming" in log and "at round 3" in log
+    assert not list(crashed_dir.glob(".*.tmp"))  # cleaned up on resume
 
     got = _outcome(crashed_dir)
     assert got["round"] == expected["round"]
