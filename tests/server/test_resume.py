@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 
 from server.checkpoint import load_checkpoint
-from server.errors import ConfigError
+from server.errors import ConfigError, LedgerError
 from server.ledger import Ledger
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("resume_driver.py")
-SITES, ROUNDS, PER_ROUND = 3, 3, 2  # the site-selection RNG matters
+SITES, ROUNDS, PER_ROUND = 3, 2, 2  # the site-selection RNG matters
 
 
 def _config(model: str, run_dir: Path) -> dict[str, object]:
@@ -142,13 +142,13 @@ def test_sigkilled_coordinator_resumes_to_the_uninterrupted_result(tiny_bert, tm
     assert load_checkpoint(crashed_dir).server_round == 1  # type: ignore[union-attr]
     with Ledger.open(crashed_dir / "ledger.sqlite", read_only=True) as ledger:
         assert sorted(e.round for e in ledger.events()) == [1, 1, 2]  # half of round 2 stored
-    # Kill 2: round 3, checkpoint written to its temporary file but not yet renamed.
-    _run_and_kill(crashed, "mid-checkpoint@3", tmp_path)
-    assert load_checkpoint(crashed_dir).server_round == 2  # type: ignore[union-attr]
+    # Kill 2: the re-run round 2, checkpoint in its temporary file but not yet renamed.
+    _run_and_kill(crashed, "mid-checkpoint@2", tmp_path)
     assert list(crashed_dir.glob(".checkpoint.safetensors.*.tmp"))  # the cut-short write
+    assert load_checkpoint(crashed_dir).server_round == 1  # type: ignore[union-attr]
     log = _run_to_end(crashed, tmp_path / "resumed.log")
-    assert "resuming" in log and "at round 3" in log
-    assert not list(crashed_dir.glob(".*.tmp"))  # cleaned up on resume
+    assert "resuming" in log and "at round 2" in log
+    assert not list(crashed_dir.glob(".*.tmp"))  # cleaned up (by load_checkpoint)
 
     got = _outcome(crashed_dir)
     assert got["round"] == expected["round"]
@@ -183,3 +183,87 @@ def test_resume_refuses_a_run_dir_of_another_configuration(tmp_path):
     assert "lr: 0.02 -> 0.5" in message and "num-rounds: 3 -> 7" in message
     assert "run-dir" in message and "model" not in message.split("differing keys:")[1]
     assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before  # nothing touched
+
+
+class _HalfGrid:
+    """Answers for the first node only: the other site never replies (crashed, timed out)."""
+
+    def __init__(self, nodes, shapes):
+        self.nodes, self.shapes = nodes, shapes
+
+    def get_node_ids(self):
+        return list(self.nodes)
+
+    def send_and_receive(self, messages, timeout):
+        import torch
+        from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+
+        from client.protocol import ACCOUNTING, UPDATE
+
+        first = sorted(messages, key=lambda m: m.metadata.dst_node_id)[0]
+        facts = {"site-id": "alive", "status": "ok", "sigma": 1.0, "q": 0.1, "steps": 2}
+        update = {k: torch.zeros(s) for k, s in self.shapes.items()}
+        content = RecordDict({UPDATE: ArrayRecord(update), ACCOUNTING: ConfigRecord(facts)})
+        return [Message(content=content, reply_to=first)]
+
+
+def test_a_site_that_never_replies_is_counted_and_the_round_goes_on(tmp_path):
+    import torch
+    from flwr.app import ArrayRecord
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from client.protocol import key
+    from server.strategy import PrismStrategy
+
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    g = torch.Generator().manual_seed(0)
+    glob = {
+        key("m", "A"): torch.randn(6, 2, generator=g),
+        key("m", "B"): torch.randn(5, 2, generator=g),
+    }
+    with Ledger.open(tmp_path / "ledger.sqlite") as ledger:
+        strategy = PrismStrategy(
+            modules=["m"],
+            head=[],
+            mode="tangent",
+            ledger=ledger,
+            run_id="r",
+            sites_per_round=2,
+            min_sites=1,
+            server_lr=1.0,
+            local_steps=2,
+            target_epsilon=10.0,
+            delta=1e-5,
+            wait_for_nodes=0.0,
+        )
+        shapes = {key("m", "dA"): (6, 2), key("m", "dB"): (5, 2)}
+        result = strategy.start(_HalfGrid([7, 8], shapes), ArrayRecord(glob), num_rounds=1)
+        (summary,) = strategy.summaries
+        assert summary.accepted == ["alive"] and summary.applied
+        assert summary.rejected == [("node-8", "no reply before the round timeout")]
+        assert dict(result.train_metrics_clientapp[1])["sites-accepted"] == 1
+        assert [e.site_id for e in ledger.events()] == ["alive"]
+
+
+def test_can_run_before_a_round_ignores_that_rounds_events(tmp_path):
+    from prism_core.accounting import PrivacyEvent, epsilon
+    from server.ledger import LedgerEvent
+
+    with Ledger.open(tmp_path / "ledger.sqlite") as ledger:
+        for r in (1, 2):
+            ledger.append(LedgerEvent("run", r, "s", sigma=1.0, q=0.1, steps=5, delta=1e-5))
+        ask = dict(
+            sigma=1.0,
+            q=0.1,
+            steps=5,
+            epsilon_cap=epsilon([PrivacyEvent(1.0, 0.1, 10)], 1e-5) * 1.001,
+            delta=1e-5,
+        )
+        assert not ledger.can_run("s", **ask)  # two rounds on the books: a third does not fit
+        assert ledger.can_run("s", **ask, before=("run", 2))  # re-running round 2 as at first
+        assert not ledger.can_run("s", **ask, before=("other-run", 2))
+        # Re-recording an identical event is idempotent; a different one is refused.
+        assert not ledger.append(LedgerEvent("run", 2, "s", sigma=1.0, q=0.1, steps=5, delta=1e-5))
+        with pytest.raises(LedgerError, match="different record"):
+            ledger.append(LedgerEvent("run", 2, "s", sigma=1.0, q=0.1, steps=4, delta=1e-5))
+        assert len(ledger.events()) == 2
