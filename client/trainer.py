@@ -187,24 +187,37 @@ class PrivateTrainer:
                 f"batch_size={config.batch_size} is larger than the dataset ({self.num_examples} "
                 "examples): lower batch_size or add data"
             )
-        seed = int.from_bytes(os.urandom(8), "little") if config.secure_rng else config.seed
-        torch.manual_seed(seed)  # dropout
-        self._loader, self.sample_rate = poisson_loader(
-            dataset,
-            expected_batch_size=config.batch_size,
-            collate_fn=make_collate(loaded.tokenizer, self.task),
-            generator=torch.Generator().manual_seed(seed),
-        )
-        self._batches = self._forever()
-        self.noise: NoiseSource = (
-            SecureRNG() if config.secure_rng else torch.Generator().manual_seed(seed + 1)
-        )
+        self._dataset = dataset
+        self.reseed(config.seed)
         self.expected_batch_size = self.sample_rate * self.num_examples
         self.history: list[PrivacyEvent] = list(history)
         self.noise_multiplier = self._noise_multiplier()
         self.steps_done = 0
         self._allowed: int | None = None  # steps left under the cap, computed on demand
         self._setup_method()
+
+    def reseed(self, seed: int) -> None:
+        """Restart Poisson sampling, dropout and noise from ``seed`` (ignored with secure RNG).
+
+        A federated site reseeds every round from ``(seed, site-id, round)``, so what a round
+        draws never depends on the process's history and a re-run round replays exactly. In
+        secure-RNG mode sampling and dropout draw from a fresh OS-random seed and the noise
+        from the OS CSPRNG: an exact replay is impossible by design.
+        """
+        config = self.config
+        if config.secure_rng:
+            seed = int.from_bytes(os.urandom(8), "little") >> 1
+        torch.manual_seed(seed)  # dropout
+        self._loader, self.sample_rate = poisson_loader(
+            self._dataset,
+            expected_batch_size=config.batch_size,
+            collate_fn=make_collate(self.loaded.tokenizer, self.task),
+            generator=torch.Generator().manual_seed(seed),
+        )
+        self._batches = self._forever()
+        self.noise: NoiseSource = (
+            SecureRNG() if config.secure_rng else torch.Generator().manual_seed(seed + 1)
+        )
 
     # -- privacy ---------------------------------------------------------------------------
 
