@@ -22,7 +22,9 @@ def train(msg: Message, context: Context) -> Message:
     config = msg.content[CONFIG]
     arrays = msg.content[ARRAYS].to_torch_state_dict()
     worker = get_site(run, site, run_dir=str(config.get("run-dir", "")))
-    reply = worker.train_round(int(config["server-round"]), arrays)
+    reply = worker.train_round(
+        int(config["server-round"]), arrays, run_id=str(config.get("run-id", ""))
+    )
     content = RecordDict(
         {UPDATE: ArrayRecord(reply.arrays), ACCOUNTING: ConfigRecord(reply.accounting)}
     )

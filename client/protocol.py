@@ -3,7 +3,8 @@
 Server -> site (train): RecordDict with
   ``ARRAYS``   ArrayRecord: per LoRA module ``<module>/A`` (m, r) and ``<module>/B`` (n, r)
                float32 in PRISM layout (DESIGN.md §1), and ``head/<name>`` for a DP head;
-  ``CONFIG``   ConfigRecord: ``server-round``, ``run-dir`` (simulation only).
+  ``CONFIG``   ConfigRecord: ``server-round``, ``run-id`` (the coordinator run: a site resends
+               its stored reply to a re-asked round), ``run-dir`` (simulation only).
 Site -> server (train reply): RecordDict with
   ``UPDATE``   ArrayRecord: PRISM: ``<module>/dA``, ``<module>/dB`` (the tangent update at the
                broadcast point) and ``head/<name>`` deltas; factor-averaging baselines: the end

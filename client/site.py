@@ -4,6 +4,17 @@ A round (DESIGN.md §3): take the broadcast global factors, check the site's OWN
 round's steps to the site-local ledger, run ``tau`` private steps, and reply with the tangent
 update at the broadcast point (``prism_core.manifold.tangent_displacement``) plus accounting
 facts. Nothing computed from un-noised data is sent unless the run opts in (labelled).
+
+Crashes and re-asked rounds: the charge is fsync'ed BEFORE training, so a site that dies
+mid-round still has those steps on its books. Every released reply is stored atomically in the
+state folder (``last-round.pt``, with the optimizer state it leaves behind); when a restarted
+coordinator asks again for a round the site already answered (same coordinator run id, same
+round, same broadcast point by SHA-256), the site resends that stored reply instead of training
+again: it is already DP output, so resending is post-processing and spends nothing. Sampling,
+dropout and noise of a round are seeded from ``(seed, site-id, round)``, never from the process
+history, so a round that must be re-run (the site died before storing its reply) draws exactly
+what it drew the first time; it is charged again (conservatively). With ``secure-rng`` the
+randomness comes from the OS and an exact replay is impossible by design.
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ from torch import Tensor
 
 from client.config import MINILM, RunConfig, SiteConfig, site_method
 from client.data import TokenizedDataset, dirichlet_partition, iid_partition, load_examples
+from client.durable import atomic_write, locked
 from client.errors import ConfigError
 from client.exchange import head_named, load_arrays
 from client.lora import read_points
@@ -26,13 +38,21 @@ from client.model import LoadedModel, ModelConfig, load_model
 from client.protocol import HEAD_PREFIX, STATUS_OK, STATUS_REFUSED, key
 from client.site_ledger import SiteLedger, SiteLedgerEntry
 from client.synthetic import synthetic_examples
+from client.testhooks import pause_point
 from client.trainer import MECHANISMS, PrivateTrainer, TrainConfig
 from prism_core.accounting import PrivacyEvent, calibrate_noise_multiplier, epsilon
 from prism_core.adaptive import AdaptiveState, realign_state
 from prism_core.manifold import Point, tangent_displacement
 from prism_core.mechanism import ADJACENCY
 
-__all__ = ["RoundReply", "Site", "get_site", "model_config", "site_examples"]
+__all__ = [
+    "RoundReply",
+    "Site",
+    "broadcast_digest",
+    "get_site",
+    "model_config",
+    "site_examples",
+]
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +114,16 @@ def _seed(*parts: object) -> int:
     return int.from_bytes(digest[:4], "little")
 
 
+def broadcast_digest(arrays: dict[str, Tensor]) -> str:
+    """SHA-256 over the names, dtypes, shapes and bytes of the broadcast arrays (sorted)."""
+    h = hashlib.sha256()
+    for name in sorted(arrays):
+        t = arrays[name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
 class Site:
     """A site's long-lived state within one process (model, data, trainer, ledgers)."""
 
@@ -140,30 +170,65 @@ class Site:
 
     # -- global state in and out -----------------------------------------------------------
 
-    def _adaptive_state_path(self) -> Path:
-        return self.state_dir / "adaptive-state.pt"
+    def _round_path(self) -> Path:
+        return self.state_dir / "last-round.pt"
+
+    def _last_round(self) -> dict[str, Any] | None:
+        path = self._round_path()
+        if not path.exists():
+            return None
+        try:
+            saved: dict[str, Any] = torch.load(path, weights_only=True)
+        except Exception as exc:
+            raise ConfigError(
+                f"{path}: unreadable site round state ({exc}); it holds the last released reply "
+                "and optimizer state. Restore it from backup, or move it away to start the "
+                "optimizer state afresh (the privacy ledger is separate and kept)."
+            ) from exc
+        return saved
 
     def _restore_adaptive(self, start: list[Point]) -> None:
-        path = self._adaptive_state_path()
-        if self.method != "prism" or not path.exists():
+        saved = self._last_round()
+        legacy = self.state_dir / "adaptive-state.pt"  # written by earlier releases
+        if saved is None and legacy.exists():
+            saved = {"adaptive": torch.load(legacy, weights_only=True)}
+        if self.method != "prism" or saved is None or saved.get("adaptive") is None:
             return
-        saved = torch.load(path, weights_only=True)
-        states = [AdaptiveState(**s) for s in saved["states"]]
-        ends = [Point(*p) for p in saved["points"]]
+        adaptive = saved["adaptive"]
+        states = [AdaptiveState(**s) for s in adaptive["states"]]
+        ends = [Point(*p) for p in adaptive["points"]]
         self.trainer.states = [
             realign_state(s, e, p) for s, e, p in zip(states, ends, start, strict=True)
         ]
 
-    def _save_adaptive(self, end: list[Point]) -> None:
-        if self.method != "prism":
-            return
+    def _store_round(
+        self, run_id: str, server_round: int, digest: str, reply: RoundReply, end: list[Point]
+    ) -> None:
+        """Store the released reply and the optimizer state it leaves, in one atomic write."""
+        adaptive = None
+        if self.method == "prism":
+            adaptive = {
+                "states": [vars(s) for s in self.trainer.states],
+                "points": [(p.A, p.B) for p in end],
+            }
         payload = {
-            "states": [vars(s) for s in self.trainer.states],
-            "points": [(p.A, p.B) for p in end],
+            "run-id": run_id,
+            "round": server_round,
+            "broadcast": digest,
+            "arrays": reply.arrays,
+            "accounting": reply.accounting,
+            "nonprivate": reply.nonprivate,
+            "adaptive": adaptive,
         }
-        tmp = self._adaptive_state_path().with_suffix(".tmp")
-        torch.save(payload, tmp)
-        tmp.replace(self._adaptive_state_path())
+        atomic_write(self._round_path(), lambda f: torch.save(payload, f))
+
+    def _stored_reply(self, run_id: str, server_round: int, digest: str) -> RoundReply | None:
+        saved = self._last_round()
+        if not run_id or saved is None:
+            return None
+        if (saved["run-id"], saved["round"], saved["broadcast"]) != (run_id, server_round, digest):
+            return None
+        return RoundReply(dict(saved["arrays"]), dict(saved["accounting"]), saved["nonprivate"])
 
     # -- one round -------------------------------------------------------------------------
 
@@ -192,8 +257,31 @@ class Site:
     def trainer_mechanism(self) -> str:
         return MECHANISMS[self.method]
 
-    def train_round(self, server_round: int, arrays: dict[str, Tensor]) -> RoundReply:
-        """Run one round from the broadcast ``arrays``; refuse if it would pass the site's cap."""
+    def train_round(
+        self, server_round: int, arrays: dict[str, Tensor], *, run_id: str = ""
+    ) -> RoundReply:
+        """Run one round from the broadcast ``arrays``; refuse if it would pass the site's cap.
+
+        With a ``run_id`` (the coordinator's run), a round this site already answered from the
+        same broadcast point is answered again with the stored reply, spending nothing.
+        """
+        with locked(self.state_dir / ".round.lock"):
+            digest = broadcast_digest(arrays)
+            stored = self._stored_reply(run_id, server_round, digest)
+            if stored is not None:
+                log.info(
+                    "site %s: round %d of run %s already answered; resending the stored reply",
+                    self.site_id,
+                    server_round,
+                    run_id,
+                )
+                return stored
+            return self._train_round(run_id, server_round, digest, arrays)
+
+    def _train_round(
+        self, run_id: str, server_round: int, digest: str, arrays: dict[str, Tensor]
+    ) -> RoundReply:
+        self.ledger.reload()  # another process may have charged this site since
         tau = self.run.local_steps
         history = self.ledger.events()
         if self.method != "nondp":
@@ -216,12 +304,13 @@ class Site:
                     self.delta,
                 )
             )
+        pause_point("site-training", server_round)
         start = load_arrays(self.loaded, arrays)
         self._restore_adaptive(start)
         self.trainer.begin_round(history, tau)
+        self.trainer.reseed(_seed(self.run.seed, self.site_id, server_round))
         results = self.trainer.train(tau)
         end = read_points(self.loaded.handles)
-        self._save_adaptive(end)
         out: dict[str, Tensor] = {}
         for h, s, e in zip(self.loaded.handles, start, end, strict=True):
             if self.run.method == "prism":
@@ -239,6 +328,7 @@ class Site:
         )
         if self.run.report_train_loss:
             reply.nonprivate["nonprivate-train-loss"] = sum(r.loss for r in results) / len(results)
+        self._store_round(run_id, server_round, digest, reply, end)
         return reply
 
 

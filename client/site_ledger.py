@@ -60,6 +60,10 @@ class SiteLedger:
                     ) from exc
         return entries
 
+    def reload(self) -> None:
+        """Re-read the file (another process of this site may have charged it)."""
+        self._entries = self._read()
+
     def entries(self) -> list[SiteLedgerEntry]:
         return list(self._entries)
 

@@ -23,7 +23,7 @@ import math
 import os
 import sys
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -49,7 +49,7 @@ from prism_core.adaptive import AdaptiveConfig, AdaptiveState, adaptive_directio
 from prism_core.baselines import factor_clip_and_sum, factor_privatize
 from prism_core.errors import BudgetExceededError
 from prism_core.manifold import Point, lift, retract
-from prism_core.mechanism import ClippedSum, clip_and_sum, empty_sum, privatize
+from prism_core.mechanism import ClippedSum, PrivateStep, clip_and_sum, empty_sum, privatize
 from prism_core.rng import NoiseSource, SecureRNG
 
 __all__ = [
@@ -72,6 +72,11 @@ MECHANISMS: dict[str, str] = {
     "nondp": "none",
 }
 """The ``NoiseRecord.mechanism`` each training method runs."""
+
+ClipFn = Callable[..., ClippedSum]
+"""Signature of ``prism_core.mechanism.clip_and_sum``."""
+PrivatizeFn = Callable[..., PrivateStep]
+"""Signature of ``prism_core.mechanism.privatize``."""
 
 
 class AdaptiveSettings(BaseModel):
@@ -182,24 +187,37 @@ class PrivateTrainer:
                 f"batch_size={config.batch_size} is larger than the dataset ({self.num_examples} "
                 "examples): lower batch_size or add data"
             )
-        seed = int.from_bytes(os.urandom(8), "little") if config.secure_rng else config.seed
-        torch.manual_seed(seed)  # dropout
-        self._loader, self.sample_rate = poisson_loader(
-            dataset,
-            expected_batch_size=config.batch_size,
-            collate_fn=make_collate(loaded.tokenizer, self.task),
-            generator=torch.Generator().manual_seed(seed),
-        )
-        self._batches = self._forever()
-        self.noise: NoiseSource = (
-            SecureRNG() if config.secure_rng else torch.Generator().manual_seed(seed + 1)
-        )
+        self._dataset = dataset
+        self.reseed(config.seed)
         self.expected_batch_size = self.sample_rate * self.num_examples
         self.history: list[PrivacyEvent] = list(history)
         self.noise_multiplier = self._noise_multiplier()
         self.steps_done = 0
         self._allowed: int | None = None  # steps left under the cap, computed on demand
         self._setup_method()
+
+    def reseed(self, seed: int) -> None:
+        """Restart Poisson sampling, dropout and noise from ``seed`` (ignored with secure RNG).
+
+        A federated site reseeds every round from ``(seed, site-id, round)``, so what a round
+        draws never depends on the process's history and a re-run round replays exactly. In
+        secure-RNG mode sampling and dropout draw from a fresh OS-random seed and the noise
+        from the OS CSPRNG: an exact replay is impossible by design.
+        """
+        config = self.config
+        if config.secure_rng:
+            seed = int.from_bytes(os.urandom(8), "little") >> 1
+        torch.manual_seed(seed)  # dropout
+        self._loader, self.sample_rate = poisson_loader(
+            self._dataset,
+            expected_batch_size=config.batch_size,
+            collate_fn=make_collate(self.loaded.tokenizer, self.task),
+            generator=torch.Generator().manual_seed(seed),
+        )
+        self._batches = self._forever()
+        self.noise: NoiseSource = (
+            SecureRNG() if config.secure_rng else torch.Generator().manual_seed(seed + 1)
+        )
 
     # -- privacy ---------------------------------------------------------------------------
 
@@ -339,12 +357,20 @@ class PrivateTrainer:
                 p.grad_sample = None
 
     def clipped_sum(
-        self, batch: dict[str, Tensor], points: Sequence[Point]
+        self,
+        batch: dict[str, Tensor],
+        points: Sequence[Point],
+        *,
+        clip_fn: ClipFn | None = None,
     ) -> tuple[ClippedSum, float]:
         """Globally clipped sum of per-example lifts (and DP-head grads) over micro-batches.
 
+        ``clip_fn`` defaults to ``prism_core.mechanism.clip_and_sum``; the privacy self-audit
+        (``server.audit``) passes deliberately broken variants to prove it catches them.
+
         Returns the ``ClippedSum`` and the summed per-sequence loss (private, local only).
         """
+        clip = clip_and_sum if clip_fn is None else clip_fn
         cfg, handles, head = self.config, self.loaded.handles, self.loaded.head_params
         acc, total = None, 0.0
         for micro in micro_batches(batch, cfg.micro_batch_size):
@@ -352,25 +378,44 @@ class PrivateTrainer:
             grads = per_example_factor_grads(handles)
             lifts = [lift(p.A, p.B, gA, gB) for p, (gA, gB) in zip(points, grads, strict=True)]
             head_grads = [p.grad_sample.to(torch.float32) for p in head]
-            acc = clip_and_sum(
-                points, lifts, max_norm=cfg.max_norm, previous=acc, euclidean=head_grads
-            )
+            acc = clip(points, lifts, max_norm=cfg.max_norm, previous=acc, euclidean=head_grads)
             self._clear_grads()
         return (acc if acc is not None else empty_sum(points, head)), total
 
-    def _prism_step(self, batch: dict[str, Tensor]) -> float:
-        cfg, handles, head = self.config, self.loaded.handles, self.loaded.head_params
-        points = read_points(handles)
-        acc, total = self.clipped_sum(batch, points)
-        released = privatize(
+    def release(
+        self,
+        batch: dict[str, Tensor],
+        points: Sequence[Point],
+        *,
+        clip_fn: ClipFn | None = None,
+        privatize_fn: PrivatizeFn | None = None,
+    ) -> tuple[PrivateStep, ClippedSum, float]:
+        """The DP release of one PRISM step on ``batch`` at ``points`` (before post-processing).
+
+        Global clip over every micro-batch, then tangent noise once, divided by the EXPECTED
+        batch size. ``clip_fn``/``privatize_fn`` default to ``prism_core``'s functions; only the
+        privacy self-audit replaces them (with deliberately broken variants).
+
+        Returns:
+            The released ``PrivateStep``, the (private) ``ClippedSum`` and the summed loss.
+        """
+        noisy = privatize if privatize_fn is None else privatize_fn
+        acc, total = self.clipped_sum(batch, points, clip_fn=clip_fn)
+        released = noisy(
             points,
             acc,
             noise_multiplier=self.noise_multiplier,
-            max_norm=cfg.max_norm,
+            max_norm=self.config.max_norm,
             expected_batch_size=self.expected_batch_size,
             sample_rate=self.sample_rate,
             generator=self.noise,
         )
+        return released, acc, total
+
+    def _prism_step(self, batch: dict[str, Tensor]) -> float:
+        cfg, handles, head = self.config, self.loaded.handles, self.loaded.head_params
+        points = read_points(handles)
+        released, acc, total = self.release(batch, points)
         tau = self.noise_multiplier * cfg.max_norm / self.expected_batch_size
         new_points = []
         for index, (point, update) in enumerate(zip(points, released.tangents, strict=True)):

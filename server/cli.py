@@ -6,7 +6,12 @@ Subcommands:
   ``report.csv`` and ``report.html`` (budget per site, epsilon recomputed from the ledger). The
   ledger is opened read-only and never modified.
 
-Exit codes: 0 success, 1 cannot write the output, 2 bad ledger or bad arguments.
+- ``audit --ledger FILE [--out DIR] [--canaries N] ...``: the privacy self-audit
+  (``server.audit``): accountant cross-check per site, record/replay checks of the mechanism,
+  one-run canary lower bound on epsilon; prints tables and writes ``audit.json``.
+
+Exit codes: 0 success, 1 cannot write the output, 2 bad ledger or bad arguments, 3 an audit
+check failed.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from server.errors import ConfigError, LedgerError
 from server.ledger import Ledger
 from server.report import build_report, format_round_table, write_reports
 
-__all__ = ["EXIT_ERROR", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
+__all__ = ["EXIT_AUDIT_FAILED", "EXIT_ERROR", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +33,7 @@ PROG = "prism-fl"
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
+EXIT_AUDIT_FAILED = 3
 
 
 def _positive_int(text: str) -> int:
@@ -54,12 +60,129 @@ def _report(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), found {text!r}") from None
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), found {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, found {text!r}") from None
+    if not (value > 0 and value < float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, found {value}")
+    return value
+
+
+def _audit(args: argparse.Namespace) -> int:
+    from server.audit import (
+        CanarySettings,
+        ReplaySettings,
+        format_audit,
+        mechanism_by_name,
+        run_audit,
+        write_audit,
+    )
+
+    try:
+        canary = CanarySettings(
+            canaries=args.canaries,
+            guesses=args.guesses if args.guesses is not None else 2 * (args.canaries // 10),
+            noise_multiplier=args.canary_sigma,
+            steps=args.canary_steps,
+            delta=args.delta,
+            confidence=args.confidence,
+            seed=args.seed,
+        )
+    except ValueError as exc:
+        raise ConfigError(f"{exc}. See prism-fl audit --help.") from exc
+    report = run_audit(
+        args.ledger,
+        mechanism=mechanism_by_name(args.inject_bug),
+        replay=ReplaySettings(noise_multiplier=args.sigma, seed=args.seed),
+        canary=canary,
+    )
+    print(format_audit(report))
+    try:
+        path = write_audit(report, args.out)
+    except OSError as exc:
+        print(f"{PROG}: cannot write the audit to {args.out}: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    print(f"{PROG}: audit written to {path}")
+    return EXIT_OK if report.passed else EXIT_AUDIT_FAILED
+
+
+def _add_audit(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from server.audit.mechanisms import BROKEN
+
+    audit = sub.add_parser(
+        "audit",
+        help="privacy self-audit: accountants, mechanism record/replay, canary lower bound",
+        description="Cross-check every site's epsilon (PRV, RDP, dp_accounting PLD) and cap; "
+        "run record/replay checks of one real PRISM step (sensitivity C/b with the global "
+        "clip, noise independent of the realised batch, noise std sigma C/b); and a one-run "
+        "canary audit (Steinke, Nasr, Jagielski 2023) giving an empirical lower bound on "
+        "epsilon next to the claimed one. The ledger is opened read-only. Exit status 3 when "
+        "a check fails.",
+    )
+    audit.add_argument("--ledger", required=True, metavar="FILE", help="the ledger (SQLite)")
+    audit.add_argument("--out", default=".", metavar="DIR", help="folder for audit.json (.)")
+    audit.add_argument(
+        "--canaries", type=_positive_int, default=1000, metavar="N", help="canaries (1000)"
+    )
+    audit.add_argument(
+        "--guesses",
+        type=_positive_int,
+        default=None,
+        metavar="G",
+        help="guesses, half 'in' (top scores), half 'out' (default: 20%% of the canaries)",
+    )
+    audit.add_argument(
+        "--canary-sigma",
+        type=_positive_float,
+        default=2.0,
+        metavar="SIGMA",
+        help="noise multiplier of the canary experiment (2.0: claimed epsilon 2.0 at 1e-5)",
+    )
+    audit.add_argument(
+        "--canary-steps", type=_positive_int, default=1, metavar="T", help="canary steps (1)"
+    )
+    audit.add_argument(
+        "--sigma",
+        type=_positive_float,
+        default=1.0,
+        metavar="SIGMA",
+        help="noise multiplier of the record/replay checks (1.0)",
+    )
+    audit.add_argument(
+        "--delta", type=_fraction, default=1e-5, help="delta of the canary audit (1e-5)"
+    )
+    audit.add_argument(
+        "--confidence", type=_fraction, default=0.95, help="confidence of the lower bound (0.95)"
+    )
+    audit.add_argument("--seed", type=int, default=0, help="seed of the checks (0)")
+    audit.add_argument(
+        "--inject-bug",
+        choices=sorted(BROKEN),
+        default=None,
+        help="SELF-TEST: audit a deliberately broken mechanism instead (must fail)",
+    )
+    audit.set_defaults(handler=_audit)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser: one subparser per subcommand, each with a ``handler``."""
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="prism-fl coordinator tools.",
-        epilog="Exit codes: 0 success, 1 cannot write output, 2 bad ledger or arguments.",
+        epilog="Exit codes: 0 success, 1 cannot write output, 2 bad ledger or arguments, "
+        "3 an audit check failed.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -79,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="local steps per future round for the projection (default: each site's last)",
     )
     report.set_defaults(handler=_report)
+    _add_audit(sub)
     return parser
 
 

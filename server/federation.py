@@ -3,7 +3,14 @@
 Outputs in one run folder (default ``runs/<UTC timestamp>/``): ``run-config.json``,
 ``ledger.sqlite`` (the privacy ledger), ``adapter/`` (peft format, loads on the original base
 model), ``report.json`` / ``report.csv`` / ``report.html`` (budget reports) and ``summary.json``
-(per-round outcomes and any server-side evaluation).
+(per-round outcomes and any server-side evaluation), and ``checkpoint.safetensors`` (the
+coordinator's state after the last finished round, see ``server.checkpoint``).
+
+Resume: running again with the same ``run-dir`` continues after the checkpointed round. The run
+config must be the same (a different one is refused, naming the keys that differ). A round that
+was interrupted is run again from the same state: the sites are asked the same question, the
+sites resend what they already answered, and the ledger ignores the identical events it already
+holds, so nothing is lost or counted twice.
 """
 
 from __future__ import annotations
@@ -16,15 +23,20 @@ from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
+from flwr.serverapp.strategy.result import Result
 
 from client.config import RunConfig, site_method
 from client.data import load_examples
+from client.durable import atomic_write
 from client.evaluate import evaluate
 from client.exchange import head_named, load_arrays, to_arrays
 from client.export import export_adapter
 from client.model import LoadedModel, load_model
 from client.site import model_config
 from client.synthetic import synthetic_examples
+from client.testhooks import pause_point
+from server.checkpoint import Checkpoint, config_differences, load_checkpoint, save_checkpoint
+from server.errors import ConfigError
 from server.ledger import Ledger
 from server.report import build_report, format_round_table, write_reports
 from server.strategy import PrismStrategy, RoundSummary, UpdateBound
@@ -63,17 +75,58 @@ def _server_eval(run: RunConfig, loaded: LoadedModel) -> Any:
     return evaluate_fn
 
 
+def _check_same_config(run_dir: Path, config: dict[str, Any]) -> None:
+    """Write ``run-config.json``, or refuse a run folder that holds a different run."""
+    path = run_dir / "run-config.json"
+    if path.exists():
+        try:
+            stored = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(
+                f"{path}: unreadable run config ({exc}); the run folder cannot be resumed. Use "
+                "another run-dir."
+            ) from exc
+        differences = config_differences(stored, config)
+        if differences:
+            raise ConfigError(
+                f"run-dir {run_dir} holds a run with another configuration, so it cannot be "
+                f"resumed with this one; differing keys: {'; '.join(differences)}. Resume with "
+                "the stored configuration, or choose a new run-dir for a new run."
+            )
+        return
+    text = json.dumps(config, indent=2).encode()
+    atomic_write(path, lambda f: f.write(text))
+
+
+def _previous_result(ckpt: Checkpoint) -> Result:
+    result = Result()
+    for r, m in ckpt.train_metrics.items():
+        result.train_metrics_clientapp[r] = MetricRecord(m)
+    for r, m in ckpt.eval_metrics.items():
+        result.evaluate_metrics_serverapp[r] = MetricRecord(m)
+    return result
+
+
 def run_federation(grid: Grid, run: RunConfig) -> Path:
-    """Run the whole federation for ``run`` on ``grid``; return the run folder."""
+    """Run the whole federation for ``run`` on ``grid`` (resuming a checkpointed run folder)."""
     run_dir = make_run_dir(run)
-    (run_dir / "run-config.json").write_text(json.dumps(run.model_dump(by_alias=True), indent=2))
+    config = run.model_dump(by_alias=True)
+    _check_same_config(run_dir, config)
+    ckpt = load_checkpoint(run_dir)
+    if ckpt is not None:
+        differences = config_differences(ckpt.run_config, config)
+        if differences:
+            raise ConfigError(
+                f"{run_dir / 'checkpoint.safetensors'} was written by another configuration "
+                f"({'; '.join(differences)}); use another run-dir."
+            )
     loaded = load_model(model_config(run), method=site_method(run.method))
     initial = to_arrays(loaded)
     modules = [h.name for h in loaded.handles]
     head = [name for name, _ in head_named(loaded)]
     ledger = Ledger.open(run_dir / "ledger.sqlite")
     run_id = run_dir.name
-    ledger.record_run(run_id, run.model_dump(by_alias=True))
+    ledger.record_run(run_id, config)
     strategy = PrismStrategy(
         modules=modules,
         head=head,
@@ -94,7 +147,32 @@ def run_federation(grid: Grid, run: RunConfig) -> Path:
         ),
     )
 
-    def on_round_end(server_round: int, arrays: ArrayRecord, summary: RoundSummary) -> None:
+    first_round, initial_record, previous = 1, ArrayRecord(initial), None
+    if ckpt is not None:
+        strategy.load_state_dict(ckpt.strategy)
+        first_round = ckpt.server_round + 1
+        initial_record = ArrayRecord(ckpt.arrays)
+        previous = _previous_result(ckpt)
+        log.info("resuming run %s after round %d (%s)", run_id, ckpt.server_round, run_dir)
+        print(f"prism-fl: resuming {run_dir} at round {first_round}")
+
+    def on_round_end(
+        server_round: int, arrays: ArrayRecord, summary: RoundSummary, result: Result
+    ) -> None:
+        pause_point("before-checkpoint", server_round)
+        save_checkpoint(
+            run_dir,
+            Checkpoint(
+                server_round=server_round,
+                arrays=arrays.to_torch_state_dict(),
+                run_config=config,
+                strategy=strategy.state_dict(),
+                server_optimizer={"kind": "sgd", "server-lr": run.server_lr, "state": {}},
+                train_metrics={r: dict(m) for r, m in result.train_metrics_clientapp.items()},
+                eval_metrics={r: dict(m) for r, m in result.evaluate_metrics_serverapp.items()},
+            ),
+        )
+        pause_point("after-checkpoint", server_round)
         report = build_report(ledger, planned_steps_per_round=run.local_steps)
         log.info(
             "round %d: %d accepted, %d refused, %d rejected, applied=%s\n%s",
@@ -108,12 +186,14 @@ def run_federation(grid: Grid, run: RunConfig) -> Path:
 
     result = strategy.start(
         grid,
-        ArrayRecord(initial),
+        initial_record,
         num_rounds=run.num_rounds,
         timeout=run.round_timeout,
-        train_config=ConfigRecord({"run-dir": str(run_dir)}),
+        train_config=ConfigRecord({"run-dir": str(run_dir), "run-id": run_id}),
         evaluate_fn=_server_eval(run, loaded),
         on_round_end=on_round_end,
+        first_round=first_round,
+        previous=previous,
     )
     load_arrays(loaded, result.arrays.to_torch_state_dict())
     adapter = export_adapter(loaded, run_dir / "adapter")

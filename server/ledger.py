@@ -38,6 +38,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Final, Self
 
+from client.testhooks import pause_point
 from prism_core.accounting import EpsilonReport, PrivacyEvent, epsilon, epsilon_report
 from prism_core.errors import AccountingError
 from prism_core.mechanism import ADJACENCY
@@ -609,6 +610,7 @@ class Ledger:
         except sqlite3.IntegrityError as exc:
             raise InvalidEventError(f"ledger {self._path}: event refused ({exc}).") from exc
         if cur.rowcount == 1:
+            pause_point("ledger-write", event.round)  # crash tests: inside the transaction
             return True
         existing = _event_from_row(
             conn.execute(
@@ -797,6 +799,7 @@ class Ledger:
         steps: int,
         epsilon_cap: float,
         delta: float,
+        before: tuple[str, int] | None = None,
     ) -> bool:
         """Would one more round of ``steps`` steps at (sigma, q) keep the site within its cap?
 
@@ -804,11 +807,20 @@ class Ledger:
         ``delta`` and compares with ``epsilon_cap``. A history that cannot be accounted (e.g.
         non-Poisson sampling) answers False, with a warning: its privacy loss is unknown.
 
+        Args:
+            before: ``(run_id, round)``: leave out that run's events of that round and later.
+                A coordinator that re-runs an interrupted round asks as it did the first time,
+                before that round's events were written (they are the same round, not a new one).
+
         Raises:
             prism_core.errors.PrivacyParameterError: sigma, q, steps or delta out of range.
         """
         new = PrivacyEvent(sigma, q, steps)
-        history = [e.privacy_event() for e in self.events(site_id=site_id)]
+        events = self.events(site_id=site_id)
+        if before is not None:
+            run_id, first = before
+            events = [e for e in events if e.run_id != run_id or e.round < first]
+        history = [e.privacy_event() for e in events]
         try:
             return epsilon([*history, new], delta) <= epsilon_cap
         except AccountingError as exc:

@@ -46,6 +46,7 @@ from client.protocol import (
     UPDATE,
     key,
 )
+from client.testhooks import pause_point
 from prism_core.bounds import (
     FLOAT32_SLACK,
     adam_gain,
@@ -247,7 +248,7 @@ class PrismStrategy(Strategy):
 
     # -- selection -------------------------------------------------------------------------
 
-    def _eligible(self, site: str) -> bool:
+    def _eligible(self, site: str, server_round: int) -> bool:
         if site in self.exhausted:
             return False
         if site not in self.site_mechanism:
@@ -256,7 +257,13 @@ class PrismStrategy(Strategy):
         if sigma == 0:  # non-DP run: no budget to enforce
             return True
         ok = self.ledger.can_run(
-            site, sigma=sigma, q=q, steps=self.local_steps, epsilon_cap=cap, delta=delta
+            site,
+            sigma=sigma,
+            q=q,
+            steps=self.local_steps,
+            epsilon_cap=cap,
+            delta=delta,
+            before=(self.run_id, server_round),  # a re-run round decides as it did at first
         )
         if not ok:
             self.exhausted.add(site)
@@ -279,7 +286,9 @@ class PrismStrategy(Strategy):
     ) -> Iterable[Message]:
         """Send the global factors to up to ``sites_per_round`` sites that can still run."""
         nodes = self._nodes(grid)
-        eligible = [n for n in nodes if self._eligible(self.node_site.get(n, f"node-{n}"))]
+        eligible = [
+            n for n in nodes if self._eligible(self.node_site.get(n, f"node-{n}"), server_round)
+        ]
         if not eligible:
             return []
         chosen = self.rng.sample(eligible, min(self.sites_per_round, len(eligible)))
@@ -668,6 +677,49 @@ class PrismStrategy(Strategy):
             }
         )
 
+    # -- checkpoint ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the strategy carries from one round to the next, as JSON-ready values.
+
+        The server optimizer is plain ``server-lr`` SGD on the retraction today: it has no state,
+        and its slot in the checkpoint (``server.federation``) records just that.
+        """
+        version, internal, gauss = self.rng.getstate()
+        return {
+            "rng": [version, list(internal), gauss],
+            "node-site": {str(n): s for n, s in self.node_site.items()},
+            "site-mechanism": {s: list(m) for s, m in self.site_mechanism.items()},
+            "exhausted": sorted(self.exhausted),
+            "summaries": [vars(x) for x in self.summaries],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned (after a coordinator restart)."""
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+        self.node_site = {int(n): str(s) for n, s in state["node-site"].items()}
+        self.site_mechanism = {
+            s: (float(m[0]), float(m[1]), float(m[2]), float(m[3]))
+            for s, m in state["site-mechanism"].items()
+        }
+        self.exhausted = set(state["exhausted"])
+        self.summaries = [
+            RoundSummary(
+                server_round=int(x["server_round"]),
+                sent=int(x["sent"]),
+                accepted=list(x["accepted"]),
+                refused=list(x["refused"]),
+                rejected=[(str(w), str(r)) for w, r in x["rejected"]],
+                applied=bool(x["applied"]),
+                rejected_by_reason={
+                    str(k): int(v) for k, v in x.get("rejected_by_reason", {}).items()
+                },
+                discarded=str(x.get("discarded", "")),
+            )
+            for x in state["summaries"]
+        ]
+
     # -- evaluation is server-side only (see server.app); sites are never asked to evaluate ---
 
     def configure_evaluate(
@@ -703,26 +755,38 @@ class PrismStrategy(Strategy):
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: Any = None,
         on_round_end: Any = None,
+        first_round: int = 1,
+        previous: Result | None = None,
     ) -> Result:
-        """Run rounds until ``num_rounds`` or until no site can continue within its cap."""
+        """Run rounds until ``num_rounds`` or until no site can continue within its cap.
+
+        A resumed run passes ``first_round`` (the round after its checkpoint), the checkpointed
+        global arrays as ``initial_arrays`` and the metrics so far as ``previous``; the strategy
+        state comes from ``load_state_dict``. ``on_round_end(round, arrays, summary, result)``
+        runs after each round (the coordinator checkpoints there).
+        """
         self.summary()
         train_config = ConfigRecord() if train_config is None else train_config
-        result = Result()
+        result = Result() if previous is None else previous
         result.arrays = initial_arrays
         arrays = initial_arrays
-        if evaluate_fn is not None:
+        if evaluate_fn is not None and first_round == 1:
             metrics = evaluate_fn(0, arrays)
             if metrics is not None:
                 result.evaluate_metrics_serverapp[0] = metrics
-        for server_round in range(1, num_rounds + 1):
+        for server_round in range(first_round, num_rounds + 1):
             messages = list(self.configure_train(server_round, arrays, train_config, grid))
             if not messages:
                 log.info(
                     "round %d: no site can continue within its cap; ending the run", server_round
                 )
                 break
-            replies = grid.send_and_receive(messages=messages, timeout=timeout)
-            new_arrays, metrics = self.aggregate_train(server_round, replies)
+            pause_point("round-start", server_round)
+            replies = self._in_order(grid.send_and_receive(messages=messages, timeout=timeout))
+            new_arrays, metrics = self.aggregate_train(
+                server_round, _pausing(replies, server_round)
+            )
+            self._note_missing(messages, replies)
             if new_arrays is not None:
                 arrays = result.arrays = new_arrays
             if metrics is not None:
@@ -732,5 +796,41 @@ class PrismStrategy(Strategy):
                 if eval_metrics is not None:
                     result.evaluate_metrics_serverapp[server_round] = eval_metrics
             if on_round_end is not None:
-                on_round_end(server_round, arrays, self.summaries[-1])
+                on_round_end(server_round, arrays, self.summaries[-1], result)
         return result
+
+    @staticmethod
+    def _in_order(replies: Iterable[Message]) -> list[Message]:
+        """Replies sorted by claimed site id, then node: a fixed summation order, so the
+        aggregate does not depend on arrival order (float addition is not associative)."""
+
+        def order(msg: Message) -> tuple[str, int]:
+            site = ""
+            if not msg.has_error() and ACCOUNTING in msg.content:
+                site = str(msg.content[ACCOUNTING].get("site-id", ""))
+            return site, int(msg.metadata.src_node_id)
+
+        return sorted(replies, key=order)
+
+    def _note_missing(self, messages: list[Message], replies: list[Message]) -> None:
+        """Count sites that sent no reply before the timeout (crashed or too slow)."""
+        answered = {m.metadata.src_node_id for m in replies}
+        summary = self.summaries[-1]
+        for msg in messages:
+            node = msg.metadata.dst_node_id
+            if node not in answered:
+                who = self.node_site.get(node, f"node-{node}")
+                summary.reject(who, ReplyError("no reply before the round timeout", "no-reply"))
+                log.warning(
+                    "round %d: no reply from %s before the timeout; the round goes on without it",
+                    summary.server_round,
+                    who,
+                )
+
+
+def _pausing(replies: list[Message], server_round: int) -> Iterable[Message]:
+    """Yield the replies; the ``mid-aggregation`` test pause point sits after the first."""
+    for index, msg in enumerate(replies):
+        if index == 1:
+            pause_point("mid-aggregation", server_round)
+        yield msg

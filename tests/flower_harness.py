@@ -53,12 +53,19 @@ class Processes:
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
         logs.mkdir(parents=True, exist_ok=True)
 
-    def start(self, name: str, args: Sequence[str]) -> subprocess.Popen[bytes]:
+    def start(
+        self,
+        name: str,
+        args: Sequence[str],
+        *,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> subprocess.Popen[bytes]:
         log = (self.logs / f"{name}.log").open("wb")
         proc = subprocess.Popen(
             list(args),
-            env=self.env,
-            cwd=ROOT,
+            env=self.env if env is None else env,
+            cwd=ROOT if cwd is None else cwd,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -95,3 +95,35 @@ def test_bad_run_and_node_configs_name_the_key():
         parse_config(RunConfig, {"local-steps": 0}, what="run config")
     with pytest.raises(ConfigError, match="min-sites=5 exceeds sites-per-round=3"):
         parse_config(RunConfig, {"min-sites": 5}, what="run config")
+
+
+def _same(a, b):
+    return set(a) == set(b) and all(a[k].equal(b[k]) for k in a)
+
+
+def test_a_re_asked_round_resends_the_stored_reply_and_spends_nothing(tiny_bert, tmp_path):
+    site = _site(tiny_bert, tmp_path)
+    arrays = to_arrays(site.loaded)
+    first = site.train_round(1, arrays, run_id="run-a")
+    restarted = _site(tiny_bert, tmp_path)  # a new process of the same site
+    again = restarted.train_round(1, arrays, run_id="run-a")
+    assert _same(again.arrays, first.arrays) and again.accounting == first.accounting
+    assert [e.server_round for e in restarted.ledger.entries()] == [1]  # charged once
+    moved = {k: v + 1e-3 for k, v in arrays.items()}  # another broadcast point: a new release
+    other = restarted.train_round(1, moved, run_id="run-a")
+    assert not _same(other.arrays, first.arrays)
+    assert [e.server_round for e in restarted.ledger.entries()] == [1, 1]
+
+
+def test_round_randomness_depends_on_seed_site_and_round_not_process_history(tiny_bert, tmp_path):
+    fresh = _site(tiny_bert, tmp_path / "a")
+    used = _site(tiny_bert, tmp_path / "b")
+    arrays = to_arrays(fresh.loaded)
+    torch.rand(1000)  # advance the global RNG and this site's sampler and noise streams
+    next(used.trainer._batches)
+    torch.randn(5, generator=used.trainer.noise)
+    a = fresh.train_round(3, arrays, run_id="x")
+    b = used.train_round(3, arrays, run_id="y")
+    assert _same(a.arrays, b.arrays)  # bitwise
+    c = _site(tiny_bert, tmp_path / "c").train_round(4, arrays, run_id="x")
+    assert not _same(a.arrays, c.arrays)  # another round draws other batches and noise

@@ -1,0 +1,1 @@
+"""Deployment kit: TLS/auth material, secure launchers for SuperLink/SuperNode, site registry."""

@@ -1,0 +1,227 @@
+"""Secure-by-default launcher of Flower's SuperLink and SuperNode (``python -m deploy.launch``).
+
+``python -m deploy.launch superlink|supernode [EXTRA FLOWER ARGS...]`` reads its settings from
+the environment (the compose files and the site kit's ``site.env`` set them), checks them, and
+replaces itself with ``flower-superlink`` / ``flower-supernode``:
+
+- TLS and SuperNode authentication are on. Running without TLS needs ``PRISM_ALLOW_INSECURE=1``
+  and prints a warning; passing ``--insecure`` without it is refused.
+- Private keys must not be readable by group or others (the error says which ``chmod`` to run).
+- The SuperLink never installs dependencies at run time
+  (``--disable-runtime-dependency-installation``): the image carries them.
+- A site's node config (``PRISM_SITE_ID``, ``PRISM_DATA_PATH``, ``PRISM_EPSILON_CAP``, ...) is
+  validated with ``client.config.SiteConfig`` before the SuperNode starts.
+- Only file paths are printed, never the contents of a key.
+
+Environment of ``superlink``: ``PRISM_TLS_DIR`` (``ca.crt``, ``server.crt``, ``server.key``),
+``PRISM_DATABASE`` (SuperLink state; put it on a volume), ``PRISM_HOST`` (default ``0.0.0.0``),
+``PRISM_PORT`` (default 8000).
+Environment of ``supernode``: ``PRISM_SUPERLINK`` (host:port), ``PRISM_CA_CERT``,
+``PRISM_SITE_KEY``, ``PRISM_SITE_ID``, ``PRISM_DATA_PATH``, ``PRISM_STATE_DIR``,
+``PRISM_EPSILON_CAP``, ``PRISM_DELTA``, ``PRISM_SHARE_NUM_EXAMPLES``, ``PRISM_PARTITION_ID`` and
+``PRISM_NUM_PARTITIONS`` (one-host demo only), ``PRISM_CLIENTAPP_PORT`` (default 9094).
+Exit code 2: refused, with the reason on stderr; otherwise Flower's own exit code.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from deploy.errors import DeployError, InsecureSetupError
+
+__all__ = ["ALLOW_INSECURE", "check_private_key", "main", "superlink_args", "supernode_args"]
+
+ALLOW_INSECURE = "PRISM_ALLOW_INSECURE"
+WARNING = (
+    "WARNING: prism-fl is running WITHOUT TLS and WITHOUT SuperNode authentication "
+    f"({ALLOW_INSECURE}=1). Anyone who can reach the port can read the updates and join the "
+    "federation. Use this on loopback for tests only."
+)
+# SiteConfig field -> environment variable of the site kit
+_NODE_ENV = {
+    "site-id": "PRISM_SITE_ID",
+    "data-path": "PRISM_DATA_PATH",
+    "state-dir": "PRISM_STATE_DIR",
+    "epsilon-cap": "PRISM_EPSILON_CAP",
+    "delta": "PRISM_DELTA",
+    "share-num-examples": "PRISM_SHARE_NUM_EXAMPLES",
+    "partition-id": "PRISM_PARTITION_ID",
+    "num-partitions": "PRISM_NUM_PARTITIONS",
+}
+_NUMERIC = {"epsilon-cap", "delta", "partition-id", "num-partitions"}
+
+
+def _insecure_allowed(env: Mapping[str, str]) -> bool:
+    return env.get(ALLOW_INSECURE, "").strip().lower() in {"1", "true", "yes"}
+
+
+def _existing_file(path: str, what: str, variable: str) -> Path:
+    file = Path(path)
+    if not file.is_file():
+        raise DeployError(
+            f"{what} {file} ({variable}) does not exist or is not a file: create it with "
+            "`python -m deploy.pki` or fix the path"
+        )
+    return file
+
+
+def check_private_key(path: str, what: str, variable: str) -> Path:
+    """``path`` must be a file that neither group nor others can read or write."""
+    key = _existing_file(path, what, variable)
+    mode = stat.S_IMODE(key.stat().st_mode)
+    if mode & 0o077:
+        raise InsecureSetupError(
+            f"{what} {key} is accessible by group/others (mode {mode:04o}); "
+            f"run `chmod 600 {key}` (and keep it owned by the user that runs prism-fl)"
+        )
+    return key
+
+
+def _plain_text(env: Mapping[str, str], extra: Sequence[str], tls_configured: bool) -> bool:
+    """True if the process will run without TLS; refuses unless explicitly allowed."""
+    if "--insecure" in extra or not tls_configured:
+        if not _insecure_allowed(env):
+            reason = "--insecure was passed" if "--insecure" in extra else "no TLS is configured"
+            raise InsecureSetupError(
+                f"refusing to start: {reason}. Configure TLS (see deploy/README.md), or set "
+                f"{ALLOW_INSECURE}=1 to run in plain text on a trusted loopback network"
+            )
+        return True
+    return False
+
+
+def superlink_args(env: Mapping[str, str], extra: Sequence[str] = ()) -> list[str]:
+    """The ``flower-superlink`` command line for ``env`` (after the security checks)."""
+    tls_dir = env.get("PRISM_TLS_DIR", "")
+    command = [
+        "flower-superlink",
+        "--disable-runtime-dependency-installation",
+        "--host",
+        env.get("PRISM_HOST", "0.0.0.0"),
+        "--port",
+        env.get("PRISM_PORT", "8000"),
+    ]
+    if env.get("PRISM_DATABASE"):
+        command += ["--database", env["PRISM_DATABASE"]]
+    if _plain_text(env, extra, bool(tls_dir)):
+        command.append("--insecure")
+    else:
+        folder = Path(tls_dir)
+        ca = _existing_file(str(folder / "ca.crt"), "CA certificate", "PRISM_TLS_DIR")
+        cert = _existing_file(str(folder / "server.crt"), "server certificate", "PRISM_TLS_DIR")
+        key = check_private_key(str(folder / "server.key"), "server private key", "PRISM_TLS_DIR")
+        command += [
+            "--ssl-ca-certfile",
+            str(ca),
+            "--ssl-certfile",
+            str(cert),
+            "--ssl-keyfile",
+            str(key),
+            "--enable-supernode-auth",
+        ]
+    return command + [a for a in extra if a != "--insecure"]
+
+
+def _node_config(env: Mapping[str, str]) -> str:
+    """``--node-config`` from the site's environment, validated by ``SiteConfig``."""
+    from client.config import SiteConfig, parse_config
+
+    values: dict[str, object] = {}
+    for key, variable in _NODE_ENV.items():
+        raw = env.get(variable, "").strip()
+        if not raw:
+            continue
+        if key in _NUMERIC:
+            try:
+                values[key] = float(raw) if key in {"epsilon-cap", "delta"} else int(raw)
+            except ValueError:
+                raise DeployError(f"{variable}={raw!r} is not a number") from None
+        elif key == "share-num-examples":
+            values[key] = raw.lower() in {"1", "true", "yes"}
+        else:
+            values[key] = raw
+    try:
+        site = parse_config(SiteConfig, values, what="site setting")
+        site.name()
+    except ValueError as exc:
+        raise DeployError(f"{exc} (set the PRISM_* variables of the site kit)") from exc
+    parts = []
+    for key, value in values.items():
+        if isinstance(value, bool):
+            parts.append(f"{key}={str(value).lower()}")
+        elif isinstance(value, str):
+            if "'" in value or '"' in value:
+                raise DeployError(f"{key}={value!r}: quotes are not allowed in this setting")
+            parts.append(f"{key}='{value}'")
+        else:
+            parts.append(f"{key}={value}")
+    return " ".join(parts)
+
+
+def supernode_args(env: Mapping[str, str], extra: Sequence[str] = ()) -> list[str]:
+    """The ``flower-supernode`` command line for ``env`` (after the security checks)."""
+    superlink = env.get("PRISM_SUPERLINK", "")
+    if not superlink:
+        raise DeployError("PRISM_SUPERLINK is not set: give the coordinator as host:port")
+    command = [
+        "flower-supernode",
+        "--superlink",
+        superlink,
+        "--port",
+        env.get("PRISM_CLIENTAPP_PORT", "9094"),
+        "--node-config",
+        _node_config(env),
+    ]
+    tls_configured = bool(env.get("PRISM_CA_CERT") or env.get("PRISM_SITE_KEY"))
+    if _plain_text(env, extra, tls_configured):
+        command.append("--insecure")
+    else:
+        if not env.get("PRISM_CA_CERT") or not env.get("PRISM_SITE_KEY"):
+            raise InsecureSetupError(
+                "PRISM_CA_CERT (the coordinator's CA certificate) and PRISM_SITE_KEY (this "
+                "site's private key) must both be set"
+            )
+        ca = _existing_file(env["PRISM_CA_CERT"], "CA certificate", "PRISM_CA_CERT")
+        key = check_private_key(env["PRISM_SITE_KEY"], "site private key", "PRISM_SITE_KEY")
+        command += ["--root-certificates", str(ca), "--auth-supernode-private-key", str(key)]
+    return command + [a for a in extra if a != "--insecure"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Check the settings, then exec Flower; returns 2 when refused (exec does not return)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] not in {"superlink", "supernode"}:
+        print(
+            "usage: python -m deploy.launch superlink|supernode [FLOWER ARGS...]", file=sys.stderr
+        )
+        return 2
+    env = dict(os.environ)
+    env.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
+    try:
+        build = superlink_args if args[0] == "superlink" else supernode_args
+        command = build(env, args[1:])
+    except DeployError as exc:
+        print(f"prism-fl launch: {exc}", file=sys.stderr)
+        return 2
+    if "--database" in command:  # the SuperLink's state folder (a volume in compose)
+        Path(command[command.index("--database") + 1]).parent.mkdir(parents=True, exist_ok=True)
+    elif command[0] == "flower-superlink":
+        print(
+            "WARNING: PRISM_DATABASE is not set: the SuperLink keeps registered sites and runs "
+            "in memory and loses them on restart",
+            file=sys.stderr,
+        )
+    if "--insecure" in command:
+        print(WARNING, file=sys.stderr)
+    print(f"prism-fl launch: {' '.join(command)}", file=sys.stderr, flush=True)
+    binary = Path(sys.executable).parent / command[0]
+    os.execvpe(str(binary) if binary.exists() else command[0], command, env)
+    return 0  # pragma: no cover  (exec does not return)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Create this site's SuperNode key pair and print the public key to send to the coordinator.
+#   ./make-site-key.sh [KEYS_DIR]      (default: PRISM_KEYS_DIR from .env, else ./keys)
+# The private key (KEYS_DIR/site.key, mode 0600) never leaves this host. An existing key pair
+# is kept. Uses the prism-fl image (no network) or, if installed, the local Python package.
+set -euo pipefail
+cd "$(dirname "$0")"
+setting() { grep -E "^$1=" .env 2>/dev/null | tail -n 1 | cut -d= -f2- || true; }
+KEYS_DIR="${1:-${PRISM_KEYS_DIR:-$(setting PRISM_KEYS_DIR)}}"
+KEYS_DIR="${KEYS_DIR:-./keys}"
+SITE_ID="${PRISM_SITE_ID:-$(setting PRISM_SITE_ID)}"
+SITE_ID="${SITE_ID:-site}"
+VARIANT="${PRISM_VARIANT:-$(setting PRISM_VARIANT)}"
+mkdir -p "$KEYS_DIR"
+chmod 700 "$KEYS_DIR"
+if python3 -c "import deploy.pki" 2>/dev/null; then
+    python3 -m deploy.pki site-key --out "$KEYS_DIR" --name "$SITE_ID"
+else
+    docker run --rm --network none --user "$(id -u):$(id -g)" \
+        --volume "$(realpath "$KEYS_DIR"):/keys" --entrypoint python \
+        "prism-fl:${VARIANT:-cpu}" -m deploy.pki site-key --out /keys --name "$SITE_ID"
+fi

@@ -1,0 +1,109 @@
+"""The mechanism under audit, and deliberately broken variants for the audit's self-test.
+
+The audit runs PRISM's DP release through ``client.trainer.PrivateTrainer.release`` (the same
+code path as training) with a ``Mechanism``: the pair of functions that clip-and-sum and
+privatize. ``CORRECT`` is ``prism_core``'s pair. The three ``BROKEN`` variants reproduce bugs
+that published DP code has shipped with; they exist only so that the audit can prove it
+catches them (``prism-fl audit --inject-bug NAME``, and the tests). Never train with them.
+
+- ``noise-off``: no noise is added, but the record still claims sigma.
+- ``realised-batch``: signal and noise are divided by the REALISED batch size (the reference
+  implementation's ``dp_finalize``), which leaks the batch size.
+- ``per-module-clip``: each module (and each head tensor) is clipped to C on its own, so one
+  example can move the release by up to ``sqrt(#modules) * C`` instead of C.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from prism_core.manifold import Point, Tangent, work_dtype
+from prism_core.mechanism import (
+    ClippedSum,
+    PrivateStep,
+    clip_and_sum,
+    clip_coefficients,
+    per_example_norms_sq,
+    privatize,
+)
+
+__all__ = ["BROKEN", "CORRECT", "Mechanism", "mechanism_by_name"]
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    """A clip-and-sum function and a privatize function with ``prism_core``'s signatures."""
+
+    name: str
+    clip_and_sum: Callable[..., ClippedSum]
+    privatize: Callable[..., PrivateStep]
+
+
+def _noise_off_privatize(points: Sequence[Point], clipped: ClippedSum, **kw: Any) -> PrivateStep:
+    claimed = kw["noise_multiplier"]
+    step = privatize(points, clipped, **{**kw, "noise_multiplier": 0.0})
+    return step._replace(record=replace(step.record, noise_multiplier=float(claimed)))
+
+
+def _realised_batch_privatize(
+    points: Sequence[Point], clipped: ClippedSum, **kw: Any
+) -> PrivateStep:
+    realised = max(clipped.count, 1)  # the reference's ``std = sigma * C / total``
+    step = privatize(points, clipped, **{**kw, "expected_batch_size": float(realised)})
+    return step._replace(record=replace(step.record, expected_batch_size=kw["expected_batch_size"]))
+
+
+def _per_module_clip_and_sum(
+    points: Sequence[Point],
+    lifts: Sequence[Tangent],
+    *,
+    max_norm: float,
+    previous: ClippedSum | None = None,
+    euclidean: Sequence[Tensor] = (),
+) -> ClippedSum:
+    norms_sq = per_example_norms_sq(points, lifts)
+    sums = []
+    for index, t in enumerate(lifts):
+        alpha = clip_coefficients(norms_sq[index : index + 1], max_norm)
+        dtype = work_dtype(t.dA, t.dB, alpha)
+        a = alpha.to(dtype)
+        part = Tangent(
+            torch.einsum("b,bmr->mr", a, t.dA.to(dtype)),
+            torch.einsum("b,bnr->nr", a, t.dB.to(dtype)),
+        )
+        if previous is not None:
+            part = Tangent(previous.sums[index].dA + part.dA, previous.sums[index].dB + part.dB)
+        sums.append(part)
+    extra = []
+    for index, g in enumerate(euclidean):
+        g = g.to(work_dtype(g))
+        alpha = clip_coefficients(g.flatten(1).square().sum(1)[None], max_norm)
+        total = torch.einsum("b,b...->...", alpha.to(g.dtype), g)
+        extra.append(total if previous is None else previous.euclidean[index] + total)
+    count = int(norms_sq.shape[1]) + (previous.count if previous else 0)
+    return ClippedSum(tuple(sums), count, previous.clipped if previous else 0, tuple(extra))
+
+
+CORRECT = Mechanism("prism", clip_and_sum, privatize)
+"""The mechanism that trains: ``prism_core.mechanism.clip_and_sum`` and ``privatize``."""
+
+BROKEN: dict[str, Mechanism] = {
+    "noise-off": Mechanism("noise-off", clip_and_sum, _noise_off_privatize),
+    "realised-batch": Mechanism("realised-batch", clip_and_sum, _realised_batch_privatize),
+    "per-module-clip": Mechanism("per-module-clip", _per_module_clip_and_sum, privatize),
+}
+"""Deliberately broken mechanisms, for the audit's self-test only."""
+
+
+def mechanism_by_name(name: str | None) -> Mechanism:
+    """``CORRECT`` for None or ``"prism"``, else the broken variant of that name."""
+    if name is None or name == CORRECT.name:
+        return CORRECT
+    if name not in BROKEN:
+        raise ValueError(f"unknown mechanism {name!r}: expected one of {['prism', *BROKEN]}")
+    return BROKEN[name]

@@ -1,0 +1,259 @@
+"""Every compose file validates with the real Compose v2 parser; the Dockerfile lints clean."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from compose_local import DOCKERFILE, compose, compose_config, dockerfile_instructions
+from flower_harness import ROOT
+from flwr.common.config import parse_config_args
+
+from deploy.launch import superlink_args, supernode_args
+from deploy.pki import init_federation
+
+DEPLOY = ROOT / "deploy"
+SITE_ENV = DEPLOY / "site" / "site.env.example"
+COORDINATOR_ENV = DEPLOY / "coordinator" / "coordinator.env.example"
+SITES = ("hospital-a", "hospital-b", "clinic-c")
+
+# (files, --env-file or None): every compose file and override the docs tell users to run
+COMPOSE_SETS = [
+    ([ROOT / "docker-compose.yml"], None),
+    ([ROOT / "docker-compose.yml", DEPLOY / "docker-compose.gpu.yml"], None),
+    ([DEPLOY / "site" / "docker-compose.yml"], SITE_ENV),
+    (
+        [DEPLOY / "site" / "docker-compose.yml", DEPLOY / "site" / "docker-compose.gpu.yml"],
+        SITE_ENV,
+    ),
+    ([DEPLOY / "coordinator" / "docker-compose.yml"], COORDINATOR_ENV),
+]
+
+
+def _config_q(files: list[Path], env_file: Path | None) -> subprocess.CompletedProcess[str]:
+    args = [a for f in files[1:] for a in ("-f", str(f))]
+    if env_file is not None:
+        args += ["--env-file", str(env_file)]
+    return compose(files[0], *args, "config", "-q")
+
+
+@pytest.mark.parametrize(("files", "env_file"), COMPOSE_SETS, ids=lambda v: str(v)[-40:])
+def test_compose_file_validates(files, env_file):
+    done = _config_q(files, env_file)
+    assert done.returncode == 0, done.stderr
+
+
+def test_parser_rejects_a_broken_file(tmp_path):
+    """The validator really validates: a service with a bad key fails with exit 1."""
+    broken = tmp_path / "docker-compose.yml"
+    broken.write_text("services:\n  a:\n    image: x\n    restart_policy: always\n")
+    done = _config_q([broken], None)
+    assert done.returncode != 0 and "restart_policy" in done.stderr
+
+
+def test_required_settings_are_named(tmp_path):
+    done = _config_q([DEPLOY / "coordinator" / "docker-compose.yml"], None)
+    assert done.returncode != 0 and "PRISM_PUBLIC_HOST" in done.stderr
+    empty = tmp_path / "empty.env"
+    empty.write_text("")
+    done = _config_q([DEPLOY / "site" / "docker-compose.yml"], empty)
+    assert done.returncode != 0
+    assert re.search(
+        r"required variable PRISM_(SUPERLINK|SITE_ID|DATA_FILE) is missing", done.stderr
+    )
+
+
+def _mounts(service: dict) -> dict[str, dict]:
+    return {m["target"]: m for m in service.get("volumes", [])}
+
+
+def test_one_host_federation_is_secure_by_default():
+    services = compose_config(ROOT / "docker-compose.yml")["services"]
+    text = "\n".join(
+        p.read_text() for p in [ROOT / "docker-compose.yml", *DEPLOY.rglob("docker-compose*.yml")]
+    )
+    assert "PRISM_ALLOW_INSECURE" not in text and "--insecure" not in text
+    superlink = services["superlink"]
+    assert superlink["environment"]["PRISM_TLS_DIR"] == "/tls"
+    database = superlink["environment"]["PRISM_DATABASE"]
+    state = _mounts(superlink)["/var/lib/prism"]
+    assert database.startswith("/var/lib/prism/") and state["type"] == "volume"
+    assert _mounts(superlink)["/srv/prism/runs"]["type"] == "bind"  # reports on the host
+    assert [p["host_ip"] for p in superlink["ports"]] == ["127.0.0.1"]
+    key_paths = set()
+    for site in SITES:
+        service = services[site]
+        env, mounts = service["environment"], _mounts(service)
+        assert env["PRISM_SITE_ID"] == site
+        assert env["PRISM_SITE_KEY"] == "/keys/site.key" and env["PRISM_CA_CERT"] == "/keys/ca.crt"
+        keys = mounts["/keys"]
+        assert keys["read_only"] and keys["volume"]["subpath"] == f"sites/{site}"
+        key_paths.add(keys["volume"]["subpath"])
+        assert mounts["/data"]["read_only"]
+        assert mounts["/data"]["source"] == str(ROOT / "deploy" / "local" / site / "data")
+        assert mounts["/var/lib/prism"]["source"] == f"{site}-state"  # its own durable ledger
+        assert service["depends_on"]["register"]["condition"] == "service_completed_successfully"
+    assert len(key_paths) == len(SITES)
+    assert set(services["pki"]["environment"]["PRISM_SITES"].split()) == set(SITES)
+    for name in ("superlink", "register", *SITES):  # the CA key's folder is mounted nowhere else
+        assert all(
+            m.get("volume", {}).get("subpath")
+            for m in services[name]["volumes"]
+            if m["source"] == "pki"
+        )
+
+
+def test_gpu_override_reserves_a_gpu_per_site_with_the_cuda_image():
+    done = compose(
+        ROOT / "docker-compose.yml",
+        "-f",
+        str(DEPLOY / "docker-compose.gpu.yml"),
+        "config",
+        "--format",
+        "json",
+    )
+    services = json.loads(done.stdout)["services"]
+    for site in SITES:
+        devices = services[site]["deploy"]["resources"]["reservations"]["devices"]
+        assert (
+            devices[0]["capabilities"] == ["gpu"]
+            and services[site]["build"]["args"]["VARIANT"] == "cuda"
+        )
+    assert services["superlink"]["build"]["args"]["VARIANT"] == "cpu"
+
+
+def test_hadolint_passes():
+    hadolint = Path(sys.executable).parent / "hadolint"
+    hadolint = hadolint if hadolint.exists() else Path(shutil.which("hadolint") or "hadolint")
+    done = subprocess.run(
+        [str(hadolint), "--failure-threshold", "info", str(DOCKERFILE)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_dockerfile_copies_existing_files_and_pins_the_project_torch():
+    instructions = dockerfile_instructions()
+    copies = [rest.split() for word, rest in instructions if word == "COPY"]
+    assert copies
+    for parts in copies:
+        sources = [p for p in parts[:-1] if not p.startswith("--")]
+        for source in sources:
+            assert list(ROOT.glob(source.rstrip("/"))), f"COPY source {source} is missing"
+    # everything the image needs to run is copied (the packages pyproject installs) ...
+    copied = {s.rstrip("/") for parts in copies for s in parts[:-1]}
+    assert {"pyproject.toml", "prism_core", "client", "server", "deploy/*.py"} <= copied
+    # ... and the build context lets exactly those in: never keys, data, .env files or runs
+    rules = [r for r in (ROOT / ".dockerignore").read_text().splitlines() if r and r[0] != "#"]
+    assert rules[0] == "**"
+    assert {f"!{s}" for s in copied} <= set(rules)
+    assert not [r for r in rules if r.startswith("!deploy/") and r != "!deploy/*.py"]
+    args = dict(
+        re.findall(r"^(\w+)=(\S+)$", "\n".join(r for w, r in instructions if w == "ARG"), re.M)
+    )
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert f"torch=={args['TORCH_VERSION']}" in deps
+    assert args["VARIANT"] == "cpu"
+    entry = json.loads(next(r for w, r in instructions if w == "ENTRYPOINT"))
+    assert entry == ["python", "-m", "deploy.launch"]
+    user = [r for w, r in instructions if w == "USER"]
+    assert user and not user[-1].startswith(("root", "0"))
+    assert "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1" in next(
+        r for w, r in instructions if w == "ENV"
+    )
+
+
+def test_every_compose_build_uses_this_dockerfile():
+    for files, env_file in COMPOSE_SETS:
+        args = [a for f in files[1:] for a in ("-f", str(f))]
+        if env_file is not None:
+            args += ["--env-file", str(env_file)]
+        done = compose(files[0], *args, "config", "--format", "json")
+        for name, service in json.loads(done.stdout)["services"].items():
+            build = service["build"]
+            assert Path(build["context"]) == ROOT, name
+            assert (Path(build["context"]) / build["dockerfile"]) == DOCKERFILE, name
+
+
+def _service_env(file: Path, env_file: Path, service: str) -> dict[str, str]:
+    done = compose(file, "--env-file", str(env_file), "config", "--format", "json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)["services"][service]["environment"]
+
+
+def test_site_kit_settings_start_a_tls_authenticated_supernode(tmp_path):
+    """The site kit's template, as compose resolves it, is accepted by the launcher."""
+    init_federation(tmp_path / "pki", ["hospital-a"])
+    env = _service_env(DEPLOY / "site" / "docker-compose.yml", SITE_ENV, "supernode")
+    keys = tmp_path / "pki" / "sites" / "hospital-a"
+    local = {k: v.replace("/keys", str(keys)) for k, v in env.items()}
+    args = supernode_args(local)
+    assert "--insecure" not in args
+    assert args[args.index("--superlink") + 1] == "coordinator.example.org:8000"
+    assert args[args.index("--auth-supernode-private-key") + 1] == str(keys / "site.key")
+    node = parse_config_args([args[args.index("--node-config") + 1]])
+    assert node == {
+        "site-id": "hospital-a",
+        "data-path": "/data/train.jsonl",
+        "state-dir": "/var/lib/prism",
+        "epsilon-cap": 3.0,
+        "delta": 1e-5,
+        "share-num-examples": False,
+    }
+
+
+def _sans(command: list[str]) -> set[str]:
+    return {command[i + 1] for i, arg in enumerate(command) if arg == "--san"}
+
+
+def test_server_certificates_cover_every_name_the_superlink_is_reached_by():
+    """Sites use the service or public name; the SuperLink's own SuperExec uses 127.0.0.1."""
+    root = compose_config(ROOT / "docker-compose.yml")["services"]["pki"]["command"]
+    assert _sans(root) == {"superlink", "localhost", "127.0.0.1"}
+    done = compose(
+        DEPLOY / "coordinator" / "docker-compose.yml",
+        *("--env-file", str(COORDINATOR_ENV), "config", "--format", "json"),
+    )
+    coordinator = json.loads(done.stdout)["services"]["pki"]["command"]
+    assert _sans(coordinator) == {"coordinator.example.org", "superlink", "localhost", "127.0.0.1"}
+
+
+def test_coordinator_kit_starts_a_tls_superlink_with_auth(tmp_path):
+    init_federation(tmp_path / "pki", [])
+    env = _service_env(DEPLOY / "coordinator" / "docker-compose.yml", COORDINATOR_ENV, "superlink")
+    local = {k: v.replace("/tls", str(tmp_path / "pki" / "superlink")) for k, v in env.items()}
+    args = superlink_args(local)
+    assert "--enable-supernode-auth" in args and "--insecure" not in args
+    assert args[args.index("--database") + 1] == "/var/lib/prism/superlink.db"
+
+
+def test_image_sources_hold_every_module_the_services_run():
+    """The files the Dockerfile COPYs contain, and pyproject packages, every module run."""
+    copied: set[str] = set()
+    for word, rest in dockerfile_instructions():
+        if word == "COPY":
+            for source in rest.split()[:-1]:
+                for path in ROOT.glob(source.rstrip("/")):
+                    files = path.rglob("*.py") if path.is_dir() else [path]
+                    copied |= {str(f.relative_to(ROOT)) for f in files}
+    services = compose_config(ROOT / "docker-compose.yml")["services"]
+    modules = {"deploy.launch", "server.app", "client.app"}  # image ENTRYPOINT, Flower apps
+    modules |= {s["entrypoint"][2] for s in services.values() if s.get("entrypoint")}
+    assert modules == {"deploy.launch", "deploy.pki", "deploy.register", "server.app", "client.app"}
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    include = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    for module in modules:
+        package = module.split(".")[0]
+        assert f"{module.replace('.', '/')}.py" in copied, module
+        assert f"{package}/__init__.py" in copied, package
+        assert any(fnmatch.fnmatch(package, pattern) for pattern in include), package

@@ -1,0 +1,126 @@
+"""deploy.launch: secure defaults of the SuperLink/SuperNode launcher."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from flower_harness import ROOT
+from flwr.common.config import parse_config_args
+
+from deploy.errors import DeployError, InsecureSetupError
+from deploy.launch import superlink_args, supernode_args
+from deploy.pki import init_federation
+
+
+@pytest.fixture
+def pki(tmp_path):
+    init_federation(tmp_path / "pki", ["hospital-a"])
+    return tmp_path / "pki"
+
+
+def _site_env(pki, **extra):
+    env = {
+        "PRISM_SUPERLINK": "coordinator.example.org:8000",
+        "PRISM_CA_CERT": str(pki / "sites" / "hospital-a" / "ca.crt"),
+        "PRISM_SITE_KEY": str(pki / "sites" / "hospital-a" / "site.key"),
+        "PRISM_SITE_ID": "hospital-a",
+        "PRISM_DATA_PATH": "/data/train.jsonl",
+        "PRISM_STATE_DIR": "/var/lib/prism",
+        "PRISM_EPSILON_CAP": "2.5",
+        "PRISM_DELTA": "1e-6",
+    }
+    env.update(extra)
+    return env
+
+
+def test_superlink_runs_with_tls_auth_and_no_runtime_installs(pki):
+    args = superlink_args({"PRISM_TLS_DIR": str(pki / "superlink"), "PRISM_DATABASE": "/x/s.db"})
+    assert "--insecure" not in args
+    assert "--enable-supernode-auth" in args
+    assert "--disable-runtime-dependency-installation" in args
+    assert args[args.index("--ssl-keyfile") + 1] == str(pki / "superlink" / "server.key")
+    assert args[args.index("--database") + 1] == "/x/s.db"
+
+
+def test_supernode_node_config_round_trips_through_flowers_parser(pki):
+    args = supernode_args(_site_env(pki))
+    assert args[args.index("--auth-supernode-private-key") + 1].endswith("site.key")
+    config = parse_config_args([args[args.index("--node-config") + 1]])
+    assert config == {
+        "site-id": "hospital-a",
+        "data-path": "/data/train.jsonl",
+        "state-dir": "/var/lib/prism",
+        "epsilon-cap": 2.5,
+        "delta": 1e-6,
+    }
+
+
+@pytest.mark.parametrize("role", ["superlink", "supernode"])
+def test_group_readable_private_key_is_refused(pki, role):
+    key = pki / ("superlink/server.key" if role == "superlink" else "sites/hospital-a/site.key")
+    key.chmod(0o640)
+    with pytest.raises(InsecureSetupError, match=rf"mode 0640\); run `chmod 600 {key}`"):
+        if role == "superlink":
+            superlink_args({"PRISM_TLS_DIR": str(pki / "superlink")})
+        else:
+            supernode_args(_site_env(pki))
+
+
+def test_plain_text_needs_the_explicit_flag(pki):
+    with pytest.raises(InsecureSetupError, match=r"no TLS is configured.*PRISM_ALLOW_INSECURE=1"):
+        superlink_args({})
+    with pytest.raises(InsecureSetupError, match="--insecure was passed"):
+        superlink_args({"PRISM_TLS_DIR": str(pki / "superlink")}, ["--insecure"])
+    env = _site_env(pki, PRISM_CA_CERT="", PRISM_SITE_KEY="")
+    with pytest.raises(InsecureSetupError, match="no TLS is configured"):
+        supernode_args(env)
+    assert "--insecure" in supernode_args({**env, "PRISM_ALLOW_INSECURE": "1"})
+    assert "--insecure" in superlink_args({"PRISM_ALLOW_INSECURE": "1"})
+
+
+def test_half_configured_tls_site_is_refused(pki):
+    with pytest.raises(InsecureSetupError, match="must both be set"):
+        supernode_args(_site_env(pki, PRISM_SITE_KEY=""))
+
+
+def test_bad_site_settings_are_named(pki):
+    with pytest.raises(DeployError, match="PRISM_EPSILON_CAP='lots' is not a number"):
+        supernode_args(_site_env(pki, PRISM_EPSILON_CAP="lots"))
+    with pytest.raises(DeployError, match="PRISM_SUPERLINK is not set"):
+        supernode_args(_site_env(pki, PRISM_SUPERLINK=""))
+    with pytest.raises(DeployError, match="node config needs site-id"):
+        supernode_args(_site_env(pki, PRISM_SITE_ID=""))
+
+
+def test_insecure_start_prints_a_warning(tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "PRISM_ALLOW_INSECURE": "1"}
+    env["FLWR_HOME"] = str(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-m", "deploy.launch", "superlink", "--version"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "WARNING: prism-fl is running WITHOUT TLS" in done.stderr
+    assert "PRISM_DATABASE is not set" in done.stderr  # state in memory: said out loud
+    assert "1.42.0" in done.stdout + done.stderr  # flower-superlink itself ran (exec)
+
+
+def test_refusal_exits_2_before_flower_starts(tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "FLWR_HOME": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "deploy.launch", "supernode"],
+        env={**env, "PRISM_SUPERLINK": "x:1", "PRISM_SITE_ID": "a"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "refusing to start: no TLS is configured" in done.stderr
+    assert "Starting Flower" not in done.stderr

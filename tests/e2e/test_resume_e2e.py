@@ -1,0 +1,209 @@
+"""Crash-safe coordinator through real Flower processes: SIGKILL the ServerApp process repeatedly.
+
+A real ``flower-superlink`` and two ``flower-supernode`` processes on loopback; the SuperLink
+runs the ServerApp in its own ``flwr-serverapp`` process. The test picks at least 5 random kill
+points (named pause points, ``client.testhooks``; always including mid-aggregation and
+mid-ledger-write), SIGKILLs that process at each, starts ``flwr run`` again with the same
+run-dir, and finally checks the run against an uninterrupted run of the same configuration
+(the loopback driver of ``tests/server/resume_driver.py``, same sites and seeds): the same
+ledger events (none lost, none twice), the same epsilon per site, and a bitwise-identical
+global adapter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from flower_harness import (
+    BIN,
+    ROOT,
+    flower_env,
+    free_port,
+    port_open,
+    processes,
+    wait_for,
+    write_connection,
+)
+
+from server.checkpoint import load_checkpoint
+from server.ledger import Ledger
+
+ROUNDS, SITES = 3, 2
+POINTS = (
+    "round-start",
+    "ledger-write",
+    "mid-aggregation",
+    "before-checkpoint",
+    "mid-checkpoint",
+    "after-checkpoint",
+)
+
+
+def _config(model: str, run_dir: Path) -> dict[str, object]:
+    return {
+        "model": model,
+        "lora-rank": 4,
+        "num-rounds": ROUNDS,
+        "local-steps": 2,
+        "batch-size": 16,
+        "micro-batch-size": 16,
+        "synthetic-examples": 64,
+        "max-length": 24,
+        "noise-multiplier": 4.0,
+        "target-epsilon": 2.0,
+        "sites-per-round": SITES,
+        "min-sites": SITES,
+        "round-timeout": 120.0,
+        "run-dir": str(run_dir),
+    }
+
+
+def _flwr_config(config: dict[str, object]) -> str:
+    return " ".join(f"{k}='{v}'" if isinstance(v, str) else f"{k}={v}" for k, v in config.items())
+
+
+def _schedule(rng: random.Random, kills: int = 6) -> list[tuple[int, str]]:
+    """``kills`` distinct (round, point) pairs in execution order, incl. the two required."""
+    pairs = [(r, p) for r in range(1, ROUNDS + 1) for p in POINTS]
+    required = [
+        (rng.randint(1, ROUNDS), "mid-aggregation"),
+        (rng.randint(1, ROUNDS), "ledger-write"),
+    ]
+    others = rng.sample([x for x in pairs if x not in required], kills - len(required))
+    return sorted({*required, *others}, key=lambda x: (x[0], POINTS.index(x[1])))
+
+
+def _outcome(run_dir: Path) -> dict[str, object]:
+    ckpt = load_checkpoint(run_dir)
+    assert ckpt is not None
+    with Ledger.open(run_dir / "ledger.sqlite", read_only=True) as ledger:
+        events = sorted(
+            (e.round, e.site_id, e.mechanism, e.sigma, e.q, e.steps, e.delta, e.epsilon_cap)
+            for e in ledger.events()
+        )
+        eps = {s: ledger.epsilon(s).prv for s in ledger.sites()}
+    return {"round": ckpt.server_round, "arrays": ckpt.arrays, "events": events, "epsilon": eps}
+
+
+@pytest.mark.slow
+def test_serverapp_sigkilled_at_random_points_resumes_bitwise(tiny_bert, tmp_path):
+    seed = int(os.environ.get("PRISM_FL_KILL_SEED", time.time_ns() % 100_000))
+    schedule = _schedule(random.Random(seed))
+    note = f"kill schedule {schedule} (PRISM_FL_KILL_SEED={seed})"
+    print(note)
+
+    # The uninterrupted reference: same sites (partitions) and seeds, loopback transport.
+    reference_dir = tmp_path / "reference"
+    driver = ROOT / "tests" / "server" / "resume_driver.py"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.pop("PRISM_FL_PAUSE_AT", None)
+    done = subprocess.run(
+        [sys.executable, str(driver), json.dumps(_config(tiny_bert, reference_dir)), str(SITES)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    expected = _outcome(reference_dir)
+
+    home, run_dir = tmp_path / "flwr", tmp_path / "run"
+    control, pause = tmp_path / "pause-at.txt", tmp_path / "paused.json"
+    env = flower_env(home)
+    port = free_port()
+    write_connection(home, "loopback", f"127.0.0.1:{port}")
+    link_env = dict(env, PRISM_FL_PAUSE_AT=f"file:{control}", PRISM_FL_PAUSE_FILE=str(pause))
+    config = _flwr_config(_config(tiny_bert, run_dir))
+    with processes(env, tmp_path / "logs") as group:
+        group.env = link_env  # only the SuperLink (and the ServerApps it starts) see the hook
+        group.start(
+            "superlink",
+            [
+                str(BIN / "flower-superlink"),
+                "--insecure",
+                "--disable-runtime-dependency-installation",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--database",
+                str(tmp_path / "superlink.db"),
+            ],
+        )
+        group.env = env
+        wait_for(lambda: port_open(port), 60, "the SuperLink port")
+        for i in range(SITES):
+            node = (
+                f"partition-id={i} num-partitions={SITES} "
+                f"state-dir='{run_dir / 'sites' / f'site-{i}'}'"
+            )
+            group.start(
+                f"site-{i}",
+                [
+                    str(BIN / "flower-supernode"),
+                    "--insecure",
+                    "--superlink",
+                    f"127.0.0.1:{port}",
+                    "--port",
+                    str(free_port()),
+                    "--node-config",
+                    node,
+                ],
+            )
+        command = [
+            str(BIN / "flwr"),
+            "run",
+            str(ROOT),
+            "loopback",
+            "--stream",
+            "--run-config",
+            config,
+        ]
+        for n, (server_round, point) in enumerate(schedule):
+            control.write_text(f"{point}@{server_round}")
+            pause.unlink(missing_ok=True)
+            runner = group.start(f"flwr-run-{n}", command)
+            wait_for(
+                lambda runner=runner: pause.exists() or runner.poll() is not None,
+                600,
+                f"{point}@{server_round}",
+            )
+            assert pause.exists(), f"{note}: run ended before {point}@{server_round}\n" + (
+                group.log(f"flwr-run-{n}")[-3000:] + group.log("superlink")[-3000:]
+            )
+            pid = json.loads(pause.read_text())["pid"]
+            assert pid != runner.pid
+            os.kill(pid, signal.SIGKILL)  # the process running the ServerApp
+            wait_for(lambda pid=pid: not Path(f"/proc/{pid}").exists() or _zombie(pid), 30, "kill")
+            group.stop(runner)  # `flwr run --stream` of the killed run
+        control.write_text("")
+        final = group.start("flwr-run-final", command)
+        wait_for(lambda: final.poll() is not None, 900, "the resumed run")
+        log = group.log("flwr-run-final")
+        assert final.returncode == 0, note + log[-3000:] + group.log("superlink")[-3000:]
+        wait_for(lambda: (run_dir / "summary.json").exists(), 120, "the run's summary")
+
+    got = _outcome(run_dir)
+    assert got["round"] == ROUNDS, note
+    assert len(got["events"]) == ROUNDS * SITES, note  # none lost; UNIQUE makes none twice
+    assert got["events"] == expected["events"], note
+    assert got["epsilon"] == expected["epsilon"], note
+    for name, tensor in expected["arrays"].items():  # type: ignore[attr-defined]
+        assert got["arrays"][name].equal(tensor), f"{note}: {name}"  # type: ignore[index]
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except OSError:
+        return True

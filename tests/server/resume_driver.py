@@ -1,0 +1,63 @@
+"""Run ``server.federation.run_federation`` in this process with sites on a loopback grid.
+
+Used by ``test_resume.py`` as a subprocess that the test SIGKILLs at a pause point
+(``client.testhooks``). The grid delivers each train message to the real ClientApp
+(``client.app.app``) of an in-process site, in message order, and returns its replies: Flower's
+transport is left out, everything else (strategy, ledger, checkpoint, sites and their durable
+state) is the real code. Usage: ``python resume_driver.py RUN_CONFIG_JSON NUM_SITES``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable
+
+from flwr.app import Context, Message, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+from client.app import app as client_app
+from client.config import RunConfig, parse_config
+from client.logs import setup_logging
+from server.federation import run_federation
+
+
+class LoopbackGrid:
+    """The part of ``flwr.serverapp.Grid`` the strategy uses, with in-process sites."""
+
+    def __init__(self, run_config: dict[str, object], num_sites: int) -> None:
+        self.run_config = run_config
+        self.nodes = {
+            100 + i: {"partition-id": i, "num-partitions": num_sites} for i in range(num_sites)
+        }
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.nodes)
+
+    def send_and_receive(self, messages: Iterable[Message], timeout: float) -> list[Message]:
+        replies = []
+        for msg in messages:
+            node = msg.metadata.dst_node_id
+            context = Context(
+                run_id=1,
+                node_id=node,
+                node_config=dict(self.nodes[node]),  # type: ignore[arg-type]
+                state=RecordDict(),
+                run_config=dict(self.run_config),  # type: ignore[arg-type]
+            )
+            TaskIdentity.node_id = node
+            replies.append(client_app(msg, context))
+        TaskIdentity.node_id = 0
+        return replies
+
+
+def main() -> None:
+    setup_logging()
+    values = json.loads(sys.argv[1])
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    run = parse_config(RunConfig, values, what="run config")
+    run_federation(LoopbackGrid(values, int(sys.argv[2])), run)  # type: ignore[arg-type]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""``prism-fl audit``: tables, audit.json, exit status, and the ledger left untouched."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+
+import pytest
+
+from server.cli import EXIT_AUDIT_FAILED, EXIT_OK, EXIT_USAGE, main
+from server.ledger import Ledger, LedgerEvent
+
+pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")  # PRV at q=1
+
+
+def _digest(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def ledger(tmp_path):
+    path = tmp_path / "ledger.sqlite"
+    with Ledger.open(path) as led:
+        for r in range(2):
+            for site in ("hospital-a", "hospital-b"):
+                led.append(
+                    LedgerEvent(
+                        run_id="run-1",
+                        round=r,
+                        site_id=site,
+                        sigma=1.2,
+                        q=0.1,
+                        steps=5,
+                        delta=1e-5,
+                        epsilon_cap=3.0,
+                    )
+                )
+    return path
+
+
+def test_audit_prints_every_part_writes_json_and_leaves_the_ledger_unchanged(
+    ledger, tmp_path, capsys
+):
+    before = _digest(ledger)
+    code = main(["audit", "--ledger", str(ledger), "--out", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert code == EXIT_OK, out
+    assert _digest(ledger) == before
+    for text in ("hospital-a", "hospital-b", "PRV (claimed)", "PLD (dp_accounting)"):
+        assert text in out
+    for text in ("sensitivity (global clip)", "noise std = sigma C / b", "eps lower bound"):
+        assert text in out
+    assert "verdict: PASS" in out
+    audit = json.loads((tmp_path / "out" / "audit.json").read_text())
+    assert audit["verdict"] == "pass"
+    assert [s["site_id"] for s in audit["accountants"]] == ["hospital-a", "hospital-b"]
+    assert all(s["verdict"] == "pass" for s in audit["accountants"])
+    assert len(audit["mechanism_checks"]) == 3
+    canary = audit["canary"]
+    assert canary["canaries"] == 1000 and canary["guesses"] == 200
+    assert 0 < canary["lower_bound"] <= canary["claimed_epsilon"]
+
+
+def test_an_injected_bug_fails_the_audit_with_exit_status_3(ledger, tmp_path, capsys):
+    out_dir = tmp_path / "out"
+    argv = ["audit", "--ledger", str(ledger), "--out", str(out_dir)]
+    code = main([*argv, "--inject-bug", "per-module-clip"])
+    out = capsys.readouterr().out
+    assert code == EXIT_AUDIT_FAILED
+    assert "SELF-TEST" in out and "verdict: FAIL" in out
+    audit = json.loads((out_dir / "audit.json").read_text())
+    assert audit["verdict"] == "FAIL" and audit["mechanism"] == "per-module-clip"
+    assert audit["canary"]["lower_bound"] > audit["canary"]["claimed_epsilon"]
+
+
+def test_a_foreign_file_is_refused_unchanged(tmp_path, capsys):
+    foreign = tmp_path / "other.sqlite"
+    conn = sqlite3.connect(foreign)
+    conn.execute("CREATE TABLE patients (id INTEGER)")
+    conn.commit()
+    conn.close()
+    before = _digest(foreign)
+    code = main(["audit", "--ledger", str(foreign), "--out", str(tmp_path / "out")])
+    assert code == EXIT_USAGE
+    assert "not a prism-fl ledger" in capsys.readouterr().err
+    assert _digest(foreign) == before
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--guesses", "7"], "guesses=7 must be even and in [2, canaries]"),
+        (["--canaries", "5000"], "must be >= canaries=5000"),
+    ],
+)
+def test_bad_settings_name_the_key_and_the_allowed_range(ledger, tmp_path, capsys, args, message):
+    code = main(["audit", "--ledger", str(ledger), "--out", str(tmp_path / "out"), *args])
+    assert code == EXIT_USAGE
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_option_values_are_refused_by_the_parser(ledger, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["audit", "--ledger", str(ledger), "--confidence", "1.5"])
+    assert info.value.code == EXIT_USAGE
+    assert "expected a number in (0, 1), found 1.5" in capsys.readouterr().err
