@@ -5,8 +5,9 @@ micro-batches; each micro-batch runs forward/backward through Opacus' ``GradSamp
 (hooks mode) with a PER-SEQUENCE loss summed over examples, so ``grad_sample`` holds exact
 per-example gradients. Then, by ``method``:
 
-- ``prism``: lift -> global clip (LoRA modules and DP head together) -> accumulate; once per
-  step: tangent noise, divide by the expected batch size, DP-aware adaptive transform, retract.
+- ``prism``: lift -> global clip (LoRA modules and DP head together) -> accumulate, fused in
+  ``clip_and_sum_grads`` with the QR frames computed once per step; once per step: tangent
+  noise, divide by the expected batch size, DP-aware adaptive transform, retract.
 - ``dp-adamw``: factor-space clip of the concatenated ``(gA, gB)`` (+ head), iid noise, AdamW.
 - ``ffa``: as ``dp-adamw`` with peft's ``lora_A`` frozen (FFA-LoRA).
 - ``nondp``: plain LoRA with AdamW on the mean per-sequence loss (no clipping, no noise).
@@ -48,8 +49,15 @@ from prism_core.accounting import (
 from prism_core.adaptive import AdaptiveConfig, AdaptiveState, adaptive_direction, init_state
 from prism_core.baselines import factor_clip_and_sum, factor_privatize
 from prism_core.errors import BudgetExceededError
-from prism_core.manifold import Point, lift, retract
-from prism_core.mechanism import ClippedSum, clip_and_sum, empty_sum, privatize
+from prism_core.manifold import Point, retract
+from prism_core.mechanism import (
+    ClippedSum,
+    StepFrames,
+    clip_and_sum_grads,
+    empty_sum,
+    privatize,
+    step_frames,
+)
 from prism_core.rng import NoiseSource, SecureRNG
 
 __all__ = [
@@ -339,21 +347,32 @@ class PrivateTrainer:
                 p.grad_sample = None
 
     def clipped_sum(
-        self, batch: dict[str, Tensor], points: Sequence[Point]
+        self,
+        batch: dict[str, Tensor],
+        points: Sequence[Point],
+        frames: StepFrames | None = None,
     ) -> tuple[ClippedSum, float]:
         """Globally clipped sum of per-example lifts (and DP-head grads) over micro-batches.
 
-        Returns the ``ClippedSum`` and the summed per-sequence loss (private, local only).
+        The lifts are fused into the clip (``clip_and_sum_grads``); ``frames`` (the per-step QR
+        frames of ``points``) are computed once per step, not per micro-batch. Returns the
+        ``ClippedSum`` and the summed per-sequence loss (private, local only).
         """
         cfg, handles, head = self.config, self.loaded.handles, self.loaded.head_params
+        if frames is None:
+            frames = step_frames(points)
         acc, total = None, 0.0
         for micro in micro_batches(batch, cfg.micro_batch_size):
             total += self._backward(micro)
             grads = per_example_factor_grads(handles)
-            lifts = [lift(p.A, p.B, gA, gB) for p, (gA, gB) in zip(points, grads, strict=True)]
             head_grads = [p.grad_sample.to(torch.float32) for p in head]
-            acc = clip_and_sum(
-                points, lifts, max_norm=cfg.max_norm, previous=acc, euclidean=head_grads
+            acc = clip_and_sum_grads(
+                points,
+                grads,
+                max_norm=cfg.max_norm,
+                previous=acc,
+                euclidean=head_grads,
+                frames=frames,
             )
             self._clear_grads()
         return (acc if acc is not None else empty_sum(points, head)), total
@@ -361,7 +380,8 @@ class PrivateTrainer:
     def _prism_step(self, batch: dict[str, Tensor]) -> float:
         cfg, handles, head = self.config, self.loaded.handles, self.loaded.head_params
         points = read_points(handles)
-        acc, total = self.clipped_sum(batch, points)
+        frames = step_frames(points)
+        acc, total = self.clipped_sum(batch, points, frames)
         released = privatize(
             points,
             acc,
@@ -370,6 +390,7 @@ class PrivateTrainer:
             expected_batch_size=self.expected_batch_size,
             sample_rate=self.sample_rate,
             generator=self.noise,
+            frames=frames,
         )
         tau = self.noise_multiplier * cfg.max_norm / self.expected_batch_size
         new_points = []
