@@ -210,7 +210,7 @@ def instrument(clock: PhaseClock) -> None:
         "privatize": "noise",
         "factor_privatize": "noise",
         "adaptive_direction": "adaptive",
-        "retract": "retract",
+        "retract_modules": "retract",
     }
     for attr, phase in names.items():
         setattr(trainer_module, attr, _timed(clock, phase, getattr(trainer_module, attr)))

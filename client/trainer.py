@@ -49,13 +49,14 @@ from prism_core.accounting import (
 from prism_core.adaptive import AdaptiveConfig, AdaptiveState, adaptive_direction, init_state
 from prism_core.baselines import factor_clip_and_sum, factor_privatize
 from prism_core.errors import BudgetExceededError
-from prism_core.manifold import Point, retract
+from prism_core.manifold import Point, Tangent
 from prism_core.mechanism import (
     ClippedSum,
     StepFrames,
     clip_and_sum_grads,
     empty_sum,
     privatize,
+    retract_modules,
     step_frames,
 )
 from prism_core.rng import NoiseSource, SecureRNG
@@ -393,13 +394,13 @@ class PrivateTrainer:
             frames=frames,
         )
         tau = self.noise_multiplier * cfg.max_norm / self.expected_batch_size
-        new_points = []
+        directions: list[Tangent] = []
         for index, (point, update) in enumerate(zip(points, released.tangents, strict=True)):
             direction, self.states[index] = adaptive_direction(
                 point, update, self.states[index], noise_std=tau, config=self.adaptive
             )
-            new_points.append(retract(point.A, point.B, direction.dA, direction.dB, -cfg.lr))
-        write_points_(handles, new_points)
+            directions.append(direction)
+        write_points_(handles, retract_modules(frames, directions, -cfg.lr))
         if self.optimizer is not None:
             for p, g in zip(head, released.euclidean, strict=True):
                 p.grad = g.to(p.dtype)

@@ -30,6 +30,7 @@ from prism_core.manifold import (
     lift_moments,
     lift_norm_sq_from_moments,
     point_frame,
+    retract,
     tangent_norm_sq,
     work_dtype,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "empty_sum",
     "per_example_norms_sq",
     "privatize",
+    "retract_modules",
     "step_frames",
     "tangent_noise",
     "validate_noise_parameters",
@@ -215,6 +217,33 @@ def step_frames(points: Sequence[Point]) -> StepFrames:
         tuple(stacked),
         tuple(stacked_points),
     )
+
+
+def retract_modules(frames: StepFrames, directions: Sequence[Tangent], step: float) -> list[Point]:
+    """Retract every module along its direction, one batched call per group of equal shapes.
+
+    Implements eq. (22) and Prop. 3.2 of PRISM (``prism_core.manifold.retract``) for all
+    modules of a step: the thin QRs, 2r x 2r SVDs and Procrustes alignments of a group run as
+    batched LAPACK calls on the stacked factors ``frames.points``.
+
+    Args:
+        frames: ``step_frames(points)`` of the current points.
+        directions: one ``Tangent`` per module, in module order.
+        step: signed step length (``-lr`` for a descent step).
+
+    Returns:
+        One ``Point`` per module, in module order, in the work dtype.
+    """
+    if len(directions) != len(frames.frames):
+        raise ValueError(f"{len(frames.frames)} modules but {len(directions)} directions")
+    out: list[Point | None] = [None] * len(directions)
+    for group, point in zip(frames.groups, frames.points, strict=True):
+        dA = torch.stack([directions[i].dA for i in group])
+        dB = torch.stack([directions[i].dB for i in group])
+        new = retract(point.A, point.B, dA, dB, step)
+        for j, i in enumerate(group):
+            out[i] = Point(new.A[j], new.B[j])
+    return [p for p in out if p is not None]
 
 
 def per_example_norms_sq(points: Sequence[Point], lifts: Sequence[Tangent]) -> Tensor:
@@ -399,7 +428,8 @@ def tangent_noise(
     of ``N^{-1/2}`` / ``M^{-1/2}`` (both satisfy ``W W.T = N^{-1}``).
 
     Args:
-        A: (m, r); B: (n, r) the current point.
+        A: (..., m, r); B: (..., n, r) the current point, or a stack of points of equal shape
+            (independent noise for each).
         generator: a seeded ``torch.Generator`` (reproducible) or ``prism_core.rng.SecureRNG``
             (OS CSPRNG, for production).
         frame: ``point_frame(A, B)`` if already computed (once per step); else built here.
@@ -409,19 +439,32 @@ def tangent_noise(
 
     Notes:
         ``R^{-T}`` is applied as a GEMM with the frame's explicit triangular inverse (float64,
-        then the work dtype). Draws ``U`` then ``V`` from ``generator``.
+        then the work dtype). Draws all of ``U`` (shape of ``A``), then all of ``V``.
     """
     dtype = work_dtype(A, B)
     if frame is None:
         frame = point_frame(A, B)
-    (m, r), (n, _) = A.shape[-2:], B.shape[-2:]
-    U = standard_normal((m, r), generator, dtype=dtype, device=A.device)
-    V = standard_normal((n, r), generator, dtype=dtype, device=A.device)
+    U = standard_normal(tuple(A.shape), generator, dtype=dtype, device=A.device)
+    V = standard_normal(tuple(B.shape), generator, dtype=dtype, device=A.device)
     QA = frame.QA.to(dtype)
     U_perp = U - QA @ (QA.mT @ U)
     Xi_A = U_perp @ frame.RB_inv.to(dtype).mT  # U_perp R_B^{-T}
     Xi_B = V @ frame.RA_inv.to(dtype).mT  # V R_A^{-T}
     return Tangent(Xi_A, Xi_B)
+
+
+def _module_noise(
+    points: Sequence[Point], generator: NoiseSource, frames: StepFrames | None
+) -> list[Tangent]:
+    """Unit tangent noise for every module: one ``tangent_noise`` call per shape group."""
+    if frames is None:
+        frames = step_frames(points)
+    out: list[Tangent | None] = [None] * len(points)
+    for group, stacked, point in zip(frames.groups, frames.stacked, frames.points, strict=True):
+        xi = tangent_noise(point.A, point.B, generator, frame=stacked)
+        for j, i in enumerate(group):
+            out[i] = Tangent(xi.dA[j], xi.dB[j])
+    return [t for t in out if t is not None]
 
 
 def privatize(
@@ -470,12 +513,12 @@ def privatize(
     if len(points) != len(clipped.sums):
         raise ValueError(f"{len(points)} modules but the clipped sum has {len(clipped.sums)}")
     scale = noise_multiplier * max_norm
+    module_noise = _module_noise(points, generator, frames) if scale > 0 else None
     tangents = []
-    for index, (p, s) in enumerate(zip(points, clipped.sums, strict=True)):
+    for index, s in enumerate(clipped.sums):
         dA, dB = s.dA, s.dB
-        if scale > 0:
-            frame = None if frames is None else frames.frames[index]
-            xi = tangent_noise(p.A, p.B, generator, frame=frame)
+        if module_noise is not None:
+            xi = module_noise[index]
             dA, dB = dA + scale * xi.dA.to(dA.dtype), dB + scale * xi.dB.to(dB.dtype)
         tangents.append(Tangent(dA / expected_batch_size, dB / expected_batch_size))
     euclidean = []

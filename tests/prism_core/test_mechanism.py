@@ -18,6 +18,7 @@ from prism_core.manifold import (
     lift,
     point_frame,
     project_dense,
+    retract,
     tangent_norm_sq,
     tangent_to_dense,
 )
@@ -29,6 +30,7 @@ from prism_core.mechanism import (
     empty_sum,
     per_example_norms_sq,
     privatize,
+    retract_modules,
     step_frames,
     tangent_noise,
 )
@@ -437,3 +439,56 @@ def test_noise_with_frames_equals_the_triangular_solve_reference(seed):
     for a, e in zip(with_frames.tangents, without.tangents, strict=True):
         torch.testing.assert_close(a.dA, e.dA, rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(a.dB, e.dB, rtol=1e-12, atol=1e-14)
+
+
+def test_retract_modules_equals_retract_of_each_module():
+    points = _module_points(6, DIMS_WITH_REPEATS)
+    frames = step_frames(points)
+    g = torch.Generator().manual_seed(6)
+    directions = [
+        Tangent(
+            torch.randn(p.A.shape, generator=g, dtype=torch.float64),
+            torch.randn(p.B.shape, generator=g, dtype=torch.float64),
+        )
+        for p in points
+    ]
+    batched = retract_modules(frames, directions, -0.2)
+    for p, d, got in zip(points, directions, batched, strict=True):
+        want = retract(p.A, p.B, d.dA, d.dB, -0.2)
+        torch.testing.assert_close(got.A, want.A, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(got.B, want.B, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="4 modules but 3 directions"):
+        retract_modules(frames, directions[:3], -0.2)
+
+
+def test_noise_of_a_shape_group_is_independent_per_module():
+    """One stacked draw per group: each module still gets energy r (m + n - r) (Thm 3.1) and
+    the noise of two modules of the same shape is uncorrelated (|corr| < Z / sqrt(K))."""
+    points = _module_points(7, DIMS_WITH_REPEATS)
+    frames = step_frames(points)
+    g = torch.Generator().manual_seed(7)
+    K = 1500
+    zero = empty_sum(points)
+    energy = torch.zeros(len(points), dtype=torch.float64)
+    cross = torch.zeros(K, dtype=torch.float64)
+    for k in range(K):
+        out = privatize(
+            points,
+            zero,
+            noise_multiplier=1.0,
+            max_norm=1.0,
+            expected_batch_size=1.0,
+            sample_rate=0.1,
+            generator=g,
+            frames=frames,
+        ).tangents
+        dense = [tangent_to_dense(p.A, p.B, *t) for p, t in zip(points, out, strict=True)]
+        energy += torch.stack([d.square().sum() for d in dense])
+        cross[k] = (dense[0] * dense[2]).sum()  # modules 0 and 2 share a shape group
+    for (A, B), e in zip(points, energy / K, strict=True):
+        d = A.shape[1] * (A.shape[0] + B.shape[0] - A.shape[1])
+        assert abs(e.item() / d - 1) < Z * math.sqrt(2 / (d * K))
+    (m, r), n = points[0].A.shape, points[0].B.shape[0]
+    d0 = r * (m + n - r)
+    corr = cross.mean().item() / d0  # E<Xi_0, Xi_2> = 0, Var <Xi_0, Xi_2> <= d0
+    assert abs(corr) < Z / math.sqrt(K * d0)
