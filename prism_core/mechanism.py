@@ -196,7 +196,7 @@ def step_frames(points: Sequence[Point]) -> StepFrames:
     """
     keys: dict[tuple[object, ...], list[int]] = {}
     for index, p in enumerate(points):
-        key = (tuple(p.A.shape), tuple(p.B.shape), work_dtype(p.A, p.B), p.A.device)
+        key = (tuple(p.A.shape), tuple(p.B.shape), p.A.dtype, p.B.dtype, p.A.device)
         keys.setdefault(key, []).append(index)
     frames: list[Frame | None] = [None] * len(points)
     groups, stacked, stacked_points = [], [], []
@@ -365,7 +365,8 @@ def clip_and_sum_grads(
 ) -> ClippedSum:
     """Lift, globally clip and sum per-example factor gradients, without per-example lifts.
 
-    Implements eqs. (14)-(16) and the sum of Algorithm 1 (lines 5-10, before dividing by b):
+    Implements eqs. (14)-(16) and Algorithm 1 of PRISM, lines 3-10 (lift, global clip, sum;
+    before dividing by b):
     the same ``ClippedSum`` as ``clip_and_sum(points, [lift(A, B, gA, gB), ...])``. The norm
     of each example's lift comes from r x r moments of its gradients (``lift_norm_sq``), and
     since the lift is linear, ``sum_i alpha_i lift(gA_i, gB_i) = lift(sum_i alpha_i gA_i,
