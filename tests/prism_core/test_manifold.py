@@ -8,6 +8,7 @@ import torch
 from conftest import SEEDS, SHAPES, ill_conditioned, random_point
 
 from prism_core.manifold import (
+    TRANSPOSE_MAX_RANK,
     check_point,
     lift,
     lift_moments,
@@ -315,3 +316,19 @@ def test_lift_moments_needs_the_frame_of_one_module():
     stacked = point_frame(torch.stack([A, A]), torch.stack([B, B]))
     with pytest.raises(ValueError, match="frame of one module"):
         lift_moments(stacked, torch.zeros(3, 9, 2), torch.zeros(3, 7, 2))
+
+
+@pytest.mark.parametrize("r", [2, TRANSPOSE_MAX_RANK, TRANSPOSE_MAX_RANK + 2])
+@pytest.mark.parametrize("layout", ["row-major", "transposed"])
+def test_lift_norm_sq_is_independent_of_memory_layout(r, layout):
+    """Both GEMM strategies (copy to (b, r, m) or not) and both layouts give the same norms."""
+    m, n, b = 30, 25, 4
+    A, B = random_point(m, n, r, r)
+    g = torch.Generator().manual_seed(r)
+    gA = torch.randn(b, m, r, generator=g, dtype=torch.float64)
+    gB = torch.randn(b, n, r, generator=g, dtype=torch.float64)
+    if layout == "transposed":
+        gA, gB = gA.mT.contiguous().mT, gB.mT.contiguous().mT
+    fused = lift_norm_sq(point_frame(A, B), gA, gB)
+    expected = tangent_norm_sq(A, B, *lift(A, B, gA.contiguous(), gB.contiguous()))
+    assert ((fused - expected).abs() / expected).max().item() < 1e-10
