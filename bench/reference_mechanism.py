@@ -4,8 +4,8 @@ A frozen copy of ``lift``, ``tangent_norm_sq``, ``clip_and_sum``, ``tangent_nois
 ``privatize`` from ``prism_core`` at commit 29247da (per-module thin QR and triangular solves,
 per-example lifts formed and then normed), kept so that ``bench/mechanism.py
 --compare-reference`` can time old and new code in one process, under the same load. It is
-not used by the library; ``tests/bench/test_reference_mechanism.py`` checks that it still
-agrees with ``prism_core``. Retraction and the data types are shared with ``prism_core``.
+not used by the library; the benchmark checks before timing that its noise-free released update
+agrees with ``prism_core``'s. Retraction and the data types are shared with ``prism_core``.
 """
 
 from __future__ import annotations
