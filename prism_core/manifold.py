@@ -18,7 +18,6 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "TRANSPOSE_MAX_RANK",
     "Frame",
     "LiftMoments",
     "Point",
@@ -97,13 +96,14 @@ class Frame(NamedTuple):
 
     Build it once per point with ``point_frame`` (once per logical step in training) and pass
     it to every call at that point. ``A = QA @ RA``, ``B = QB @ RB`` (App. A.14), so
-    ``M^{-1} = RA_inv @ RA_inv.T`` and ``N^{-1} = RB_inv @ RB_inv.T``.
+    ``M^{-1} = RA_inv @ RA_inv.T`` and ``N^{-1} = RB_inv @ RB_inv.T``; they are applied as the
+    two triangular factors, never formed, so that rounding grows with ``cond(R)`` and not with
+    ``cond(M) = cond(R)^2`` (as with two triangular solves).
 
     Attributes:
         QA, QB: (m, r), (n, r) orthonormal bases of the column spaces of ``A`` and ``B``.
         RA, RB: (r, r) upper-triangular QR factors.
         RA_inv, RB_inv: (r, r) their inverses (upper triangular).
-        M_inv, N_inv: (r, r) inverses of the Gram matrices ``M = A.T A``, ``N = B.T B``.
     """
 
     QA: Tensor
@@ -112,8 +112,6 @@ class Frame(NamedTuple):
     RB: Tensor
     RA_inv: Tensor
     RB_inv: Tensor
-    M_inv: Tensor
-    N_inv: Tensor
 
 
 def _triangular_inverse(R: Tensor) -> Tensor:
@@ -138,23 +136,21 @@ def point_frame(A: Tensor, B: Tensor) -> Frame:
         A ``Frame`` in ``work_dtype(A, B)``.
 
     Notes:
-        The r x r inverses are formed in float64 from the QR factors (no damping: the factors
-        have full column rank, see ``check_point``; a singular ``R`` gives non-finite values)
-        and cast to the work dtype, so lifts are plain GEMMs. Cost O((m + n) r^2 + r^3).
+        The triangular inverses are solved in float64 from the QR factors (no damping: the
+        factors have full column rank, see ``check_point``; a singular ``R`` gives non-finite
+        values) and cast to the work dtype, so lifts are plain GEMMs. Cost
+        O((m + n) r^2 + r^3).
     """
     dtype = work_dtype(A, B)
     QA, RA = _qr(A.to(dtype))
     QB, RB = _qr(B.to(dtype))
-    RA_inv64, RB_inv64 = _triangular_inverse(RA), _triangular_inverse(RB)
     return Frame(
         QA=QA,
         QB=QB,
         RA=RA,
         RB=RB,
-        RA_inv=RA_inv64.to(dtype),
-        RB_inv=RB_inv64.to(dtype),
-        M_inv=(RA_inv64 @ RA_inv64.mT).to(dtype),
-        N_inv=(RB_inv64 @ RB_inv64.mT).to(dtype),
+        RA_inv=_triangular_inverse(RA).to(dtype),
+        RB_inv=_triangular_inverse(RB).to(dtype),
     )
 
 
@@ -192,53 +188,48 @@ def lift(A: Tensor, B: Tensor, gA: Tensor, gB: Tensor, *, frame: Frame | None = 
         ``Tangent(dA, dB)`` with the shapes of ``gA`` and ``gB``.
 
     Notes:
-        ``M^+`` and ``N^+`` are the explicit r x r inverses of the frame (thin QR, App. A.14,
-        float64 then the work dtype), applied as GEMMs; ``Pi_A X = QA (QA.T X)``. Cost
-        O((m + n) r^2) per example; no m x n matrix is formed. The lift is linear in
-        ``(gA, gB)``, so the lift of a (clipped) sum equals the sum of the lifts.
+        ``N^+ = RB^{-1} RB^{-T}`` and ``M^+`` are applied as two GEMMs with the frame's
+        triangular inverses (thin QR, App. A.14, float64 then the work dtype);
+        ``Pi_A X = QA (QA.T X)``. Cost O((m + n) r^2) per example; no m x n matrix is formed.
+        The lift is linear in ``(gA, gB)``, so the lift of a (clipped) sum equals the sum of the
+        lifts.
     """
     dtype = work_dtype(A, B, gA, gB)
     if frame is None:
         frame = point_frame(A, B)
     gA, gB = gA.to(dtype), gB.to(dtype)
-    xA = torch.matmul(gA, frame.N_inv.to(dtype))  # gA N^{-1}
-    xB = torch.matmul(gB, frame.M_inv.to(dtype))  # gB M^{-1}
+    RA_inv, RB_inv = frame.RA_inv.to(dtype), frame.RB_inv.to(dtype)
+    xA = torch.matmul(torch.matmul(gA, RB_inv), RB_inv.mT)  # gA N^{-1}
+    xB = torch.matmul(torch.matmul(gB, RA_inv), RA_inv.mT)  # gB M^{-1}
     dA = xA - 0.5 * _project_cols(frame.QA.to(dtype), xA)
     dB = xB - 0.5 * _project_cols(frame.QB.to(dtype), xB)
     return Tangent(dA, dB)
 
 
 class LiftMoments(NamedTuple):
-    """Per-example r x r moments of factor gradients, all a lift's norm depends on.
+    """Per-example r x r moments of whitened factor gradients: all a lift's norm depends on.
 
-    ``gram_a = gA.T gA``, ``coord_a = gA.T QA`` (so ``QA.T gA = coord_a.T``), and the same for
-    ``gB`` with ``QB``; each of shape (..., r, r) for gradients of shape (..., m, r).
+    With ``a = gA RB^{-1}`` (m x r) and ``c = gB RA^{-1}`` (n x r): ``gram_a = a.T a``,
+    ``coord_a = a.T QA`` (so ``alpha = QA.T a = coord_a.T``), ``gram_c = c.T c`` and
+    ``coord_c = c.T QB``; each of shape (..., r, r) for gradients of shape (..., m, r).
     """
 
     gram_a: Tensor
     coord_a: Tensor
-    gram_b: Tensor
-    coord_b: Tensor
+    gram_c: Tensor
+    coord_c: Tensor
 
 
-TRANSPOSE_MAX_RANK = 8
-"""Largest r for which a row-major (..., m, r) gradient is first copied to the (..., r, m)
-layout before its two GEMMs. Measured with MKL on the AVX-512 EPYC of ``docs/benchmarks.md``
-(b = 64, one thread): for r <= 8 the copy pays for itself (m = 384: 0.20 ms with it, 0.32 ms
-without), for r = 16 it does not (m = 384: 0.49 vs 0.31 ms; m = 10240: 34 vs 11 ms)."""
+def _whitened_moments(g: Tensor, R_inv: Tensor, Q: Tensor) -> tuple[Tensor, Tensor]:
+    """``(w.T w, w.T Q)`` per example for ``w = g R^{-1}``, ``g`` (..., m, r), ``Q`` (m, r).
 
-
-def _gram_and_coords(g: Tensor, Q: Tensor) -> tuple[Tensor, Tensor]:
-    """``(g.T g, g.T Q)`` per example of ``g`` (..., m, r), ``Q`` (m, k)."""
-    rows = g.mT  # (..., r, m)
-    if not rows.is_contiguous() and g.shape[-1] <= TRANSPOSE_MAX_RANK:
-        rows = rows.contiguous()
-    gram = rows @ g if not rows.is_contiguous() else rows @ rows.mT
-    if rows.is_contiguous():  # one 2-D GEMM over all examples
-        m = rows.shape[-1]
-        coords = (rows.reshape(-1, m) @ Q).reshape(*rows.shape[:-1], Q.shape[-1])
-    else:  # (Q.T g).T: a batched GEMM on g's own layout, no copy
-        coords = (Q.mT @ g).mT
+    ``w.T = R^{-T} g.T`` is one batched GEMM that also leaves ``w.T`` as a contiguous
+    (..., r, m) tensor, the layout in which the two moment GEMMs are fastest.
+    """
+    rows = torch.matmul(R_inv.mT, g.mT)  # (..., r, m) = (g R^{-1}).T
+    m = rows.shape[-1]
+    gram = rows @ rows.mT
+    coords = (rows.reshape(-1, m) @ Q).reshape(*rows.shape[:-1], Q.shape[-1])
     return gram, coords
 
 
@@ -255,9 +246,10 @@ def lift_moments(frame: Frame, gA: Tensor, gB: Tensor) -> LiftMoments:
         ``LiftMoments`` of shape (..., r, r) each, in the work dtype.
 
     Notes:
-        One GEMM pass over each gradient for the Gram and one for the coordinates. A gradient
-        stored as (..., r, m) (Opacus' ``lora_A`` per-example gradient) is used as it is; a
-        row-major (..., m, r) one is transposed first when r <= ``TRANSPOSE_MAX_RANK``.
+        Three GEMM passes over each gradient: whitening by the frame's triangular inverse
+        (so that the rounding of the moments does not grow with the conditioning of the
+        gauge, as it would for Grams of the raw gradients), the r x r Gram, and the
+        coordinates in the column-space basis.
     """
     if frame.QA.dim() != 2:
         raise ValueError(
@@ -265,27 +257,26 @@ def lift_moments(frame: Frame, gA: Tensor, gB: Tensor) -> LiftMoments:
             f"{tuple(frame.QA.shape)}: index a stacked frame first"
         )
     dtype = work_dtype(frame.QA, gA, gB)
-    gram_a, coord_a = _gram_and_coords(gA.to(dtype), frame.QA)
-    gram_b, coord_b = _gram_and_coords(gB.to(dtype), frame.QB)
-    return LiftMoments(gram_a, coord_a, gram_b, coord_b)
+    gram_a, coord_a = _whitened_moments(gA.to(dtype), frame.RB_inv.to(dtype), frame.QA)
+    gram_c, coord_c = _whitened_moments(gB.to(dtype), frame.RA_inv.to(dtype), frame.QB)
+    return LiftMoments(gram_a, coord_a, gram_c, coord_c)
 
 
-def lift_norm_sq_from_moments(frame: Frame, moments: LiftMoments) -> Tensor:
-    """Squared intrinsic norms of lifts from their r x r moments (see ``lift_norm_sq``).
+def lift_norm_sq_from_moments(moments: LiftMoments) -> Tensor:
+    """Squared intrinsic norms of lifts from their whitened r x r moments (``lift_norm_sq``).
 
-    Implements eqs. (14)-(15) of PRISM, r x r part. ``frame`` and ``moments`` broadcast: a
-    stacked frame (L, ..., r, r) with moments (L, b, r, r) gives (L, b) norms in one call
-    (insert the example dimension into the frame, e.g. ``RA_inv[:, None]``).
+    Implements eqs. (14)-(15) of PRISM, r x r part, in float64:
+    ``(tr(a.T a) - ||alpha||^2) + (tr(c.T c) - ||beta||^2) + 1/4 ||alpha + beta.T||^2``.
+    Broadcasts over leading dimensions (e.g. a stack of modules and examples).
 
     Returns:
-        Tensor of the broadcast leading shape, in the moments' dtype, clamped at 0.
+        Tensor of the leading shape, in the moments' dtype, clamped at 0.
     """
     f64 = torch.float64
-    gram_a, coord_a, gram_b, coord_b = (t.to(f64) for t in moments)
-    alpha = coord_a.mT @ frame.RB_inv.to(f64)  # QA.T gA RB^{-1}
-    beta = coord_b.mT @ frame.RA_inv.to(f64)  # QB.T gB RA^{-1}
-    a_sq = (gram_a * frame.N_inv.to(f64)).sum(dim=(-2, -1))  # ||gA RB^{-1}||^2
-    c_sq = (gram_b * frame.M_inv.to(f64)).sum(dim=(-2, -1))  # ||gB RA^{-1}||^2
+    gram_a, coord_a, gram_c, coord_c = (t.to(f64) for t in moments)
+    alpha, beta = coord_a.mT, coord_c.mT  # QA.T a, QB.T c
+    a_sq = gram_a.diagonal(dim1=-2, dim2=-1).sum(-1)
+    c_sq = gram_c.diagonal(dim1=-2, dim2=-1).sum(-1)
     alpha_sq = alpha.square().sum(dim=(-2, -1))
     beta_sq = beta.square().sum(dim=(-2, -1))
     core_sq = (alpha + beta.mT).square().sum(dim=(-2, -1))
@@ -303,7 +294,7 @@ def lift_norm_sq(frame: Frame, gA: Tensor, gB: Tensor) -> Tensor:
 
         ||dZ||^2 = (||a||^2 - ||alpha||^2) + (||c||^2 - ||beta||^2) + 1/4 ||alpha + beta.T||^2
 
-    with ``||a||^2 = <gA.T gA, N^{-1}>`` and ``||c||^2 = <gB.T gB, M^{-1}>``. This equals
+    with every term read off the r x r moments of ``a`` and ``c``. This equals
     ``tangent_norm_sq`` of the lift for any ``(gA, gB)``, not only for ``gA = G B``,
     ``gB = G.T A``.
 
@@ -315,14 +306,14 @@ def lift_norm_sq(frame: Frame, gA: Tensor, gB: Tensor) -> Tensor:
         Tensor of shape ``(...)`` in the work dtype.
 
     Notes:
-        ``lift_moments`` (one pass per gradient, work dtype) then
-        ``lift_norm_sq_from_moments`` (float64). The differences
+        ``lift_moments`` (work dtype) then ``lift_norm_sq_from_moments`` (float64). The
+        differences
         ``||a||^2 - ||alpha||^2 = ||(I - Pi_A) a||^2 >= 0`` lose absolute accuracy of about
         ``eps * ||a||^2`` when ``gA`` lies almost in the span of ``A`` (the order of the cross
         term of eq. 15 in ``tangent_norm_sq``); the result is clamped at 0. Cost
         O((m + n) r^2); no lift and no m x n matrix is formed.
     """
-    return lift_norm_sq_from_moments(frame, lift_moments(frame, gA, gB))
+    return lift_norm_sq_from_moments(lift_moments(frame, gA, gB))
 
 
 def tangent_norm_sq(

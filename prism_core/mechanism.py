@@ -385,19 +385,19 @@ def clip_and_sum_grads(
         A new ``ClippedSum``; inputs are not modified.
 
     Notes:
-        Per module: two GEMM passes over each gradient (r x r Gram and coordinates) and one
-        weighted sum; the r x r algebra, the lift of the sums and the frames are batched over
-        modules of equal shape. Cost O((m + n) r^2) per example and module.
+        Per module: three GEMM passes over each gradient (whitening, r x r Gram, coordinates;
+        ``lift_moments``) and one weighted sum; the r x r algebra, the lift of the sums and the
+        frames are batched over modules of equal shape. Cost O((m + n) r^2) per example and
+        module.
     """
     _check_grads(points, grads)
     if frames is None:
         frames = step_frames(points)
     rows: list[Tensor | None] = [None] * len(points)
-    for group, stacked in zip(frames.groups, frames.stacked, strict=True):
+    for group in frames.groups:
         moments = [lift_moments(frames.frames[i], *grads[i]) for i in group]
         together = type(moments[0])(*(torch.stack(parts) for parts in zip(*moments, strict=True)))
-        per_example = Frame(*(t.unsqueeze(-3) for t in stacked))  # broadcast over examples
-        norms = lift_norm_sq_from_moments(per_example, together)
+        norms = lift_norm_sq_from_moments(together)
         for j, i in enumerate(group):
             rows[i] = norms[j]
     norms_sq = _with_euclidean(torch.stack([r for r in rows if r is not None]), euclidean)

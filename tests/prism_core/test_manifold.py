@@ -8,7 +8,6 @@ import torch
 from conftest import SEEDS, SHAPES, ill_conditioned, random_point
 
 from prism_core.manifold import (
-    TRANSPOSE_MAX_RANK,
     check_point,
     lift,
     lift_moments,
@@ -236,10 +235,8 @@ def test_point_frame_factorises_the_point(seed, m, n, r):
     A = A @ ill_conditioned(r, seed, 1e2)
     f = point_frame(A, B)
     eye = torch.eye(r, dtype=torch.float64)
-    for X, Q, R, R_inv, G_inv in (
-        (A, f.QA, f.RA, f.RA_inv, f.M_inv),
-        (B, f.QB, f.RB, f.RB_inv, f.N_inv),
-    ):
+    for X, Q, R, R_inv in ((A, f.QA, f.RA, f.RA_inv), (B, f.QB, f.RB, f.RB_inv)):
+        G_inv = R_inv @ R_inv.mT
         assert _rel(Q @ R, X) < RTOL
         torch.testing.assert_close(Q.mT @ Q, eye, rtol=0, atol=1e-12)
         torch.testing.assert_close(R_inv @ R, eye, rtol=0, atol=1e-9)
@@ -293,22 +290,27 @@ def test_lift_norm_sq_equals_the_norm_of_the_lift(seed, m, n, r, common_G):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_lift_norm_sq_float32_tracks_float64(seed):
-    """Float32 moments: relative error <= 1e-5 against float64, also for gradients that lie
-    almost in span(A) x span(B), where ||a||^2 - ||alpha||^2 cancels."""
+@pytest.mark.parametrize(("cond", "tol"), [(1.0, 1e-6), (1e3, 1e-4)])
+def test_lift_norm_sq_float32_tracks_float64(seed, cond, tol):
+    """Float32 moments against float64: relative error <= 1e-6 for a balanced gauge and
+    <= 1e-4 for one with cond(R) = 1e3 (rounding grows like cond(R), not cond(R)^2 as it would
+    for Grams of the raw gradients: about 2e-3 there), also for gradients that lie almost in
+    span(A) x span(B), where ||a||^2 - ||alpha||^2 cancels."""
     m, n, r, b = 64, 48, 4, 6
     A, B = random_point(m, n, r, seed)
-    g = torch.Generator().manual_seed(seed + 40)
-    gA = torch.randn(b, m, r, generator=g, dtype=torch.float64)
-    gB = torch.randn(b, n, r, generator=g, dtype=torch.float64)
+    R = ill_conditioned(r, seed, cond)
+    A, B = A @ R, B @ torch.linalg.inv(R).T
+    G = torch.randn(
+        b, m, n, generator=torch.Generator().manual_seed(seed + 40), dtype=torch.float64
+    )
     QA, QB = torch.linalg.qr(A)[0], torch.linalg.qr(B)[0]
-    for eps in (1.0, 1e-3):  # eps: size of the component outside the column spaces
-        hA = QA @ (QA.mT @ gA) + eps * (gA - QA @ (QA.mT @ gA))
-        hB = QB @ (QB.mT @ gB) + eps * (gB - QB @ (QB.mT @ gB))
+    for eps in (1.0, 1e-3):  # eps: weight of the generic part of the gradient
+        H = QA @ (QA.mT @ G @ QB) @ QB.mT + eps * G
+        hA, hB = _grads(A, B, H)
         exact = lift_norm_sq(point_frame(A, B), hA, hB)
         low = lift_norm_sq(point_frame(A.float(), B.float()), hA.float(), hB.float())
         assert low.dtype == torch.float32
-        assert ((low.double() - exact).abs() / exact).max().item() < 1e-5
+        assert ((low.double() - exact).abs() / exact).max().item() < tol
 
 
 def test_lift_moments_needs_the_frame_of_one_module():
@@ -318,10 +320,10 @@ def test_lift_moments_needs_the_frame_of_one_module():
         lift_moments(stacked, torch.zeros(3, 9, 2), torch.zeros(3, 7, 2))
 
 
-@pytest.mark.parametrize("r", [2, TRANSPOSE_MAX_RANK, TRANSPOSE_MAX_RANK + 2])
+@pytest.mark.parametrize("r", [2, 8, 10])
 @pytest.mark.parametrize("layout", ["row-major", "transposed"])
 def test_lift_norm_sq_is_independent_of_memory_layout(r, layout):
-    """Both GEMM strategies (copy to (b, r, m) or not) and both layouts give the same norms."""
+    """Row-major (b, m, r) and Opacus' transposed (b, r, m) gradients give the same norms."""
     m, n, b = 30, 25, 4
     A, B = random_point(m, n, r, r)
     g = torch.Generator().manual_seed(r)
