@@ -307,11 +307,10 @@ def lift_norm_sq(frame: Frame, gA: Tensor, gB: Tensor) -> Tensor:
 
     Notes:
         ``lift_moments`` (work dtype) then ``lift_norm_sq_from_moments`` (float64). The
-        differences
-        ``||a||^2 - ||alpha||^2 = ||(I - Pi_A) a||^2 >= 0`` lose absolute accuracy of about
-        ``eps * ||a||^2`` when ``gA`` lies almost in the span of ``A`` (the order of the cross
-        term of eq. 15 in ``tangent_norm_sq``); the result is clamped at 0. Cost
-        O((m + n) r^2); no lift and no m x n matrix is formed.
+        differences ``||a||^2 - ||alpha||^2 = ||(I - Pi_A) a||^2 >= 0`` lose absolute
+        accuracy of about ``eps * ||a||^2`` when ``gA`` lies almost in the span of ``A`` (the
+        order of the cross term of eq. 15 in ``tangent_norm_sq``); the result is clamped at 0.
+        Cost O((m + n) r^2); no lift and no m x n matrix is formed.
     """
     return lift_norm_sq_from_moments(lift_moments(frame, gA, gB))
 
