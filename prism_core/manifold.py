@@ -18,6 +18,8 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "GRAM_COND_MAX",
+    "TRANSPOSE_MAX_RANK",
     "Frame",
     "LiftMoments",
     "Point",
@@ -104,6 +106,7 @@ class Frame(NamedTuple):
         QA, QB: (m, r), (n, r) orthonormal bases of the column spaces of ``A`` and ``B``.
         RA, RB: (r, r) upper-triangular QR factors.
         RA_inv, RB_inv: (r, r) their inverses (upper triangular).
+        cond_A, cond_B: () float64 2-norm condition numbers of ``RA`` and ``RB``.
     """
 
     QA: Tensor
@@ -112,6 +115,8 @@ class Frame(NamedTuple):
     RB: Tensor
     RA_inv: Tensor
     RB_inv: Tensor
+    cond_A: Tensor
+    cond_B: Tensor
 
 
 def _triangular_inverse(R: Tensor) -> Tensor:
@@ -151,6 +156,8 @@ def point_frame(A: Tensor, B: Tensor) -> Frame:
         RB=RB,
         RA_inv=_triangular_inverse(RA).to(dtype),
         RB_inv=_triangular_inverse(RB).to(dtype),
+        cond_A=torch.linalg.cond(RA.to(torch.float64)),
+        cond_B=torch.linalg.cond(RB.to(torch.float64)),
     )
 
 
@@ -220,12 +227,49 @@ class LiftMoments(NamedTuple):
     coord_c: Tensor
 
 
-def _whitened_moments(g: Tensor, R_inv: Tensor, Q: Tensor) -> tuple[Tensor, Tensor]:
+GRAM_COND_MAX = 10.0
+"""Largest ``cond(R)`` of a factor for which ``lift_moments`` takes the moments of the raw
+gradient ``g`` and whitens them afterwards in r x r (float64): one GEMM pass fewer, but the
+float32 rounding of the norms grows like ``cond(R)^2 eps`` (below 1e-5 here). Above it the
+gradient is whitened first, and the rounding grows like ``cond(R) eps`` only."""
+
+TRANSPOSE_MAX_RANK = 8
+"""Largest r for which a row-major (..., m, r) gradient is copied to the (..., r, m) layout
+before its raw-moment GEMMs. Measured with MKL on the AVX-512 EPYC of ``docs/benchmarks.md``
+(b = 64, one thread): for r <= 8 the copy pays for itself (m = 384: 0.20 ms with it, 0.32 ms
+without), for r = 16 it does not (m = 384: 0.49 vs 0.31 ms; m = 10240: 34 vs 11 ms)."""
+
+
+def _raw_moments(g: Tensor, Q: Tensor) -> tuple[Tensor, Tensor]:
+    """``(g.T g, g.T Q)`` per example of ``g`` (..., m, r), ``Q`` (m, k)."""
+    rows = g.mT  # (..., r, m)
+    if not rows.is_contiguous() and g.shape[-1] <= TRANSPOSE_MAX_RANK:
+        rows = rows.contiguous()
+    if rows.is_contiguous():  # the Gram, then one 2-D GEMM over all examples
+        m = rows.shape[-1]
+        gram = rows @ rows.mT
+        coords = (rows.reshape(-1, m) @ Q).reshape(*rows.shape[:-1], Q.shape[-1])
+    else:  # batched GEMMs on g's own layout, no copy
+        gram = rows @ g
+        coords = (Q.mT @ g).mT
+    return gram, coords
+
+
+def _whitened_moments(g: Tensor, R_inv: Tensor, Q: Tensor, cond: float) -> tuple[Tensor, Tensor]:
     """``(w.T w, w.T Q)`` per example for ``w = g R^{-1}``, ``g`` (..., m, r), ``Q`` (m, r).
 
-    ``w.T = R^{-T} g.T`` is one batched GEMM that also leaves ``w.T`` as a contiguous
-    (..., r, m) tensor, the layout in which the two moment GEMMs are fastest.
+    For ``cond(R) <= GRAM_COND_MAX`` from the raw moments (``R^{-T} (g.T g) R^{-1}`` in
+    float64); else ``w.T = R^{-T} g.T`` is formed first, one batched GEMM that also leaves it
+    as a contiguous (..., r, m) tensor, the layout in which the two moment GEMMs are fastest.
+    Returned in ``g``'s dtype.
     """
+    if cond <= GRAM_COND_MAX:
+        gram, coords = _raw_moments(g, Q)
+        W = R_inv.to(torch.float64)
+        return (
+            (W.mT @ gram.to(torch.float64) @ W).to(g.dtype),
+            (W.mT @ coords.to(torch.float64)).to(g.dtype),
+        )
     rows = torch.matmul(R_inv.mT, g.mT)  # (..., r, m) = (g R^{-1}).T
     m = rows.shape[-1]
     gram = rows @ rows.mT
@@ -246,10 +290,11 @@ def lift_moments(frame: Frame, gA: Tensor, gB: Tensor) -> LiftMoments:
         ``LiftMoments`` of shape (..., r, r) each, in the work dtype.
 
     Notes:
-        Three GEMM passes over each gradient: whitening by the frame's triangular inverse
-        (so that the rounding of the moments does not grow with the conditioning of the
-        gauge, as it would for Grams of the raw gradients), the r x r Gram, and the
-        coordinates in the column-space basis.
+        Two GEMM passes over each gradient (r x r Gram and coordinates in the column-space
+        basis), whitened afterwards in r x r when the factor is well conditioned
+        (``cond(R) <= GRAM_COND_MAX``, the usual case: retraction balances the factors); a
+        third pass whitens the gradient first when it is not, so that float32 rounding does
+        not grow like ``cond(R)^2``.
     """
     if frame.QA.dim() != 2:
         raise ValueError(
@@ -257,8 +302,12 @@ def lift_moments(frame: Frame, gA: Tensor, gB: Tensor) -> LiftMoments:
             f"{tuple(frame.QA.shape)}: index a stacked frame first"
         )
     dtype = work_dtype(frame.QA, gA, gB)
-    gram_a, coord_a = _whitened_moments(gA.to(dtype), frame.RB_inv.to(dtype), frame.QA)
-    gram_c, coord_c = _whitened_moments(gB.to(dtype), frame.RA_inv.to(dtype), frame.QB)
+    gram_a, coord_a = _whitened_moments(
+        gA.to(dtype), frame.RB_inv.to(dtype), frame.QA, float(frame.cond_B)
+    )
+    gram_c, coord_c = _whitened_moments(
+        gB.to(dtype), frame.RA_inv.to(dtype), frame.QB, float(frame.cond_A)
+    )
     return LiftMoments(gram_a, coord_a, gram_c, coord_c)
 
 

@@ -8,6 +8,8 @@ import torch
 from conftest import SEEDS, SHAPES, ill_conditioned, random_point
 
 from prism_core.manifold import (
+    GRAM_COND_MAX,
+    TRANSPOSE_MAX_RANK,
     check_point,
     lift,
     lift_moments,
@@ -270,10 +272,17 @@ def test_lift_matches_the_triangular_solve_reference(seed, m, n, r):
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize(("m", "n", "r"), SHAPES)
 @pytest.mark.parametrize("common_G", [True, False])
-def test_lift_norm_sq_equals_the_norm_of_the_lift(seed, m, n, r, common_G):
-    """Fused eqs. (14)-(15) == tangent_norm_sq(lift) == dense Frobenius, for any (gA, gB)."""
+@pytest.mark.parametrize("cond", [1.0, 1e2])
+def test_lift_norm_sq_equals_the_norm_of_the_lift(seed, m, n, r, common_G, cond):
+    """Fused eqs. (14)-(15) == tangent_norm_sq(lift) == dense Frobenius, for any (gA, gB);
+    cond(RA) = ``cond``, cond(RB) = 1, so both moment strategies of ``lift_moments`` run."""
     A, B = random_point(m, n, r, seed)
-    A = A @ ill_conditioned(r, seed, 1e2)  # an unbalanced gauge
+    A = torch.linalg.qr(A)[0] @ ill_conditioned(r, seed, cond)
+    B = torch.linalg.qr(B)[0]
+    frame = point_frame(A, B)
+    assert frame.cond_B.item() <= GRAM_COND_MAX
+    if r > 1:  # a 1 x 1 factor is perfectly conditioned
+        assert (frame.cond_A.item() > GRAM_COND_MAX) == (cond > GRAM_COND_MAX)
     g = torch.Generator().manual_seed(seed + 30)
     b = 5
     if common_G:
@@ -281,7 +290,7 @@ def test_lift_norm_sq_equals_the_norm_of_the_lift(seed, m, n, r, common_G):
     else:  # independent factor gradients: alpha != beta.T, the cross block matters
         gA = torch.randn(b, m, r, generator=g, dtype=torch.float64)
         gB = torch.randn(b, n, r, generator=g, dtype=torch.float64)
-    fused = lift_norm_sq(point_frame(A, B), gA, gB)
+    fused = lift_norm_sq(frame, gA, gB)
     dA, dB = lift(A, B, gA, gB)
     dense = tangent_to_dense(A, B, dA, dB).square().sum(dim=(-2, -1))
     assert fused.shape == (b,)
@@ -320,12 +329,13 @@ def test_lift_moments_needs_the_frame_of_one_module():
         lift_moments(stacked, torch.zeros(3, 9, 2), torch.zeros(3, 7, 2))
 
 
-@pytest.mark.parametrize("r", [2, 8, 10])
+@pytest.mark.parametrize("r", [2, TRANSPOSE_MAX_RANK, TRANSPOSE_MAX_RANK + 2])
 @pytest.mark.parametrize("layout", ["row-major", "transposed"])
 def test_lift_norm_sq_is_independent_of_memory_layout(r, layout):
-    """Row-major (b, m, r) and Opacus' transposed (b, r, m) gradients give the same norms."""
+    """Row-major (b, m, r) and Opacus' transposed (b, r, m) gradients, with and without the
+    transposing copy, give the same norms (well-conditioned factors: raw moments)."""
     m, n, b = 30, 25, 4
-    A, B = random_point(m, n, r, r)
+    A, B = (torch.linalg.qr(X)[0] for X in random_point(m, n, r, r))
     g = torch.Generator().manual_seed(r)
     gA = torch.randn(b, m, r, generator=g, dtype=torch.float64)
     gB = torch.randn(b, n, r, generator=g, dtype=torch.float64)
