@@ -229,7 +229,7 @@ class LiftMoments(NamedTuple):
 
 GRAM_COND_MAX = 10.0
 """Largest ``cond(R)`` of a factor for which ``lift_moments`` takes the moments of the raw
-gradient ``g`` and whitens them afterwards in r x r (float64): one GEMM pass fewer, but the
+gradient ``g`` and whitens them afterwards in r x r: one GEMM pass fewer, but the
 float32 rounding of the norms grows like ``cond(R)^2 eps`` (below 1e-5 here). Above it the
 gradient is whitened first, and the rounding grows like ``cond(R) eps`` only."""
 
@@ -258,18 +258,14 @@ def _raw_moments(g: Tensor, Q: Tensor) -> tuple[Tensor, Tensor]:
 def _whitened_moments(g: Tensor, R_inv: Tensor, Q: Tensor, cond: float) -> tuple[Tensor, Tensor]:
     """``(w.T w, w.T Q)`` per example for ``w = g R^{-1}``, ``g`` (..., m, r), ``Q`` (m, r).
 
-    For ``cond(R) <= GRAM_COND_MAX`` from the raw moments (``R^{-T} (g.T g) R^{-1}`` in
-    float64); else ``w.T = R^{-T} g.T`` is formed first, one batched GEMM that also leaves it
-    as a contiguous (..., r, m) tensor, the layout in which the two moment GEMMs are fastest.
-    Returned in ``g``'s dtype.
+    For ``cond(R) <= GRAM_COND_MAX`` from the raw moments (``R^{-T} (g.T g) R^{-1}``, whose
+    rounding, like the raw Gram's, is of order ``cond(R)^2 eps``); else ``w.T = R^{-T} g.T`` is
+    formed first, one batched GEMM that also leaves it as a contiguous (..., r, m) tensor, the
+    layout in which the two moment GEMMs are fastest. In ``g``'s dtype.
     """
     if cond <= GRAM_COND_MAX:
         gram, coords = _raw_moments(g, Q)
-        W = R_inv.to(torch.float64)
-        return (
-            (W.mT @ gram.to(torch.float64) @ W).to(g.dtype),
-            (W.mT @ coords.to(torch.float64)).to(g.dtype),
-        )
+        return R_inv.mT @ gram @ R_inv, R_inv.mT @ coords
     rows = torch.matmul(R_inv.mT, g.mT)  # (..., r, m) = (g R^{-1}).T
     m = rows.shape[-1]
     gram = rows @ rows.mT
