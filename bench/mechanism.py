@@ -2,19 +2,27 @@
 
 One step (DESIGN.md §2, steps 2-5 and 7) for every LoRA module of a configuration:
 
-* low-dimensional path (``prism_core``): ``lift`` of the per-example factor gradients
-  ``(gA_i, gB_i)``, intrinsic norms + global clip + sum (``clip_and_sum``), tangent noise and
-  division by b (``privatize``), and the QR + 2r x 2r SVD ``retract``;
+* low-dimensional path (``prism_core``, as the trainer runs it): per-step thin-QR frames of
+  all modules (``step_frames``, phase "lift / project"), the fused lift + intrinsic norm +
+  global clip + sum of the per-example factor gradients ``(gA_i, gB_i)``
+  (``clip_and_sum_grads``, phase "norm + clip + sum"), tangent noise and division by b
+  (``privatize``), and the QR + 2r x 2r SVD retraction of every module (``retract_modules``);
+* with ``--compare-reference``, also the "before" path: the same step with the pre-fusion code
+  frozen in ``bench/reference_mechanism.py`` (per-example ``lift``, then ``clip_and_sum``,
+  ``privatize`` and a per-module ``retract``), timed interleaved with the low-dim path in the
+  same process so that both see the same load;
 * dense reference: per-example gradients ``G_i`` (m x n), ``project_dense`` of each, dense
   Frobenius norms, the same global clip, a dense Gaussian ``Xi`` (m x n) projected with
   ``project_dense``, and a rank-r truncated ``torch.linalg.svd`` of ``Z + step * dZ``.
 
-Both paths get the same inputs (``gA_i = G_i B``, ``gB_i = G_i.T A``) wherever the dense
-per-example gradients fit in memory; the clipped sums of the two paths are checked to agree
+All paths get the same inputs (``gA_i = G_i B``, ``gB_i = G_i.T A``, with ``gB_i`` laid out as
+Opacus delivers it: the transpose of ``lora_A``'s (b, r, n) per-example gradient) wherever the
+dense per-example gradients fit in memory; the clipped sums of the paths are checked to agree
 before timing. Run::
 
     .venv/bin/python bench/mechanism.py [--repeats N] [--out FILE.json]
-        [--threads T] [--clock {wall,cpu}] [--skip-gemma]
+        [--threads T] [--clock {wall,cpu}] [--skip-gemma] [--skip-dense] [--compare-reference]
+        [--contiguous-grads]
 
 It prints markdown tables to stdout (the numbers in ``docs/benchmarks.md``), progress to
 stderr, and optionally writes the raw timings (both clocks) as JSON. On a machine shared with
@@ -44,8 +52,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from prism_core.manifold import Point, lift, project_dense, retract, tangent_to_dense
-from prism_core.mechanism import clip_and_sum, clip_coefficients, privatize
+from prism_core.manifold import Point, project_dense, retract, tangent_to_dense
+from prism_core.mechanism import (
+    clip_and_sum_grads,
+    clip_coefficients,
+    privatize,
+    retract_modules,
+    step_frames,
+)
+
+try:  # run as a script: bench/ is on sys.path
+    import reference_mechanism as reference
+except ImportError:  # imported as bench.mechanism
+    from bench import reference_mechanism as reference
 
 NOISE_MULTIPLIER = 1.0
 MAX_NORM = 1.0
@@ -163,9 +182,18 @@ def make_dense_grads(config: Config, b: int, gen: torch.Generator) -> list[Tenso
     ]
 
 
+OPACUS_LAYOUT = True
+"""Lay ``gB`` out as Opacus does (``--contiguous-grads`` turns it off: (b, n, r) row-major)."""
+
+
+def opacus_layout(gB: Tensor) -> Tensor:
+    """``gB`` (b, n, r) stored as Opacus stores ``lora_A``'s gradient: (b, r, n), transposed."""
+    return gB.mT.contiguous().mT if OPACUS_LAYOUT else gB.contiguous()
+
+
 def factor_grads(points: Sequence[Point], dense: Sequence[Tensor]) -> list[tuple[Tensor, Tensor]]:
     """``gA_i = G_i B`` and ``gB_i = G_i.T A`` from the dense gradients (same inputs)."""
-    return [(G @ p.B, G.mT @ p.A) for p, G in zip(points, dense, strict=True)]
+    return [(G @ p.B, opacus_layout((p.A.mT @ G).mT)) for p, G in zip(points, dense, strict=True)]
 
 
 def random_factor_grads(
@@ -176,7 +204,7 @@ def random_factor_grads(
     return [
         (
             torch.randn(b, mod.m, r, generator=gen, dtype=DTYPE) / math.sqrt(mod.m),
-            torch.randn(b, mod.n, r, generator=gen, dtype=DTYPE) / math.sqrt(mod.n),
+            opacus_layout(torch.randn(b, mod.n, r, generator=gen, dtype=DTYPE) / math.sqrt(mod.n)),
         )
         for mod in config.modules
     ]
@@ -195,11 +223,41 @@ def lowdim_step(
 ) -> list[Point]:
     """One PRISM step with ``prism_core``: O((m + n) r^2) per example and module."""
     with timer("lift / project"):
-        lifts = [lift(p.A, p.B, gA, gB) for p, (gA, gB) in zip(points, grads, strict=True)]
+        frames = step_frames(points)
     with timer("norm + clip + sum"):
-        clipped = clip_and_sum(points, lifts, max_norm=MAX_NORM)
+        clipped = clip_and_sum_grads(points, grads, max_norm=MAX_NORM, frames=frames)
     with timer("noise"):
         updates = privatize(
+            points,
+            clipped,
+            noise_multiplier=NOISE_MULTIPLIER,
+            max_norm=MAX_NORM,
+            expected_batch_size=b,
+            sample_rate=b / DATASET_SIZE,
+            generator=gen,
+            frames=frames,
+        ).tangents
+    with timer("retract"):
+        return retract_modules(frames, updates, -LEARNING_RATE)
+
+
+def reference_step(
+    points: Sequence[Point],
+    grads: Sequence[tuple[Tensor, Tensor]],
+    *,
+    b: int,
+    gen: torch.Generator,
+    timer: PhaseTimer,
+) -> list[Point]:
+    """The same step with the pre-fusion code (``bench/reference_mechanism.py``)."""
+    with timer("lift / project"):
+        lifts = [
+            reference.lift(p.A, p.B, gA, gB) for p, (gA, gB) in zip(points, grads, strict=True)
+        ]
+    with timer("norm + clip + sum"):
+        clipped = reference.clip_and_sum(points, lifts, max_norm=MAX_NORM)
+    with timer("noise"):
+        updates = reference.privatize(
             points,
             clipped,
             noise_multiplier=NOISE_MULTIPLIER,
@@ -257,13 +315,37 @@ def agreement(
     points: Sequence[Point], grads: Sequence[tuple[Tensor, Tensor]], dense: Sequence[Tensor]
 ) -> float:
     """Max relative difference between the clipped sums of the two paths (noise-free)."""
-    lifts = [lift(p.A, p.B, gA, gB) for p, (gA, gB) in zip(points, grads, strict=True)]
-    clipped = clip_and_sum(points, lifts, max_norm=MAX_NORM)
-    reference = dense_clipped_sums(points, dense, PhaseTimer())
+    clipped = clip_and_sum_grads(points, grads, max_norm=MAX_NORM)
+    dense_sums = dense_clipped_sums(points, dense, PhaseTimer())
     worst = 0.0
-    for p, t, ref in zip(points, clipped.sums, reference, strict=True):
+    for p, t, ref in zip(points, clipped.sums, dense_sums, strict=True):
         ours = tangent_to_dense(p.A, p.B, t.dA, t.dB)
         worst = max(worst, float((ours - ref).norm() / ref.norm().clamp_min(1e-30)))
+    return worst
+
+
+def reference_agreement(
+    points: Sequence[Point], grads: Sequence[tuple[Tensor, Tensor]], *, b: int
+) -> float:
+    """Max relative difference between the noise-free released updates (clipped sums / b) of
+    the low-dim path and the pre-fusion reference. (The noise samplers are compared in
+    ``tests/prism_core/test_mechanism.py``; they draw their Gaussians in different orders.)"""
+    kwargs: dict[str, Any] = {
+        "noise_multiplier": 0.0,
+        "max_norm": MAX_NORM,
+        "expected_batch_size": b,
+        "sample_rate": b / DATASET_SIZE,
+        "generator": torch.Generator(),
+    }
+    ours = privatize(points, clip_and_sum_grads(points, grads, max_norm=MAX_NORM), **kwargs)
+    lifts = [reference.lift(p.A, p.B, gA, gB) for p, (gA, gB) in zip(points, grads, strict=True)]
+    theirs = reference.privatize(
+        points, reference.clip_and_sum(points, lifts, max_norm=MAX_NORM), **kwargs
+    )
+    worst = 0.0
+    for a, r in zip(ours.tangents, theirs.tangents, strict=True):
+        for x, y in ((a.dA, r.dA), (a.dB, r.dB)):
+            worst = max(worst, float((x - y).norm() / y.norm().clamp_min(1e-30)))
     return worst
 
 
@@ -287,6 +369,32 @@ def time_path(
     return timing
 
 
+def time_interleaved(
+    steps: dict[str, Callable[[PhaseTimer], object]], *, warmup: int, repeats: int
+) -> dict[str, Timing]:
+    """Time several paths in alternation (the order rotating every repeat), so a change in the
+    machine's load during the run falls on all of them alike; return medians per path."""
+    timers = {label: PhaseTimer() for label in steps}
+    labels = list(steps)
+    for _ in range(warmup):
+        for step in steps.values():
+            step(PhaseTimer())
+    for rep_index in range(repeats):
+        shift = rep_index % len(labels)
+        for label in labels[shift:] + labels[:shift]:
+            steps[label](timers[label])
+    timings = {label: Timing.from_timer(timer) for label, timer in timers.items()}
+    for label, timing in timings.items():
+        LOG.info(
+            "  %s: median %.2f ms wall, %.2f ms CPU over %d repeats",
+            label,
+            timing.median_ms["wall"],
+            timing.median_ms["cpu"],
+            repeats,
+        )
+    return timings
+
+
 # --------------------------------------------------------------------------- runs
 
 
@@ -302,11 +410,19 @@ class Row:
     lowdim_bytes: int
     dense_bytes: int
     max_rel_diff: float | None = None
+    reference: Timing | None = None
+    reference_rel_diff: float | None = None
 
     def ratio(self, clock: str) -> float | None:
         if self.dense is None:
             return None
         return self.dense.median_ms[clock] / self.lowdim.median_ms[clock]
+
+    def speedup(self, clock: str) -> float | None:
+        """Pre-fusion reference time over low-dim time, same run."""
+        if self.reference is None:
+            return None
+        return self.reference.median_ms[clock] / self.lowdim.median_ms[clock]
 
 
 def input_bytes(config: Config, b: int) -> tuple[int, int]:
@@ -315,6 +431,39 @@ def input_bytes(config: Config, b: int) -> tuple[int, int]:
     low = sum(b * (mod.m + mod.n) * config.r for mod in config.modules) * size
     dense = sum(b * mod.m * mod.n for mod in config.modules) * size
     return low, dense
+
+
+@dataclass(frozen=True)
+class LowDim:
+    """Timings of the low-dim path and, if compared, of the pre-fusion reference."""
+
+    lowdim: Timing
+    reference: Timing | None = None
+    reference_rel_diff: float | None = None
+
+
+def time_lowdim(
+    points: Sequence[Point],
+    grads: Sequence[tuple[Tensor, Tensor]],
+    *,
+    b: int,
+    seed: int,
+    warmup: int,
+    repeats: int,
+    compare_reference: bool,
+) -> LowDim:
+    """Time the low-dim path, interleaved with the pre-fusion reference if asked."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    steps: dict[str, Callable[[PhaseTimer], object]] = {
+        "low-dim": lambda t: lowdim_step(points, grads, b=b, gen=gen, timer=t)
+    }
+    diff = None
+    if compare_reference:
+        diff = reference_agreement(points, grads, b=b)
+        LOG.info("  noise-free updates agree with the pre-fusion reference to %.1e", diff)
+        steps["before"] = lambda t: reference_step(points, grads, b=b, gen=gen, timer=t)
+    timings = time_interleaved(steps, warmup=warmup, repeats=repeats)
+    return LowDim(timings["low-dim"], timings.get("before"), diff)
 
 
 def run_pair(
@@ -327,8 +476,9 @@ def run_pair(
     dense_warmup: int,
     dense_repeats: int,
     note: str,
+    compare_reference: bool = False,
 ) -> Row:
-    """Time both paths on the same inputs (``gA_i = G_i B``, ``gB_i = G_i.T A``)."""
+    """Time the paths on the same inputs (``gA_i = G_i B``, ``gB_i = G_i.T A``)."""
     gen = torch.Generator().manual_seed(seed)
     points = make_points(config, gen)
     dense = make_dense_grads(config, b, gen)
@@ -336,11 +486,14 @@ def run_pair(
     LOG.info("%s, b=%d: inputs ready", config.name, b)
     diff = agreement(points, grads, dense)
     LOG.info("  clipped sums agree to %.1e (relative)", diff)
-    lowdim = time_path(
-        "low-dim",
-        lambda t: lowdim_step(points, grads, b=b, gen=gen, timer=t),
+    low = time_lowdim(
+        points,
+        grads,
+        b=b,
+        seed=seed,
         warmup=warmup,
         repeats=repeats,
+        compare_reference=compare_reference,
     )
     ref = time_path(
         "dense",
@@ -348,24 +501,53 @@ def run_pair(
         warmup=dense_warmup,
         repeats=dense_repeats,
     )
-    return Row(config.name, b, lowdim, ref, note, *input_bytes(config, b), max_rel_diff=diff)
+    return Row(
+        config.name,
+        b,
+        low.lowdim,
+        ref,
+        note,
+        *input_bytes(config, b),
+        max_rel_diff=diff,
+        reference=low.reference,
+        reference_rel_diff=low.reference_rel_diff,
+    )
 
 
 def run_lowdim_only(
-    config: Config, b: int, *, seed: int, warmup: int, repeats: int, note: str
+    config: Config,
+    b: int,
+    *,
+    seed: int,
+    warmup: int,
+    repeats: int,
+    note: str,
+    compare_reference: bool = False,
 ) -> Row:
-    """Time the low-dimensional path alone, on random factor gradients."""
+    """Time the low-dimensional path alone (and the reference), on random factor gradients."""
     gen = torch.Generator().manual_seed(seed)
     points = make_points(config, gen)
     grads = random_factor_grads(config, b, gen)
     LOG.info("%s, b=%d: inputs ready", config.name, b)
-    lowdim = time_path(
-        "low-dim",
-        lambda t: lowdim_step(points, grads, b=b, gen=gen, timer=t),
+    low = time_lowdim(
+        points,
+        grads,
+        b=b,
+        seed=seed,
         warmup=warmup,
         repeats=repeats,
+        compare_reference=compare_reference,
     )
-    return Row(config.name, b, lowdim, None, note, *input_bytes(config, b))
+    return Row(
+        config.name,
+        b,
+        low.lowdim,
+        None,
+        note,
+        *input_bytes(config, b),
+        reference=low.reference,
+        reference_rel_diff=low.reference_rel_diff,
+    )
 
 
 # --------------------------------------------------------------------------- report
@@ -393,13 +575,32 @@ def results_table(rows: Sequence[Row], clock: str) -> str:
     return "\n".join(lines)
 
 
+def speedup_table(rows: Sequence[Row], clock: str) -> str:
+    """Before (pre-fusion reference) vs after (low-dim), timed interleaved in this run."""
+    lines = [
+        "| config | b | before ms | after ms | before / after | noise-free update max rel diff |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in rows:
+        speedup = row.speedup(clock)
+        if row.reference is None or speedup is None:
+            continue
+        lines.append(
+            f"| {row.config} | {row.b} | {row.reference.median_ms[clock]:,.2f} "
+            f"| {row.lowdim.median_ms[clock]:,.2f} | {speedup:.2f}x "
+            f"| {row.reference_rel_diff:.1e} |"
+        )
+    return "\n".join(lines)
+
+
 def phase_table(rows: Sequence[Row], clock: str) -> str:
     lines = [
         "| config | b | path | " + " | ".join(PHASES) + " | total |",
         "| --- | ---: | --- | " + " | ".join("---:" for _ in PHASES) + " | ---: |",
     ]
     for row in rows:
-        for path, timing in (("low-dim", row.lowdim), ("dense", row.dense)):
+        paths = (("low-dim", row.lowdim), ("before", row.reference), ("dense", row.dense))
+        for path, timing in paths:
             if timing is None:
                 continue
             cells = " | ".join(f"{timing.phase_ms[clock][p]:,.2f}" for p in PHASES)
@@ -446,6 +647,9 @@ def _to_json(row: Row) -> dict[str, Any]:
         "b": row.b,
         "lowdim": timing(row.lowdim),
         "dense": timing(row.dense),
+        "before_reference": timing(row.reference),
+        "ratio_before_over_lowdim": {clock: row.speedup(clock) for clock in CLOCKS},
+        "max_rel_diff_noise_free_update_vs_before": row.reference_rel_diff,
         "ratio_dense_over_lowdim": {clock: row.ratio(clock) for clock in CLOCKS},
         "per_example_grad_bytes": {"lowdim": row.lowdim_bytes, "dense": row.dense_bytes},
         "max_rel_diff_clipped_sum": row.max_rel_diff,
@@ -472,6 +676,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=64, help="b of the low-dim path (default 64)")
     parser.add_argument("--skip-gemma", action="store_true", help="MiniLM shapes only")
     parser.add_argument(
+        "--skip-dense", action="store_true", help="no dense reference (low-dim rows only)"
+    )
+    parser.add_argument(
+        "--contiguous-grads",
+        action="store_true",
+        help="gB as a row-major (b, n, r) tensor instead of Opacus' transposed (b, r, n) layout",
+    )
+    parser.add_argument(
+        "--compare-reference",
+        action="store_true",
+        help="also time the pre-fusion code (bench/reference_mechanism.py), interleaved",
+    )
+    parser.add_argument(
         "--threads", type=int, help="torch.set_num_threads (default: leave torch's default)"
     )
     parser.add_argument(
@@ -495,23 +712,35 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    global OPACUS_LAYOUT
+    OPACUS_LAYOUT = not args.contiguous_grads
     env = environment()
+    env["gB_layout"] = "opacus (b, r, n) transposed" if OPACUS_LAYOUT else "row-major (b, n, r)"
     started = time.perf_counter()
     rows = []
-    common = {"seed": args.seed, "warmup": args.warmup, "repeats": args.repeats}
+    common = {
+        "seed": args.seed,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "compare_reference": args.compare_reference,
+    }
     with torch.inference_mode():
-        rows.append(
-            run_pair(
-                MINILM,
-                args.batch,
-                dense_warmup=args.warmup,
-                dense_repeats=args.repeats,
-                note="same inputs",
-                **common,
+        if args.skip_dense:
+            rows.append(run_lowdim_only(MINILM, args.batch, note="low-dim only", **common))
+        else:
+            rows.append(
+                run_pair(
+                    MINILM,
+                    args.batch,
+                    dense_warmup=args.warmup,
+                    dense_repeats=args.repeats,
+                    note="same inputs",
+                    **common,
+                )
             )
-        )
         if not args.skip_gemma:
             rows.append(run_lowdim_only(GEMMA_LAYER, args.batch, note="low-dim only", **common))
+        if not (args.skip_gemma or args.skip_dense):
             rows.append(
                 run_pair(
                     GEMMA_LAYER,
@@ -527,19 +756,26 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     print(
         f"CPU: {env['cpu']} | torch {env['torch']} ({env['torch_threads']} threads) | "
-        f"{env['dtype']} | {env['date']} | commit {env['commit']} | {elapsed:.0f} s total | "
+        f"{env['dtype']} | gB {env['gB_layout']} | {env['date']} | commit {env['commit']} | "
+        f"{elapsed:.0f} s total | "
         f"1-min load average {env['load_average_1min']:.2f} at start, "
         f"{env['load_average_1min_end']:.2f} at end\n"
     )
     clock = "wall-clock" if args.clock == "wall" else "CPU-time"
     print(f"Median {clock} ms per step:\n")
     print(results_table(rows, args.clock))
+    if args.compare_reference:
+        print(f"\nBefore (pre-fusion code) vs after, median {clock} ms, interleaved:\n")
+        print(speedup_table(rows, args.clock))
     print(f"\nMedian {clock} ms per phase:\n")
     print(phase_table(rows, args.clock))
     diffs = [
         f"{r.config} b={r.b}: {r.max_rel_diff:.1e}" for r in rows if r.max_rel_diff is not None
     ]
-    print("\nMax relative difference of the clipped sums, low-dim vs dense: " + "; ".join(diffs))
+    if diffs:
+        print(
+            "\nMax relative difference of the clipped sums, low-dim vs dense: " + "; ".join(diffs)
+        )
     if args.out is not None:
         payload = {"environment": env, "elapsed_s": elapsed, "results": [_to_json(r) for r in rows]}
         args.out.write_text(json.dumps(payload, indent=2) + "\n")

@@ -204,13 +204,13 @@ def instrument(clock: PhaseClock) -> None:
         "read_points": "read/write factors",
         "write_points_": "read/write factors",
         "per_example_factor_grads": "read/write factors",
-        "lift": "lift",
-        "clip_and_sum": "clip + sum",
+        "step_frames": "lift",
+        "clip_and_sum_grads": "clip + sum",
         "factor_clip_and_sum": "clip + sum",
         "privatize": "noise",
         "factor_privatize": "noise",
         "adaptive_direction": "adaptive",
-        "retract": "retract",
+        "retract_modules": "retract",
     }
     for attr, phase in names.items():
         setattr(trainer_module, attr, _timed(clock, phase, getattr(trainer_module, attr)))

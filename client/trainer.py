@@ -5,8 +5,9 @@ micro-batches; each micro-batch runs forward/backward through Opacus' ``GradSamp
 (hooks mode) with a PER-SEQUENCE loss summed over examples, so ``grad_sample`` holds exact
 per-example gradients. Then, by ``method``:
 
-- ``prism``: lift -> global clip (LoRA modules and DP head together) -> accumulate; once per
-  step: tangent noise, divide by the expected batch size, DP-aware adaptive transform, retract.
+- ``prism``: lift -> global clip (LoRA modules and DP head together) -> accumulate, fused in
+  ``clip_and_sum_grads`` with the QR frames computed once per step; once per step: tangent
+  noise, divide by the expected batch size, DP-aware adaptive transform, retract.
 - ``dp-adamw``: factor-space clip of the concatenated ``(gA, gB)`` (+ head), iid noise, AdamW.
 - ``ffa``: as ``dp-adamw`` with peft's ``lora_A`` frozen (FFA-LoRA).
 - ``nondp``: plain LoRA with AdamW on the mean per-sequence loss (no clipping, no noise).
@@ -48,8 +49,17 @@ from prism_core.accounting import (
 from prism_core.adaptive import AdaptiveConfig, AdaptiveState, adaptive_direction, init_state
 from prism_core.baselines import factor_clip_and_sum, factor_privatize
 from prism_core.errors import BudgetExceededError
-from prism_core.manifold import Point, lift, retract
-from prism_core.mechanism import ClippedSum, PrivateStep, clip_and_sum, empty_sum, privatize
+from prism_core.manifold import Point, Tangent
+from prism_core.mechanism import (
+    ClippedSum,
+    PrivateStep,
+    StepFrames,
+    clip_and_sum_grads,
+    empty_sum,
+    privatize,
+    retract_modules,
+    step_frames,
+)
 from prism_core.rng import NoiseSource, SecureRNG
 
 __all__ = [
@@ -74,7 +84,7 @@ MECHANISMS: dict[str, str] = {
 """The ``NoiseRecord.mechanism`` each training method runs."""
 
 ClipFn = Callable[..., ClippedSum]
-"""Signature of ``prism_core.mechanism.clip_and_sum``."""
+"""Signature of ``prism_core.mechanism.clip_and_sum_grads``."""
 PrivatizeFn = Callable[..., PrivateStep]
 """Signature of ``prism_core.mechanism.privatize``."""
 
@@ -361,24 +371,35 @@ class PrivateTrainer:
         batch: dict[str, Tensor],
         points: Sequence[Point],
         *,
+        frames: StepFrames | None = None,
         clip_fn: ClipFn | None = None,
     ) -> tuple[ClippedSum, float]:
         """Globally clipped sum of per-example lifts (and DP-head grads) over micro-batches.
 
-        ``clip_fn`` defaults to ``prism_core.mechanism.clip_and_sum``; the privacy self-audit
+        The lifts are fused into the clip (``clip_and_sum_grads``); ``frames`` (the per-step QR
+        frames of ``points``) are computed once per step, not per micro-batch. ``clip_fn``
+        defaults to ``prism_core.mechanism.clip_and_sum_grads``; the privacy self-audit
         (``server.audit``) passes deliberately broken variants to prove it catches them.
 
         Returns the ``ClippedSum`` and the summed per-sequence loss (private, local only).
         """
-        clip = clip_and_sum if clip_fn is None else clip_fn
+        clip = clip_and_sum_grads if clip_fn is None else clip_fn
         cfg, handles, head = self.config, self.loaded.handles, self.loaded.head_params
+        if frames is None:
+            frames = step_frames(points)
         acc, total = None, 0.0
         for micro in micro_batches(batch, cfg.micro_batch_size):
             total += self._backward(micro)
             grads = per_example_factor_grads(handles)
-            lifts = [lift(p.A, p.B, gA, gB) for p, (gA, gB) in zip(points, grads, strict=True)]
             head_grads = [p.grad_sample.to(torch.float32) for p in head]
-            acc = clip(points, lifts, max_norm=cfg.max_norm, previous=acc, euclidean=head_grads)
+            acc = clip(
+                points,
+                grads,
+                max_norm=cfg.max_norm,
+                previous=acc,
+                euclidean=head_grads,
+                frames=frames,
+            )
             self._clear_grads()
         return (acc if acc is not None else empty_sum(points, head)), total
 
@@ -387,6 +408,7 @@ class PrivateTrainer:
         batch: dict[str, Tensor],
         points: Sequence[Point],
         *,
+        frames: StepFrames | None = None,
         clip_fn: ClipFn | None = None,
         privatize_fn: PrivatizeFn | None = None,
     ) -> tuple[PrivateStep, ClippedSum, float]:
@@ -399,8 +421,10 @@ class PrivateTrainer:
         Returns:
             The released ``PrivateStep``, the (private) ``ClippedSum`` and the summed loss.
         """
+        if frames is None:
+            frames = step_frames(points)
         noisy = privatize if privatize_fn is None else privatize_fn
-        acc, total = self.clipped_sum(batch, points, clip_fn=clip_fn)
+        acc, total = self.clipped_sum(batch, points, frames=frames, clip_fn=clip_fn)
         released = noisy(
             points,
             acc,
@@ -409,21 +433,23 @@ class PrivateTrainer:
             expected_batch_size=self.expected_batch_size,
             sample_rate=self.sample_rate,
             generator=self.noise,
+            frames=frames,
         )
         return released, acc, total
 
     def _prism_step(self, batch: dict[str, Tensor]) -> float:
         cfg, handles, head = self.config, self.loaded.handles, self.loaded.head_params
         points = read_points(handles)
-        released, acc, total = self.release(batch, points)
+        frames = step_frames(points)
+        released, acc, total = self.release(batch, points, frames=frames)
         tau = self.noise_multiplier * cfg.max_norm / self.expected_batch_size
-        new_points = []
+        directions: list[Tangent] = []
         for index, (point, update) in enumerate(zip(points, released.tangents, strict=True)):
             direction, self.states[index] = adaptive_direction(
                 point, update, self.states[index], noise_std=tau, config=self.adaptive
             )
-            new_points.append(retract(point.A, point.B, direction.dA, direction.dB, -cfg.lr))
-        write_points_(handles, new_points)
+            directions.append(direction)
+        write_points_(handles, retract_modules(frames, directions, -cfg.lr))
         if self.optimizer is not None:
             for p, g in zip(head, released.euclidean, strict=True):
                 p.grad = g.to(p.dtype)

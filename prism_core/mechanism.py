@@ -22,7 +22,18 @@ import torch
 from torch import Tensor
 
 from prism_core.errors import PrivacyParameterError
-from prism_core.manifold import Point, Tangent, tangent_norm_sq, work_dtype
+from prism_core.manifold import (
+    Frame,
+    Point,
+    Tangent,
+    lift,
+    lift_moments,
+    lift_norm_sq_from_moments,
+    point_frame,
+    retract,
+    tangent_norm_sq,
+    work_dtype,
+)
 from prism_core.rng import NoiseSource, standard_normal
 
 __all__ = [
@@ -30,12 +41,16 @@ __all__ = [
     "ClippedSum",
     "NoiseRecord",
     "PrivateStep",
+    "StepFrames",
     "clip_and_sum",
+    "clip_and_sum_grads",
     "clip_coefficients",
     "dp_tangent_update",
     "empty_sum",
     "per_example_norms_sq",
     "privatize",
+    "retract_modules",
+    "step_frames",
     "tangent_noise",
     "validate_noise_parameters",
 ]
@@ -154,6 +169,83 @@ def clip_coefficients(norms_sq: Sequence[Tensor] | Tensor, max_norm: float) -> T
     return (max_norm / total.clamp_min(torch.finfo(total.dtype).tiny)).clamp(max=1.0)
 
 
+@dataclass(frozen=True)
+class StepFrames:
+    """Thin-QR frames of every module at one step, grouped by shape for batched r x r work.
+
+    Build once per logical step with ``step_frames`` and pass to ``clip_and_sum_grads`` (every
+    micro-batch) and ``privatize``: the factors do not move within a step.
+
+    Attributes:
+        frames: one ``Frame`` per module, in module order (views into ``stacked``).
+        groups: the module indices of each group of modules with equal shapes and dtype.
+        stacked: one ``Frame`` per group, with a leading module dimension.
+        points: one stacked ``Point`` per group, (L_g, m, r) and (L_g, n, r).
+    """
+
+    frames: tuple[Frame, ...]
+    groups: tuple[tuple[int, ...], ...]
+    stacked: tuple[Frame, ...]
+    points: tuple[Point, ...]
+
+
+def step_frames(points: Sequence[Point]) -> StepFrames:
+    """Frames (``point_frame``) of all modules, one batched QR per group of equal shapes.
+
+    Implements the per-step factorisations of App. A.14 of PRISM used by eqs. (14)-(19).
+    """
+    keys: dict[tuple[object, ...], list[int]] = {}
+    for index, p in enumerate(points):
+        key = (tuple(p.A.shape), tuple(p.B.shape), p.A.dtype, p.B.dtype, p.A.device)
+        keys.setdefault(key, []).append(index)
+    frames: list[Frame | None] = [None] * len(points)
+    groups, stacked, stacked_points = [], [], []
+    for indices in keys.values():
+        point = Point(
+            torch.stack([points[i].A for i in indices]),
+            torch.stack([points[i].B for i in indices]),
+        )
+        group = point_frame(point.A, point.B)
+        for j, i in enumerate(indices):
+            frames[i] = Frame(*(t[j] for t in group))
+        groups.append(tuple(indices))
+        stacked.append(group)
+        stacked_points.append(point)
+    return StepFrames(
+        tuple(f for f in frames if f is not None),
+        tuple(groups),
+        tuple(stacked),
+        tuple(stacked_points),
+    )
+
+
+def retract_modules(frames: StepFrames, directions: Sequence[Tangent], step: float) -> list[Point]:
+    """Retract every module along its direction, one batched call per group of equal shapes.
+
+    Implements eq. (22) and Prop. 3.2 of PRISM (``prism_core.manifold.retract``) for all
+    modules of a step: the thin QRs, 2r x 2r SVDs and Procrustes alignments of a group run as
+    batched LAPACK calls on the stacked factors ``frames.points``.
+
+    Args:
+        frames: ``step_frames(points)`` of the current points.
+        directions: one ``Tangent`` per module, in module order.
+        step: signed step length (``-lr`` for a descent step).
+
+    Returns:
+        One ``Point`` per module, in module order, in the work dtype.
+    """
+    if len(directions) != len(frames.frames):
+        raise ValueError(f"{len(frames.frames)} modules but {len(directions)} directions")
+    out: list[Point | None] = [None] * len(directions)
+    for group, point in zip(frames.groups, frames.points, strict=True):
+        dA = torch.stack([directions[i].dA for i in group])
+        dB = torch.stack([directions[i].dB for i in group])
+        new = retract(point.A, point.B, dA, dB, step)
+        for j, i in enumerate(group):
+            out[i] = Point(new.A[j], new.B[j])
+    return [p for p in out if p is not None]
+
+
 def per_example_norms_sq(points: Sequence[Point], lifts: Sequence[Tangent]) -> Tensor:
     """Stacked (L, b) squared intrinsic norms of per-example lifts.
 
@@ -164,6 +256,36 @@ def per_example_norms_sq(points: Sequence[Point], lifts: Sequence[Tangent]) -> T
     return torch.stack(
         [tangent_norm_sq(p.A, p.B, t.dA, t.dB) for p, t in zip(points, lifts, strict=True)]
     )
+
+
+def _with_euclidean(norms_sq: Tensor, euclidean: Sequence[Tensor]) -> Tensor:
+    """Append the squared norms of per-example Euclidean gradients (b, ...) as extra rows."""
+    if not euclidean:
+        return norms_sq
+    extra = torch.stack([g.flatten(1).to(norms_sq.dtype).square().sum(1) for g in euclidean])
+    return torch.cat([norms_sq, extra])
+
+
+def _accumulate(
+    parts: Sequence[Tangent],
+    alpha: Tensor,
+    euclidean: Sequence[Tensor],
+    previous: ClippedSum | None,
+) -> ClippedSum:
+    """Add this micro-batch's clipped sums (tangents and Euclidean) to ``previous``."""
+    sums = list(parts)
+    if previous is not None:
+        sums = [
+            Tangent(prev.dA + part.dA, prev.dB + part.dB)
+            for prev, part in zip(previous.sums, parts, strict=True)
+        ]
+    extra_sums = []
+    for index, g in enumerate(euclidean):
+        total = torch.einsum("b,b...->...", alpha.to(work_dtype(g)), g.to(work_dtype(g)))
+        extra_sums.append(total if previous is None else previous.euclidean[index] + total)
+    count = int(alpha.shape[0]) + (previous.count if previous else 0)
+    clipped = int((alpha < 1.0).sum()) + (previous.clipped if previous else 0)
+    return ClippedSum(tuple(sums), count, clipped, tuple(extra_sums))
 
 
 def clip_and_sum(
@@ -178,7 +300,8 @@ def clip_and_sum(
 
     Implements eqs. (15)-(16) and the sum of Algorithm 1 (line 10, before dividing by b).
     Call it once per micro-batch with ``previous`` set to the last result: the noise is added
-    once per logical step by ``privatize``.
+    once per logical step by ``privatize``. ``clip_and_sum_grads`` computes the same from the
+    factor gradients without forming the per-example lifts (faster).
 
     Args:
         points: one ``Point(A, B)`` per module (unbatched).
@@ -196,33 +319,104 @@ def clip_and_sum(
         tensors) with total norm ``<= C`` over all modules and tensors together: the L2
         sensitivity of the sum under add/remove adjacency.
     """
-    norms_sq = per_example_norms_sq(points, lifts)
-    if euclidean:
-        extra = torch.stack([g.flatten(1).to(norms_sq.dtype).square().sum(1) for g in euclidean])
-        norms_sq = torch.cat([norms_sq, extra])
+    norms_sq = _with_euclidean(per_example_norms_sq(points, lifts), euclidean)
     alpha = clip_coefficients(norms_sq, max_norm)
-    sums = []
-    for index, t in enumerate(lifts):
+    parts = []
+    for t in lifts:
         dtype = work_dtype(t.dA, t.dB, alpha)
         a = alpha.to(dtype)
-        part = Tangent(
-            torch.einsum("b,bmr->mr", a, t.dA.to(dtype)),
-            torch.einsum("b,bnr->nr", a, t.dB.to(dtype)),
+        parts.append(
+            Tangent(
+                torch.einsum("b,bmr->mr", a, t.dA.to(dtype)),
+                torch.einsum("b,bnr->nr", a, t.dB.to(dtype)),
+            )
         )
-        if previous is not None:
-            prev = previous.sums[index]
-            part = Tangent(prev.dA + part.dA, prev.dB + part.dB)
-        sums.append(part)
-    extra_sums = []
-    for index, g in enumerate(euclidean):
-        total = torch.einsum("b,b...->...", alpha.to(work_dtype(g)), g.to(work_dtype(g)))
-        extra_sums.append(total if previous is None else previous.euclidean[index] + total)
-    count = int(alpha.shape[0]) + (previous.count if previous else 0)
-    clipped = int((alpha < 1.0).sum()) + (previous.clipped if previous else 0)
-    return ClippedSum(tuple(sums), count, clipped, tuple(extra_sums))
+    return _accumulate(parts, alpha, euclidean, previous)
 
 
-def tangent_noise(A: Tensor, B: Tensor, generator: NoiseSource) -> Tangent:
+def _weighted_sum(alpha: Tensor, g: Tensor) -> Tensor:
+    """``sum_i alpha_i g_i`` for (b,) and (b, m, r) as one GEMV on ``g``'s own memory layout."""
+    b, m, r = g.shape
+    if g.mT.is_contiguous():  # (b, r, m) in memory, like Opacus' lora_A gradients
+        return (alpha @ g.mT.reshape(b, r * m)).reshape(r, m).mT
+    return (alpha @ g.reshape(b, m * r)).reshape(m, r)
+
+
+def _check_grads(points: Sequence[Point], grads: Sequence[tuple[Tensor, Tensor]]) -> None:
+    if len(points) != len(grads):
+        raise ValueError(f"{len(points)} modules but {len(grads)} gradient pairs")
+    for index, (p, (gA, gB)) in enumerate(zip(points, grads, strict=True)):
+        if gA.dim() != 3 or gA.shape[1:] != p.A.shape or gB.shape != (gA.shape[0], *p.B.shape):
+            raise ValueError(
+                f"module {index}: per-example gradients must be (b, m, r), (b, n, r) = "
+                f"(b, {tuple(p.A.shape)}), (b, {tuple(p.B.shape)}); got {tuple(gA.shape)}, "
+                f"{tuple(gB.shape)}"
+            )
+
+
+def clip_and_sum_grads(
+    points: Sequence[Point],
+    grads: Sequence[tuple[Tensor, Tensor]],
+    *,
+    max_norm: float,
+    previous: ClippedSum | None = None,
+    euclidean: Sequence[Tensor] = (),
+    frames: StepFrames | None = None,
+) -> ClippedSum:
+    """Lift, globally clip and sum per-example factor gradients, without per-example lifts.
+
+    Implements eqs. (14)-(16) and Algorithm 1 of PRISM, lines 3-10 (lift, global clip, sum;
+    before dividing by b):
+    the same ``ClippedSum`` as ``clip_and_sum(points, [lift(A, B, gA, gB), ...])``. The norm
+    of each example's lift comes from r x r moments of its gradients (``lift_norm_sq``), and
+    since the lift is linear, ``sum_i alpha_i lift(gA_i, gB_i) = lift(sum_i alpha_i gA_i,
+    sum_i alpha_i gB_i)``: the clip coefficient uses the norm of exactly the lift that is
+    summed.
+
+    Args:
+        points: one ``Point(A, B)`` per module (unbatched).
+        grads: one ``(gA, gB)`` per module, shapes (b, m, r) and (b, n, r).
+        max_norm: clip threshold C.
+        previous: the running sum of earlier micro-batches of the same step, if any.
+        euclidean: per-example gradients (b, ...) of other trainable tensors sharing the clip.
+        frames: ``step_frames(points)``, computed once per step; built here if omitted.
+
+    Returns:
+        A new ``ClippedSum``; inputs are not modified.
+
+    Notes:
+        Per module: three GEMM passes over each gradient (whitening, r x r Gram, coordinates;
+        ``lift_moments``) and one weighted sum; the r x r algebra, the lift of the sums and the
+        frames are batched over modules of equal shape. Cost O((m + n) r^2) per example and
+        module.
+    """
+    _check_grads(points, grads)
+    if frames is None:
+        frames = step_frames(points)
+    rows: list[Tensor | None] = [None] * len(points)
+    for group in frames.groups:
+        moments = [lift_moments(frames.frames[i], *grads[i]) for i in group]
+        together = type(moments[0])(*(torch.stack(parts) for parts in zip(*moments, strict=True)))
+        norms = lift_norm_sq_from_moments(together)
+        for j, i in enumerate(group):
+            rows[i] = norms[j]
+    norms_sq = _with_euclidean(torch.stack([r for r in rows if r is not None]), euclidean)
+    alpha = clip_coefficients(norms_sq, max_norm)
+    parts: list[Tangent | None] = [None] * len(points)
+    for group, stacked, point in zip(frames.groups, frames.stacked, frames.points, strict=True):
+        dtype = work_dtype(stacked.QA, *grads[group[0]], alpha)
+        a = alpha.to(dtype)
+        sum_a = torch.stack([_weighted_sum(a, grads[i][0].to(dtype)) for i in group])
+        sum_b = torch.stack([_weighted_sum(a, grads[i][1].to(dtype)) for i in group])
+        lifted = lift(point.A, point.B, sum_a, sum_b, frame=stacked)
+        for j, i in enumerate(group):
+            parts[i] = Tangent(lifted.dA[j], lifted.dB[j])
+    return _accumulate([p for p in parts if p is not None], alpha, euclidean, previous)
+
+
+def tangent_noise(
+    A: Tensor, B: Tensor, generator: NoiseSource, *, frame: Frame | None = None
+) -> Tangent:
     """Unit-scale isotropic Gaussian on the tangent space, sampled in O((m + n) r).
 
     Implements eq. (19) / App. A.13 of PRISM with the thin-QR bases of App. A.14::
@@ -235,24 +429,43 @@ def tangent_noise(A: Tensor, B: Tensor, generator: NoiseSource) -> Tangent:
     of ``N^{-1/2}`` / ``M^{-1/2}`` (both satisfy ``W W.T = N^{-1}``).
 
     Args:
-        A: (m, r); B: (n, r) the current point.
+        A: (..., m, r); B: (..., n, r) the current point, or a stack of points of equal shape
+            (independent noise for each).
         generator: a seeded ``torch.Generator`` (reproducible) or ``prism_core.rng.SecureRNG``
             (OS CSPRNG, for production).
+        frame: ``point_frame(A, B)`` if already computed (once per step); else built here.
 
     Returns:
         ``Tangent(Xi_A, Xi_B)`` in the work dtype (float32 or better).
+
+    Notes:
+        ``R^{-T}`` is applied as a GEMM with the frame's explicit triangular inverse (float64,
+        then the work dtype). Draws all of ``U`` (shape of ``A``), then all of ``V``.
     """
     dtype = work_dtype(A, B)
-    A, B = A.to(dtype), B.to(dtype)
-    (m, r), (n, _) = A.shape[-2:], B.shape[-2:]
-    QA, RA = torch.linalg.qr(A, mode="reduced")
-    RB = torch.linalg.qr(B, mode="r")[1]
-    U = standard_normal((m, r), generator, dtype=dtype, device=A.device)
-    V = standard_normal((n, r), generator, dtype=dtype, device=A.device)
+    if frame is None:
+        frame = point_frame(A, B)
+    U = standard_normal(tuple(A.shape), generator, dtype=dtype, device=A.device)
+    V = standard_normal(tuple(B.shape), generator, dtype=dtype, device=A.device)
+    QA = frame.QA.to(dtype)
     U_perp = U - QA @ (QA.mT @ U)
-    Xi_A = torch.linalg.solve_triangular(RB.mT, U_perp, upper=False, left=False)  # U_perp R_B^{-T}
-    Xi_B = torch.linalg.solve_triangular(RA.mT, V, upper=False, left=False)  # V R_A^{-T}
+    Xi_A = U_perp @ frame.RB_inv.to(dtype).mT  # U_perp R_B^{-T}
+    Xi_B = V @ frame.RA_inv.to(dtype).mT  # V R_A^{-T}
     return Tangent(Xi_A, Xi_B)
+
+
+def _module_noise(
+    points: Sequence[Point], generator: NoiseSource, frames: StepFrames | None
+) -> list[Tangent]:
+    """Unit tangent noise for every module: one ``tangent_noise`` call per shape group."""
+    if frames is None:
+        frames = step_frames(points)
+    out: list[Tangent | None] = [None] * len(points)
+    for group, stacked, point in zip(frames.groups, frames.stacked, frames.points, strict=True):
+        xi = tangent_noise(point.A, point.B, generator, frame=stacked)
+        for j, i in enumerate(group):
+            out[i] = Tangent(xi.dA[j], xi.dB[j])
+    return [t for t in out if t is not None]
 
 
 def privatize(
@@ -265,6 +478,7 @@ def privatize(
     sample_rate: float,
     generator: NoiseSource,
     sampling: str = "poisson",
+    frames: StepFrames | None = None,
 ) -> PrivateStep:
     """Add Gaussian noise once to a clipped sum and normalise by the expected batch size.
 
@@ -286,6 +500,7 @@ def privatize(
         sample_rate: Poisson rate q, recorded for accounting.
         generator: noise source, see ``tangent_noise``.
         sampling: how the batch was drawn, recorded for accounting.
+        frames: ``step_frames(points)`` if already computed for this step.
 
     Returns:
         ``PrivateStep(tangents, euclidean, record)``.
@@ -299,11 +514,12 @@ def privatize(
     if len(points) != len(clipped.sums):
         raise ValueError(f"{len(points)} modules but the clipped sum has {len(clipped.sums)}")
     scale = noise_multiplier * max_norm
+    module_noise = _module_noise(points, generator, frames) if scale > 0 else None
     tangents = []
-    for p, s in zip(points, clipped.sums, strict=True):
+    for index, s in enumerate(clipped.sums):
         dA, dB = s.dA, s.dB
-        if scale > 0:
-            xi = tangent_noise(p.A, p.B, generator)
+        if module_noise is not None:
+            xi = module_noise[index]
             dA, dB = dA + scale * xi.dA.to(dA.dtype), dB + scale * xi.dB.to(dB.dtype)
         tangents.append(Tangent(dA / expected_batch_size, dB / expected_batch_size))
     euclidean = []

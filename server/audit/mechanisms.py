@@ -22,11 +22,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from prism_core.manifold import Point, Tangent, work_dtype
+from prism_core.manifold import Point, Tangent, lift, work_dtype
 from prism_core.mechanism import (
     ClippedSum,
     PrivateStep,
     clip_and_sum,
+    clip_and_sum_grads,
     clip_coefficients,
     per_example_norms_sq,
     privatize,
@@ -37,10 +38,15 @@ __all__ = ["BROKEN", "CORRECT", "Mechanism", "mechanism_by_name"]
 
 @dataclass(frozen=True)
 class Mechanism:
-    """A clip-and-sum function and a privatize function with ``prism_core``'s signatures."""
+    """Clip-and-sum and privatize functions with ``prism_core``'s signatures.
+
+    ``clip_and_sum`` takes per-example lifts (the canary audit's white-box input);
+    ``clip_and_sum_grads`` takes per-example factor gradients (the trainer's fused path).
+    """
 
     name: str
     clip_and_sum: Callable[..., ClippedSum]
+    clip_and_sum_grads: Callable[..., ClippedSum]
     privatize: Callable[..., PrivateStep]
 
 
@@ -89,13 +95,32 @@ def _per_module_clip_and_sum(
     return ClippedSum(tuple(sums), count, previous.clipped if previous else 0, tuple(extra))
 
 
-CORRECT = Mechanism("prism", clip_and_sum, privatize)
-"""The mechanism that trains: ``prism_core.mechanism.clip_and_sum`` and ``privatize``."""
+def _per_module_clip_and_sum_grads(
+    points: Sequence[Point],
+    grads: Sequence[tuple[Tensor, Tensor]],
+    *,
+    max_norm: float,
+    previous: ClippedSum | None = None,
+    euclidean: Sequence[Tensor] = (),
+    frames: Any = None,
+) -> ClippedSum:
+    lifts = [lift(p.A, p.B, gA, gB) for p, (gA, gB) in zip(points, grads, strict=True)]
+    return _per_module_clip_and_sum(
+        points, lifts, max_norm=max_norm, previous=previous, euclidean=euclidean
+    )
+
+
+CORRECT = Mechanism("prism", clip_and_sum, clip_and_sum_grads, privatize)
+"""The mechanism that trains: ``prism_core.mechanism``'s clip-and-sum and ``privatize``."""
 
 BROKEN: dict[str, Mechanism] = {
-    "noise-off": Mechanism("noise-off", clip_and_sum, _noise_off_privatize),
-    "realised-batch": Mechanism("realised-batch", clip_and_sum, _realised_batch_privatize),
-    "per-module-clip": Mechanism("per-module-clip", _per_module_clip_and_sum, privatize),
+    "noise-off": Mechanism("noise-off", clip_and_sum, clip_and_sum_grads, _noise_off_privatize),
+    "realised-batch": Mechanism(
+        "realised-batch", clip_and_sum, clip_and_sum_grads, _realised_batch_privatize
+    ),
+    "per-module-clip": Mechanism(
+        "per-module-clip", _per_module_clip_and_sum, _per_module_clip_and_sum_grads, privatize
+    ),
 }
 """Deliberately broken mechanisms, for the audit's self-test only."""
 

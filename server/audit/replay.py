@@ -163,7 +163,7 @@ class _Replayer:
         step, _, _ = self.trainer.release(
             self.batch(indices),
             self.points,
-            clip_fn=self.mechanism.clip_and_sum,
+            clip_fn=self.mechanism.clip_and_sum_grads,
             privatize_fn=self.mechanism.privatize,
         )
         return step

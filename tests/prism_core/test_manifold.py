@@ -8,9 +8,14 @@ import torch
 from conftest import SEEDS, SHAPES, ill_conditioned, random_point
 
 from prism_core.manifold import (
+    GRAM_COND_MAX,
+    TRANSPOSE_MAX_RANK,
     check_point,
     lift,
+    lift_moments,
+    lift_norm_sq,
     min_norm_lift,
+    point_frame,
     project_dense,
     retract,
     tangent_displacement,
@@ -207,3 +212,135 @@ def test_check_point_rejects_bad_factors(shapes, match):
     A[0, 0] = float("nan")
     with pytest.raises(ValueError, match="finite"):
         check_point(A, torch.ones(3, 2))
+
+
+# --------------------------------------------------------------------------- frames, fused norms
+
+
+def _solve_lift(A, B, gA, gB):
+    """Eq. (14) by two triangular solves per factor: the pre-frame implementation (29247da)."""
+    QA, RA = torch.linalg.qr(A)
+    QB, RB = torch.linalg.qr(B)
+
+    def gram_inv(X, R):
+        Y = torch.linalg.solve_triangular(R, X, upper=True, left=False)
+        return torch.linalg.solve_triangular(R.mT, Y, upper=False, left=False)
+
+    xA, xB = gram_inv(gA, RB), gram_inv(gB, RA)
+    return xA - 0.5 * QA @ (QA.mT @ xA), xB - 0.5 * QB @ (QB.mT @ xB)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(("m", "n", "r"), SHAPES)
+def test_point_frame_factorises_the_point(seed, m, n, r):
+    A, B = random_point(m, n, r, seed)
+    A = A @ ill_conditioned(r, seed, 1e2)
+    f = point_frame(A, B)
+    eye = torch.eye(r, dtype=torch.float64)
+    for X, Q, R, R_inv in ((A, f.QA, f.RA, f.RA_inv), (B, f.QB, f.RB, f.RB_inv)):
+        G_inv = R_inv @ R_inv.mT
+        assert _rel(Q @ R, X) < RTOL
+        torch.testing.assert_close(Q.mT @ Q, eye, rtol=0, atol=1e-12)
+        torch.testing.assert_close(R_inv @ R, eye, rtol=0, atol=1e-9)
+        torch.testing.assert_close(G_inv @ (X.mT @ X), eye, rtol=0, atol=1e-9)
+        assert torch.equal(R_inv, R_inv.triu())
+
+
+def test_point_frame_of_a_stack_is_the_stack_of_frames():
+    pairs = [random_point(11, 7, 3, seed) for seed in SEEDS]
+    stacked = point_frame(torch.stack([a for a, _ in pairs]), torch.stack([b for _, b in pairs]))
+    for j, (A, B) in enumerate(pairs):
+        single = point_frame(A, B)
+        for s, t in zip(stacked, single, strict=True):
+            torch.testing.assert_close(s[j], t, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(("m", "n", "r"), SHAPES)
+def test_lift_matches_the_triangular_solve_reference(seed, m, n, r):
+    """Explicit r x r inverses (frame) give the same lift as the old solves (rel 1e-10)."""
+    A, B = random_point(m, n, r, seed)
+    g = torch.Generator().manual_seed(seed + 20)
+    gA = torch.randn(4, m, r, generator=g, dtype=torch.float64)
+    gB = torch.randn(4, n, r, generator=g, dtype=torch.float64)
+    expected = _solve_lift(A, B, gA, gB)
+    for frame in (None, point_frame(A, B)):
+        got = lift(A, B, gA, gB, frame=frame)
+        assert _rel(got.dA, expected[0]) < 1e-10 and _rel(got.dB, expected[1]) < 1e-10
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(("m", "n", "r"), SHAPES)
+@pytest.mark.parametrize("common_G", [True, False])
+@pytest.mark.parametrize("cond", [1.0, 1e2])
+def test_lift_norm_sq_equals_the_norm_of_the_lift(seed, m, n, r, common_G, cond):
+    """Fused eqs. (14)-(15) == tangent_norm_sq(lift) == dense Frobenius, for any (gA, gB);
+    cond(RA) = ``cond``, cond(RB) = 1, so both moment strategies of ``lift_moments`` run."""
+    A, B = random_point(m, n, r, seed)
+    A = torch.linalg.qr(A)[0] @ ill_conditioned(r, seed, cond)
+    B = torch.linalg.qr(B)[0]
+    frame = point_frame(A, B)
+    assert frame.cond_B.item() <= GRAM_COND_MAX
+    if r > 1:  # a 1 x 1 factor is perfectly conditioned
+        assert (frame.cond_A.item() > GRAM_COND_MAX) == (cond > GRAM_COND_MAX)
+    g = torch.Generator().manual_seed(seed + 30)
+    b = 5
+    if common_G:
+        gA, gB = _grads(A, B, torch.randn(b, m, n, generator=g, dtype=torch.float64))
+    else:  # independent factor gradients: alpha != beta.T, the cross block matters
+        gA = torch.randn(b, m, r, generator=g, dtype=torch.float64)
+        gB = torch.randn(b, n, r, generator=g, dtype=torch.float64)
+    fused = lift_norm_sq(frame, gA, gB)
+    dA, dB = lift(A, B, gA, gB)
+    dense = tangent_to_dense(A, B, dA, dB).square().sum(dim=(-2, -1))
+    assert fused.shape == (b,)
+    assert ((fused - dense).abs() / dense).max().item() < 1e-9
+    assert ((fused - tangent_norm_sq(A, B, dA, dB)).abs() / dense).max().item() < 1e-9
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(("cond", "tol"), [(1.0, 1e-6), (1e3, 1e-4)])
+def test_lift_norm_sq_float32_tracks_float64(seed, cond, tol):
+    """Float32 moments against float64: relative error <= 1e-6 for a balanced gauge and
+    <= 1e-4 for one with cond(R) = 1e3 (rounding grows like cond(R), not cond(R)^2 as it would
+    for Grams of the raw gradients: about 2e-3 there), also for gradients that lie almost in
+    span(A) x span(B), where ||a||^2 - ||alpha||^2 cancels."""
+    m, n, r, b = 64, 48, 4, 6
+    A, B = random_point(m, n, r, seed)
+    R = ill_conditioned(r, seed, cond)
+    A, B = A @ R, B @ torch.linalg.inv(R).T
+    G = torch.randn(
+        b, m, n, generator=torch.Generator().manual_seed(seed + 40), dtype=torch.float64
+    )
+    QA, QB = torch.linalg.qr(A)[0], torch.linalg.qr(B)[0]
+    for eps in (1.0, 1e-3):  # eps: weight of the generic part of the gradient
+        H = QA @ (QA.mT @ G @ QB) @ QB.mT + eps * G
+        hA, hB = _grads(A, B, H)
+        exact = lift_norm_sq(point_frame(A, B), hA, hB)
+        low = lift_norm_sq(point_frame(A.float(), B.float()), hA.float(), hB.float())
+        assert low.dtype == torch.float32
+        assert ((low.double() - exact).abs() / exact).max().item() < tol
+
+
+def test_lift_moments_needs_the_frame_of_one_module():
+    A, B = random_point(9, 7, 2, 0)
+    stacked = point_frame(torch.stack([A, A]), torch.stack([B, B]))
+    with pytest.raises(ValueError, match="frame of one module"):
+        lift_moments(stacked, torch.zeros(3, 9, 2), torch.zeros(3, 7, 2))
+
+
+@pytest.mark.parametrize("r", [2, TRANSPOSE_MAX_RANK, TRANSPOSE_MAX_RANK + 2])
+@pytest.mark.parametrize("layout", ["row-major", "transposed"])
+def test_lift_norm_sq_is_independent_of_memory_layout(r, layout):
+    """Row-major (b, m, r) and Opacus' transposed (b, r, m) gradients, with and without the
+    transposing copy, give the same norms (well-conditioned factors: raw moments)."""
+    m, n, b = 30, 25, 4
+    A, B = (torch.linalg.qr(X)[0] for X in random_point(m, n, r, r))
+    g = torch.Generator().manual_seed(r)
+    gA = torch.randn(b, m, r, generator=g, dtype=torch.float64)
+    gB = torch.randn(b, n, r, generator=g, dtype=torch.float64)
+    if layout == "transposed":
+        gA, gB = gA.mT.contiguous().mT, gB.mT.contiguous().mT
+    fused = lift_norm_sq(point_frame(A, B), gA, gB)
+    expected = tangent_norm_sq(A, B, *lift(A, B, gA.contiguous(), gB.contiguous()))
+    assert ((fused - expected).abs() / expected).max().item() < 1e-10

@@ -16,17 +16,22 @@ from prism_core.manifold import (
     Point,
     Tangent,
     lift,
+    point_frame,
     project_dense,
+    retract,
     tangent_norm_sq,
     tangent_to_dense,
 )
 from prism_core.mechanism import (
     clip_and_sum,
+    clip_and_sum_grads,
     clip_coefficients,
     dp_tangent_update,
     empty_sum,
     per_example_norms_sq,
     privatize,
+    retract_modules,
+    step_frames,
     tangent_noise,
 )
 from prism_core.rng import SecureRNG
@@ -292,3 +297,195 @@ def test_euclidean_tensors_share_the_global_clip_and_noise():
     )
     noise = step.euclidean[0]
     assert abs(noise.std().item() / (2.0 * C / 8.0) - 1) < Z * math.sqrt(1 / (2 * noise.numel()))
+
+
+# --------------------------------------------------------------------------- fused path
+
+
+DIMS_WITH_REPEATS = ((10, 8, 2), (14, 6, 3), (10, 8, 2), (10, 8, 2))  # two shape groups
+
+
+def _random_grads(points, b, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    grads = []
+    for A, B in points:
+        G = scale * torch.randn(b, A.shape[0], B.shape[0], generator=g, dtype=torch.float64)
+        grads.append((G @ B, G.mT @ A))
+    return grads
+
+
+def _assert_same_sum(got, expected, rtol=1e-10):
+    assert (got.count, got.clipped) == (expected.count, expected.clipped)
+    for a, e in zip(got.sums, expected.sums, strict=True):
+        torch.testing.assert_close(a.dA, e.dA, rtol=rtol, atol=rtol * e.dA.abs().max().item())
+        torch.testing.assert_close(a.dB, e.dB, rtol=rtol, atol=rtol * e.dB.abs().max().item())
+    for a, e in zip(got.euclidean, expected.euclidean, strict=True):
+        torch.testing.assert_close(a, e, rtol=rtol, atol=rtol * e.abs().max().item())
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_clip_and_sum_grads_equals_clip_and_sum_of_lifts(seed):
+    """Fused path == lift every example, clip by eq. (15) norms, sum (float64, rel 1e-10),
+    over micro-batches, with a Euclidean head, on modules of two shape groups, for a batch in
+    which some examples are clipped and some are not."""
+    points = _module_points(seed, DIMS_WITH_REPEATS)
+    b = 9
+    scales = torch.logspace(-2.5, 1.0, b, dtype=torch.float64)[:, None, None]
+    grads = [(scales * gA, scales * gB) for gA, gB in _random_grads(points, b, seed + 1)]
+    head = scales * torch.randn(
+        b, 3, 4, generator=torch.Generator().manual_seed(seed), dtype=torch.float64
+    )
+    frames = step_frames(points)
+    got = expected = None
+    for lo, hi in [(0, 4), (4, 9)]:
+        part = [(gA[lo:hi], gB[lo:hi]) for gA, gB in grads]
+        lifts = [lift(p.A, p.B, gA, gB) for p, (gA, gB) in zip(points, part, strict=True)]
+        kwargs = {"max_norm": 0.8, "euclidean": [head[lo:hi]]}
+        got = clip_and_sum_grads(points, part, previous=got, frames=frames, **kwargs)
+        expected = clip_and_sum(points, lifts, previous=expected, **kwargs)
+    _assert_same_sum(got, expected)
+    assert 0 < got.clipped < got.count == b
+    # without precomputed frames, in one micro-batch: the same result
+    whole = [lift(p.A, p.B, *gr) for p, gr in zip(points, grads, strict=True)]
+    _assert_same_sum(
+        clip_and_sum_grads(points, grads, max_norm=0.8, euclidean=[head]),
+        clip_and_sum(points, whole, max_norm=0.8, euclidean=[head]),
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), b=st.integers(1, 6), log_scale=st.floats(-2.0, 4.0))
+def test_clip_and_sum_grads_sensitivity_is_C(seed, b, log_scale):
+    """Removing one example moves the fused clipped sum by at most C (intrinsic norm)."""
+    points = _module_points(seed % 97, DIMS_WITH_REPEATS)
+    grads = _random_grads(points, b, seed, scale=10.0**log_scale)
+    C = 0.6
+    full = clip_and_sum_grads(points, grads, max_norm=C)
+    rest = clip_and_sum_grads(points, [(gA[1:], gB[1:]) for gA, gB in grads], max_norm=C)
+    diff_sq = sum(
+        tangent_norm_sq(p.A, p.B, f.dA - r.dA, f.dB - r.dB)
+        for p, f, r in zip(points, full.sums, rest.sums, strict=True)
+    )
+    assert diff_sq.sqrt().item() <= C * (1 + 1e-9)
+
+
+def test_clip_and_sum_grads_accepts_opacus_layout_in_float32():
+    """gB as a transposed view (Opacus' lora_A layout) and float32 give the float64 result."""
+    points = _module_points(3, DIMS_WITH_REPEATS)
+    grads = _random_grads(points, 7, 4, scale=3.0)
+    exact = clip_and_sum_grads(points, grads, max_norm=1.0)
+    points32 = [Point(p.A.float(), p.B.float()) for p in points]
+    grads32 = [(gA.float(), gB.float().mT.contiguous().mT) for gA, gB in grads]
+    assert not grads32[0][1].is_contiguous()
+    low = clip_and_sum_grads(points32, grads32, max_norm=1.0)
+    assert low.sums[0].dA.dtype == torch.float32
+    for a, e in zip(low.sums, exact.sums, strict=True):
+        assert ((a.dA.double() - e.dA).norm() / e.dA.norm()).item() < 1e-5
+        assert ((a.dB.double() - e.dB).norm() / e.dB.norm()).item() < 1e-5
+
+
+def test_clip_and_sum_grads_rejects_mismatched_gradients():
+    points = _module_points(0)
+    grads = _random_grads(points, 3, 0)
+    with pytest.raises(ValueError, match="2 modules but 1 gradient pairs"):
+        clip_and_sum_grads(points, grads[:1], max_norm=1.0)
+    bad = [grads[0], (grads[1][0], grads[1][1][:, :-1])]
+    with pytest.raises(ValueError, match=r"module 1: per-example gradients must be \(b, m, r\)"):
+        clip_and_sum_grads(points, bad, max_norm=1.0)
+
+
+def test_step_frames_group_equal_shapes_and_match_point_frame():
+    points = _module_points(5, DIMS_WITH_REPEATS)
+    frames = step_frames(points)
+    assert sorted(frames.groups) == [(0, 2, 3), (1,)]
+    for p, f in zip(points, frames.frames, strict=True):
+        for got, want in zip(f, point_frame(p.A, p.B), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_noise_with_frames_equals_the_triangular_solve_reference(seed):
+    """Same generator state: frame-based noise == the old solve-based sampler (rel 1e-10)."""
+    points = _module_points(seed, DIMS_WITH_REPEATS)
+    frames = step_frames(points)
+    g1, g2 = (torch.Generator().manual_seed(seed) for _ in range(2))
+    for p, f in zip(points, frames.frames, strict=True):
+        got = tangent_noise(p.A, p.B, g1, frame=f)
+        m, r = p.A.shape
+        U = torch.randn((m, r), generator=g2, dtype=torch.float64)
+        V = torch.randn((p.B.shape[0], r), generator=g2, dtype=torch.float64)
+        QA, RA = torch.linalg.qr(p.A)
+        RB = torch.linalg.qr(p.B)[1]
+        U_perp = U - QA @ (QA.mT @ U)
+        Xi_A = torch.linalg.solve_triangular(RB.mT, U_perp, upper=False, left=False)
+        Xi_B = torch.linalg.solve_triangular(RA.mT, V, upper=False, left=False)
+        torch.testing.assert_close(got.dA, Xi_A, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(got.dB, Xi_B, rtol=1e-10, atol=1e-12)
+    clipped = clip_and_sum_grads(points, _random_grads(points, 4, seed), max_norm=0.7)
+    with_frames = privatize(
+        points,
+        clipped,
+        noise_multiplier=1.3,
+        max_norm=0.7,
+        expected_batch_size=32.0,
+        sample_rate=0.01,
+        generator=torch.Generator().manual_seed(seed),
+        frames=frames,
+    )
+    without = _privatize(points, clipped, seed)
+    for a, e in zip(with_frames.tangents, without.tangents, strict=True):
+        torch.testing.assert_close(a.dA, e.dA, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(a.dB, e.dB, rtol=1e-12, atol=1e-14)
+
+
+def test_retract_modules_equals_retract_of_each_module():
+    points = _module_points(6, DIMS_WITH_REPEATS)
+    frames = step_frames(points)
+    g = torch.Generator().manual_seed(6)
+    directions = [
+        Tangent(
+            torch.randn(p.A.shape, generator=g, dtype=torch.float64),
+            torch.randn(p.B.shape, generator=g, dtype=torch.float64),
+        )
+        for p in points
+    ]
+    batched = retract_modules(frames, directions, -0.2)
+    for p, d, got in zip(points, directions, batched, strict=True):
+        want = retract(p.A, p.B, d.dA, d.dB, -0.2)
+        torch.testing.assert_close(got.A, want.A, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(got.B, want.B, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="4 modules but 3 directions"):
+        retract_modules(frames, directions[:3], -0.2)
+
+
+def test_noise_of_a_shape_group_is_independent_per_module():
+    """One stacked draw per group: each module still gets energy r (m + n - r) (Thm 3.1) and
+    the noise of two modules of the same shape is uncorrelated (|corr| < Z / sqrt(K))."""
+    points = _module_points(7, DIMS_WITH_REPEATS)
+    frames = step_frames(points)
+    g = torch.Generator().manual_seed(7)
+    K = 1500
+    zero = empty_sum(points)
+    energy = torch.zeros(len(points), dtype=torch.float64)
+    cross = torch.zeros(K, dtype=torch.float64)
+    for k in range(K):
+        out = privatize(
+            points,
+            zero,
+            noise_multiplier=1.0,
+            max_norm=1.0,
+            expected_batch_size=1.0,
+            sample_rate=0.1,
+            generator=g,
+            frames=frames,
+        ).tangents
+        dense = [tangent_to_dense(p.A, p.B, *t) for p, t in zip(points, out, strict=True)]
+        energy += torch.stack([d.square().sum() for d in dense])
+        cross[k] = (dense[0] * dense[2]).sum()  # modules 0 and 2 share a shape group
+    for (A, B), e in zip(points, energy / K, strict=True):
+        d = A.shape[1] * (A.shape[0] + B.shape[0] - A.shape[1])
+        assert abs(e.item() / d - 1) < Z * math.sqrt(2 / (d * K))
+    (m, r), n = points[0].A.shape, points[0].B.shape[0]
+    d0 = r * (m + n - r)
+    corr = cross.mean().item() / d0  # E<Xi_0, Xi_2> = 0, Var <Xi_0, Xi_2> <= d0
+    assert abs(corr) < Z / math.sqrt(K * d0)
