@@ -439,8 +439,8 @@ def report(args: argparse.Namespace, outcome: dict[str, Any]) -> str:
         cells = []
         for e in evals:
             accs = [r["metrics"][e]["accuracy"] for r in results]
-            sd = statistics.stdev(accs) if len(accs) > 1 else float("nan")
-            cells.append(f"{statistics.mean(accs):.4f} +- {sd:.4f}")
+            sd = f" +- {statistics.stdev(accs):.4f}" if len(accs) > 1 else " (1 seed)"
+            cells.append(f"{statistics.mean(accs):.4f}{sd}")
         spent, sigma = spent_and_sigma(results[0])
         lines.append(
             f"| {method} | {'-' if method == 'nondp' else f'{eps:g}'} | "
