@@ -269,7 +269,7 @@ def one_run(spec_path: Path) -> None:
 
     spec = json.loads(spec_path.read_text())
     torch.set_num_threads(spec["threads"])
-    folder = spec_path.with_suffix("")
+    folder = spec_path.parent / run_id(spec)  # the run's own outputs (adapter, ledger, sites)
     folder.mkdir(parents=True, exist_ok=True)
     wall0, cpu0 = time.perf_counter(), time.process_time()
     if spec["method"] == "central":
