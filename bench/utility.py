@@ -99,7 +99,18 @@ def prepare_data(args: argparse.Namespace) -> dict[str, str]:
 
     folder = args.out / "data"
     pool_path, select_path = folder / "pool.jsonl", folder / "select.jsonl"
-    if not (pool_path.exists() and select_path.exists()):
+    meta_path = folder / "split.json"
+    meta = {
+        "train": str(args.train.resolve()),
+        "select_rows": args.select_rows,
+        "train_rows": args.train_rows,
+    }
+    if meta_path.exists() and json.loads(meta_path.read_text()) != meta:
+        raise SystemExit(
+            f"{meta_path} records another split ({meta_path.read_text().strip()}) than this "
+            f"command's ({json.dumps(meta)}): pass another --out"
+        )
+    if not (meta_path.exists() and pool_path.exists() and select_path.exists()):
         rows = read_jsonl(args.train)
         if args.select_rows >= len(rows):
             raise SystemExit(
@@ -113,6 +124,7 @@ def prepare_data(args: argparse.Namespace) -> dict[str, str]:
             pool = pool[: args.train_rows]
         write_jsonl(select_path, select)
         write_jsonl(pool_path, pool)
+        meta_path.write_text(json.dumps(meta, indent=2) + "\n")
     return {"pool": str(pool_path.resolve()), "select": str(select_path.resolve())}
 
 
@@ -354,6 +366,8 @@ def base_spec(args: argparse.Namespace, data: dict[str, str]) -> dict[str, Any]:
     return {
         "task": args.task_name,
         "num_labels": args.num_labels,
+        "select_rows": args.select_rows,
+        "train_rows": args.train_rows,
         "pool": data["pool"],
         "select": data["select"],
         "eval_data": {Path(p).parent.name + "/" + Path(p).name: str(p) for p in args.eval_data},
