@@ -48,6 +48,7 @@ bench-mechanism: $(STAMP)
 # Benchmarks of docs/benchmarks.md (one thread each: the machine is shared).
 BENCH_OUT ?= bench-results
 UTILITY_ARGS ?=
+UTILITY_OUT ?= $(BENCH_OUT)/utility-sst2
 
 bench-server: $(STAMP)
 	mkdir -p $(BENCH_OUT)
@@ -58,7 +59,7 @@ bench-diagnostics: $(STAMP)
 	$(BIN)/python bench/diagnostics.py --threads 1 --plots docs --out $(BENCH_OUT)/diagnostics.json
 
 bench-utility: $(STAMP)
-	$(BIN)/python bench/utility.py --threads 1 --out $(BENCH_OUT)/utility-sst2 $(UTILITY_ARGS)
+	$(BIN)/python bench/utility.py --threads 1 --out $(UTILITY_OUT) $(UTILITY_ARGS)
 
 bench-gpu: $(STAMP)
 	bench/gpu.sh $(BENCH_OUT)/gpu
