@@ -201,6 +201,8 @@ def federated_run(spec: dict[str, Any], folder: Path) -> Path:
         "max-length": spec["max_length"],
         "seed": spec["seed"],
         "run-dir": str(folder),
+        # --curve: the coordinator also evaluates the selection set after every round
+        "server-eval-data": spec["select"] if spec.get("curve") else "",
     }
     run = parse_config(RunConfig, run_config, what="run config")
     run_dir = run_federation(_local_grid(run_config, spec["sites"]), run)
@@ -275,6 +277,14 @@ def privacy_facts(method: str, folder: Path) -> dict[str, Any]:
     return {"sites": [{k: s.get(k) for k in keep} for s in report["sites"]]}
 
 
+def selection_curve(method: str, folder: Path) -> dict[str, Any]:
+    """Selection-set metrics after every round (federated runs with ``--curve``), else {}."""
+    summary = folder / "summary.json"
+    if method == "central" or not summary.exists():
+        return {}
+    return dict(json.loads(summary.read_text()).get("server-eval", {}))
+
+
 def one_run(spec_path: Path) -> None:
     """Child process: run one spec, write its result JSON next to the spec."""
     import torch
@@ -296,6 +306,7 @@ def one_run(spec_path: Path) -> None:
         "spec": spec,
         "metrics": metrics,
         "privacy": privacy_facts(spec["method"], folder / "work"),
+        "select_curve": selection_curve(spec["method"], folder / "work"),
         "train_wall_s": train_wall,
         "train_cpu_s": train_cpu,
         "total_wall_s": time.perf_counter() - wall0,
@@ -380,6 +391,7 @@ def base_spec(args: argparse.Namespace, data: dict[str, str]) -> dict[str, Any]:
         "max_length": args.max_length,
         "delta": args.delta,
         "threads": args.threads,
+        **({"curve": True} if args.curve else {}),
     }
 
 
@@ -520,6 +532,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--select-rows", type=int, help="training rows held out for the grid")
     parser.add_argument("--train-rows", type=int, help="use at most N pool rows (0 = all)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    parser.add_argument(
+        "--curve",
+        action="store_true",
+        help="federated runs: evaluate the selection set after every round (a learning curve)",
+    )
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--one-run", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
