@@ -39,6 +39,7 @@ Run (full study on SST-2, then the medical task)::
 ``--quick`` runs a smoke configuration (subsampled data, 2 rounds, prism vs nondp, eps 3,
 one seed, one grid point); ``--methods``, ``--epsilons``, ``--seeds``, ``--grid-C``,
 ``--grid-lr``, ``--rounds``, ``--local-steps``, ``--batch-size`` override any part.
+``--curve`` also records the selection-set accuracy after every round (federated runs).
 ``--report-only`` prints the tables from the JSON files without running anything.
 """
 
