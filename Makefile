@@ -10,6 +10,7 @@ export FLWR_TELEMETRY_ENABLED := 0
 export FLWR_DISABLE_UPDATE_CHECK := 1
 
 .PHONY: install demo test lint typecheck pytest test-slow bench-mechanism clean
+.PHONY: bench-server bench-diagnostics bench-utility bench-gpu
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +44,25 @@ test-slow: $(STAMP)
 
 bench-mechanism: $(STAMP)
 	$(BIN)/python bench/mechanism.py
+
+# Benchmarks of docs/benchmarks.md (one thread each: the machine is shared).
+BENCH_OUT ?= bench-results
+UTILITY_ARGS ?=
+UTILITY_OUT ?= $(BENCH_OUT)/utility-sst2
+
+bench-server: $(STAMP)
+	mkdir -p $(BENCH_OUT)
+	$(BIN)/python bench/server.py --threads 1 --out $(BENCH_OUT)/server.json
+
+bench-diagnostics: $(STAMP)
+	mkdir -p $(BENCH_OUT)
+	$(BIN)/python bench/diagnostics.py --threads 1 --plots docs --out $(BENCH_OUT)/diagnostics.json
+
+bench-utility: $(STAMP)
+	$(BIN)/python bench/utility.py --threads 1 --out $(UTILITY_OUT) $(UTILITY_ARGS)
+
+bench-gpu: $(STAMP)
+	bench/gpu.sh $(BENCH_OUT)/gpu
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .flwr

