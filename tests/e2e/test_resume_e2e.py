@@ -119,7 +119,9 @@ def test_serverapp_sigkilled_at_random_points_resumes_bitwise(tiny_bert, tmp_pat
 
     home, run_dir = tmp_path / "flwr", tmp_path / "run"
     control, pause = tmp_path / "pause-at.txt", tmp_path / "paused.json"
-    env = flower_env(home)
+    # Same torch thread count as the reference: multi-threaded GEMMs split their reductions by
+    # thread count, so float results are bitwise equal only between runs with equal threads.
+    env = dict(flower_env(home), OMP_NUM_THREADS="1")
     port = free_port()
     write_connection(home, "loopback", f"127.0.0.1:{port}")
     link_env = dict(env, PRISM_FL_PAUSE_AT=f"file:{control}", PRISM_FL_PAUSE_FILE=str(pause))
