@@ -29,6 +29,35 @@ def flower_env(home: Path) -> dict[str, str]:
     return demo_env(home)
 
 
+def insecure_superlink(port: int, database: Path) -> list[str]:
+    """argv of a plain-text loopback SuperLink that keeps its state in ``database``."""
+    return [
+        str(BIN / "flower-superlink"),
+        "--insecure",
+        "--disable-runtime-dependency-installation",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--database",
+        str(database),
+    ]
+
+
+def insecure_supernode(superlink_port: int, node_config: str) -> list[str]:
+    """argv of a plain-text loopback SuperNode on a free port with ``node_config``."""
+    return [
+        str(BIN / "flower-supernode"),
+        "--insecure",
+        "--superlink",
+        f"127.0.0.1:{superlink_port}",
+        "--port",
+        str(free_port()),
+        "--node-config",
+        node_config,
+    ]
+
+
 def write_connection(home: Path, name: str, address: str, *, root_certificates: str = "") -> None:
     """Add a SuperLink connection to ``$FLWR_HOME/config.toml``."""
     home.mkdir(parents=True, exist_ok=True)

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 from flower_harness import (
-    BIN,
     flower_env,
     flwr_run,
     free_port,
+    insecure_superlink,
+    insecure_supernode,
     port_open,
     processes,
     wait_for,
@@ -101,17 +102,7 @@ def test_deployment_superlink_and_three_supernodes(tiny_bert, sst2_rows, tmp_pat
     with processes(env, tmp_path / "logs") as group:
         group.start(
             "superlink",
-            [
-                str(BIN / "flower-superlink"),
-                "--insecure",
-                "--disable-runtime-dependency-installation",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--database",
-                str(tmp_path / "superlink.db"),
-            ],
+            insecure_superlink(port, tmp_path / "superlink.db"),
         )
         wait_for(lambda: port_open(port), 60, "the SuperLink port")
         for i, site in enumerate(("hospital-a", "hospital-b", "clinic-c")):
@@ -122,16 +113,7 @@ def test_deployment_superlink_and_three_supernodes(tiny_bert, sst2_rows, tmp_pat
             )
             group.start(
                 site,
-                [
-                    str(BIN / "flower-supernode"),
-                    "--insecure",
-                    "--superlink",
-                    f"127.0.0.1:{port}",
-                    "--port",
-                    str(free_port()),
-                    "--node-config",
-                    node_config,
-                ],
+                insecure_supernode(port, node_config),
             )
         result = flwr_run(env, "loopback", _run_config(tiny_bert, run_dir, **{"min-sites": 3}))
         logs = "\n".join(group.log(n)[-2000:] for n in ("superlink", "hospital-a"))

@@ -27,6 +27,8 @@ from flower_harness import (
     ROOT,
     flower_env,
     free_port,
+    insecure_superlink,
+    insecure_supernode,
     port_open,
     processes,
     wait_for,
@@ -130,17 +132,7 @@ def test_serverapp_sigkilled_at_random_points_resumes_bitwise(tiny_bert, tmp_pat
         group.env = link_env  # only the SuperLink (and the ServerApps it starts) see the hook
         group.start(
             "superlink",
-            [
-                str(BIN / "flower-superlink"),
-                "--insecure",
-                "--disable-runtime-dependency-installation",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--database",
-                str(tmp_path / "superlink.db"),
-            ],
+            insecure_superlink(port, tmp_path / "superlink.db"),
         )
         group.env = env
         wait_for(lambda: port_open(port), 60, "the SuperLink port")
@@ -151,16 +143,7 @@ def test_serverapp_sigkilled_at_random_points_resumes_bitwise(tiny_bert, tmp_pat
             )
             group.start(
                 f"site-{i}",
-                [
-                    str(BIN / "flower-supernode"),
-                    "--insecure",
-                    "--superlink",
-                    f"127.0.0.1:{port}",
-                    "--port",
-                    str(free_port()),
-                    "--node-config",
-                    node,
-                ],
+                insecure_supernode(port, node),
             )
         command = [
             str(BIN / "flwr"),

@@ -19,6 +19,8 @@ from flower_harness import (
     ROOT,
     flower_env,
     free_port,
+    insecure_superlink,
+    insecure_supernode,
     port_open,
     processes,
     wait_for,
@@ -62,31 +64,14 @@ def test_site_killed_mid_round_is_charged_and_remembers_after_restart(tiny_bert,
     }
 
     def node(i: int, extra: str = "") -> list[str]:
-        return [
-            str(BIN / "flower-supernode"),
-            "--insecure",
-            "--superlink",
-            f"127.0.0.1:{port}",
-            "--port",
-            str(free_port()),
-            "--node-config",
-            f"partition-id={i} num-partitions=2 state-dir='{state[i]}' {extra}".strip(),
-        ]
+        return insecure_supernode(
+            port, f"partition-id={i} num-partitions=2 state-dir='{state[i]}' {extra}".strip()
+        )
 
     with processes(env, tmp_path / "logs") as group:
         group.start(
             "superlink",
-            [
-                str(BIN / "flower-superlink"),
-                "--insecure",
-                "--disable-runtime-dependency-installation",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--database",
-                str(tmp_path / "superlink.db"),
-            ],
+            insecure_superlink(port, tmp_path / "superlink.db"),
         )
         wait_for(lambda: port_open(port), 60, "the SuperLink port")
         group.start("site-0", node(0))
