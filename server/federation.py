@@ -38,7 +38,7 @@ from client.testhooks import pause_point
 from server.checkpoint import Checkpoint, config_differences, load_checkpoint, save_checkpoint
 from server.errors import ConfigError
 from server.ledger import Ledger
-from server.report import build_report, format_round_table, write_reports
+from server.report import build_report, format_round_table, round_rows, write_reports
 from server.strategy import PrismStrategy, RoundSummary, UpdateBound
 
 __all__ = ["make_run_dir", "run_federation"]
@@ -173,7 +173,6 @@ def run_federation(grid: Grid, run: RunConfig) -> Path:
             ),
         )
         pause_point("after-checkpoint", server_round)
-        report = build_report(ledger, planned_steps_per_round=run.local_steps)
         log.info(
             "round %d: %d accepted, %d refused, %d rejected, applied=%s\n%s",
             server_round,
@@ -181,7 +180,7 @@ def run_federation(grid: Grid, run: RunConfig) -> Path:
             len(summary.refused),
             len(summary.rejected),
             summary.applied,
-            format_round_table(report["sites"]),
+            format_round_table(round_rows(ledger, strategy.exhausted)),
         )
 
     result = strategy.start(

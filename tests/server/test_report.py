@@ -14,7 +14,13 @@ import pytest
 from prism_core.accounting import PrivacyEvent, epsilon
 from server.cli import main
 from server.ledger import Ledger, LedgerEvent
-from server.report import build_report, format_round_table, projected_rounds_left, write_reports
+from server.report import (
+    build_report,
+    format_round_table,
+    projected_rounds_left,
+    round_rows,
+    write_reports,
+)
 
 DELTA = 1e-5
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -212,3 +218,21 @@ def test_cli_missing_ledger_and_bad_arguments(
     with pytest.raises(SystemExit) as info:
         main([])
     assert info.value.code == 2
+
+
+def test_round_rows_give_the_reports_epsilon_and_cap_and_the_strategys_status(
+    ledger_path: Path, report: dict[str, object]
+) -> None:
+    by_site = rows(report)
+    with Ledger.open(ledger_path, read_only=True) as led:
+        light = round_rows(led, exhausted={"b", "z"})
+    assert [r["site_id"] for r in light] == ["a", "b", "c", "z"]
+    for r in light:
+        full = by_site[r["site_id"]]
+        assert r["epsilon"] == pytest.approx(full["epsilon"], rel=1e-12)  # inf == inf for z
+        assert r["epsilon_cap"] == full["epsilon_cap"]
+        assert r["status"] == ("exhausted" if r["site_id"] in "bz" else "active")
+    assert format_round_table(light).splitlines()[1].split()[:2] == [
+        "a",
+        f"{by_site['a']['epsilon']:.3f}",
+    ]
