@@ -36,9 +36,15 @@ Run (full study on SST-2, then the medical task)::
     .venv/bin/python bench/utility.py --threads 1 --task medical_questions_pairs \\
         --out bench-results/utility-medqp
 
+Defaults: 15 rounds x 1 local step per site, expected batch 128 per site step. One local AdamW
+step per round: with more local steps each nearly single-class site drifts to its own label and
+FedAvg collapses to the majority class, non-DP included; batch 128 because PRISM at epsilon 3
+barely learned at 64 (see docs/benchmarks.md, "Settings search under Dirichlet(0.5)").
+
 ``--quick`` runs a smoke configuration (subsampled data, 2 rounds, prism vs nondp, eps 3,
 one seed, one grid point); ``--methods``, ``--epsilons``, ``--seeds``, ``--grid-C``,
-``--grid-lr``, ``--rounds``, ``--local-steps``, ``--batch-size`` override any part.
+``--grid-lr``, ``--rounds``, ``--local-steps``, ``--batch-size``, ``--server-lr``, ``--head``
+override any part.
 ``--curve`` also records the selection-set accuracy after every round (federated runs).
 ``--report-only`` prints the tables from the JSON files without running anything.
 """
@@ -183,7 +189,7 @@ def federated_run(spec: dict[str, Any], folder: Path) -> Path:
         "lora-rank": 8,
         "lora-alpha": 16.0,
         "lora-targets": "query,value",
-        "lora-head": "frozen",
+        "lora-head": spec.get("head", "frozen"),
         "method": spec["method"],
         "num-rounds": spec["rounds"],
         "sites-per-round": spec["sites"],
@@ -193,7 +199,7 @@ def federated_run(spec: dict[str, Any], folder: Path) -> Path:
         "micro-batch-size": spec["micro_batch_size"],
         "max-norm": spec["max_norm"],
         "lr": spec["lr"],
-        "server-lr": 1.0,
+        "server-lr": spec.get("server_lr", 1.0),
         "target-epsilon": spec["epsilon"] if spec["method"] != "nondp" else 1.0,
         "delta": spec["delta"],
         "data": spec["pool"],
@@ -230,7 +236,7 @@ def central_run(spec: dict[str, Any], folder: Path) -> Path:
         "--max-norm", str(spec["max_norm"]),
         "--lr", str(spec["lr"]),
         "--max-length", str(spec["max_length"]),
-        "--head", "frozen",
+        "--head", spec.get("head", "frozen"),
         "--seed", str(spec["seed"]),
         "--no-progress",
         "--out", str(folder),
@@ -393,6 +399,9 @@ def base_spec(args: argparse.Namespace, data: dict[str, str]) -> dict[str, Any]:
         "delta": args.delta,
         "threads": args.threads,
         **({"curve": True} if args.curve else {}),
+        # recorded only when not the default, so runs stored before these options still match
+        **({"server_lr": args.server_lr} if args.server_lr != 1.0 else {}),
+        **({"head": args.head} if args.head != "frozen" else {}),
     }
 
 
@@ -528,6 +537,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--local-steps", type=int)
     parser.add_argument("--batch-size", type=int, help="EXPECTED Poisson batch per site step")
     parser.add_argument("--micro-batch-size", type=int, default=64)
+    parser.add_argument(
+        "--server-lr", type=float, default=1.0, help="coordinator step on the aggregated update"
+    )
+    parser.add_argument(
+        "--head",
+        choices=("frozen", "train"),
+        default="frozen",
+        help="seq-cls head: frozen (seeded) or trained (DP with the global clip for DP methods)",
+    )
     parser.add_argument("--max-length", type=int, default=64)
     parser.add_argument("--delta", type=float, default=1e-5)
     parser.add_argument("--select-rows", type=int, help="training rows held out for the grid")
@@ -546,14 +564,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     full = {
         "train_rows": 0,
         "select_rows": 1000,
-        "rounds": 10,
-        "local_steps": 5,
-        "batch_size": 64,
+        # 15 rounds x 1 local step: under Dirichlet(0.5) the earlier 10 x 5 collapsed to the
+        # majority class even without DP; 1 local step per round learns (docs/benchmarks.md,
+        # "Settings search under Dirichlet(0.5)")
+        "rounds": 15,
+        "local_steps": 1,
+        "batch_size": 128,  # 512 pooled: PRISM at eps 3 learned at 128, barely at 64 (same doc)
         "methods": list(METHODS),
         "epsilons": [3.0, 6.0],
         "seeds": [0, 1, 2],
         "grid_C": [0.05, 0.1, 0.3],
-        "grid_lr": [0.005, 0.02],
+        "grid_lr": [0.02, 0.05],
     }
     defaults = QUICK if args.quick else full
     for name, value in defaults.items():
