@@ -59,7 +59,7 @@ bench-diagnostics: $(STAMP)
 	$(BIN)/python bench/diagnostics.py --threads 1 --plots docs --out $(BENCH_OUT)/diagnostics.json
 
 bench-utility: $(STAMP)
-	$(BIN)/python bench/utility.py --threads 1 --out $(UTILITY_OUT) $(UTILITY_ARGS)
+	$(BIN)/python bench/utility.py --jobs 2 --threads 1 --out $(UTILITY_OUT) $(UTILITY_ARGS)
 
 bench-gpu: $(STAMP)
 	bench/gpu.sh $(BENCH_OUT)/gpu

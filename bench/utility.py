@@ -32,21 +32,25 @@ settings differ from the requested run is an error (use another ``--out``).
 
 Run (full study on SST-2, then the medical task)::
 
-    .venv/bin/python bench/utility.py --threads 1 --out bench-results/utility-sst2
+    .venv/bin/python bench/utility.py --jobs 2 --threads 1 --out bench-results/utility-sst2
     .venv/bin/python bench/utility.py --threads 1 --task medical_questions_pairs \\
         --out bench-results/utility-medqp
 
-Defaults: 15 rounds x 1 local step per site, expected batch 128 per site step. One local AdamW
-step per round: with more local steps each nearly single-class site drifts to its own label and
-FedAvg collapses to the majority class, non-DP included; batch 128 because PRISM at epsilon 3
-barely learned at 64 (see docs/benchmarks.md, "Settings search under Dirichlet(0.5)").
+Defaults: 8 rounds x 1 local step per site, expected Poisson batch 256 per site step (1,024
+pooled), FedAvg weighted by shard size; the grid (C in {0.1, 0.3} x lr in {0.02, 0.05}) at
+epsilon 3 only, epsilon 6 reusing its choice; seeds 0, 1, 2. Why these: with several local steps
+each nearly single-class site drifts to its own label and FedAvg collapses to the majority class,
+non-DP included; at 128 x 15 PRISM at epsilon 3 learned on one partition and collapsed on another;
+with equal weights a 1,000-row single-class site pulls the average (see docs/benchmarks.md,
+"Settings search under Dirichlet(0.5)"). ``--jobs 2 --threads 1`` runs two runs at a time.
 
 ``--quick`` runs a smoke configuration (subsampled data, 2 rounds, prism vs nondp, eps 3,
 one seed, one grid point); ``--methods``, ``--epsilons``, ``--seeds``, ``--grid-C``,
-``--grid-lr``, ``--rounds``, ``--local-steps``, ``--batch-size``, ``--server-lr``, ``--head``
-override any part.
+``--grid-lr``, ``--grid-epsilons``, ``--rounds``, ``--local-steps``, ``--batch-size``,
+``--server-lr``, ``--head``, ``--[no-]weight-by-examples`` override any part.
 ``--curve`` also records the selection-set accuracy after every round (federated runs).
-``--report-only`` prints the tables from the JSON files without running anything.
+``--report-only`` prints the tables from the JSON files without running anything. The tables
+go to ``<out>/report.md`` and a plot of the eval accuracy per method to ``<out>/utility.png``.
 """
 
 from __future__ import annotations
@@ -155,7 +159,11 @@ def _local_grid(run_config: dict[str, Any], sites: int) -> Any:
                 node: Context(
                     run_id=1,
                     node_id=node,
-                    node_config={"partition-id": node - 1, "num-partitions": sites},
+                    node_config={
+                        "partition-id": node - 1,
+                        "num-partitions": sites,
+                        "share-num-examples": bool(run_config.get("weight-by-examples")),
+                    },
                     state=RecordDict(),
                     run_config=dict(run_config),
                 )
@@ -200,6 +208,7 @@ def federated_run(spec: dict[str, Any], folder: Path) -> Path:
         "max-norm": spec["max_norm"],
         "lr": spec["lr"],
         "server-lr": spec.get("server_lr", 1.0),
+        "weight-by-examples": spec.get("weight_by_examples", False),
         "target-epsilon": spec["epsilon"] if spec["method"] != "nondp" else 1.0,
         "delta": spec["delta"],
         "data": spec["pool"],
@@ -402,6 +411,7 @@ def base_spec(args: argparse.Namespace, data: dict[str, str]) -> dict[str, Any]:
         # recorded only when not the default, so runs stored before these options still match
         **({"server_lr": args.server_lr} if args.server_lr != 1.0 else {}),
         **({"head": args.head} if args.head != "frozen" else {}),
+        **({"weight_by_examples": True} if args.weight_by_examples else {}),
     }
 
 
@@ -413,35 +423,59 @@ def existing_run(spec: dict[str, Any], runs: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+def run_all(specs: list[dict[str, Any]], runs: Path, runner: Any, jobs: int) -> list[dict]:
+    """Every spec's result, in order; up to ``jobs`` subprocess runs at a time."""
+    if jobs <= 1:
+        return [runner(spec, runs) for spec in specs]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:  # each run is its own process
+        return list(pool.map(lambda spec: runner(spec, runs), specs))
+
+
 def study(args: argparse.Namespace, runner: Any = ensure_run) -> dict[str, Any]:
-    """Grid on the selection set, then the seeds at the chosen settings (see module doc)."""
+    """Grid on the selection set, then the seeds at the chosen settings (see module doc).
+
+    The grid runs at every epsilon in ``args.grid_epsilons`` (default: all of ``--epsilons``);
+    an epsilon outside it reuses the choice made at the first grid epsilon. Runs of one phase
+    (grid, then finals) are independent and go ``args.jobs`` at a time.
+    """
     data = prepare_data(args)
     base = base_spec(args, data)
     runs = args.out / "runs"
-    grid_results: dict[tuple[str, float], list[dict[str, Any]]] = {}
-    chosen: dict[tuple[str, float], tuple[float, float]] = {}
-    finals: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    grid_eps = list(args.grid_epsilons or args.epsilons)
+    cells: dict[tuple[str, float], list[dict[str, Any]]] = {}  # (method, eps) -> grid specs
+    finals_of: list[tuple[str, float]] = []
     for method in args.methods:
         epsilons = [NONDP_EPSILON] if method == "nondp" else args.epsilons
         clips = [1.0] if method == "nondp" else args.grid_C  # C unused without DP
         for eps in epsilons:
-            cell = []
-            for C in clips:
-                for lr in args.grid_lr:
-                    spec = {**base, "method": method, "epsilon": eps, "max_norm": C, "lr": lr}
-                    cell.append(runner({**spec, "seed": args.seeds[0]}, runs))
-            grid_results[(method, eps)] = cell
-            best = max(cell, key=lambda r: r["metrics"]["select"]["accuracy"])
-            C, lr = best["spec"]["max_norm"], best["spec"]["lr"]
-            chosen[(method, eps)] = (C, lr)
-            finals[(method, eps)] = [
-                runner(
-                    {**base, "method": method, "epsilon": eps, "max_norm": C, "lr": lr, "seed": s},
-                    runs,
-                )
-                for s in args.seeds
-            ]
-    return {"grid": grid_results, "chosen": chosen, "finals": finals}
+            finals_of.append((method, eps))
+            if method != "nondp" and eps not in grid_eps:
+                continue
+            cells[(method, eps)] = [
+                {**base, "method": method, "epsilon": eps, "max_norm": C, "lr": lr,
+                 "seed": args.seeds[0]}
+                for C in clips
+                for lr in args.grid_lr
+            ]  # fmt: skip
+    flat = [spec for cell in cells.values() for spec in cell]
+    done = iter(run_all(flat, runs, runner, args.jobs))
+    grid_results = {key: [next(done) for _ in cell] for key, cell in cells.items()}
+    chosen: dict[tuple[str, float], tuple[float, float]] = {}
+    for method, eps in finals_of:
+        cell = grid_results.get((method, eps)) or grid_results[(method, grid_eps[0])]
+        best = max(cell, key=lambda r: r["metrics"]["select"]["accuracy"])
+        chosen[(method, eps)] = (best["spec"]["max_norm"], best["spec"]["lr"])
+    final_specs = [
+        {**base, "method": method, "epsilon": eps, "max_norm": chosen[(method, eps)][0],
+         "lr": chosen[(method, eps)][1], "seed": seed}
+        for method, eps in finals_of
+        for seed in args.seeds
+    ]  # fmt: skip
+    done = iter(run_all(final_specs, runs, runner, args.jobs))
+    finals = {key: [next(done) for _ in args.seeds] for key in finals_of}
+    return {"grid": grid_results, "chosen": chosen, "finals": finals, "grid_epsilons": grid_eps}
 
 
 def report(args: argparse.Namespace, outcome: dict[str, Any]) -> str:
@@ -462,7 +496,11 @@ def report(args: argparse.Namespace, outcome: dict[str, Any]) -> str:
                 f"{r['metrics']['select']['accuracy']:.4f}{mark} | {r['total_wall_s']:.0f} | "
                 f"{r['total_cpu_s']:.0f} |"
             )
-    lines.append("\n(* = chosen)\n")
+    reused = [
+        f"{m} at epsilon {e:g}" for m, e in outcome["finals"] if (m, e) not in outcome["grid"]
+    ]
+    note = f"; {', '.join(reused)}: the choice made at epsilon {outcome['grid_epsilons'][0]:g}"
+    lines.append(f"\n(* = chosen{note if reused else ''})\n")
     first = next(iter(outcome["finals"].values()))
     evals = [k for k in first[0]["metrics"] if k != "select"]
     header = "| method | epsilon | C | lr | seeds | " + " | ".join(
@@ -486,6 +524,40 @@ def report(args: argparse.Namespace, outcome: dict[str, Any]) -> str:
             + f"{statistics.mean(r['total_wall_s'] for r in results):.0f} |"
         )
     return "\n".join(lines)
+
+
+def plot(outcome: dict[str, Any], path: Path) -> None:
+    """Eval accuracy (mean and every seed) per method and epsilon, one panel per eval file."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(outcome["finals"])
+    first = outcome["finals"][keys[0]]
+    evals = [k for k in first[0]["metrics"] if k != "select"]
+    fig, axes = plt.subplots(1, len(evals), figsize=(1.1 * len(keys) + 2, 4), squeeze=False)
+    labels = [m if m == "nondp" else f"{m}\neps {e:g}" for m, e in keys]
+    for ax, name in zip(axes[0], evals, strict=True):
+        for i, key in enumerate(keys):
+            accs = [r["metrics"][name]["accuracy"] for r in outcome["finals"][key]]
+            ax.scatter([i] * len(accs), accs, color="0.6", s=12, zorder=2)
+            sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
+            ax.errorbar(i, statistics.mean(accs), yerr=sd, fmt="o", color="C0", capsize=4)
+        file = first[0]["spec"]["eval_data"].get(name)
+        if file and Path(file).is_file():
+            counts: dict[Any, int] = {}
+            for row in read_jsonl(Path(file)):
+                counts[row.get("label")] = counts.get(row.get("label"), 0) + 1
+            majority = max(counts.values()) / sum(counts.values())
+            ax.axhline(majority, color="C3", ls="--", lw=1, label=f"majority class {majority:.3f}")
+            ax.legend(loc="lower right", fontsize=8)
+        ax.set_xticks(range(len(keys)), labels, fontsize=8)
+        ax.set_ylabel(f"{name} accuracy (mean +- sd; grey: seeds)")
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def spent_and_sigma(result: dict[str, Any]) -> tuple[str, str]:
@@ -513,6 +585,8 @@ QUICK = {
     "seeds": [0],
     "grid_C": [0.1],
     "grid_lr": [0.005],
+    "grid_epsilons": [3.0],
+    "weight_by_examples": False,
 }
 
 
@@ -546,6 +620,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default="frozen",
         help="seq-cls head: frozen (seeded) or trained (DP with the global clip for DP methods)",
     )
+    parser.add_argument(
+        "--weight-by-examples",
+        action=argparse.BooleanOptionalAction,
+        help="FedAvg weights by shard size (sites share their example counts, which is not DP; "
+        "default: on for the study, off for --quick)",
+    )
     parser.add_argument("--max-length", type=int, default=64)
     parser.add_argument("--delta", type=float, default=1e-5)
     parser.add_argument("--select-rows", type=int, help="training rows held out for the grid")
@@ -556,6 +636,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="federated runs: evaluate the selection set after every round (a learning curve)",
     )
+    parser.add_argument(
+        "--grid-epsilons",
+        type=float,
+        nargs="+",
+        help="epsilons at which to run the grid (default: all); others reuse the first's choice",
+    )
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="runs at a time (each with --threads torch threads)"
+    )
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--one-run", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -564,17 +653,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     full = {
         "train_rows": 0,
         "select_rows": 1000,
-        # 15 rounds x 1 local step: under Dirichlet(0.5) the earlier 10 x 5 collapsed to the
-        # majority class even without DP; 1 local step per round learns (docs/benchmarks.md,
-        # "Settings search under Dirichlet(0.5)")
-        "rounds": 15,
+        # 1 local step per round: under Dirichlet(0.5) 5 local steps collapsed to the majority
+        # class even without DP; expected batch 256 per site (1,024 pooled) over 8 rounds: at
+        # 128 x 15 PRISM at eps 3 learned on one partition and collapsed on another
+        # (docs/benchmarks.md, "Settings search under Dirichlet(0.5)")
+        "rounds": 8,
         "local_steps": 1,
-        "batch_size": 128,  # 512 pooled: PRISM at eps 3 learned at 128, barely at 64 (same doc)
+        "batch_size": 256,
+        "weight_by_examples": True,  # FedAvg weights (McMahan et al.); equal weights let a
+        # 1,000-row single-class site pull the average (same doc)
         "methods": list(METHODS),
         "epsilons": [3.0, 6.0],
         "seeds": [0, 1, 2],
-        "grid_C": [0.05, 0.1, 0.3],
+        "grid_C": [0.1, 0.3],
         "grid_lr": [0.02, 0.05],
+        "grid_epsilons": [3.0],  # the grid at epsilon 3; epsilon 6 reuses its choice
     }
     defaults = QUICK if args.quick else full
     for name, value in defaults.items():
@@ -617,6 +710,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     text = report(args, outcome)
     print(text)
     (args.out / "report.md").write_text(text + "\n")
+    plot(outcome, args.out / "utility.png")
     LOG.info(
         "study took %.0f s; tables in %s", time.perf_counter() - started, args.out / "report.md"
     )

@@ -8,6 +8,7 @@ Knows nothing about tensors: mechanism records come in through ``events_from_rec
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Iterable, Sequence
@@ -138,8 +139,22 @@ def epsilon(
         return 0.0
     if any(e.noise_multiplier == 0 for e in history):
         return math.inf
+    key = tuple((e.noise_multiplier, e.sample_rate, e.steps) for e in history)
+    return _accountant_epsilon(key, delta, accountant)
+
+
+@functools.lru_cache(maxsize=4096)
+def _accountant_epsilon(
+    history: tuple[tuple[float, float, int], ...], delta: float, accountant: Accountant
+) -> float:
+    """Opacus' epsilon for a composed history; memoised (a pure function of its arguments).
+
+    A PRV evaluation costs about 0.1 s (its safe domain comes from an RDP sweep), and a site or
+    the coordinator asks for the same history several times per round (budget check, ledger,
+    report), so equal questions are answered once per process.
+    """
     acc = PRVAccountant() if accountant == "prv" else RDPAccountant()
-    acc.history = [(e.noise_multiplier, e.sample_rate, e.steps) for e in history]
+    acc.history = list(history)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # Opacus' "optimal order" warnings
         if accountant == "prv":

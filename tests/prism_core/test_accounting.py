@@ -98,3 +98,25 @@ def test_max_steps_is_the_last_step_within_the_target():
         )
         == 0
     )
+
+
+def test_equal_histories_are_accounted_once_and_match_a_fresh_accountant(monkeypatch):
+    from opacus.accountants import PRVAccountant
+
+    calls = []
+    original = PRVAccountant.get_epsilon
+
+    def counting(self, *args, **kwargs):
+        calls.append(list(self.history))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(PRVAccountant, "get_epsilon", counting)
+    history = [PrivacyEvent(0.93, 0.0123, 7), PrivacyEvent(0.93, 0.0123, 3)]  # composes to 10
+    first = epsilon(history, 1e-5)
+    again = epsilon([PrivacyEvent(0.93, 0.0123, 10)], 1e-5)  # the same composed history
+    other = epsilon([PrivacyEvent(0.93, 0.0123, 11)], 1e-5)
+    assert calls == [[(0.93, 0.0123, 10)], [(0.93, 0.0123, 11)]]
+    fresh = PRVAccountant()
+    fresh.history = [(0.93, 0.0123, 10)]
+    assert first == again == pytest.approx(fresh.get_epsilon(delta=1e-5, eps_error=0.01), rel=1e-12)
+    assert other > first
