@@ -504,10 +504,10 @@ def report(args: argparse.Namespace, outcome: dict[str, Any]) -> str:
     first = next(iter(outcome["finals"].values()))
     evals = [k for k in first[0]["metrics"] if k != "select"]
     header = "| method | epsilon | C | lr | seeds | " + " | ".join(
-        f"{e} acc mean +- sd" for e in evals
+        f"{e} acc mean +- sd | {e} acc per seed | {e} loss mean" for e in evals
     )
     lines.append(header + " | epsilon spent (max over sites) | sigma | run s (mean) |")
-    lines.append("| --- | ---: | ---: | ---: | ---: |" + " ---: |" * (len(evals) + 3))
+    lines.append("| --- | ---: | ---: | ---: | ---: |" + " ---: |" * (3 * len(evals) + 3))
     for (method, eps), results in outcome["finals"].items():
         C, lr = outcome["chosen"][(method, eps)]
         cells = []
@@ -515,6 +515,9 @@ def report(args: argparse.Namespace, outcome: dict[str, Any]) -> str:
             accs = [r["metrics"][e]["accuracy"] for r in results]
             sd = f" +- {statistics.stdev(accs):.4f}" if len(accs) > 1 else " (1 seed)"
             cells.append(f"{statistics.mean(accs):.4f}{sd}")
+            cells.append(" / ".join(f"{a:.3f}" for a in accs))
+            losses = [r["metrics"][e]["loss"] for r in results]
+            cells.append(f"{statistics.mean(losses):.3f}")
         spent, sigma = spent_and_sigma(results[0])
         lines.append(
             f"| {method} | {'-' if method == 'nondp' else f'{eps:g}'} | "

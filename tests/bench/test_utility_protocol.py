@@ -119,6 +119,7 @@ def _with_runs(outcome):
         for r in results:
             r.setdefault("total_wall_s", 1.0)
             r.setdefault("total_cpu_s", 1.0)
-            r["metrics"].setdefault("held-out", {"accuracy": r["metrics"]["select"]["accuracy"]})
+            acc = r["metrics"]["select"]["accuracy"]
+            r["metrics"].setdefault("held-out", {"accuracy": acc, "loss": 1.0 - acc})
             r.setdefault("privacy", {"epsilon": r["spec"]["epsilon"], "noise_multiplier": 1.0})
     return outcome
