@@ -60,9 +60,11 @@ import json
 import logging
 import os
 import resource
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -343,6 +345,23 @@ def comparable(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+_CHILDREN: set[subprocess.Popen[bytes]] = set()  # runs in flight (one subprocess each)
+_CHILDREN_LOCK = threading.Lock()
+_STOPPING = threading.Event()
+
+
+def _stop(signum: int, frame: Any) -> None:
+    """SIGTERM / SIGINT: stop the runs in flight and start no more; finished runs are kept."""
+    with _CHILDREN_LOCK:
+        _STOPPING.set()
+        for child in _CHILDREN:
+            child.terminate()
+    raise SystemExit(
+        f"stopped by signal {signum}: runs in flight were terminated, finished runs are kept; "
+        "rerun the same command to resume"
+    )
+
+
 def ensure_run(spec: dict[str, Any], runs: Path) -> dict[str, Any]:
     """The result of ``spec``: read from ``runs/`` if present, else run it in a subprocess."""
     runs.mkdir(parents=True, exist_ok=True)
@@ -363,16 +382,24 @@ def ensure_run(spec: dict[str, Any], runs: Path) -> dict[str, Any]:
     spec_path.write_text(json.dumps(spec, indent=2) + "\n")
     LOG.info("run %s (load %s)", rid, Path("/proc/loadavg").read_text().split()[0])
     log_path = runs / f"{rid}.log"
-    with log_path.open("w") as log_file:
-        done = subprocess.run(
-            [sys.executable, __file__, "--one-run", str(spec_path)],
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            check=False,
-        )
-    if done.returncode != 0:
+    with _CHILDREN_LOCK:
+        if _STOPPING.is_set():
+            raise SystemExit(f"stopping: {rid} not started")
+        with log_path.open("w") as log_file:
+            child = subprocess.Popen(
+                [sys.executable, __file__, "--one-run", str(spec_path)],
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+            )
+        _CHILDREN.add(child)
+    try:
+        returncode = child.wait()
+    finally:
+        with _CHILDREN_LOCK:
+            _CHILDREN.discard(child)
+    if returncode != 0:
         tail = log_path.read_text()[-3000:]
-        raise SystemExit(f"run {rid} failed (exit {done.returncode}); log {log_path}:\n{tail}")
+        raise SystemExit(f"run {rid} failed (exit {returncode}); log {log_path}:\n{tail}")
     result = json.loads(result_path.read_text())
     LOG.info(
         "done %s: %.0f s, select acc %.4f, %s",
@@ -708,6 +735,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         one_run(args.one_run)
         return
     args.out.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
     started = time.perf_counter()
     outcome = study(args, existing_run if args.report_only else ensure_run)
     text = report(args, outcome)
