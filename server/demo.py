@@ -8,6 +8,7 @@ and prints where the adapter and the budget report are. Extra arguments are pass
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -15,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 __all__ = ["demo_env", "main", "stop_local_superlinks"]
@@ -43,8 +45,12 @@ def demo_env(flwr_home: Path) -> dict[str, str]:
     return env
 
 
-def stop_local_superlinks(flwr_home: Path) -> list[int]:
-    """Stop the SuperLinks that ``flwr run . local`` started with this ``FLWR_HOME``."""
+def stop_local_superlinks(flwr_home: Path, *, grace: float = 15.0) -> list[int]:
+    """Stop the SuperLinks that ``flwr run . local`` started with this ``FLWR_HOME``.
+
+    Sends SIGTERM, waits up to ``grace`` seconds for each to exit, then SIGKILLs what is left,
+    so that nothing is running when this returns. Returns the PIDs it stopped.
+    """
     stopped = []
     for proc in Path("/proc").glob("[0-9]*"):
         try:
@@ -57,7 +63,22 @@ def stop_local_superlinks(flwr_home: Path) -> list[int]:
         if f"FLWR_HOME={flwr_home}".encode() in environ:
             os.kill(int(proc.name), signal.SIGTERM)
             stopped.append(int(proc.name))
+    deadline = time.monotonic() + grace
+    while (alive := [pid for pid in stopped if _running(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     return stopped
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie (an exited child nobody has reaped yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def main(argv: list[str] | None = None) -> int:
