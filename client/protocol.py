@@ -12,6 +12,16 @@ Site -> server (train reply): RecordDict with
   ``ACCOUNTING`` ConfigRecord of accounting facts only (see ``ACCOUNTING_KEYS``);
   ``NONPRIVATE`` MetricRecord, present only when the run opts in (labelled non-private).
 
+Refusals and errors (issue "The site owns its privacy"): a site that will not run a round replies
+``status = STATUS_REFUSED`` with ``reason`` set to one of ``REFUSAL_REASONS`` (a code, never free
+text) and charges nothing. A site that fails replies with a Flower error message whose
+``Error.code`` is one of ``SITE_ERROR_CODES`` and whose ``Error.reason`` is that code's fixed text:
+never exception text or data (the full error stays in the site's own log).
+
+Randomness: ``RNG`` in the facts says where the site's sampling/dropout/noise randomness came
+from: ``RNG_SECURE`` (OS CSPRNG, the default) or ``RNG_REPRODUCIBLE`` (seeded from a site-local
+secret for tests and benchmarks; NOT private against the coordinator, and reported so).
+
 Freshness: every train message's ``CONFIG`` also carries ``ROUND_NONCE`` (random, new each
 round); the ClientApp echoes it in ``ACCOUNTING`` next to ``server-round`` (``SERVER_ROUND``),
 so the coordinator rejects a stale or replayed reply.
@@ -26,8 +36,14 @@ __all__ = [
     "CONFIG",
     "HEAD_PREFIX",
     "NONPRIVATE",
+    "REFUSAL_REASONS",
+    "RNG",
+    "RNG_MODES",
+    "RNG_REPRODUCIBLE",
+    "RNG_SECURE",
     "ROUND_NONCE",
     "SERVER_ROUND",
+    "SITE_ERROR_CODES",
     "STATUS_OK",
     "STATUS_REFUSED",
     "UPDATE",
@@ -47,6 +63,29 @@ ROUND_NONCE = "round-nonce"
 STATUS_OK = "ok"
 STATUS_REFUSED = "refused"
 
+RNG = "rng"
+RNG_SECURE = "os-csprng"
+RNG_REPRODUCIBLE = "reproducible"
+RNG_MODES = (RNG_SECURE, RNG_REPRODUCIBLE)
+
+REFUSAL_REASONS: dict[str, str] = {
+    "cap-exhausted": "the round's steps would take the site past its own epsilon cap",
+    "epsilon-above-site-cap": "the run asks for a larger epsilon than the site's policy allows",
+    "delta-above-site-policy": "the run asks for a larger delta than the site's policy allows",
+    "delta-not-below-1/n": "delta must be below 1/N for the site's N examples",
+    "nondp-not-allowed": "the run asks for a non-private method; the site does not allow it",
+    "nonprivate-metrics-not-allowed": "the run asks for non-private metrics; not allowed",
+    "bad-broadcast": "the broadcast adapter is not finite, of the wrong shape, or not of rank r",
+}
+"""Codes a site may put in ``reason`` of a ``refused`` reply, with their fixed meaning."""
+
+SITE_ERROR_CODES: dict[int, str] = {
+    4001: "site configuration error (see the site's log)",
+    4002: "site data error (see the site's log)",
+    4003: "site internal error (see the site's log)",
+}
+"""``Error.code`` of a site's error reply and its fixed ``Error.reason`` text."""
+
 ACCOUNTING_KEYS = (
     "site-id",
     "status",
@@ -63,6 +102,7 @@ ACCOUNTING_KEYS = (
     "epsilon-cap",
     "epsilon",
     "num-examples",
+    "rng",
 )
 
 
