@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "InvalidEventError", "LedgerError", "ReplyError", "ServerError"]
+__all__ = [
+    "ConfigError",
+    "InvalidEventError",
+    "LedgerConflictError",
+    "LedgerError",
+    "ReplyError",
+    "ServerError",
+]
 
 
 class ServerError(Exception):
@@ -18,6 +25,11 @@ class LedgerError(ServerError):
 
 class InvalidEventError(LedgerError, ValueError):
     """A ledger event has a value out of range (e.g. ``q > 1``); nothing was written."""
+
+
+class LedgerConflictError(LedgerError):
+    """A site already has a different confirmed record for the same (run, round); nothing was
+    written and the stored record is kept."""
 
 
 class ConfigError(ServerError, ValueError):

@@ -33,6 +33,7 @@ from client.exchange import head_named, load_arrays, to_arrays
 from client.export import export_adapter
 from client.model import LoadedModel, load_model
 from client.site import model_config
+from client.trainer import MECHANISMS
 from client.synthetic import synthetic_examples
 from client.testhooks import pause_point
 from server.checkpoint import Checkpoint, config_differences, load_checkpoint, save_checkpoint
@@ -145,6 +146,9 @@ def run_federation(grid: Grid, run: RunConfig) -> Path:
         update_bound=UpdateBound(
             lr=run.lr, max_norm=run.max_norm, expected_batch_size=run.batch_size
         ),
+        # what the sites must report: the mechanism the run's method runs there
+        mechanism=MECHANISMS[site_method(run.method)],
+        dp=run.method != "nondp",
     )
 
     first_round, initial_record, previous = 1, ArrayRecord(initial), None

@@ -5,14 +5,29 @@ site and round, the mechanism, neighbouring relation, sampling method, sigma, q,
 (and the site's epsilon cap). Epsilon is never stored: ``Ledger.epsilon`` recomputes it from the
 site's whole history with ``prism_core.accounting`` (PRV, with the RDP cross-check) every time.
 
-File layout (schema version 1):
+File layout (schema version 2):
 
-- ``meta(key, value)``: ``application = "prism-fl-ledger"``, ``schema_version = "1"``,
-  ``created_at``; the SQLite header also carries ``application_id = LEDGER_APPLICATION_ID`` and
-  ``user_version = SCHEMA_VERSION``, so a foreign file is recognised from its first 100 bytes.
-- ``events``: one row per (run, round, site), append-only: TRIGGERs abort any UPDATE or DELETE.
-  ``UNIQUE (run_id, round, site_id)`` makes a replayed record impossible to count twice.
+- ``meta(key, value)``: ``application = "prism-fl-ledger"``, ``schema_version = "2"``,
+  ``created_at`` (and ``migrated_from_1_at`` on a migrated file); the SQLite header also carries
+  ``application_id = LEDGER_APPLICATION_ID`` and ``user_version = SCHEMA_VERSION``, so a foreign
+  file is recognised from its first 100 bytes.
+- ``events``: append-only (TRIGGERs abort any UPDATE or DELETE). Each row is a charge, either
+  *confirmed* (``confirmed = 1``: the site's own accounting facts, cross-checked by the
+  coordinator) or *unconfirmed* (``confirmed = 0``: a site that was asked to run a round and gave
+  no valid answer, an error reply, a time-out, facts that do not match the configuration; it may
+  have charged itself, so the coordinator charges it at the site's last confirmed parameters, or
+  with ``params_known = 0`` and sigma 0, i.e. epsilon infinite, when it has none). ``code`` says
+  why a charge is unconfirmed (a coordinator code, never site text); ``rng`` is the site's
+  ``rng`` fact (``os-csprng`` or ``reproducible``; NULL when not known).
+  ``UNIQUE (run_id, round, site_id, confirmed)``: at most one confirmed and one unconfirmed row
+  per (run, round, site), so a replayed record is never counted twice. A confirmed row
+  *supersedes* the unconfirmed row of the same (run, round, site): ``Ledger.events`` (the history
+  every epsilon is computed from) leaves the superseded row out; ``Ledger.records`` shows all.
 - ``runs(run_id, started_at, config_json)``: one row per federated run, append-only too.
+
+Schema version 1 (before unconfirmed charges and the rng fact) is still read: opened for writing
+it is migrated in place, in one transaction (every row kept, as confirmed with rng unknown);
+opened read-only it is read as is.
 
 Durability: WAL journal, ``synchronous = FULL`` (a committed append survives power loss), every
 write in one ``BEGIN IMMEDIATE`` transaction. A new ledger is built in a temporary file and
@@ -29,6 +44,7 @@ import json
 import logging
 import math
 import os
+import re
 import sqlite3
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -38,16 +54,20 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Final, Self
 
+from client.protocol import RNG_MODES
 from client.testhooks import pause_point
 from prism_core.accounting import EpsilonReport, PrivacyEvent, epsilon, epsilon_report
 from prism_core.errors import AccountingError
 from prism_core.mechanism import ADJACENCY
-from server.errors import InvalidEventError, LedgerError
+from server.errors import InvalidEventError, LedgerConflictError, LedgerError
 
 __all__ = [
     "APPLICATION",
     "LEDGER_APPLICATION_ID",
+    "OLD_SCHEMA_VERSIONS",
     "SCHEMA_VERSION",
+    "UNKNOWN_Q",
+    "UNKNOWN_SIGMA",
     "Ledger",
     "LedgerEvent",
     "RunRecord",
@@ -58,8 +78,10 @@ log = logging.getLogger(__name__)
 
 APPLICATION: Final = "prism-fl-ledger"
 """Value of ``meta.application`` in every prism-fl ledger."""
-SCHEMA_VERSION: Final = 1
-"""Schema version written by, and the only one read by, this module."""
+SCHEMA_VERSION: Final = 2
+"""Schema version written by this module (version 1 is still read, and migrated on write)."""
+OLD_SCHEMA_VERSIONS: Final = (1,)
+"""Older schema versions this module reads (read-only) and migrates (opened for writing)."""
 LEDGER_APPLICATION_ID: Final = 0x50524C47  # "PRLG"
 """``PRAGMA application_id`` of a prism-fl ledger (bytes 68-71 of the SQLite header)."""
 
@@ -67,18 +89,13 @@ SQLITE_MAGIC: Final = b"SQLite format 3\x00"
 HEADER_SIZE: Final = 100
 BUSY_TIMEOUT_S: Final = 30.0
 DEFAULT_MECHANISM: Final = "prism-tangent-gaussian"
+UNKNOWN_SIGMA: Final = 0.0
+UNKNOWN_Q: Final = 1.0
+"""How an unconfirmed charge with unknown parameters is accounted: no noise, every record used
+(epsilon infinite, the worst case)."""
+_CODE_PATTERN: Final = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
 
-_SCHEMA: Final = f"""
-CREATE TABLE meta (
-    key TEXT PRIMARY KEY,
-    value TEXT NOT NULL
-);
-CREATE TABLE runs (
-    run_id TEXT PRIMARY KEY CHECK (length(run_id) > 0),
-    started_at TEXT NOT NULL,
-    config_json TEXT NOT NULL
-);
-CREATE TABLE events (
+_EVENTS_V2_BODY: Final = """
     id INTEGER PRIMARY KEY,
     run_id TEXT NOT NULL CHECK (length(run_id) > 0),
     round INTEGER NOT NULL CHECK (round >= 0),
@@ -92,19 +109,44 @@ CREATE TABLE events (
     delta REAL NOT NULL CHECK (delta > 0 AND delta < 1),
     epsilon_cap REAL CHECK (epsilon_cap IS NULL OR epsilon_cap > 0),
     recorded_at TEXT NOT NULL,
-    UNIQUE (run_id, round, site_id)
-);
+    confirmed INTEGER NOT NULL DEFAULT 1 CHECK (confirmed IN (0, 1)),
+    params_known INTEGER NOT NULL DEFAULT 1 CHECK (params_known IN (0, 1)),
+    rng TEXT CHECK (rng IS NULL OR length(rng) > 0),
+    code TEXT NOT NULL DEFAULT '',
+    CHECK (confirmed = 0 OR (params_known = 1 AND code = '')),
+    CHECK (params_known = 1 OR (sigma = 0 AND q = 1)),
+    UNIQUE (run_id, round, site_id, confirmed)""".strip("\n")
+_EVENTS_EXTRAS: Final = """
 CREATE INDEX events_by_site ON events (site_id, id);
 CREATE TRIGGER events_no_update BEFORE UPDATE ON events
 BEGIN SELECT RAISE(ABORT, 'prism-fl ledger: events are append-only, UPDATE refused'); END;
 CREATE TRIGGER events_no_delete BEFORE DELETE ON events
 BEGIN SELECT RAISE(ABORT, 'prism-fl ledger: events are append-only, DELETE refused'); END;
+""".strip()
+_META_NO_UPDATE: Final = """
+CREATE TRIGGER meta_no_update BEFORE UPDATE ON meta
+BEGIN SELECT RAISE(ABORT, 'prism-fl ledger: meta is read-only, UPDATE refused'); END;
+""".strip()
+
+_SCHEMA: Final = f"""
+CREATE TABLE meta (
+    key TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+CREATE TABLE runs (
+    run_id TEXT PRIMARY KEY CHECK (length(run_id) > 0),
+    started_at TEXT NOT NULL,
+    config_json TEXT NOT NULL
+);
+CREATE TABLE events (
+{_EVENTS_V2_BODY}
+);
+{_EVENTS_EXTRAS}
 CREATE TRIGGER runs_no_update BEFORE UPDATE ON runs
 BEGIN SELECT RAISE(ABORT, 'prism-fl ledger: runs are append-only, UPDATE refused'); END;
 CREATE TRIGGER runs_no_delete BEFORE DELETE ON runs
 BEGIN SELECT RAISE(ABORT, 'prism-fl ledger: runs are append-only, DELETE refused'); END;
-CREATE TRIGGER meta_no_update BEFORE UPDATE ON meta
-BEGIN SELECT RAISE(ABORT, 'prism-fl ledger: meta is read-only, UPDATE refused'); END;
+{_META_NO_UPDATE}
 CREATE TRIGGER meta_no_delete BEFORE DELETE ON meta
 BEGIN SELECT RAISE(ABORT, 'prism-fl ledger: meta is read-only, DELETE refused'); END;
 PRAGMA application_id = {LEDGER_APPLICATION_ID};
@@ -121,7 +163,7 @@ _TRIGGERS: Final = frozenset(
         "meta_no_delete",
     }
 )
-_EVENT_COLUMNS: Final = (
+_V1_COLUMNS: Final = (
     "run_id",
     "round",
     "site_id",
@@ -135,6 +177,14 @@ _EVENT_COLUMNS: Final = (
     "epsilon_cap",
     "recorded_at",
 )
+_V2_DEFAULTS: Final[dict[str, str]] = {
+    "confirmed": "1",
+    "params_known": "1",
+    "rng": "NULL",
+    "code": "''",
+}
+"""Columns added by schema version 2, with the value a version-1 row reads as."""
+_EVENT_COLUMNS: Final = (*_V1_COLUMNS, *_V2_DEFAULTS)
 
 
 # --------------------------------------------------------------------------------------------
@@ -160,6 +210,13 @@ class LedgerEvent:
         sampling: how batches were drawn; only ``"poisson"`` can be accounted.
         recorded_at: UTC ISO-8601 time the ledger stored the event; set by the ledger (a value
             given to ``Ledger.append`` is ignored).
+        confirmed: True for the site's own (cross-checked) facts; False for a charge the
+            coordinator records because the site was asked and gave no valid answer.
+        params_known: False only for an unconfirmed charge of a site with no confirmed
+            parameters: it is accounted with ``UNKNOWN_SIGMA``/``UNKNOWN_Q`` (epsilon inf).
+        rng: the site's ``rng`` fact (``client.protocol.RNG_MODES``), None when not known.
+        code: why a charge is unconfirmed (the coordinator's code, e.g. ``no-reply``); empty
+            for a confirmed one.
 
     Raises:
         InvalidEventError: on construction, for a value out of its range.
@@ -177,6 +234,10 @@ class LedgerEvent:
     adjacency: str = ADJACENCY
     sampling: str = "poisson"
     recorded_at: str | None = None
+    confirmed: bool = True
+    params_known: bool = True
+    rng: str | None = None
+    code: str = ""
 
     def __post_init__(self) -> None:
         _validate_event(self)
@@ -230,9 +291,32 @@ def _validate_event(e: LedgerEvent) -> None:
         problems.append(f"delta={e.delta!r} must be in (0, 1)")
     if e.epsilon_cap is not None and not (_is_real(e.epsilon_cap) and 0 < e.epsilon_cap < math.inf):
         problems.append(f"epsilon_cap={e.epsilon_cap!r} must be a finite number > 0 or None")
+    problems += _status_problems(e)
     if problems:
         who = f"site {e.site_id!r}, run {e.run_id!r}, round {e.round!r}"
         raise InvalidEventError(f"invalid ledger event ({who}): " + "; ".join(problems))
+
+
+def _status_problems(e: LedgerEvent) -> list[str]:
+    """What is wrong with the confirmation fields of ``e`` (see ``LedgerEvent``)."""
+    problems = []
+    for name in ("confirmed", "params_known"):
+        if not isinstance(getattr(e, name), bool):
+            problems.append(f"{name}={getattr(e, name)!r} must be a bool")
+    if e.rng is not None and e.rng not in RNG_MODES:
+        problems.append(f"rng={e.rng!r} must be one of {list(RNG_MODES)} or None")
+    if not isinstance(e.code, str) or (e.code and not _CODE_PATTERN.fullmatch(e.code)):
+        problems.append(f"code={e.code!r} must be empty or a short lower-case code")
+    if e.confirmed and (e.code or not e.params_known):
+        problems.append("a confirmed event has known parameters and no code")
+    if not e.confirmed and not e.code:
+        problems.append("an unconfirmed event needs a code saying why")
+    if not e.params_known and (e.sigma != UNKNOWN_SIGMA or e.q != UNKNOWN_Q):
+        problems.append(
+            f"unknown parameters are recorded as sigma={UNKNOWN_SIGMA}, q={UNKNOWN_Q} "
+            f"(found sigma={e.sigma!r}, q={e.q!r})"
+        )
+    return problems
 
 
 def _now() -> str:
@@ -240,7 +324,11 @@ def _now() -> str:
 
 
 def _event_from_row(row: Sequence[Any]) -> LedgerEvent:
+    """The event of a row of ``_EVENT_COLUMNS`` (a version-1 row reads with the defaults)."""
     values = dict(zip(_EVENT_COLUMNS, row, strict=True))
+    for name in ("confirmed", "params_known"):
+        if values[name] not in (0, 1):
+            raise InvalidEventError(f"{name}={values[name]!r} must be 0 or 1")
     return LedgerEvent(
         run_id=values["run_id"],
         round=int(values["round"]),
@@ -254,6 +342,10 @@ def _event_from_row(row: Sequence[Any]) -> LedgerEvent:
         adjacency=values["adjacency"],
         sampling=values["sampling"],
         recorded_at=values["recorded_at"],
+        confirmed=bool(values["confirmed"]),
+        params_known=bool(values["params_known"]),
+        rng=values["rng"],
+        code=values["code"],
     )
 
 
@@ -328,8 +420,12 @@ def _table_names(path: Path) -> list[str] | str:
     return sorted(str(r[0]) for r in rows)
 
 
-def _validate_ledger(conn: sqlite3.Connection, path: Path) -> None:
-    """Check integrity, meta, tables and triggers of an open ledger; raise LedgerError if wrong."""
+def _validate_ledger(conn: sqlite3.Connection, path: Path) -> int:
+    """Check integrity, meta, tables and triggers of an open ledger; return its schema version.
+
+    Raises:
+        LedgerError: what is wrong, and what to do.
+    """
     try:
         check = [str(r[0]) for r in conn.execute("PRAGMA quick_check").fetchall()]
         objects = conn.execute("SELECT type, name FROM sqlite_master").fetchall()
@@ -354,10 +450,11 @@ def _validate_ledger(conn: sqlite3.Connection, path: Path) -> None:
             f"{sorted(tables)}), expected {APPLICATION!r}; not a prism-fl ledger."
         )
     version = meta.get("schema_version")
-    if version != str(SCHEMA_VERSION):
+    readable = [str(v) for v in (*OLD_SCHEMA_VERSIONS, SCHEMA_VERSION)]
+    if version not in readable:
         raise LedgerError(
-            f"ledger {path}: schema version {version!r}, this prism-fl reads version "
-            f"{SCHEMA_VERSION}. Use the prism-fl release that wrote it."
+            f"ledger {path}: schema version {version!r}, this prism-fl reads versions "
+            f"{', '.join(readable)}. Use the prism-fl release that wrote it."
         )
     missing = sorted((_TABLES - tables) | (_TRIGGERS - triggers))
     if missing:
@@ -365,10 +462,24 @@ def _validate_ledger(conn: sqlite3.Connection, path: Path) -> None:
             f"ledger {path}: tables or append-only triggers missing: {missing}. The ledger was "
             "altered outside prism-fl; restore it from a backup."
         )
-    _validate_rows(conn, path)
+    _validate_rows(conn, path, int(version))
+    return int(version)
 
 
-def _validate_rows(conn: sqlite3.Connection, path: Path) -> None:
+def _columns(version: int) -> tuple[str, ...]:
+    """The event columns stored by a schema version."""
+    return _EVENT_COLUMNS if version == SCHEMA_VERSION else _V1_COLUMNS
+
+
+def _event_select(version: int) -> str:
+    """SQL select list giving ``_EVENT_COLUMNS`` of a stored row of ``version`` (with ``id``)."""
+    stored = _columns(version)
+    return ", ".join(
+        ["id", *(c if c in stored else f"{_V2_DEFAULTS[c]} AS {c}" for c in _EVENT_COLUMNS)]
+    )
+
+
+def _validate_rows(conn: sqlite3.Connection, path: Path, version: int) -> None:
     """Every stored event must be a valid ``LedgerEvent`` with the column types it was written with.
 
     SQLite does not re-check CHECK constraints or column types on read, so a row edited outside
@@ -379,14 +490,17 @@ def _validate_rows(conn: sqlite3.Connection, path: Path) -> None:
     text, number, integer = {"text"}, {"integer", "real"}, {"integer"}
     kinds = dict.fromkeys(_EVENT_COLUMNS, text)
     kinds.update(round=integer, steps=integer, sigma=number, q=number, delta=number)
+    kinds.update(confirmed=integer, params_known=integer)
     kinds["epsilon_cap"] = number | {"null"}
-    types = ", ".join(f"typeof({c})" for c in _EVENT_COLUMNS)
+    kinds["rng"] = text | {"null"}
+    stored = _columns(version)
+    types = ", ".join(f"typeof({c})" for c in stored)
     n = len(_EVENT_COLUMNS)
     row_id: object = "?"
     try:
-        for row in conn.execute(f"SELECT id, {', '.join(_EVENT_COLUMNS)}, {types} FROM events"):
+        for row in conn.execute(f"SELECT {_event_select(version)}, {types} FROM events"):
             row_id = row[0]
-            found = dict(zip(_EVENT_COLUMNS, row[1 + n :], strict=True))
+            found = dict(zip(stored, row[1 + n :], strict=True))
             wrong = {c: t for c, t in found.items() if t not in kinds[c]}
             if wrong:
                 raise InvalidEventError(f"column types {wrong}")
@@ -448,6 +562,63 @@ def _statements(script: str) -> list[str]:
     return out
 
 
+def _migrate(conn: sqlite3.Connection, path: Path) -> bool:
+    """Migrate a version-1 ledger to ``SCHEMA_VERSION`` in place, in ONE transaction.
+
+    The events table is rebuilt with the new columns (SQLite cannot change a UNIQUE constraint in
+    place): every row is copied with its id, as a confirmed charge with the rng fact unknown,
+    then the append-only triggers are restored and ``meta`` records the new version and when it
+    was migrated. A crash leaves the file as it was before or as it is after, never between.
+
+    Returns:
+        True if this call migrated the file, False if it already had the current version (another
+        process migrated it meanwhile).
+    """
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        (version,) = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        if version == str(SCHEMA_VERSION):
+            conn.execute("ROLLBACK")
+            return False
+        (before,) = conn.execute("SELECT count(*) FROM events").fetchone()
+        old = ", ".join(("id", *_V1_COLUMNS))
+        for statement in (
+            "DROP TRIGGER events_no_update",
+            "DROP TRIGGER events_no_delete",
+            "DROP TRIGGER meta_no_update",
+            f"CREATE TABLE events_v2 (\n{_EVENTS_V2_BODY}\n)",
+            f"INSERT INTO events_v2 ({old}) SELECT {old} FROM events ORDER BY id",
+            "DROP TABLE events",
+            "ALTER TABLE events_v2 RENAME TO events",
+            *_statements(_EVENTS_EXTRAS),
+        ):
+            conn.execute(statement)
+        (after,) = conn.execute("SELECT count(*) FROM events").fetchone()
+        if after != before:
+            raise LedgerError(f"ledger {path}: migration copied {after} of {before} events.")
+        conn.execute(
+            "UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),)
+        )
+        conn.execute(
+            "INSERT INTO meta (key, value) VALUES (?, ?)", (f"migrated_from_{version}_at", _now())
+        )
+        conn.execute(_META_NO_UPDATE)
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        conn.execute("COMMIT")
+    except BaseException:
+        with contextlib.suppress(sqlite3.Error):
+            conn.execute("ROLLBACK")
+        raise
+    log.warning(
+        "ledger %s: migrated from schema version %s to %d (%d events kept, as confirmed)",
+        path,
+        version,
+        SCHEMA_VERSION,
+        before,
+    )
+    return True
+
+
 def _fsync_dir(directory: Path) -> None:
     with contextlib.suppress(OSError):  # not supported everywhere (e.g. some network FS)
         fd = os.open(directory, os.O_RDONLY)
@@ -468,10 +639,18 @@ class Ledger:
     Thread-safe (one connection behind a lock). Use as a context manager or call ``close``.
     """
 
-    def __init__(self, conn: sqlite3.Connection, path: Path, *, read_only: bool) -> None:
+    def __init__(
+        self,
+        conn: sqlite3.Connection,
+        path: Path,
+        *,
+        read_only: bool,
+        version: int = SCHEMA_VERSION,
+    ) -> None:
         self._conn = conn
         self._path = path
         self._read_only = read_only
+        self._version = version
         self._lock = threading.RLock()
         self._closed = False
 
@@ -485,7 +664,9 @@ class Ledger:
 
         An existing file is first checked without writing anything: its SQLite header (the
         ``application_id``), then, on a read-only connection, its integrity, ``meta`` table,
-        schema version, tables and triggers. Only a file that passes is opened for writing.
+        schema version, tables and triggers. Only a file that passes is opened for writing. A
+        version-1 ledger opened for writing is migrated to version 2 (one transaction, every
+        event kept); opened read-only it is read as it is.
 
         Args:
             path: the ledger file.
@@ -519,7 +700,7 @@ class Ledger:
         except sqlite3.Error as exc:
             raise LedgerError(f"ledger {p}: cannot open it read-only ({exc}).") from exc
         try:
-            _validate_ledger(ro, p)
+            version = _validate_ledger(ro, p)
         finally:
             ro.close()
         if read_only:
@@ -530,19 +711,28 @@ class Ledger:
                 check_same_thread=False,
                 timeout=BUSY_TIMEOUT_S,
             )
-        else:
-            conn = sqlite3.connect(
-                p, isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_S
-            )
+            return cls(conn, p, read_only=True, version=version)
+        conn = sqlite3.connect(
+            p, isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_S
+        )
+        try:
+            mode = str(conn.execute("PRAGMA journal_mode = WAL").fetchone()[0])
+            conn.execute("PRAGMA synchronous = FULL")
+        except sqlite3.Error as exc:
+            conn.close()
+            raise LedgerError(f"ledger {p}: cannot open it for writing ({exc}).") from exc
+        if mode.lower() != "wal":
+            log.warning("ledger %s: WAL journal unavailable, using %s", p, mode)
+        if version != SCHEMA_VERSION:
             try:
-                mode = str(conn.execute("PRAGMA journal_mode = WAL").fetchone()[0])
-                conn.execute("PRAGMA synchronous = FULL")
-            except sqlite3.Error as exc:
+                _migrate(conn, p)
+            except (sqlite3.Error, LedgerError) as exc:
                 conn.close()
-                raise LedgerError(f"ledger {p}: cannot open it for writing ({exc}).") from exc
-            if mode.lower() != "wal":
-                log.warning("ledger %s: WAL journal unavailable, using %s", p, mode)
-        return cls(conn, p, read_only=read_only)
+                raise LedgerError(
+                    f"ledger {p}: cannot migrate it from schema version {version} to "
+                    f"{SCHEMA_VERSION} ({exc}); the file was left as it was."
+                ) from exc
+        return cls(conn, p, read_only=False)
 
     @property
     def path(self) -> Path:
@@ -593,58 +783,73 @@ class Ledger:
                     self._conn.execute("ROLLBACK")
                 raise LedgerError(f"ledger {self._path}: commit failed ({exc}).") from exc
 
+    def _stored(
+        self, conn: sqlite3.Connection, event: LedgerEvent, *, confirmed: bool
+    ) -> LedgerEvent | None:
+        """The stored event of ``event``'s (run, round, site) with the given confirmation."""
+        row = conn.execute(
+            f"SELECT {', '.join(_EVENT_COLUMNS)} FROM events "
+            "WHERE run_id = ? AND round = ? AND site_id = ? AND confirmed = ?",
+            (event.run_id, event.round, event.site_id, int(confirmed)),
+        ).fetchone()
+        return None if row is None else _event_from_row(row)
+
     def _insert(self, conn: sqlite3.Connection, event: LedgerEvent) -> bool:
         if not isinstance(event, LedgerEvent):
             raise InvalidEventError(f"expected a LedgerEvent, found {type(event).__name__}")
         _validate_event(event)  # again: a frozen dataclass can still be altered by force
+        who = f"site {event.site_id!r}, run {event.run_id!r}, round {event.round}"
+        if not event.confirmed and self._stored(conn, event, confirmed=True) is not None:
+            log.info("ledger: %s is already confirmed; unconfirmed charge not recorded", who)
+            return False
         row = {c: getattr(event, c) for c in _EVENT_COLUMNS}
         row["recorded_at"] = _now()
+        row["confirmed"], row["params_known"] = int(event.confirmed), int(event.params_known)
         names = ", ".join(_EVENT_COLUMNS)
         marks = ", ".join(f":{c}" for c in _EVENT_COLUMNS)
         try:
             cur = conn.execute(
                 f"INSERT INTO events ({names}) VALUES ({marks}) "
-                "ON CONFLICT (run_id, round, site_id) DO NOTHING",
+                "ON CONFLICT (run_id, round, site_id, confirmed) DO NOTHING",
                 row,
             )
         except sqlite3.IntegrityError as exc:
             raise InvalidEventError(f"ledger {self._path}: event refused ({exc}).") from exc
         if cur.rowcount == 1:
             pause_point("ledger-write", event.round)  # crash tests: inside the transaction
+            if event.confirmed and self._stored(conn, event, confirmed=False) is not None:
+                log.info("ledger: %s confirmed; its unconfirmed charge is superseded", who)
             return True
-        existing = _event_from_row(
-            conn.execute(
-                f"SELECT {names} FROM events WHERE run_id = ? AND round = ? AND site_id = ?",
-                (event.run_id, event.round, event.site_id),
-            ).fetchone()
-        )
-        if existing.same_facts(event):
-            log.info(
-                "ledger: duplicate record of site %s, run %s, round %d ignored",
-                event.site_id,
-                event.run_id,
-                event.round,
-            )
+        existing = self._stored(conn, event, confirmed=event.confirmed)
+        assert existing is not None  # the insert conflicted with it
+        if not event.confirmed or existing.same_facts(event):
+            # a re-run round records its time-out again: the first unconfirmed charge stands
+            log.info("ledger: duplicate record of %s ignored", who)
             return False
-        raise LedgerError(
-            f"ledger {self._path}: site {event.site_id!r} already has a different record for run "
-            f"{event.run_id!r}, round {event.round} (stored {existing}, new {event}). The stored "
-            "record is kept; a site runs at most once per round. Investigate the site's replies."
+        raise LedgerConflictError(
+            f"ledger {self._path}: {who} already has a different record (stored {existing}, "
+            f"new {event}). The stored record is kept; a site runs at most once per round. "
+            "Investigate the site's replies."
         )
 
     def append(self, event: LedgerEvent) -> bool:
         """Durably record one event.
 
-        Duplicates: ``(run_id, round, site_id)`` is unique. Re-recording an identical event (a
-        replayed or re-delivered reply) is a no-op that returns False, so it is never counted
-        twice. A *different* event under the same key raises LedgerError and keeps the stored one.
+        Duplicates: a (run, round, site) holds at most one confirmed and one unconfirmed event.
+        Re-recording an identical confirmed event (a replayed or re-delivered reply) is a no-op
+        that returns False, so it is never counted twice; a *different* confirmed event under
+        the same key raises LedgerConflictError and keeps the stored one. An unconfirmed event
+        is a no-op when the key already has a confirmed or an unconfirmed one (the first
+        stands). A confirmed event recorded after an unconfirmed one supersedes it (``events``
+        then leaves the unconfirmed one out): the charge is counted once.
 
         Returns:
-            True if the event was written, False if an identical one was already there.
+            True if the event was written, False if it was not (see duplicates).
 
         Raises:
             InvalidEventError: a value out of range (nothing written).
-            LedgerError: a conflicting record for the same key, or a read-only/closed ledger.
+            LedgerConflictError: a different confirmed record for the same key.
+            LedgerError: a read-only or closed ledger, or a failed write.
         """
         with self._write() as conn:
             return self._insert(conn, event)
@@ -709,21 +914,55 @@ class Ledger:
             except sqlite3.DatabaseError as exc:
                 raise LedgerError(f"ledger {self._path}: read failed ({exc}).") from exc
 
-    def events(self, site_id: str | None = None, run_id: str | None = None) -> list[LedgerEvent]:
-        """Recorded events, optionally of one site and/or run, in insertion order."""
+    def _where(self, site_id: str | None, run_id: str | None) -> tuple[str, list[Any]]:
         where: list[str] = []
         params: list[Any] = []
         if site_id is not None:
-            where.append("site_id = ?")
+            where.append("e.site_id = ?")
             params.append(site_id)
         if run_id is not None:
-            where.append("run_id = ?")
+            where.append("e.run_id = ?")
             params.append(run_id)
-        clause = f" WHERE {' AND '.join(where)}" if where else ""
+        return "".join(f" AND {w}" for w in where), params
+
+    def events(self, site_id: str | None = None, run_id: str | None = None) -> list[LedgerEvent]:
+        """The accounted history, optionally of one site and/or run.
+
+        Every confirmed event, and every unconfirmed one whose (run, round, site) has no
+        confirmed event: each (run, round, site) counts once. In order of the first record of
+        each (run, round, site), so a later confirmation keeps its round's place.
+        """
+        clause, params = self._where(site_id, run_id)
+        same = "f.run_id = e.run_id AND f.round = e.round AND f.site_id = e.site_id"
         rows = self._query(
-            f"SELECT {', '.join(_EVENT_COLUMNS)} FROM events{clause} ORDER BY id", params
+            f"WITH ev AS (SELECT {_event_select(self._version)} FROM events) "
+            f"SELECT {', '.join(f'e.{c}' for c in _EVENT_COLUMNS)} FROM ev e "
+            f"WHERE (e.confirmed = 1 OR NOT EXISTS "
+            f"(SELECT 1 FROM ev f WHERE f.confirmed = 1 AND {same})){clause} "
+            f"ORDER BY (SELECT min(f.id) FROM ev f WHERE {same}), e.id",
+            params,
         )
         return [_event_from_row(r) for r in rows]
+
+    def records(self, site_id: str | None = None, run_id: str | None = None) -> list[LedgerEvent]:
+        """Every stored event, superseded unconfirmed ones included, in insertion order."""
+        clause, params = self._where(site_id, run_id)
+        rows = self._query(
+            f"WITH ev AS (SELECT {_event_select(self._version)} FROM events) "
+            f"SELECT {', '.join(f'e.{c}' for c in _EVENT_COLUMNS)} FROM ev e "
+            f"WHERE 1{clause} ORDER BY e.id",
+            params,
+        )
+        return [_event_from_row(r) for r in rows]
+
+    def last_confirmed(self, site_id: str) -> LedgerEvent | None:
+        """The site's last confirmed event that ran steps (any run), or None if it has none.
+
+        Its parameters are the site's "last known" ones, at which the coordinator records an
+        unconfirmed charge (``server.strategy``).
+        """
+        confirmed = [e for e in self.records(site_id=site_id) if e.confirmed and e.steps > 0]
+        return confirmed[-1] if confirmed else None
 
     def sites(self) -> list[str]:
         """Sites with at least one event, in order of their first event."""
@@ -750,10 +989,10 @@ class Ledger:
         Raises:
             LedgerError: the site has no events.
         """
-        rows = self._query("SELECT min(delta) FROM events WHERE site_id = ?", (site_id,))
-        if rows[0][0] is None:
+        events = self.events(site_id=site_id)
+        if not events:
             raise LedgerError(f"ledger {self._path}: no events of site {site_id!r}.")
-        return float(rows[0][0])
+        return min(e.delta for e in events)
 
     def epsilon(self, site_id: str, *, delta: float | None = None) -> EpsilonReport:
         """Epsilon spent by one site, recomputed from all its events (PRV, RDP cross-check).

@@ -2,6 +2,17 @@
 
 Every epsilon in a report is recomputed from the ledger's events (``Ledger.epsilon``, PRV with
 the RDP cross-check); nothing is read from a stored epsilon.
+
+Two marks (JSON fields, CSV columns, HTML text, the per-round table and ``prism-fl report``):
+
+- UNCONFIRMED charges: rounds a site was asked to run and gave no valid answer for (an error
+  reply, a time-out, facts that do not match the configuration). It may have charged itself, so
+  they are counted in its epsilon at its last confirmed parameters: a worst-case epsilon. A site
+  with such a charge and no confirmed parameters has an unknown epsilon (shown as "unknown",
+  accounted as inf).
+- NOT PRIVATE AGAINST THE COORDINATOR: a site that reported ``rng = reproducible`` (sampling,
+  dropout and noise seeded for tests and benchmarks) and every run it took part in that way: its
+  epsilon holds against outsiders only, not against a coordinator that could learn the seed.
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
 
+from client.protocol import RNG_REPRODUCIBLE, RNG_SECURE
 from prism_core.accounting import (
     PRV_EPS_ERROR,
     PrivacyEvent,
@@ -31,10 +43,14 @@ from server.ledger import Ledger, LedgerEvent, epsilon_series
 __all__ = [
     "CSV_COLUMNS",
     "DEFAULT_HORIZON_ROUNDS",
+    "MARK_EPSILON_UNKNOWN",
+    "MARK_NOT_PRIVATE",
+    "MARK_UNCONFIRMED",
     "build_report",
     "format_round_table",
     "projected_rounds_left",
     "round_rows",
+    "site_marks",
     "write_reports",
 ]
 
@@ -58,8 +74,17 @@ CSV_COLUMNS: Final = (
     "projected_rounds_left",
     "projection_capped",
     "status",
+    "unconfirmed_rounds",
+    "unconfirmed_steps",
+    "epsilon_known",
+    "rng",
+    "private_against_coordinator",
+    "marks",
     "note",
 )
+MARK_UNCONFIRMED: Final = "unconfirmed charges counted (worst case)"
+MARK_EPSILON_UNKNOWN: Final = "epsilon unknown (worst case)"
+MARK_NOT_PRIVATE: Final = "not private against the coordinator (reproducible rng)"
 
 
 # --------------------------------------------------------------------------------------------
@@ -118,6 +143,49 @@ def _distinct(values: Sequence[float]) -> list[float]:
     return list(dict.fromkeys(values))
 
 
+def _rng_name(rng: str | None) -> str:
+    return "unknown" if rng is None else rng
+
+
+def site_marks(events: Sequence[LedgerEvent]) -> dict[str, Any]:
+    """The confirmation and randomness marks of one site's accounted history (``events``).
+
+    Returns:
+        ``unconfirmed_rounds`` and ``unconfirmed_steps`` (unconfirmed charges that ran steps),
+        ``unconfirmed_codes`` (their codes, distinct, in order), ``epsilon_known`` (False when
+        an unconfirmed charge has unknown parameters), ``rng`` (distinct rng facts, "unknown"
+        for none), ``private_against_coordinator`` (False if any event reported the
+        reproducible rng, True if every event reported the OS CSPRNG, else None: not known),
+        and ``marks`` (the short texts of the marks that apply).
+    """
+    ran = [e for e in events if e.steps > 0]
+    unconfirmed = [e for e in ran if not e.confirmed]
+    rngs = [_rng_name(e.rng) for e in events]
+    if RNG_REPRODUCIBLE in rngs:
+        private: bool | None = False
+    elif rngs and all(r == RNG_SECURE for r in rngs):
+        private = True
+    else:
+        private = None
+    known = all(e.params_known for e in ran)
+    marks = []
+    if unconfirmed:
+        marks.append(f"{len(unconfirmed)} {MARK_UNCONFIRMED}")
+    if not known:
+        marks.append(MARK_EPSILON_UNKNOWN)
+    if private is False:
+        marks.append(MARK_NOT_PRIVATE)
+    return {
+        "unconfirmed_rounds": len(unconfirmed),
+        "unconfirmed_steps": sum(e.steps for e in unconfirmed),
+        "unconfirmed_codes": _distinct([e.code for e in unconfirmed]),
+        "epsilon_known": known,
+        "rng": _distinct(rngs),
+        "private_against_coordinator": private,
+        "marks": marks,
+    }
+
+
 def _site_row(
     ledger: Ledger,
     site_id: str,
@@ -128,7 +196,9 @@ def _site_row(
     events = ledger.events(site_id=site_id)  # one snapshot: the server may be appending
     history = [e.privacy_event() for e in events]
     ran = [e for e in events if e.steps > 0]
-    last: LedgerEvent = ran[-1] if ran else events[-1]
+    known = [e for e in ran if e.params_known]
+    last: LedgerEvent = known[-1] if known else (ran[-1] if ran else events[-1])
+    marks = site_marks(events)
     caps = [e.epsilon_cap for e in events if e.epsilon_cap is not None]
     cap = min(caps) if caps else None
     delta = min(e.delta for e in events)  # as Ledger.epsilon: the smallest delta
@@ -142,14 +212,30 @@ def _site_row(
         "steps": sum(e.steps for e in events),
         "sigma": last.sigma,
         "q": last.q,
-        "sigma_values": _distinct([e.sigma for e in ran]),
-        "q_values": _distinct([e.q for e in ran]),
+        "sigma_values": _distinct([e.sigma for e in known]),
+        "q_values": _distinct([e.q for e in known]),
         "steps_per_round": planned_steps_per_round or (last.steps if ran else None),
         "projected_rounds_left": None,
         "projection_capped": False,
         "status": "active",
+        **marks,
         "note": "",
     }
+    if marks["unconfirmed_rounds"]:
+        row["note"] += (
+            f"{marks['unconfirmed_rounds']} unconfirmed charge(s) "
+            f"({', '.join(marks['unconfirmed_codes'])}): asked, no valid answer; counted at the "
+            "site's last confirmed parameters, so epsilon is a worst case. "
+        )
+    if not marks["epsilon_known"]:
+        row["note"] += (
+            "epsilon unknown: an unconfirmed charge has no confirmed parameters (counted as inf). "
+        )
+    if marks["private_against_coordinator"] is False:
+        row["note"] += (
+            "NOT private against the coordinator: the site ran with reproducible (seeded) "
+            "randomness. "
+        )
     if len(set(caps)) > 1:
         row["note"] = f"caps changed {_distinct(caps)}; the smallest applies. "
     if len({e.delta for e in events}) > 1:
@@ -161,6 +247,7 @@ def _site_row(
         row["status"] = "exhausted"
         row["note"] += f"cannot be accounted, treated as exhausted: {exc}"
         return row, []
+    row["note"] = row["note"].strip()
     row["epsilon"], row["epsilon_rdp"] = report.prv, report.rdp
     ran_keys = [(e.run_id, e.round) for e in ran]
     series = [
@@ -207,10 +294,18 @@ def build_report(
     or the last round's steps); ``projected_rounds_left`` (further rounds of the last (sigma, q,
     steps per round) that fit under the cap, by ``max_steps``; None without a cap), with
     ``projection_capped`` when it hit ``horizon_rounds``; ``status`` ("exhausted" when no further
-    round fits or epsilon is past the cap, else "active"); ``note``.
+    round fits or epsilon is past the cap, else "active"); the marks of ``site_marks``
+    (``unconfirmed_rounds``, ``unconfirmed_steps``, ``unconfirmed_codes``, ``epsilon_known``,
+    ``rng``, ``private_against_coordinator``, ``marks``); ``note`` (the marks in words).
+
+    Epsilon counts every accounted event (``Ledger.events``): confirmed charges and the
+    unconfirmed ones no confirmation superseded, so it is a worst case when ``marks`` says so.
 
     Also: ``series`` (site -> ``[{run_id, round, epsilon}]`` after each round the site ran),
-    ``run_ids``, ``generated_at`` (UTC ISO-8601), ``ledger`` (path), ``accountant``.
+    ``run_ids``, ``generated_at`` (UTC ISO-8601), ``ledger`` (path), ``accountant``,
+    ``unconfirmed_charges`` (their number over all sites), ``epsilon_unknown`` (sites),
+    ``not_private_against_coordinator`` (``{"sites": [...], "runs": [...]}``: sites and runs
+    with an event of the reproducible rng).
 
     A site whose events cannot be accounted (non-Poisson sampling) gets epsilon inf and status
     "exhausted" with the reason in ``note``.
@@ -236,6 +331,7 @@ def build_report(
         )
         sites.append(row)
         series[site_id] = points
+    reproducible_runs = _distinct([e.run_id for e in ledger.events() if e.rng == RNG_REPRODUCIBLE])
     return {
         "generated_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "ledger": str(ledger.path),
@@ -243,6 +339,12 @@ def build_report(
         "run_ids": ledger.run_ids(),
         "planned_steps_per_round": planned_steps_per_round,
         "horizon_rounds": horizon_rounds,
+        "unconfirmed_charges": sum(r["unconfirmed_rounds"] for r in sites),
+        "epsilon_unknown": [r["site_id"] for r in sites if not r["epsilon_known"]],
+        "not_private_against_coordinator": {
+            "sites": [r["site_id"] for r in sites if r["private_against_coordinator"] is False],
+            "runs": reproducible_runs,
+        },
         "sites": sites,
         "series": series,
     }
@@ -259,13 +361,21 @@ def _num(x: float | None, width: int) -> str:
     return f"{x:{width}.3f}" if math.isfinite(x) else "inf".rjust(width)
 
 
+def _epsilon_text(row: Mapping[str, Any], width: int) -> str:
+    if not row.get("epsilon_known", True):
+        return "unknown".rjust(width)
+    return _num(row["epsilon"], width)
+
+
 def round_rows(ledger: Ledger, exhausted: Iterable[str] = ()) -> list[dict[str, Any]]:
     """The rows ``format_round_table`` needs, at one PRV evaluation per site.
 
     ``build_report`` also composes every round's prefix and projects the rounds left (many
     accountant calls per site: 36 s for 10 sites x 20 rounds here), too slow to run after
-    every round; this gives each site's epsilon so far, its smallest cap, and ``status``
-    ``exhausted`` for the sites in ``exhausted`` (the strategy's own set), else ``active``.
+    every round; this gives each site's epsilon so far, its smallest cap, ``status``
+    ``exhausted`` for the sites in ``exhausted`` (the strategy's own set), else ``active``, and
+    the marks of ``site_marks`` (unconfirmed charges, unknown epsilon, not private against the
+    coordinator).
     """
     done = set(exhausted)
     rows = []
@@ -283,23 +393,38 @@ def round_rows(ledger: Ledger, exhausted: Iterable[str] = ()) -> list[dict[str, 
                 "epsilon": eps,
                 "epsilon_cap": min(caps) if caps else None,
                 "status": "exhausted" if site_id in done else "active",
+                **site_marks(events),
             }
         )
     return rows
 
 
 def format_round_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    """A fixed-width text table (site, epsilon, cap, status) for the log after each round.
+    """A fixed-width text table for the log after each round and for ``prism-fl report``.
 
-    ``rows`` are report rows (``build_report(...)["sites"]``) or any mappings with ``site_id``,
-    ``epsilon``, ``epsilon_cap`` and ``status``.
+    Columns: site, epsilon ("unknown" when an unconfirmed charge has unknown parameters), cap,
+    status, unconfirmed (charges counted in epsilon as a worst case), marks. ``rows`` are
+    report rows (``build_report(...)["sites"]``), ``round_rows`` rows, or any mappings with
+    ``site_id``, ``epsilon``, ``epsilon_cap`` and ``status`` (the marks are optional). A line
+    under the table spells out each mark that appears.
     """
     width = max([len("site"), *(len(str(r["site_id"])) for r in rows)])
-    lines = [f"{'site':<{width}}  {'epsilon':>9}  {'cap':>9}  status"]
+    lines = [f"{'site':<{width}}  {'epsilon':>9}  {'cap':>9}  {'status':<9}  unconfirmed  marks"]
     for r in rows:
         lines.append(
-            f"{r['site_id']!s:<{width}}  {_num(r['epsilon'], 9)}  "
-            f"{_num(r.get('epsilon_cap'), 9)}  {r['status']}"
+            f"{r['site_id']!s:<{width}}  {_epsilon_text(r, 9)}  "
+            f"{_num(r.get('epsilon_cap'), 9)}  {r['status']!s:<9}  "
+            f"{r.get('unconfirmed_rounds', 0):>11}  {'; '.join(r.get('marks', []))}".rstrip()
+        )
+    if any(r.get("unconfirmed_rounds", 0) for r in rows):
+        lines.append(
+            "unconfirmed: rounds a site was asked to run and gave no valid answer for; counted "
+            "at its last confirmed parameters (worst case)."
+        )
+    if any(r.get("private_against_coordinator") is False for r in rows):
+        lines.append(
+            "not private against the coordinator: the site ran with reproducible (seeded) "
+            "randomness; its epsilon holds against outsiders only."
         )
     return "\n".join(lines)
 
@@ -365,6 +490,7 @@ table { border-collapse: collapse; margin: 1em 0; }
 th, td { border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: right; }
 th { background: #f0f0f0; } td.l, th.l { text-align: left; }
 .exhausted { color: #a00; font-weight: bold; } .active { color: #070; }
+.warn { color: #a00; } td.marks { color: #a00; font-weight: bold; }
 .meta { color: #666; font-size: 0.9em; }
 """
 _HTML_COLUMNS: Final = (
@@ -379,13 +505,20 @@ _HTML_COLUMNS: Final = (
     ("q_values", "q"),
     ("projected_rounds_left", "rounds left"),
     ("status", "status"),
+    ("unconfirmed_rounds", "unconfirmed"),
+    ("rng", "rng"),
+    ("marks", "marks"),
     ("note", "note"),
 )
 
 
 def _html_cell(key: str, row: Mapping[str, Any]) -> str:
     value = row[key]
-    if key == "projected_rounds_left" and value is not None and row["projection_capped"]:
+    if key in ("epsilon", "epsilon_rdp") and not row.get("epsilon_known", True):
+        text = "unknown"
+    elif key in ("rng", "marks"):
+        text = html.escape("; ".join(str(v) for v in value))
+    elif key == "projected_rounds_left" and value is not None and row["projection_capped"]:
         text = f"&ge; {value}"
     elif isinstance(value, float):
         text = html.escape(f"{value:.4g}" if key in ("delta", "q") else _num(value, 0).strip())
@@ -393,15 +526,42 @@ def _html_cell(key: str, row: Mapping[str, Any]) -> str:
         text = html.escape(", ".join(f"{v:g}" for v in value))
     else:
         text = html.escape("-" if value is None else str(value))
-    cls = ' class="l"' if key in ("site_id", "note") else ""
+    cls = ' class="l"' if key in ("site_id", "note", "rng") else ""
+    if key == "marks":
+        cls = ' class="l marks"'
     if key == "status":
         cls = f' class="{html.escape(str(value))}"'
     return f"<td{cls}>{text}</td>"
 
 
+def _html_warnings(report: Mapping[str, Any]) -> str:
+    """Paragraphs spelling out the marks of the report (empty when none applies)."""
+    out = []
+    if report["unconfirmed_charges"]:
+        out.append(
+            f"{report['unconfirmed_charges']} unconfirmed charge(s): rounds a site was asked to "
+            "run and gave no valid answer for (an error reply, a time-out, facts that do not "
+            "match the configuration). The site may have charged itself, so they are counted "
+            "in its epsilon at its last confirmed parameters: a worst-case epsilon."
+        )
+    if report["epsilon_unknown"]:
+        out.append(
+            f"Epsilon unknown (worst case) for {', '.join(report['epsilon_unknown'])}: an "
+            "unconfirmed charge of a site with no confirmed parameters."
+        )
+    marked = report["not_private_against_coordinator"]
+    if marked["sites"]:
+        out.append(
+            f"NOT PRIVATE AGAINST THE COORDINATOR: {', '.join(marked['sites'])} (runs "
+            f"{', '.join(marked['runs'])}) ran with reproducible (seeded) randomness, for tests "
+            "and benchmarks; their epsilon holds against outsiders only."
+        )
+    return "\n".join(f'<p class="warn">{html.escape(text)}</p>' for text in out)
+
+
 def _render_html(report: Mapping[str, Any], png: bytes) -> str:
     head = "".join(
-        f"<th{' class=l' if k in ('site_id', 'note') else ''}>{html.escape(t)}</th>"
+        f"<th{' class=l' if k in ('site_id', 'note', 'rng', 'marks') else ''}>{html.escape(t)}</th>"
         for k, t in _HTML_COLUMNS
     )
     body = "\n".join(
@@ -410,6 +570,7 @@ def _render_html(report: Mapping[str, Any], png: bytes) -> str:
     )
     acc = report["accountant"]
     img = base64.b64encode(png).decode("ascii")
+    warnings = _html_warnings(report)
     return f"""<!DOCTYPE html>
 <html lang="en">
 <head>
@@ -423,6 +584,7 @@ def _render_html(report: Mapping[str, Any], png: bytes) -> str:
 {html.escape(report["generated_at"])} &middot; runs {html.escape(", ".join(report["run_ids"]))}
 &middot; epsilon by the {html.escape(acc["epsilon"].upper())} accountant, cross-checked by
 {html.escape(acc["cross_check"].upper())}; recomputed from every recorded event.</p>
+{warnings}
 <table>
 <thead><tr>{head}</tr></thead>
 <tbody>

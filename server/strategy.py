@@ -13,6 +13,17 @@ Every reply is validated before it touches the aggregate; a bad reply is logged,
 reason in the round summary and skipped (see ``PrismStrategy.aggregate_train`` for the checks
 and for which accounting facts reach the ledger). No NaN or Inf can reach the global adapter:
 the replies, their mean and the retracted result are all checked before anything is applied.
+
+Nothing a site writes as free text is logged or stored: an error reply is shown by its
+``Error.code`` and that code's fixed text (``client.protocol.SITE_ERROR_CODES``), a refusal by
+its reason code (``client.protocol.REFUSAL_REASONS``); ``Error.reason`` is never read.
+
+Every site asked to run a round is charged in the ledger: a valid reply's facts as a confirmed
+charge; a site that gives no valid answer (an error reply, no reply before the round's end,
+facts that do not match the configuration, an invalid or replayed reply) as an UNCONFIRMED
+charge of the round's steps at its last confirmed parameters (``Ledger.last_confirmed``), or,
+for a site with none, with unknown parameters (accounted as epsilon inf). It may have charged
+itself before failing; the report counts these charges in the site's worst-case epsilon.
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from typing import Any, Literal
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.result import Result
@@ -39,8 +51,12 @@ from client.protocol import (
     ARRAYS,
     CONFIG,
     HEAD_PREFIX,
+    REFUSAL_REASONS,
+    RNG,
+    RNG_MODES,
     ROUND_NONCE,
     SERVER_ROUND,
+    SITE_ERROR_CODES,
     STATUS_OK,
     STATUS_REFUSED,
     UPDATE,
@@ -56,10 +72,17 @@ from prism_core.bounds import (
     tangent_dimension,
 )
 from prism_core.manifold import Point, retract, tangent_norm_sq
-from server.errors import ConfigError, InvalidEventError, ReplyError
-from server.ledger import Ledger, LedgerEvent
+from prism_core.mechanism import ADJACENCY
+from server.errors import (
+    ConfigError,
+    InvalidEventError,
+    LedgerConflictError,
+    LedgerError,
+    ReplyError,
+)
+from server.ledger import DEFAULT_MECHANISM, UNKNOWN_Q, UNKNOWN_SIGMA, Ledger, LedgerEvent
 
-__all__ = ["PrismStrategy", "RoundSummary", "UpdateBound", "validate_facts"]
+__all__ = ["PrismStrategy", "RoundSummary", "UpdateBound", "error_reply_text", "validate_facts"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +95,8 @@ class RoundSummary:
 
     ``rejected`` holds ``(who, why)``; ``rejected_by_reason`` counts them by ``ReplyError.code``.
     ``discarded`` says why an aggregate was computed but not applied (non-finite or rank lost).
+    ``refusal_codes`` maps each refusing site to its reason code; ``unconfirmed`` lists the sites
+    charged an unconfirmed round (asked, no valid answer; see ``PrismStrategy.aggregate_train``).
     """
 
     server_round: int
@@ -82,6 +107,8 @@ class RoundSummary:
     applied: bool = False
     rejected_by_reason: dict[str, int] = field(default_factory=dict)
     discarded: str = ""
+    refusal_codes: dict[str, str] = field(default_factory=dict)
+    unconfirmed: list[str] = field(default_factory=list)
 
     def reject(self, who: str, exc: ReplyError) -> None:
         self.rejected.append((who, str(exc)))
@@ -127,9 +154,14 @@ _MAX_STEPS = 10**6  # more local steps than any real round; larger is a garbled 
 _MAX_SIGMA = 1e4
 _MAX_ABS = 1e8  # no adapter or update entry is this large; rejected before any arithmetic
 _MIN_RANK_RATIO = 1e-6  # s_r / s_1 of a retracted Z = A B.T below this: rank r is lost in float32
+_SAMPLING = "poisson"  # the only sampling the accountant composes
+_FLOWER_ERRORS = {
+    value: name for name, value in vars(ErrorCode).items() if isinstance(value, int)
+}  # Flower's own codes (a ClientApp that crashed or raised, a node gone): fixed names
 _OPTIONAL_FACTS: dict[str, type] = {
     SERVER_ROUND: int,
     ROUND_NONCE: str,
+    RNG: str,
     "reason": str,
     "mechanism": str,
     "adjacency": str,
@@ -190,6 +222,42 @@ def validate_facts(facts: dict[str, Any]) -> dict[str, Any]:
     return facts
 
 
+def error_reply_text(code: object) -> str:
+    """The fixed text shown for a site's error reply with ``Error.code`` ``code``.
+
+    A code of ``client.protocol.SITE_ERROR_CODES`` gets its text; one of Flower's own error codes
+    (a ClientApp that crashed or raised, a node gone) its Flower name; any other code is
+    "unknown site error code N". The site's ``Error.reason`` is never used: it is free text.
+    """
+    if not isinstance(code, int) or isinstance(code, bool):
+        return "site error code is not an integer"
+    if code in SITE_ERROR_CODES:
+        return SITE_ERROR_CODES[code]
+    if code in _FLOWER_ERRORS:
+        return f"Flower error {_FLOWER_ERRORS[code]} (the site's ClientApp or node failed)"
+    return f"unknown site error code {code}"
+
+
+def _error_code(msg: Message) -> int | None:
+    code = msg.error.code
+    return code if isinstance(code, int) and not isinstance(code, bool) else None
+
+
+def _error_reply(msg: Message) -> ReplyError:
+    """The rejection of an error reply: its code and that code's fixed text, nothing else."""
+    code = _error_code(msg)
+    shown = "?" if code is None else str(code)
+    return ReplyError(f"error reply {shown}: {error_reply_text(code)}", "error-reply")
+
+
+def _unconfirmed_code(error: ReplyError, msg: Message) -> str:
+    """The ledger code of the unconfirmed charge a rejected reply leads to."""
+    if error.code == "error-reply" and msg.has_error():
+        code = _error_code(msg)
+        return "error-reply" if code is None else f"error-reply-{code}"
+    return error.code
+
+
 class PrismStrategy(Strategy):
     """Round orchestration for PRISM and the factor-averaging baselines.
 
@@ -203,6 +271,10 @@ class PrismStrategy(Strategy):
         (epsilon, delta) and seed: see ``client.config.RunConfig``.
         update_bound: the sites' local optimizer settings; when given, a reply whose update
             norm exceeds what an honest site can produce (``prism_core.bounds``) is rejected.
+        mechanism: the mechanism the run's method runs on each site
+            (``client.trainer.MECHANISMS[client.config.site_method(method)]``); a reply
+            reporting another is rejected.
+        dp: whether that mechanism adds noise; a DP reply must report sigma > 0.
     """
 
     def __init__(
@@ -223,8 +295,11 @@ class PrismStrategy(Strategy):
         seed: int = 0,
         wait_for_nodes: float = 120.0,
         update_bound: UpdateBound | None = None,
+        mechanism: str = DEFAULT_MECHANISM,
+        dp: bool = True,
     ) -> None:
         self.modules, self.head, self.mode = modules, head, mode
+        self.mechanism, self.dp = mechanism, dp
         self.ledger, self.run_id = ledger, run_id
         self.sites_per_round, self.min_sites = sites_per_round, min_sites
         self.server_lr, self.local_steps = server_lr, local_steps
@@ -462,33 +537,84 @@ class PrismStrategy(Strategy):
 
     # -- aggregation -----------------------------------------------------------------------
 
+    def _cross_check(self, facts: dict[str, Any]) -> None:
+        """The reply's facts against what the coordinator configured; raises ``ReplyError``.
+
+        ``facts-mismatch``: steps other than the round's (0 for a refusal), another mechanism,
+        sampling other than Poisson, adjacency other than add/remove, an ``rng`` not in
+        ``client.protocol.RNG_MODES``, sigma 0 for a DP method, delta above the run's, or one
+        of these facts missing. ``refusal-reason``: a refusal whose reason is not one of
+        ``client.protocol.REFUSAL_REASONS`` (a malformed refusal). No site text is echoed.
+        """
+        refused = facts["status"] == STATUS_REFUSED
+        if refused and facts.get("reason") not in REFUSAL_REASONS:
+            raise ReplyError(
+                "refused reply without a known reason code (client.protocol.REFUSAL_REASONS)",
+                "refusal-reason",
+            )
+        wanted: dict[str, object] = {
+            "mechanism": self.mechanism,
+            "sampling": _SAMPLING,
+            "adjacency": ADJACENCY,
+        }
+        for name, value in wanted.items():
+            if facts.get(name) != value:
+                raise ReplyError(f"fact {name} is not the run's {value!r}", "facts-mismatch")
+        if facts.get(RNG) not in RNG_MODES:
+            raise ReplyError(f"fact rng is not one of {list(RNG_MODES)}", "facts-mismatch")
+        steps = 0 if refused else self.local_steps
+        if int(facts["steps"]) != steps:
+            raise ReplyError(
+                f"reply ran {facts['steps']} steps, the round asked for {steps}", "facts-mismatch"
+            )
+        if self.dp and not float(facts["sigma"]) > 0:
+            raise ReplyError("sigma = 0 for a differentially private method", "facts-mismatch")
+        if "delta" not in facts or float(facts["delta"]) > self.delta:
+            raise ReplyError(
+                f"delta {facts.get('delta')!r} is missing or above the run's {self.delta}",
+                "facts-mismatch",
+            )
+
     def _record(self, server_round: int, facts: dict[str, Any]) -> None:
-        """Charge a reply's accounting facts to the ledger (see ``aggregate_train``)."""
+        """Charge a reply's cross-checked facts to the ledger as CONFIRMED.
+
+        Raises:
+            ReplyError: ``facts`` if the ledger refuses the values, ``ledger-conflict`` if the
+                site already has a different confirmed record of this round (the stored one is
+                kept), ``ledger-error`` if the ledger cannot be written.
+        """
         steps = int(facts["steps"])
-        if facts["status"] == STATUS_OK:
-            # the round asked for tau steps: a site claiming fewer is charged tau all the same
-            steps = max(steps, self.local_steps)
         if steps <= 0:
             return
         cap = float(facts.get("epsilon-cap", self.target_epsilon))
-        delta = float(facts.get("delta", self.delta))
         event = LedgerEvent(
             run_id=self.run_id,
             round=server_round,
             site_id=str(facts["site-id"]),
-            mechanism=str(facts.get("mechanism", "unknown")) or "unknown",
-            adjacency=str(facts.get("adjacency", "add-remove")) or "add-remove",
-            sampling=str(facts.get("sampling", "poisson")) or "poisson",
+            mechanism=str(facts["mechanism"]),
+            adjacency=str(facts["adjacency"]),
+            sampling=str(facts["sampling"]),
             sigma=float(facts["sigma"]),
             q=float(facts["q"]),
             steps=steps,
-            delta=delta,
+            delta=float(facts["delta"]),
             epsilon_cap=cap if cap > 0 else None,
+            rng=str(facts[RNG]),
         )
         try:
             self.ledger.append(event)
         except InvalidEventError as exc:
             raise ReplyError(f"accounting facts refused by the ledger: {exc}", "facts") from exc
+        except LedgerConflictError as exc:
+            raise ReplyError(
+                f"the ledger already holds a different record of this round ({exc})",
+                "ledger-conflict",
+            ) from exc
+        except LedgerError as exc:
+            log.error("round %d: ledger write failed: %s", server_round, exc)
+            raise ReplyError(
+                f"the ledger cannot record the charge ({exc})", "ledger-error"
+            ) from exc
 
     @property
     def site_node(self) -> dict[str, int]:
@@ -535,25 +661,37 @@ class PrismStrategy(Strategy):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Validate, ledger and stream-aggregate the replies; apply if enough are valid.
 
-        Per reply, in order: an error reply is skipped; the accounting facts are type- and
-        range-checked (``validate_facts``); the reply must come from a node asked this round,
-        carry this round's number and nonce, match the node's bound site id, and be the site's
-        first reply this round (``_check_origin``). Only then are its facts charged to the
-        ledger, so garbled facts, stale or replayed replies and duplicates are never counted,
-        while a reply whose UPDATE is bad (keys, dtype, shape, NaN/Inf, huge entries, a norm
-        beyond the mechanism's bound, steps other than the round's) is still charged: the
-        site spent that budget. Refusals are recorded and end the site's selection.
+        Per reply, in order: an error reply is rejected (shown by its code's fixed text, never
+        its reason); the accounting facts are type- and range-checked (``validate_facts``); the
+        reply must come from a node asked this round, carry this round's number and nonce,
+        match the node's bound site id, and be the site's first reply this round
+        (``_check_origin``); its facts must match what the coordinator configured
+        (``_cross_check``: steps, mechanism, sampling, adjacency, rng, sigma, q, delta, and a
+        known refusal code). Only then are they charged to the ledger as CONFIRMED, so a reply
+        whose UPDATE is bad (keys, dtype, shape, NaN/Inf, huge entries, a norm beyond the
+        mechanism's bound) is still charged: the site spent that budget. A ledger conflict (a
+        different confirmed record of the same round) rejects the reply, never the round.
+        Refusals charge nothing and end the site's selection.
+
+        Then every node asked this round that gave no valid answer (no reply, an error reply, or
+        only rejected ones before its facts were confirmed) is charged the round's steps as
+        UNCONFIRMED (``_charge_unconfirmed``): it may have charged itself before failing.
         """
         summary = self.summaries[-1]
         sums: dict[str, Tensor] = {}
         total_weight = 0.0
         seen: set[str] = set()
+        answered: set[int] = set()  # asked nodes whose facts were confirmed or that refused
+        pending: dict[int, tuple[str, int]] = {}  # asked node -> (code, steps) of a rejection
+        replied: set[int] = set()
         for msg in replies:
             node = msg.metadata.src_node_id
+            replied.add(node)
             who = self.node_site.get(node, f"node-{node}")
+            steps = self.local_steps  # what an unconfirmed charge of this node counts
             try:
                 if msg.has_error():
-                    raise ReplyError(f"error reply: {msg.error.reason}", "error-reply")
+                    raise _error_reply(msg)
                 facts = self._facts_of(msg)
                 site = self._check_origin(server_round, node, facts)
                 who = site
@@ -562,34 +700,34 @@ class PrismStrategy(Strategy):
                         f"second reply of {site!r} in round {server_round}", "duplicate"
                     )
                 seen.add(site)
+                steps = max(steps, int(facts["steps"]))  # a site claiming more is charged more
+                self._cross_check(facts)
                 self._record(server_round, facts)
+                answered.add(node)
                 sigma, q = float(facts["sigma"]), float(facts["q"])
                 cap = float(facts.get("epsilon-cap", self.target_epsilon))
-                self.site_mechanism[site] = (sigma, q, cap, float(facts.get("delta", self.delta)))
+                self.site_mechanism[site] = (sigma, q, cap, float(facts["delta"]))
                 if facts["status"] == STATUS_REFUSED:
-                    summary.refused.append(site)
-                    self.exhausted.add(site)
-                    log.info(
-                        "site %s refused round %d: %s", site, server_round, facts.get("reason", "")
-                    )
+                    self._refused(server_round, site, str(facts["reason"]), summary)
                     continue
-                if int(facts["steps"]) != self.local_steps:
-                    raise ReplyError(
-                        f"reply ran {facts['steps']} steps, the round asked for {self.local_steps}",
-                        "steps",
-                    )
                 update = self._validate_update(msg.content.get(UPDATE), facts)
                 weight = self._weight(facts)
             except (ReplyError, KeyError, TypeError, ValueError) as exc:
                 error = exc if isinstance(exc, ReplyError) else ReplyError(repr(exc), "invalid")
                 summary.reject(who, error)
                 log.warning("round %d: rejected reply from %s: %s", server_round, who, error)
+                if error.code == "ledger-conflict":
+                    answered.add(node)  # the round's confirmed record is in the ledger already
+                elif self._sent_to.get(node) == server_round and node not in answered:
+                    code, before = pending.get(node, (_unconfirmed_code(error, msg), 0))
+                    pending[node] = (code, max(before, steps))
                 continue
             for name, tensor in update.items():
                 value = weight * tensor.double()
                 sums[name] = sums[name] + value if name in sums else value
             total_weight += weight
             summary.accepted.append(site)
+        self._charge_unanswered(server_round, answered, pending, replied, summary)
         if len(summary.accepted) < self.min_sites or total_weight <= 0:
             log.warning(
                 "round %d: %d valid updates < min-sites=%d; global adapter unchanged",
@@ -604,6 +742,103 @@ class PrismStrategy(Strategy):
             return None, self._metrics(summary)
         summary.applied = True
         return ArrayRecord(new), self._metrics(summary)
+
+    def _refused(self, server_round: int, site: str, code: str, summary: RoundSummary) -> None:
+        """A valid refusal (its code checked by ``_cross_check``): no charge, no more rounds."""
+        summary.refused.append(site)
+        summary.refusal_codes[site] = code
+        self.exhausted.add(site)
+        log.info(
+            "site %s refused round %d: %s (%s)", site, server_round, code, REFUSAL_REASONS[code]
+        )
+
+    def _charge_unanswered(
+        self,
+        server_round: int,
+        answered: set[int],
+        pending: dict[int, tuple[str, int]],
+        replied: set[int],
+        summary: RoundSummary,
+    ) -> None:
+        """Charge every node asked this round without a valid answer as UNCONFIRMED."""
+        for node in sorted(n for n, r in self._sent_to.items() if r == server_round):
+            if node in answered:
+                continue
+            who = self.node_site.get(node, f"node-{node}")
+            if node not in replied:
+                error = ReplyError("no reply before the round timeout", "no-reply")
+                summary.reject(who, error)
+                log.warning(
+                    "round %d: no reply from %s before the timeout; the round goes on without it",
+                    server_round,
+                    who,
+                )
+            code, steps = pending.get(node, ("no-reply", self.local_steps))
+            self._charge_unconfirmed(server_round, who, code, steps, summary)
+
+    def _charge_unconfirmed(
+        self, server_round: int, site: str, code: str, steps: int, summary: RoundSummary
+    ) -> None:
+        """Record ``steps`` unconfirmed steps of ``site`` in this round (see the module doc).
+
+        At the site's last confirmed parameters (sigma, q, delta, cap, mechanism, rng); a site
+        with none (never seen, or a node never bound to a site: ``node-<id>``) is recorded with
+        unknown parameters, accounted as sigma 0 (epsilon inf, the worst case). Idempotent: the
+        ledger keeps one unconfirmed charge per (run, round, site) and none once confirmed.
+        """
+        last = self.ledger.last_confirmed(site)
+        if last is None:
+            event = LedgerEvent(
+                run_id=self.run_id,
+                round=server_round,
+                site_id=site,
+                sigma=UNKNOWN_SIGMA,
+                q=UNKNOWN_Q,
+                steps=steps,
+                delta=self.delta,
+                mechanism=self.mechanism,
+                confirmed=False,
+                params_known=False,
+                code=code,
+            )
+        else:
+            event = LedgerEvent(
+                run_id=self.run_id,
+                round=server_round,
+                site_id=site,
+                sigma=last.sigma,
+                q=last.q,
+                steps=steps,
+                delta=last.delta,
+                epsilon_cap=last.epsilon_cap,
+                mechanism=last.mechanism,
+                adjacency=last.adjacency,
+                sampling=last.sampling,
+                rng=last.rng,
+                confirmed=False,
+                code=code,
+            )
+        summary.unconfirmed.append(site)
+        try:
+            self.ledger.append(event)
+        except LedgerError as exc:
+            log.error(
+                "round %d: the unconfirmed charge of %s could NOT be recorded: %s",
+                server_round,
+                site,
+                exc,
+            )
+            return
+        log.warning(
+            "round %d: %s charged %d steps as UNCONFIRMED (%s), %s",
+            server_round,
+            site,
+            steps,
+            code,
+            "parameters unknown: epsilon unknown (worst case)"
+            if last is None
+            else f"at its last confirmed sigma={last.sigma}, q={last.q}",
+        )
 
     def _facts_of(self, msg: Message) -> dict[str, Any]:
         record = msg.content.get(ACCOUNTING)
@@ -672,6 +907,7 @@ class PrismStrategy(Strategy):
                 "sites-accepted": len(summary.accepted),
                 "sites-refused": len(summary.refused),
                 "replies-rejected": len(summary.rejected),
+                "sites-unconfirmed": len(summary.unconfirmed),
                 "applied": int(summary.applied),
                 **{f"rejected-{code}": n for code, n in sorted(summary.rejected_by_reason.items())},
             }
@@ -716,6 +952,8 @@ class PrismStrategy(Strategy):
                     str(k): int(v) for k, v in x.get("rejected_by_reason", {}).items()
                 },
                 discarded=str(x.get("discarded", "")),
+                refusal_codes={str(k): str(v) for k, v in x.get("refusal_codes", {}).items()},
+                unconfirmed=[str(w) for w in x.get("unconfirmed", [])],
             )
             for x in state["summaries"]
         ]
@@ -786,7 +1024,6 @@ class PrismStrategy(Strategy):
             new_arrays, metrics = self.aggregate_train(
                 server_round, _pausing(replies, server_round)
             )
-            self._note_missing(messages, replies)
             if new_arrays is not None:
                 arrays = result.arrays = new_arrays
             if metrics is not None:
@@ -811,21 +1048,6 @@ class PrismStrategy(Strategy):
             return site, int(msg.metadata.src_node_id)
 
         return sorted(replies, key=order)
-
-    def _note_missing(self, messages: list[Message], replies: list[Message]) -> None:
-        """Count sites that sent no reply before the timeout (crashed or too slow)."""
-        answered = {m.metadata.src_node_id for m in replies}
-        summary = self.summaries[-1]
-        for msg in messages:
-            node = msg.metadata.dst_node_id
-            if node not in answered:
-                who = self.node_site.get(node, f"node-{node}")
-                summary.reject(who, ReplyError("no reply before the round timeout", "no-reply"))
-                log.warning(
-                    "round %d: no reply from %s before the timeout; the round goes on without it",
-                    summary.server_round,
-                    who,
-                )
 
 
 def _pausing(replies: list[Message], server_round: int) -> Iterable[Message]:

@@ -4,10 +4,14 @@ Each generated case runs two rounds on a fresh SQLite ledger: round 1 binds ever
 site with honest replies; round 2 receives, in a generated order, a mix of honest replies and
 malformed ones (wrong keys, shapes, dtypes, NaN/Inf, huge norms or entries, stale or replayed
 rounds, a wrong nonce, impersonated or unknown site ids, duplicates, unasked nodes, error
-replies, missing, garbled or mistyped accounting facts). After each round the global adapter
-must be finite and equal to what the honest replies alone give, and the ledger must hold
-exactly the events it should: facts of replies whose UPDATE is bad are charged; garbled facts,
-replays and duplicates are not.
+replies, missing, garbled or mistyped accounting facts, facts that do not match the
+configuration, refusals without a known reason code). After each round the global adapter must
+be finite and equal to what the honest replies alone give, and the ledger must hold exactly the
+events it should: every asked site once per round, confirmed when its first reply of the round
+had facts that pass every check (even if its UPDATE is bad), nothing when it refused, and
+UNCONFIRMED at its last confirmed parameters otherwise (it may have charged itself); replays,
+duplicates and unasked nodes add nothing. The secret an error reply carries in its reason is
+never shown.
 """
 
 from __future__ import annotations
@@ -24,7 +28,15 @@ from flwr.supercore.task_identity import TaskIdentity
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from client.protocol import ACCOUNTING, CONFIG, ROUND_NONCE, SERVER_ROUND, UPDATE, key
+from client.protocol import (
+    ACCOUNTING,
+    CONFIG,
+    REFUSAL_REASONS,
+    ROUND_NONCE,
+    SERVER_ROUND,
+    UPDATE,
+    key,
+)
 from prism_core.manifold import retract
 from server.ledger import Ledger
 from server.strategy import PrismStrategy, UpdateBound
@@ -37,10 +49,12 @@ NODES = [11, 12, 13]
 TAU = 2
 MIN_MALFORMED = 1000
 TOL = dict(rtol=1e-6, atol=1e-7)
+SIGMA = 2.0
 
 # kinds of one node's reply, by what the coordinator must do with its accounting facts
+SECRET = "patient-4711-hba1c-9.3"  # what a careless site might put in Error.reason
 VALID = ("valid", "valid-denormal")
-CHARGED = (  # facts fine, update bad: rejected, but the spent steps are recorded
+CHARGED = (  # facts fine, update bad: rejected, but the spent steps are recorded (confirmed)
     "missing-key",
     "extra-key",
     "empty-update",
@@ -52,10 +66,21 @@ CHARGED = (  # facts fine, update bad: rejected, but the spent steps are recorde
     "huge-entry",
     "no-update",
     "update-not-arrays",
-    "wrong-steps",
     "garbled-payload",
 )
-UNCHARGED = (  # facts unusable or not of this round: rejected and never recorded
+MISMATCH = (  # facts of this round from this site, not what was configured: unconfirmed charge
+    "wrong-steps",
+    "wrong-mechanism",
+    "wrong-sampling",
+    "wrong-adjacency",
+    "wrong-rng",
+    "no-rng",
+    "zero-sigma",
+    "delta-above-run",
+    "refusal-unknown-reason",
+    "refusal-with-steps",
+)
+UNANSWERED = (  # facts unusable or not of this round: the reply is not the site's answer
     "facts-missing",
     "facts-type",
     "facts-range",
@@ -69,8 +94,23 @@ UNCHARGED = (  # facts unusable or not of this round: rejected and never recorde
     "intruder",
     "error",
 )
-KINDS = VALID + CHARGED + UNCHARGED + ("refused",)
+KINDS = VALID + CHARGED + MISMATCH + UNANSWERED + ("refused",)
 NOT_OF_THIS_ROUND = ("replay", "not-asked")  # extra replies: never charged, never aggregated
+ERROR_CODES = [4001, 4002, 4003, 2, 8, 1234]  # the site's own, Flower's own, an unknown one
+REJECTION_CODE = {  # the code a rejected reply of each kind gets (the unconfirmed charge's code)
+    **dict.fromkeys(
+        ("facts-missing", "facts-type", "facts-range", "facts-unknown-key", "no-facts"), "facts"
+    ),
+    "facts-not-config": "facts",
+    "stale-round": "stale-round",
+    "replay": "stale-round",
+    "bad-nonce": "replay",
+    "no-nonce": "replay",
+    "impersonate": "site-binding",
+    "intruder": "site-binding",
+    **dict.fromkeys(MISMATCH, "facts-mismatch"),
+    "refusal-unknown-reason": "refusal-reason",
+}
 REQUIRED = ("site-id", "status", "sigma", "q", "steps")
 BAD_TYPES = [
     ("sigma", "1.0"),
@@ -154,12 +194,13 @@ def _honest_facts(node: int, request: Message) -> dict:
         "mechanism": "prism-tangent-gaussian",
         "adjacency": "add-remove",
         "sampling": "poisson",
-        "sigma": 0.0,  # keeps the PRV accountant (selection) out of this fast loop
+        "sigma": SIGMA,
         "q": 0.05,
         "steps": TAU,
         "delta": 1e-5,
-        "epsilon-cap": 10.0,
-        "epsilon": -1.0,
+        "epsilon-cap": 1e3,
+        "epsilon": 0.5,
+        "rng": "os-csprng",
     }
 
 
@@ -180,6 +221,7 @@ def _malform(kind, node, request, data, bound) -> Spec:
     facts = _honest_facts(node, request)
     update_record: object = None
     charged = TAU
+    error_code = data.draw(st.sampled_from(ERROR_CODES), label="error code")
     pick = data.draw(st.sampled_from(sorted(update)), label="tensor")
     if kind == "valid-denormal":
         update[pick] = update[pick].clone()
@@ -212,6 +254,30 @@ def _malform(kind, node, request, data, bound) -> Spec:
     elif kind == "wrong-steps":
         facts["steps"] = data.draw(st.sampled_from([0, 1, 3, 50]))
         charged = max(facts["steps"], TAU)
+    elif kind == "wrong-mechanism":
+        facts["mechanism"] = data.draw(st.sampled_from(["factor-gaussian", "none", ""]))
+    elif kind == "wrong-sampling":
+        facts["sampling"] = data.draw(st.sampled_from(["shuffle", "fixed-size"]))
+    elif kind == "wrong-adjacency":
+        facts["adjacency"] = "replace-one"
+    elif kind == "wrong-rng":
+        facts["rng"] = data.draw(st.sampled_from(["seeded", "os-csprng ", "OS-CSPRNG"]))
+    elif kind == "no-rng":
+        del facts["rng"]
+    elif kind == "zero-sigma":
+        facts["sigma"] = 0.0
+    elif kind == "delta-above-run":
+        facts["delta"] = 1e-3
+    elif kind == "refusal-unknown-reason":
+        facts.update(
+            status="refused",
+            steps=0,
+            reason=data.draw(st.sampled_from(["cap reached", SECRET, ""])),
+        )
+        update = {}
+    elif kind == "refusal-with-steps":
+        facts.update(status="refused", steps=TAU, reason="cap-exhausted")
+        update = {}
     elif kind == "facts-missing":
         del facts[data.draw(st.sampled_from(REQUIRED))]
     elif kind == "facts-type":
@@ -233,10 +299,11 @@ def _malform(kind, node, request, data, bound) -> Spec:
     elif kind == "intruder":
         facts["site-id"] = "intruder"
     elif kind == "refused":
-        facts.update(status="refused", steps=0, reason="cap reached")
+        reason = data.draw(st.sampled_from(sorted(REFUSAL_REASONS)), label="reason")
+        facts.update(status="refused", steps=0, reason=reason)
         update = {}
     if kind == "error":
-        message = Message(Error(code=1, reason="site crashed"), reply_to=request)
+        message = Message(Error(code=error_code, reason=f"crashed on {SECRET}"), reply_to=request)
         return Spec(node, kind, message)
     content = RecordDict()
     if kind == "no-update":
@@ -300,21 +367,34 @@ def _expected_adapter(broadcast, updates):
 
 
 def _oracle(specs):
-    """Which replies are accepted and which facts are charged, from the kinds alone."""
-    seen, accepted, events = set(), [], []
-    for spec in specs:
-        if spec.kind in UNCHARGED + NOT_OF_THIS_ROUND:
-            continue
-        site = _site(spec.node)
-        if site in seen:  # one reply per site per round
-            continue
-        seen.add(site)
-        if spec.kind == "refused":
+    """Which replies are accepted and what is charged, from the kinds alone.
+
+    Every asked node's site is charged once: by the first reply that is its answer of this round
+    (origin checks passed), confirmed when its facts match the configuration, nothing for a
+    valid refusal, unconfirmed otherwise; a site with no such reply is charged unconfirmed.
+    """
+    accepted, events = [], []
+    for node in NODES:
+        site = _site(node)
+        mine = [s for s in specs if s.node == node]
+        answer = next((s for s in mine if s.kind not in UNANSWERED + NOT_OF_THIS_ROUND), None)
+        if answer is None:  # named by its first rejected reply (each node sends at least one)
+            events.append((site, TAU, False, _code(mine[0])))
+        elif answer.kind == "refused":
             continue  # no steps ran
-        events.append((site, spec.charged_steps))
-        if spec.kind in VALID:
-            accepted.append(spec.update)
+        elif answer.kind in MISMATCH:  # so every reply before it was rejected too
+            events.append((site, answer.charged_steps, False, _code(mine[0])))
+        else:
+            events.append((site, answer.charged_steps, True, ""))
+            if answer.kind in VALID:
+                accepted.append(answer.update)
     return accepted, events
+
+
+def _code(spec: Spec) -> str:
+    if spec.kind == "error":
+        return f"error-reply-{spec.message.error.code}"
+    return REJECTION_CODE[spec.kind]
 
 
 def _check_round(strategy, server_round, broadcast, specs, new, metrics, expected_events):
@@ -329,9 +409,15 @@ def _check_round(strategy, server_round, broadcast, specs, new, metrics, expecte
         for name, tensor in want.items():
             torch.testing.assert_close(got[name], tensor, **TOL)
     assert metrics["sites-accepted"] == len(accepted)
-    expected_events.extend((site, server_round, steps) for site, steps in events)
-    stored = [(e.site_id, e.round, e.steps) for e in strategy.ledger.events()]
+    expected_events.extend((site, server_round, *rest) for site, *rest in events)
+    stored = [(e.site_id, e.round, e.steps, e.confirmed, e.code) for e in strategy.ledger.records()]
     assert sorted(stored) == sorted(expected_events)
+    unconfirmed = [site for site, _, ok, _ in events if not ok]
+    assert sorted(strategy.summaries[-1].unconfirmed) == sorted(unconfirmed)
+    assert metrics["sites-unconfirmed"] == len(unconfirmed)
+    for e in strategy.ledger.records():  # round 1 confirmed every site: parameters known
+        assert e.params_known and (e.sigma, e.q, e.delta) == (SIGMA, 0.05, 1e-5)
+    assert SECRET not in repr(vars(strategy.summaries[-1]))
 
 
 malformed_sent = 0

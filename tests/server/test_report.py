@@ -169,10 +169,16 @@ def test_write_reports(tmp_path: Path, report: dict[str, object]) -> None:
 def test_format_round_table(report: dict[str, object]) -> None:
     text = format_round_table(report["sites"])  # type: ignore[arg-type]
     lines = text.splitlines()
-    assert lines[0].split() == ["site", "epsilon", "cap", "status"]
+    assert lines[0].split() == ["site", "epsilon", "cap", "status", "unconfirmed", "marks"]
     assert len(lines) == 5 and len({len(line.rstrip()) for line in lines[1:4]}) <= 2
     a = rows(report)["a"]
-    assert lines[1].split() == ["a", f"{a['epsilon']:.3f}", f"{a['epsilon_cap']:.3f}", "active"]
+    assert lines[1].split() == [
+        "a",
+        f"{a['epsilon']:.3f}",
+        f"{a['epsilon_cap']:.3f}",
+        "active",
+        "0",  # no unconfirmed charge, no mark
+    ]
     assert lines[3].split()[2] == "-"  # no cap
     assert lines[4].split()[1] == "inf"
 

@@ -201,7 +201,18 @@ class _HalfGrid:
         from client.protocol import ACCOUNTING, CONFIG, ROUND_NONCE, SERVER_ROUND, UPDATE
 
         first = sorted(messages, key=lambda m: m.metadata.dst_node_id)[0]
-        facts = {"site-id": "alive", "status": "ok", "sigma": 1.0, "q": 0.1, "steps": 2}
+        facts = {
+            "site-id": "alive",
+            "status": "ok",
+            "sigma": 1.0,
+            "q": 0.1,
+            "steps": 2,
+            "mechanism": "prism-tangent-gaussian",
+            "adjacency": "add-remove",
+            "sampling": "poisson",
+            "delta": 1e-5,
+            "rng": "os-csprng",
+        }
         config = first.content[CONFIG]  # echoed like the ClientApp does
         facts.update({SERVER_ROUND: config[SERVER_ROUND], ROUND_NONCE: config[ROUND_NONCE]})
         update = {k: torch.zeros(s) for k, s in self.shapes.items()}
@@ -209,7 +220,7 @@ class _HalfGrid:
         return [Message(content=content, reply_to=first)]
 
 
-def test_a_site_that_never_replies_is_counted_and_the_round_goes_on(tmp_path):
+def test_a_site_that_never_replies_is_charged_unconfirmed_and_the_round_goes_on(tmp_path):
     import torch
     from flwr.app import ArrayRecord
     from flwr.supercore.task_identity import TaskIdentity
@@ -244,7 +255,14 @@ def test_a_site_that_never_replies_is_counted_and_the_round_goes_on(tmp_path):
         assert summary.accepted == ["alive"] and summary.applied
         assert summary.rejected == [("node-8", "no reply before the round timeout")]
         assert dict(result.train_metrics_clientapp[1])["sites-accepted"] == 1
-        assert [e.site_id for e in ledger.events()] == ["alive"]
+        assert dict(result.train_metrics_clientapp[1])["sites-unconfirmed"] == 1
+        # node 8 never answered, so its site is unknown: charged as node-8, parameters unknown
+        assert summary.unconfirmed == ["node-8"]
+        alive, silent = ledger.events()
+        assert (alive.site_id, alive.confirmed, alive.rng) == ("alive", True, "os-csprng")
+        assert (silent.site_id, silent.round, silent.steps) == ("node-8", 1, 2)
+        assert (silent.confirmed, silent.params_known, silent.code) == (False, False, "no-reply")
+        assert ledger.epsilon("node-8").prv == float("inf")  # unknown: the worst case
 
 
 def test_can_run_before_a_round_ignores_that_rounds_events(tmp_path):

@@ -74,6 +74,7 @@ def _facts(site, steps=2, status="ok"):
         "delta": 1e-5,
         "epsilon-cap": 10.0,
         "epsilon": 0.5,
+        "rng": "os-csprng",
     }
 
 
@@ -240,7 +241,9 @@ def test_factor_average_mode_is_fedavg_of_factors(tmp_path):
         for module in MODULES:
             arrays[key(module, "A")], arrays[key(module, "B")] = end[module]
         payloads.append((arrays, _facts(f"s{i}")))
-    strategy, _ = _strategy(tmp_path, mode="factor-average")
+    for _, facts in payloads:
+        facts["mechanism"] = "factor-gaussian"  # what a fedavg-factors site runs (dp-adamw)
+    strategy, _ = _strategy(tmp_path, mode="factor-average", mechanism="factor-gaussian")
     new, _ = _round(strategy, glob, payloads)
     new = new.to_torch_state_dict()
     for module in MODULES:

@@ -12,10 +12,11 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
-from client.config import RunConfig, SiteConfig, parse_config
+from client.config import RunConfig, SiteConfig, parse_config, site_method
 from client.exchange import head_named, to_arrays
 from client.protocol import ACCOUNTING, CONFIG, ROUND_NONCE, SERVER_ROUND, UPDATE
 from client.site import Site
+from client.trainer import MECHANISMS
 from server.ledger import Ledger
 from server.strategy import PrismStrategy, UpdateBound
 
@@ -71,6 +72,7 @@ def _strategy(run, site, tmp_path):
         update_bound=UpdateBound(
             lr=run.lr, max_norm=run.max_norm, expected_batch_size=run.batch_size
         ),
+        mechanism=MECHANISMS[site_method(run.method)],
     )
 
 
@@ -194,6 +196,11 @@ def test_sgd_bound_follows_the_reported_noise_and_rejects_past_it(tmp_path):
             "sigma": sigma,
             "q": q,
             "steps": tau,
+            "mechanism": "prism-tangent-gaussian",
+            "adjacency": "add-remove",
+            "sampling": "poisson",
+            "delta": 1e-5,
+            "rng": "os-csprng",
             SERVER_ROUND: 1,
             ROUND_NONCE: config[ROUND_NONCE],
         }
