@@ -33,9 +33,9 @@ from client.exchange import head_named, load_arrays, to_arrays
 from client.export import export_adapter
 from client.model import LoadedModel, load_model
 from client.site import model_config
-from client.trainer import MECHANISMS
 from client.synthetic import synthetic_examples
 from client.testhooks import pause_point
+from client.trainer import MECHANISMS
 from server.checkpoint import Checkpoint, config_differences, load_checkpoint, save_checkpoint
 from server.errors import ConfigError
 from server.ledger import Ledger

@@ -784,8 +784,22 @@ class PrismStrategy(Strategy):
         At the site's last confirmed parameters (sigma, q, delta, cap, mechanism, rng); a site
         with none (never seen, or a node never bound to a site: ``node-<id>``) is recorded with
         unknown parameters, accounted as sigma 0 (epsilon inf, the worst case). Idempotent: the
-        ledger keeps one unconfirmed charge per (run, round, site) and none once confirmed.
+        ledger keeps one unconfirmed charge per (run, round, site) and none once confirmed
+        (a re-run round whose charge is already confirmed adds nothing, and is not listed in
+        ``summary.unconfirmed``).
         """
+        if any(
+            e.round == server_round and e.confirmed
+            for e in self.ledger.events(site_id=site, run_id=self.run_id)
+        ):
+            log.info(
+                "round %d: %s gave no valid answer this time (%s), but the ledger already holds "
+                "its confirmed charge of this round (a re-run round): nothing to add",
+                server_round,
+                site,
+                code,
+            )
+            return
         last = self.ledger.last_confirmed(site)
         if last is None:
             event = LedgerEvent(

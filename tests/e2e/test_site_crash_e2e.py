@@ -29,6 +29,7 @@ from flower_harness import (
 
 from prism_core.accounting import PrivacyEvent, epsilon
 from server.ledger import Ledger
+from server.report import build_report
 
 SIGMA, STEPS, BATCH, ROWS, DELTA = 4.0, 2, 16, 64, 1e-5
 
@@ -120,3 +121,13 @@ def test_site_killed_mid_round_is_charged_and_remembers_after_restart(tiny_bert,
         seen = ledger.events(site_id="site-1")
         assert [(e.round, e.steps) for e in seen] == [(2, STEPS)]  # the coordinator saw one
         assert ledger.epsilon("site-1").prv < two_rounds  # ... yet the site counted two
+        # ... but the coordinator charged the crashed round too: UNCONFIRMED (Flower's error
+        # reply for the killed ClientApp), under the node's id since the site had not answered
+        # yet, with unknown parameters; the report says so. No Flower error text is stored.
+        (crashed,) = [e for e in ledger.events() if not e.confirmed]
+        assert crashed.site_id.startswith("node-") and crashed.round == 1, crashed
+        assert crashed.code.startswith("error-reply-") and not crashed.params_known, crashed
+        assert ledger.epsilon(crashed.site_id).prv == float("inf")  # unknown: worst case
+        report = build_report(ledger)
+    assert report["unconfirmed_charges"] == 1 and report["epsilon_unknown"] == [crashed.site_id]
+    assert "stopped responding" not in json.dumps(rounds)
