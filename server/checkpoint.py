@@ -7,6 +7,11 @@ node -> site map, per-site mechanism, exhausted sites, round summaries), the ser
 state, the metrics so far and the run config. One file, one rename: a crash leaves either the
 previous round's checkpoint or this one, never a mix.
 
+Privacy charges are not in the checkpoint: they live in the ledger, confirmed or unconfirmed,
+one per (run, round, site) and kind (``server.ledger``). A round re-run after a crash records
+its charges again and the ledger ignores those it holds, so a resumed run neither loses nor
+duplicates an unconfirmed charge, and a site's resent reply confirms one without counting twice.
+
 Server optimizer: today the server step is plain ``server-lr`` times the aggregated update, with
 no state; the ``server-optimizer`` slot records ``{"kind": "sgd", "server-lr": ..., "state": {}}``
 so a stateful server optimizer can store its moments there.

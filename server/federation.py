@@ -10,7 +10,9 @@ Resume: running again with the same ``run-dir`` continues after the checkpointed
 config must be the same (a different one is refused, naming the keys that differ). A round that
 was interrupted is run again from the same state: the sites are asked the same question, the
 sites resend what they already answered, and the ledger ignores the identical events it already
-holds, so nothing is lost or counted twice.
+holds, so nothing is lost or counted twice. A site that answered the first attempt with an error
+or not at all was charged UNCONFIRMED then; its resent stored reply now confirms that charge
+(counted once), and a conflicting record rejects that one reply, never the round.
 """
 
 from __future__ import annotations
