@@ -2,7 +2,9 @@
 
 ``atomic_write`` writes a temporary file beside the target, flushes and fsyncs it, renames it
 over the target with ``os.replace`` and fsyncs the folder: after a crash at any moment the
-target holds either the old content or the new one, never a mix.
+target holds either the old content or the new one, never a mix. ``make_dirs`` creates a
+folder so that it survives power loss (each new folder's parent is fsync'ed), and
+``fsync_dir`` makes a new or renamed file in a folder durable.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["atomic_write", "fsync_dir", "locked"]
+__all__ = ["atomic_write", "fsync_dir", "locked", "make_dirs"]
 
 
 def fsync_dir(folder: Path) -> None:
@@ -24,6 +26,23 @@ def fsync_dir(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def make_dirs(folder: Path) -> None:
+    """Create ``folder`` and any missing parents, durably: each new folder's parent is fsync'ed.
+
+    A folder that already exists is left as it is (no fsync).
+    """
+    missing = []
+    current = folder
+    while not current.exists():
+        missing.append(current)
+        if current.parent == current:
+            break
+        current = current.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    for created in reversed(missing):
+        fsync_dir(created.parent)
 
 
 def atomic_write(

@@ -1,21 +1,53 @@
 """A site's own durable privacy ledger: every private step it runs, charged BEFORE it runs.
 
-An append-only JSON-lines file in the site's state folder, flushed and fsync'ed per entry, so a
-crash mid-round still leaves the charge on disk and a restarted site never forgets spent budget.
-Epsilon is always recomputed from the entries (``prism_core.accounting``).
+An append-only JSON-lines file in the site's state folder, flushed and fsync'ed per entry (and
+the folder fsync'ed when the file is created), so a crash mid-round still leaves the charge on
+disk and a restarted site never forgets spent budget. Epsilon is always recomputed from the
+entries (``prism_core.accounting``).
+
+Damage and what the site does about it:
+
+- A torn LAST line (no trailing newline and not valid JSON, e.g. blank or cut short or NUL
+  bytes) is what power loss during a charge leaves. ``charge`` returns only after the entry is
+  durable and the steps it pays for run only after that, so the steps behind a torn charge
+  never ran: the line is ignored with a warning, and the next ``charge`` truncates it away
+  (fsync'ed) before appending, under a lock, so the file is valid again afterwards. Reading
+  never modifies the file. A complete last entry that only lacks its newline is kept, and the
+  next charge adds the newline first.
+- Anything else (a bad line before the last one, a bad last line that ends in a newline, a
+  line of JSON with missing, unknown or mistyped fields) stops the site with a ``ConfigError``
+  naming the file and the line; the file is left byte-for-byte unchanged, so spent budget is
+  never lost. Restore the file from a backup (or repair that line by hand) and restart.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
-from dataclasses import asdict, dataclass
+import types
+import typing
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
+from typing import Any, NamedTuple
 
+from client.durable import fsync_dir, locked, make_dirs
 from client.errors import ConfigError
 from prism_core.accounting import PrivacyEvent, epsilon
 
 __all__ = ["SiteLedger", "SiteLedgerEntry"]
+
+log = logging.getLogger(__name__)
+
+_RANGES: dict[str, tuple[str, typing.Callable[[Any], bool]]] = {
+    "server_round": (">= 0", lambda v: v >= 0),
+    "sigma": (">= 0", lambda v: v >= 0),
+    "q": ("in (0, 1]", lambda v: 0 < v <= 1),
+    "steps": (">= 0", lambda v: v >= 0),
+    "delta": ("in (0, 1)", lambda v: 0 < v < 1),
+}
+"""Allowed values of the entry fields that the accountant reads."""
 
 
 @dataclass(frozen=True)
@@ -33,32 +65,115 @@ class SiteLedgerEntry:
         return PrivacyEvent(self.sigma, self.q, self.steps)
 
 
+class _Parsed(NamedTuple):
+    """A ledger file's entries; ``torn_at``: byte offset of a torn last line to drop, if any;
+    ``unterminated``: the last entry is complete but lacks its newline."""
+
+    entries: list[SiteLedgerEntry]
+    torn_at: int | None
+    unterminated: bool
+
+
+def _type_ok(value: Any, hint: Any) -> bool:
+    """Whether a JSON value fits a field annotation (numbers finite; bool is not a number)."""
+    if hint is float:
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        return number and math.isfinite(value)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is type(None):
+        return value is None
+    if isinstance(hint, type):
+        return isinstance(value, hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_type_ok(value, arg) for arg in typing.get_args(hint))
+    return True  # an annotation this check does not know: the dataclass decides
+
+
+def _entry_problem(obj: Any) -> str | None:
+    """Why a parsed JSON value is not a ``SiteLedgerEntry``, or None if it is one."""
+    if not isinstance(obj, dict):
+        return f"expected a JSON object, found {type(obj).__name__}"
+    hints = typing.get_type_hints(SiteLedgerEntry)
+    known = {f.name: f for f in fields(SiteLedgerEntry)}
+    unknown = sorted(set(obj) - set(known))
+    required = [n for n, f in known.items() if f.default is MISSING and n not in obj]
+    problems = []
+    if unknown:
+        problems.append(f"unknown fields {unknown}")
+    if required:
+        problems.append(f"missing fields {required}")
+    for name, value in obj.items():
+        if name not in known:
+            continue
+        if not _type_ok(value, hints[name]):
+            problems.append(f"{name}={value!r} is not of type {hints[name]}")
+        elif name in _RANGES and not _RANGES[name][1](value):
+            problems.append(f"{name}={value!r} must be {_RANGES[name][0]}")
+    return "; ".join(problems) if problems else None
+
+
 class SiteLedger:
     """Append-only site-local ledger at ``<state_dir>/privacy-ledger.jsonl``."""
 
     FILE = "privacy-ledger.jsonl"
+    LOCK = ".privacy-ledger.lock"
 
     def __init__(self, state_dir: str | Path) -> None:
         self.path = Path(state_dir) / self.FILE
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.path.parent)
         self._entries = self._read()
 
+    def _damaged(self, number: int, problem: str) -> ConfigError:
+        return ConfigError(
+            f"{self.path}, line {number}: {problem}. This site's privacy ledger is damaged, so "
+            "the site will not run: spending budget it cannot account for would break its "
+            "guarantee. The file was left unchanged. Restore it from a backup (or repair line "
+            f"{number} by hand), then start the site again."
+        )
+
+    def _parse(self, data: bytes) -> _Parsed:
+        """Entries of the file content ``data``; raises ``ConfigError`` on any damage that is
+        not a torn last line (see the module docstring)."""
+        entries: list[SiteLedgerEntry] = []
+        lines = data.split(b"\n")
+        offset = 0
+        for number, raw in enumerate(lines, start=1):
+            last = number == len(lines)  # non-empty only when the file lacks a final newline
+            start, offset = offset, offset + len(raw) + 1
+            if not raw.strip():
+                if last and raw:
+                    return _Parsed(entries, start, False)
+                continue
+            try:
+                obj = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                if last:
+                    return _Parsed(entries, start, False)
+                raise self._damaged(number, f"not a JSON line ({exc})") from exc
+            problem = _entry_problem(obj)
+            if problem is not None:
+                raise self._damaged(number, f"not a prism-fl site ledger entry: {problem}")
+            try:
+                entries.append(SiteLedgerEntry(**obj))
+            except (TypeError, ValueError) as exc:
+                raise self._damaged(number, f"not a prism-fl site ledger entry ({exc})") from exc
+        return _Parsed(entries, None, bool(lines[-1]))
+
     def _read(self) -> list[SiteLedgerEntry]:
+        """The entries on disk, without modifying the file (a torn last line is ignored)."""
         if not self.path.exists():
             return []
-        entries = []
-        with self.path.open() as f:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    entries.append(SiteLedgerEntry(**json.loads(line)))
-                except (json.JSONDecodeError, TypeError) as exc:
-                    raise ConfigError(
-                        f"{self.path}, line {number}: not a prism-fl site ledger entry ({exc}); "
-                        "restore the file from backup: budget already spent must not be lost"
-                    ) from exc
-        return entries
+        parsed = self._parse(self.path.read_bytes())
+        if parsed.torn_at is not None:
+            log.warning(
+                "%s: the last line (from byte %d) is an incomplete charge, left by a crash or "
+                "power loss before it was durable; the steps it would have paid for never ran. "
+                "It is ignored, and removed before the next charge.",
+                self.path,
+                parsed.torn_at,
+            )
+        return parsed.entries
 
     def reload(self) -> None:
         """Re-read the file (another process of this site may have charged it)."""
@@ -71,12 +186,36 @@ class SiteLedger:
         return [e.event() for e in self._entries if e.steps > 0]
 
     def charge(self, entry: SiteLedgerEntry) -> None:
-        """Append and fsync one entry before the steps it describes run."""
-        with self.path.open("a") as f:
-            f.write(json.dumps(asdict(entry), sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        self._entries.append(entry)
+        """Append and fsync one entry before the steps it describes run.
+
+        Under an exclusive lock: re-read the file (a damaged file raises ``ConfigError`` and is
+        not touched), truncate a torn last line away (fsync'ed), append the entry, fsync the
+        file, and fsync the folder if this charge created the file. On return the charge
+        survives power loss.
+        """
+        line = (json.dumps(asdict(entry), sort_keys=True) + "\n").encode()
+        with locked(self.path.parent / self.LOCK):
+            created = not self.path.exists()
+            with self.path.open("a+b") as f:
+                f.seek(0)
+                parsed = self._parse(f.read())
+                if parsed.torn_at is not None:
+                    log.warning(
+                        "%s: removing the incomplete last line (from byte %d) before charging",
+                        self.path,
+                        parsed.torn_at,
+                    )
+                    f.truncate(parsed.torn_at)
+                    f.flush()
+                    os.fsync(f.fileno())
+                elif parsed.unterminated:
+                    line = b"\n" + line
+                f.write(line)
+                f.flush()
+                os.fsync(f.fileno())
+            if created:
+                fsync_dir(self.path.parent)
+        self._entries = [*parsed.entries, entry]
 
     def epsilon(self, delta: float) -> float:
         return epsilon(self.events(), delta)

@@ -100,7 +100,6 @@ class AdaptiveSettings(BaseModel):
     floor_scale: float = Field(0.5, ge=0)
     cond_max: float = Field(1e4, ge=1)
     debias_second_moment: bool = False
-    relift_gradient: bool = True
     relift_direction: bool = True
 
     def to_config(self) -> AdaptiveConfig:

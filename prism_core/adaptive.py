@@ -6,7 +6,10 @@ moments in rank space (r x r), and the preconditioner ``(V + lambda I)^{-1/2}`` 
 the privacy noise without bound (Thm 3.5). State is an explicit frozen dataclass per module.
 
 Defaults follow the released reference: scalar floor ``0.5 tau^2``, ``cond_max = 1e4``,
-minimum-norm re-lift of both the noisy gradient and the final direction, no noise debiasing.
+minimum-norm re-lift of the final direction, no noise debiasing. The reference's other re-lift,
+of the noisy gradient, is no longer an option: ``prism_core.mechanism.privatize`` already
+releases the minimum-norm lift (App. A.7) of the noisy ``dZ``, the only representative that
+carries no un-noised component, so the moments below always see a function of ``dZ`` alone.
 """
 
 from __future__ import annotations
@@ -37,7 +40,6 @@ class AdaptiveConfig:
         cond_max: largest allowed condition number of ``V + lambda I``.
         bias_correction: Adam-style ``1 / (1 - beta^t)`` correction of both moments.
         debias_second_moment: subtract the known rank-space noise covariance (App. A.26).
-        relift_gradient: min-norm re-lift (App. A.7) of the DP update before the moments.
         relift_direction: min-norm re-lift of the final direction.
     """
 
@@ -49,7 +51,6 @@ class AdaptiveConfig:
     cond_max: float = 1e4
     bias_correction: bool = True
     debias_second_moment: bool = False
-    relift_gradient: bool = True
     relift_direction: bool = True
 
     def __post_init__(self) -> None:
@@ -130,7 +131,8 @@ def adaptive_direction(
 
     Args:
         point: the module's current ``Point(A, B)``.
-        update: the DP tangent update ``(dA_dp, dB_dp)`` of this step (from ``privatize``).
+        update: the DP tangent update ``(dA_dp, dB_dp)`` of this step as ``privatize``
+            releases it: already the minimum-norm lift of the noisy ``dZ``, used as given.
         state: this module's moments.
         noise_std: ``tau = sigma * C / b``, the per-coordinate std of the DP noise in the update.
         config: hyperparameters.
@@ -141,16 +143,15 @@ def adaptive_direction(
     Notes:
         Equivariant under orthogonal gauge changes ``(A R, B R)`` (Prop. A.30) when moments
         transform alongside. ``debias_second_moment`` subtracts ``tau^2 (m - r)/m N^{-1}`` and
-        ``tau^2 M^{-1}`` (App. A.26), exact for the un-relifted sampler noise. r x r work is
-        done in float32 or better.
+        ``tau^2 M^{-1}`` (App. A.26), the covariance of the sampler's un-relifted noise; the
+        released update is min-norm re-lifted, so this is an approximation. r x r work is done
+        in float32 or better.
     """
     A, B = point
     dtype = work_dtype(A, B, update.dA, update.dB)
     A, B = A.to(dtype), B.to(dtype)
     dA, dB = update.dA.to(dtype), update.dB.to(dtype)
     (m, r), n = A.shape[-2:], B.shape[-2]
-    if config.relift_gradient:
-        dA, dB = min_norm_lift(A, B, dA, dB)
     b1, b2 = config.beta1, config.beta2
     step = state.step + 1
     mA = b1 * state.mA.to(dtype) + (1 - b1) * dA

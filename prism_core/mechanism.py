@@ -9,6 +9,13 @@ Per logical step (Algorithm 1, lines 3-12)::
 realised Poisson batch size (dividing by the realised size leaks it). The ``NoiseRecord`` holds
 only public mechanism parameters; accounting (``prism_core.accounting``) turns records into
 epsilon and knows nothing about tensors.
+
+What is released: the Gaussian mechanism protects the tangent vector
+``dZ = dA B.T + A dB.T`` (eq. 18), not the factor pair that represents it. The sum of lifts
+(eq. 14) keeps ``1/2 Pi_A (g_A N^+)`` in ``Pi_A dA`` while the sampler's noise (eq. 19) puts
+nothing there, so the factor pair ``(sum + noise) / b`` carries an un-noised component. The
+release of ``privatize`` is therefore the minimum-norm lift (App. A.7) of the noisy ``dZ``: a
+function of ``dZ`` alone, and every part of it (``Pi_A dA`` and the rest) is noised.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from prism_core.manifold import (
     lift,
     lift_moments,
     lift_norm_sq_from_moments,
+    min_norm_lift,
     point_frame,
     retract,
     tangent_norm_sq,
@@ -455,16 +463,26 @@ def tangent_noise(
 
 
 def _module_noise(
-    points: Sequence[Point], generator: NoiseSource, frames: StepFrames | None
+    points: Sequence[Point], generator: NoiseSource, frames: StepFrames
 ) -> list[Tangent]:
     """Unit tangent noise for every module: one ``tangent_noise`` call per shape group."""
-    if frames is None:
-        frames = step_frames(points)
     out: list[Tangent | None] = [None] * len(points)
     for group, stacked, point in zip(frames.groups, frames.stacked, frames.points, strict=True):
         xi = tangent_noise(point.A, point.B, generator, frame=stacked)
         for j, i in enumerate(group):
             out[i] = Tangent(xi.dA[j], xi.dB[j])
+    return [t for t in out if t is not None]
+
+
+def _min_norm_modules(frames: StepFrames, tangents: Sequence[Tangent]) -> list[Tangent]:
+    """``min_norm_lift`` of every module's tangent, one batched call per shape group."""
+    out: list[Tangent | None] = [None] * len(tangents)
+    for group, point in zip(frames.groups, frames.points, strict=True):
+        dA = torch.stack([tangents[i].dA for i in group])
+        dB = torch.stack([tangents[i].dB for i in group])
+        lifted = min_norm_lift(point.A, point.B, dA, dB)
+        for j, i in enumerate(group):
+            out[i] = Tangent(lifted.dA[j].to(dA.dtype), lifted.dB[j].to(dB.dtype))
     return [t for t in out if t is not None]
 
 
@@ -480,16 +498,21 @@ def privatize(
     sampling: str = "poisson",
     frames: StepFrames | None = None,
 ) -> PrivateStep:
-    """Add Gaussian noise once to a clipped sum and normalise by the expected batch size.
+    """Add Gaussian noise once to a clipped sum, normalise by b, release the min-norm lift.
 
-    Implements eqs. (17)-(18) of PRISM::
+    Implements eqs. (17)-(18) of PRISM, then the minimum-norm lift of App. A.7::
 
-        (dA_dp, dB_dp) = (sum_i alpha_i (dA_i, dB_i) + sigma C (Xi_A, Xi_B)) / b,   b = q N,
+        dZ_dp = (sum_i alpha_i dZ_i + sigma C (Xi_A B.T + A Xi_B.T)) / b,        b = q N,
+        (dA_dp, dB_dp) = min_norm_lift(A, B, dZ_dp)
 
-    with ``(Xi_A, Xi_B)`` from ``tangent_noise``. Euclidean sums (tensors sharing the global
-    clip, see ``clip_and_sum``) get i.i.d. ``N(0, sigma^2 C^2)`` noise and the same divisor, so
-    the whole release is one Gaussian mechanism with sensitivity C on (tangent spaces x
-    Euclidean spaces).
+    with ``(Xi_A, Xi_B)`` from ``tangent_noise``. THE released object is ``dZ_dp``; the
+    factor pair is its unique minimum-norm representative (``A.T dA_dp = dB_dp.T B``), a
+    function of ``dZ_dp`` alone, so every component of it, including ``Pi_A dA_dp``, carries
+    noise. (The plain sum of lifts plus noise does not: its ``Pi_A dA`` part is the un-noised
+    ``1/2 Pi_A g_A N^+`` of eq. 14, see the module docstring.) Euclidean sums (tensors sharing
+    the global clip, see ``clip_and_sum``) get i.i.d. ``N(0, sigma^2 C^2)`` noise and the same
+    divisor, so the whole release is one Gaussian mechanism with sensitivity C on (tangent
+    spaces x Euclidean spaces), followed by post-processing.
 
     Args:
         points: one ``Point`` per module, the same as given to ``clip_and_sum``.
@@ -503,7 +526,12 @@ def privatize(
         frames: ``step_frames(points)`` if already computed for this step.
 
     Returns:
-        ``PrivateStep(tangents, euclidean, record)``.
+        ``PrivateStep(tangents, euclidean, record)``; ``tangents`` are min-norm lifts.
+
+    Notes:
+        The intrinsic norm (eq. 15) of each released tangent, hence the noise energy
+        ``(sigma C / b)^2 r (m + n - r)`` of Thm 3.1, is that of ``dZ_dp``: the re-lift changes
+        the factors, not the tangent vector. Extra cost O((m + n) r^2 + r^3) per module.
     """
     validate_noise_parameters(
         noise_multiplier=noise_multiplier,
@@ -513,15 +541,18 @@ def privatize(
     )
     if len(points) != len(clipped.sums):
         raise ValueError(f"{len(points)} modules but the clipped sum has {len(clipped.sums)}")
+    if frames is None:
+        frames = step_frames(points)
     scale = noise_multiplier * max_norm
     module_noise = _module_noise(points, generator, frames) if scale > 0 else None
-    tangents = []
+    noisy = []
     for index, s in enumerate(clipped.sums):
         dA, dB = s.dA, s.dB
         if module_noise is not None:
             xi = module_noise[index]
             dA, dB = dA + scale * xi.dA.to(dA.dtype), dB + scale * xi.dB.to(dB.dtype)
-        tangents.append(Tangent(dA / expected_batch_size, dB / expected_batch_size))
+        noisy.append(Tangent(dA / expected_batch_size, dB / expected_batch_size))
+    tangents = _min_norm_modules(frames, noisy)
     euclidean = []
     for total in clipped.euclidean:
         if scale > 0:
@@ -554,7 +585,8 @@ def dp_tangent_update(
 ) -> PrivateStep:
     """One-shot PRISM step for a batch that fits in memory: ``clip_and_sum`` then ``privatize``.
 
-    Implements eqs. (15)-(18) of PRISM (Algorithm 1, lines 3-12). See ``privatize``.
+    Implements eqs. (15)-(18) of PRISM (Algorithm 1, lines 3-12). See ``privatize``: the
+    release is the min-norm lift (App. A.7) of the noisy tangent vector.
     """
     clipped = clip_and_sum(points, lifts, max_norm=max_norm, euclidean=euclidean)
     return privatize(

@@ -6,9 +6,11 @@ Subcommands:
   ``report.csv`` and ``report.html`` (budget per site, epsilon recomputed from the ledger). The
   ledger is opened read-only and never modified.
 
-- ``audit --ledger FILE [--out DIR] [--canaries N] ...``: the privacy self-audit
-  (``server.audit``): accountant cross-check per site, record/replay checks of the mechanism,
-  one-run canary lower bound on epsilon; prints tables and writes ``audit.json``.
+- ``audit --ledger FILE [--run-config FILE] [--out DIR] [--canaries N] ...``: the privacy
+  self-audit (``server.audit``): the run's configuration and the sites' facts (a non-private
+  run fails), accountant cross-check per site, record/replay checks of the mechanism with
+  per-block noise tests, canaries with a one-run lower bound on epsilon and per-block noise
+  tests; prints tables, the verdict and why, and writes ``audit.json``.
 
 Exit codes: 0 success, 1 cannot write the output, 2 bad ledger or bad arguments, 3 an audit
 check failed.
@@ -20,6 +22,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from server.errors import ConfigError, LedgerError
 from server.ledger import Ledger
@@ -102,11 +105,17 @@ def _audit(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise ConfigError(f"{exc}. See prism-fl audit --help.") from exc
+    if args.run_config is not None and not Path(args.run_config).is_file():
+        raise ConfigError(
+            f"--run-config {args.run_config}: no such file. Give the run folder's "
+            "run-config.json, or leave the option out to use the one beside the ledger."
+        )
     report = run_audit(
         args.ledger,
         mechanism=mechanism_by_name(args.inject_bug),
         replay=ReplaySettings(noise_multiplier=args.sigma, seed=args.seed),
         canary=canary,
+        run_config=args.run_config,
     )
     print(format_audit(report))
     try:
@@ -124,14 +133,23 @@ def _add_audit(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     audit = sub.add_parser(
         "audit",
         help="privacy self-audit: accountants, mechanism record/replay, canary lower bound",
-        description="Cross-check every site's epsilon (PRV, RDP, dp_accounting PLD) and cap; "
-        "run record/replay checks of one real PRISM step (sensitivity C/b with the global "
-        "clip, noise independent of the realised batch, noise std sigma C/b); and a one-run "
-        "canary audit (Steinke, Nasr, Jagielski 2023) giving an empirical lower bound on "
-        "epsilon next to the claimed one. The ledger is opened read-only. Exit status 3 when "
-        "a check fails.",
+        description="Check that the run was private at all (its recorded config and "
+        "run-config.json: method nondp, report-train-loss true, noise-multiplier 0, or a site "
+        "reporting rng=reproducible fail); cross-check every site's epsilon (PRV, RDP, "
+        "dp_accounting PLD) and cap; run record/replay checks of one real PRISM step "
+        "(sensitivity C/b with the global clip, noise independent of the realised batch, noise "
+        "std sigma C/b in every block: core, A-perp, B-perp, head); and canaries with a known "
+        "clipped signal: a one-run lower bound on epsilon (Steinke, Nasr, Jagielski 2023) next "
+        "to the claimed one, and per-block tests of the noise, with the smallest shortfall they "
+        "detect. The ledger is opened read-only. Exit status 3 when a check fails.",
     )
     audit.add_argument("--ledger", required=True, metavar="FILE", help="the ledger (SQLite)")
+    audit.add_argument(
+        "--run-config",
+        default=None,
+        metavar="FILE",
+        help="the run's run-config.json (default: the one beside the ledger, if any)",
+    )
     audit.add_argument("--out", default=".", metavar="DIR", help="folder for audit.json (.)")
     audit.add_argument(
         "--canaries", type=_positive_int, default=1000, metavar="N", help="canaries (1000)"

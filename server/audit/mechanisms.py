@@ -2,11 +2,17 @@
 
 The audit runs PRISM's DP release through ``client.trainer.PrivateTrainer.release`` (the same
 code path as training) with a ``Mechanism``: the pair of functions that clip-and-sum and
-privatize. ``CORRECT`` is ``prism_core``'s pair. The three ``BROKEN`` variants reproduce bugs
-that published DP code has shipped with; they exist only so that the audit can prove it
-catches them (``prism-fl audit --inject-bug NAME``, and the tests). Never train with them.
+privatize. ``CORRECT`` is ``prism_core``'s pair. The ``BROKEN`` variants reproduce bugs that
+published DP code has shipped with, or that a change to the sampler could introduce; they
+exist only so that the audit can prove it catches them (``prism-fl audit --inject-bug NAME``,
+and the tests). Never train with them.
 
 - ``noise-off``: no noise is added, but the record still claims sigma.
+- ``half-noise``: noise of std ``sigma C / 2`` while the record claims sigma (true epsilon
+  about 4.4 where 2.0 is claimed at sigma 2, one step, delta 1e-5).
+- ``no-perp-noise``: the sampler of eq. (19) without its ``(I - Pi_A) U N^{-1/2}`` block, so
+  the part of a gradient outside col(A) (``(I - Pi_A) G Pi_B``) is released un-noised
+  (epsilon infinite for such gradients); the head is noised correctly.
 - ``realised-batch``: signal and noise are divided by the REALISED batch size (the reference
   implementation's ``dp_finalize``), which leaks the batch size.
 - ``per-module-clip``: each module (and each head tensor) is clipped to C on its own, so one
@@ -31,7 +37,10 @@ from prism_core.mechanism import (
     clip_coefficients,
     per_example_norms_sq,
     privatize,
+    step_frames,
+    tangent_noise,
 )
+from prism_core.rng import standard_normal
 
 __all__ = ["BROKEN", "CORRECT", "Mechanism", "mechanism_by_name"]
 
@@ -54,6 +63,33 @@ def _noise_off_privatize(points: Sequence[Point], clipped: ClippedSum, **kw: Any
     claimed = kw["noise_multiplier"]
     step = privatize(points, clipped, **{**kw, "noise_multiplier": 0.0})
     return step._replace(record=replace(step.record, noise_multiplier=float(claimed)))
+
+
+def _half_noise_privatize(points: Sequence[Point], clipped: ClippedSum, **kw: Any) -> PrivateStep:
+    claimed = kw["noise_multiplier"]
+    step = privatize(points, clipped, **{**kw, "noise_multiplier": 0.5 * claimed})
+    return step._replace(record=replace(step.record, noise_multiplier=float(claimed)))
+
+
+def _no_perp_noise_privatize(
+    points: Sequence[Point], clipped: ClippedSum, **kw: Any
+) -> PrivateStep:
+    """Noise ``sigma C (0, Xi_B)`` on the tangents (``Xi_A`` dropped), correct noise on the head."""
+    claimed = float(kw["noise_multiplier"])
+    scale = claimed * kw["max_norm"]
+    generator = kw["generator"]
+    sums = []
+    for p, s in zip(points, clipped.sums, strict=True):
+        xi = tangent_noise(p.A, p.B, generator)
+        sums.append(Tangent(s.dA, s.dB + scale * xi.dB.to(s.dB.dtype)))
+    head = [
+        t + scale * standard_normal(tuple(t.shape), generator, dtype=t.dtype, device=t.device)
+        for t in clipped.euclidean
+    ]
+    noisy = ClippedSum(tuple(sums), clipped.count, clipped.clipped, tuple(head))
+    frames = kw.get("frames") or step_frames(points)
+    step = privatize(points, noisy, **{**kw, "noise_multiplier": 0.0, "frames": frames})
+    return step._replace(record=replace(step.record, noise_multiplier=claimed))
 
 
 def _realised_batch_privatize(
@@ -115,6 +151,10 @@ CORRECT = Mechanism("prism", clip_and_sum, clip_and_sum_grads, privatize)
 
 BROKEN: dict[str, Mechanism] = {
     "noise-off": Mechanism("noise-off", clip_and_sum, clip_and_sum_grads, _noise_off_privatize),
+    "half-noise": Mechanism("half-noise", clip_and_sum, clip_and_sum_grads, _half_noise_privatize),
+    "no-perp-noise": Mechanism(
+        "no-perp-noise", clip_and_sum, clip_and_sum_grads, _no_perp_noise_privatize
+    ),
     "realised-batch": Mechanism(
         "realised-batch", clip_and_sum, clip_and_sum_grads, _realised_batch_privatize
     ),

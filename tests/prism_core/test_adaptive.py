@@ -51,7 +51,7 @@ def test_floor_bounds_noise_amplification():
     m, n, r = 20, 16, 4
     A, B = random_point(m, n, r, 0)
     tau = 0.05
-    config = AdaptiveConfig(relift_gradient=False, relift_direction=False, bias_correction=False)
+    config = AdaptiveConfig(relift_direction=False, bias_correction=False)
     state = init_state(A, B)
     lam = config.floor_scale * tau**2
     for upd in _updates(m, n, r, 5, 1, scale=tau):
@@ -65,7 +65,7 @@ def test_condition_number_clamp():
     A, B = random_point(m, n, r, 1)
     upd = Tangent(torch.zeros(m, r, dtype=torch.float64), torch.zeros(n, r, dtype=torch.float64))
     upd.dA[:, 0] = 1e3  # a rank-one second moment: condition number would be huge
-    config = AdaptiveConfig(relift_gradient=False, relift_direction=False, cond_max=10.0)
+    config = AdaptiveConfig(relift_direction=False, cond_max=10.0)
     direction, state = adaptive_direction(
         Point(A, B), upd, init_state(A, B), noise_std=0.0, config=config
     )
@@ -112,3 +112,17 @@ def test_realign_state_follows_an_orthogonal_gauge_change():
     moved = realign_state(state, Point(A, B), Point(A @ R, B @ R))
     torch.testing.assert_close(moved.mA, state.mA @ R, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(moved.VB, R.T @ state.VB @ R, rtol=1e-9, atol=1e-12)
+
+
+def test_the_update_is_used_as_released_with_no_option_to_re_lift_it():
+    """The gradient re-lift option is gone (privatize releases the min-norm lift already):
+    the first moment after one step is exactly (1 - beta1) times the update given."""
+    m, n, r = 11, 8, 3
+    A, B = random_point(m, n, r, 4)
+    upd = _updates(m, n, r, 1, 9)[0]
+    config = AdaptiveConfig()
+    _, state = adaptive_direction(Point(A, B), upd, init_state(A, B), noise_std=0.1, config=config)
+    torch.testing.assert_close(state.mA, (1 - config.beta1) * upd.dA, rtol=1e-12, atol=0)
+    torch.testing.assert_close(state.mB, (1 - config.beta1) * upd.dB, rtol=1e-12, atol=0)
+    with pytest.raises(TypeError, match="relift_gradient"):
+        AdaptiveConfig(relift_gradient=False)  # type: ignore[call-arg]

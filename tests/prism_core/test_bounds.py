@@ -87,7 +87,7 @@ def test_the_gain_is_attained_at_the_first_step():
     A, B = random_point(m, n, r, 5)
     g = torch.Generator().manual_seed(5)
     update = Tangent(torch.randn(m, r, generator=g, dtype=A.dtype), torch.zeros(n, r).double())
-    config = AdaptiveConfig(relift_gradient=False, relift_direction=False)
+    config = AdaptiveConfig(relift_direction=False)
     U, _ = adaptive_direction(Point(A, B), update, init_state(A, B), noise_std=0.0, config=config)
     assert float(U.dA.norm()) ** 2 == pytest.approx(m * r, rel=1e-6)
 

@@ -16,6 +16,7 @@ from prism_core.manifold import (
     Point,
     Tangent,
     lift,
+    min_norm_lift,
     point_frame,
     project_dense,
     retract,
@@ -180,16 +181,19 @@ def test_noise_scale_uses_expected_not_realised_batch_size():
     large = clip_and_sum(points, _random_lifts(points, 60, 2), max_norm=0.7)
     out_small, _, rec = _privatize(points, small, seed=9)
     out_large, _, _ = _privatize(points, large, seed=9)
-    for s_small, s_large, o_small, o_large in zip(
-        small.sums, large.sums, out_small, out_large, strict=True
+    # the release is the min-norm lift (linear) of (sum + noise) / b: subtract that of sum / b
+    for p, s_small, s_large, o_small, o_large in zip(
+        points, small.sums, large.sums, out_small, out_large, strict=True
     ):
-        noise_small = o_small.dA - s_small.dA / 32.0
-        noise_large = o_large.dA - s_large.dA / 32.0
+        noise_small = o_small.dA - min_norm_lift(p.A, p.B, *s_small).dA / 32.0
+        noise_large = o_large.dA - min_norm_lift(p.A, p.B, *s_large).dA / 32.0
         torch.testing.assert_close(noise_small, noise_large, rtol=1e-10, atol=1e-12)
     assert (rec.expected_batch_size, rec.noise_multiplier, rec.max_norm) == (32.0, 1.3, 0.7)
     # and an empty Poisson draw gets exactly the same noise
     out_empty, _, _ = _privatize(points, empty_sum(points), seed=9)
-    torch.testing.assert_close(out_empty[0].dA, out_small[0].dA - small.sums[0].dA / 32.0)
+    p0 = points[0]
+    signal = min_norm_lift(p0.A, p0.B, *small.sums[0]).dA / 32.0
+    torch.testing.assert_close(out_empty[0].dA, out_small[0].dA - signal, rtol=1e-10, atol=1e-12)
 
 
 def test_micro_batch_accumulation_equals_one_batch():
@@ -489,3 +493,96 @@ def test_noise_of_a_shape_group_is_independent_per_module():
     d0 = r * (m + n - r)
     corr = cross.mean().item() / d0  # E<Xi_0, Xi_2> = 0, Var <Xi_0, Xi_2> <= d0
     assert abs(corr) < Z / math.sqrt(K * d0)
+
+
+# --------------------------------------------------------------------------- what is released
+
+
+def _projector(X):
+    Q, _ = torch.linalg.qr(X)
+    return Q @ Q.mT
+
+
+def _release(points, clipped, seed, sigma=1.3):
+    return privatize(
+        points,
+        clipped,
+        noise_multiplier=sigma,
+        max_norm=0.7,
+        expected_batch_size=16.0,
+        sample_rate=0.05,
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_every_component_of_the_release_changes_with_the_noise_draw(seed):
+    """Same clipped sum, two noise draws: Pi_A dA, (I - Pi_A) dA, Pi_B dB and (I - Pi_B) dB
+    all differ, by at least 5 % of the whole difference in every module. (The plain sum of
+    lifts plus noise keeps Pi_A dA = 1/2 Pi_A g_A N^+ un-noised: identical in both draws.)"""
+    points = _module_points(seed, DIMS_WITH_REPEATS)
+    clipped = clip_and_sum_grads(points, _random_grads(points, 6, seed), max_norm=0.7)
+    one, two = (_release(points, clipped, seed + k).tangents for k in (100, 200))
+    for p, a, b in zip(points, one, two, strict=True):
+        dA, dB = a.dA - b.dA, a.dB - b.dB
+        PA, PB = _projector(p.A), _projector(p.B)
+        total = math.sqrt(float(dA.square().sum() + dB.square().sum()))
+        parts = {
+            "Pi_A dA": PA @ dA,
+            "(I - Pi_A) dA": dA - PA @ dA,
+            "Pi_B dB": PB @ dB,
+            "(I - Pi_B) dB": dB - PB @ dB,
+        }
+        for name, part in parts.items():
+            assert float(part.norm()) > 0.05 * total, name
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_the_release_is_a_function_of_dZ_alone(seed):
+    """Two factor representatives of the same clipped dZ (a gauge shift (A W, -B W.T)) give
+    the same release for the same noise draw (rel 1e-9, float64)."""
+    points = _module_points(seed, DIMS_WITH_REPEATS)
+    clipped = clip_and_sum_grads(points, _random_grads(points, 5, seed), max_norm=0.7)
+    g = torch.Generator().manual_seed(seed)
+    shifted = []
+    for p, s in zip(points, clipped.sums, strict=True):
+        W = torch.randn(p.A.shape[1], p.A.shape[1], generator=g, dtype=torch.float64)
+        shifted.append(Tangent(s.dA + p.A @ W, s.dB - p.B @ W.mT))
+        torch.testing.assert_close(  # the same tangent vector
+            tangent_to_dense(p.A, p.B, *shifted[-1]), tangent_to_dense(p.A, p.B, *s)
+        )
+    other = type(clipped)(tuple(shifted), clipped.count, clipped.clipped, clipped.euclidean)
+    first, second = _release(points, clipped, seed), _release(points, other, seed)
+    for a, b in zip(first.tangents, second.tangents, strict=True):
+        scale = float(a.dA.norm() + a.dB.norm())
+        torch.testing.assert_close(a.dA, b.dA, rtol=1e-9, atol=1e-9 * scale)
+        torch.testing.assert_close(a.dB, b.dB, rtol=1e-9, atol=1e-9 * scale)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_the_release_is_the_min_norm_lift_of_the_noisy_dZ(seed):
+    """Float64: the released (dA, dB) is a fixed point of min_norm_lift, satisfies the
+    optimality condition A.T dA = dB.T B (eq. 39 with W = 0), and represents exactly the dZ of
+    the plain lift (sum + sigma C Xi) / b with the same noise draw (eqs. 17-19)."""
+    points = _module_points(seed)  # distinct shapes: one noise draw per module, in order
+    clipped = clip_and_sum_grads(points, _random_grads(points, 6, seed), max_norm=0.7)
+    released = _release(points, clipped, seed).tangents
+    g = torch.Generator().manual_seed(seed)
+    for p, s, t in zip(points, clipped.sums, released, strict=True):
+        fixed = min_norm_lift(p.A, p.B, *t)
+        scale = float(t.dA.abs().max() + t.dB.abs().max())
+        torch.testing.assert_close(fixed.dA, t.dA, rtol=1e-10, atol=1e-12 * scale)
+        torch.testing.assert_close(fixed.dB, t.dB, rtol=1e-10, atol=1e-12 * scale)
+        torch.testing.assert_close(
+            p.A.mT @ t.dA, t.dB.mT @ p.B, rtol=1e-10, atol=1e-12 * scale * scale
+        )
+        xi = tangent_noise(p.A, p.B, g)
+        plain = Tangent((s.dA + 1.3 * 0.7 * xi.dA) / 16.0, (s.dB + 1.3 * 0.7 * xi.dB) / 16.0)
+        dense = tangent_to_dense(p.A, p.B, *plain)
+        torch.testing.assert_close(
+            tangent_to_dense(p.A, p.B, *t), dense, rtol=1e-10, atol=1e-12 * float(dense.norm())
+        )
+        # the intrinsic norm (hence the noise energy of Thm 3.1) is unchanged by the re-lift
+        assert float(tangent_norm_sq(p.A, p.B, *t)) == pytest.approx(
+            float(tangent_norm_sq(p.A, p.B, *plain)), rel=1e-10
+        )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sqlite3
 
 import pytest
@@ -49,17 +50,31 @@ def test_audit_prints_every_part_writes_json_and_leaves_the_ledger_unchanged(
     assert _digest(ledger) == before
     for text in ("hospital-a", "hospital-b", "PRV (claimed)", "PLD (dp_accounting)"):
         assert text in out
-    for text in ("sensitivity (global clip)", "noise std = sigma C / b", "eps lower bound"):
+    for text in (
+        "sensitivity (global clip)",
+        "noise std / (sigma C / b), A-perp block",
+        "eps lower bound",
+        "(0) run configuration and site facts",
+        "pass: no non-private setting or fact found",
+    ):
         assert text in out
-    assert "verdict: PASS" in out
+    assert re.search(
+        r"detects sigma_true <= 0\.\d+ sigma_claimed in any one block and <= 0\.\d+ "
+        r"sigma_claimed in all blocks at once, each with probability 0\.99",
+        out,
+    )
+    assert "verdict: PASS" in out and "why:" not in out
     audit = json.loads((tmp_path / "out" / "audit.json").read_text())
-    assert audit["verdict"] == "pass"
+    assert audit["verdict"] == "pass" and audit["reasons"] == []
+    assert audit["run"]["verdict"] == "pass"
     assert [s["site_id"] for s in audit["accountants"]] == ["hospital-a", "hospital-b"]
     assert all(s["verdict"] == "pass" for s in audit["accountants"])
-    assert len(audit["mechanism_checks"]) == 3
+    assert len(audit["mechanism_checks"]) == 7  # sensitivity, independence, 5 noise blocks
     canary = audit["canary"]
     assert canary["canaries"] == 1000 and canary["guesses"] == 200
     assert 0 < canary["lower_bound"] <= canary["claimed_epsilon"]
+    assert [t["name"] for t in canary["noise_tests"]] == ["core", "A-perp", "B-perp", "head", "all"]
+    assert canary["detects_any_block"] < canary["detects_all_blocks"] < 1
 
 
 def test_an_injected_bug_fails_the_audit_with_exit_status_3(ledger, tmp_path, capsys):
@@ -72,6 +87,60 @@ def test_an_injected_bug_fails_the_audit_with_exit_status_3(ledger, tmp_path, ca
     audit = json.loads((out_dir / "audit.json").read_text())
     assert audit["verdict"] == "FAIL" and audit["mechanism"] == "per-module-clip"
     assert audit["canary"]["lower_bound"] > audit["canary"]["claimed_epsilon"]
+
+
+@pytest.mark.parametrize("bug", ["half-noise", "no-perp-noise"])
+def test_half_noise_and_a_missing_noise_block_fail_the_audit(ledger, tmp_path, capsys, bug):
+    code = main(
+        ["audit", "--ledger", str(ledger), "--out", str(tmp_path / "out"), "--inject-bug", bug]
+    )
+    out = capsys.readouterr().out
+    assert code == EXIT_AUDIT_FAILED
+    assert "verdict: FAIL" in out
+    assert "why: canary noise, A-perp: std / claimed = " in out
+    assert "why: mechanism check failed: noise std / (sigma C / b), A-perp block" in out
+
+
+def _run_ledger(path, config):
+    with Ledger.open(path) as led:
+        led.record_run("run-1", config)
+        led.append(
+            LedgerEvent(run_id="run-1", round=0, site_id="a", sigma=1.2, q=0.1, steps=5, delta=1e-5)
+        )
+    return path
+
+
+def test_a_run_recorded_as_nondp_fails_with_the_reason(tmp_path, capsys):
+    ledger = _run_ledger(tmp_path / "ledger.sqlite", {"method": "nondp"})
+    before = _digest(ledger)
+    code = main(["audit", "--ledger", str(ledger), "--out", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert code == EXIT_AUDIT_FAILED
+    assert (
+        'why: non-private run: run run-1: method = "nondp" (ledger run config): the run trains '
+        "without differential privacy" in out
+    )
+    assert _digest(ledger) == before
+    audit = json.loads((tmp_path / "out" / "audit.json").read_text())
+    assert audit["verdict"] == "FAIL" and audit["run"]["findings"][0]["key"] == "method"
+
+
+def test_the_run_folders_run_config_is_read(tmp_path, capsys):
+    ledger = _run_ledger(tmp_path / "ledger.sqlite", {"method": "prism"})
+    (tmp_path / "run-config.json").write_text(json.dumps({"report-train-loss": True}))
+    code = main(["audit", "--ledger", str(ledger), "--out", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert code == EXIT_AUDIT_FAILED
+    assert "why: non-private run: run folder: report-train-loss = true" in out
+    assert "sites send their un-noised training loss" in out
+
+
+def test_a_missing_run_config_file_is_a_usage_error(ledger, tmp_path, capsys):
+    argv = ["audit", "--ledger", str(ledger), "--run-config", str(tmp_path / "nope.json")]
+    assert main([*argv, "--out", str(tmp_path / "out")]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert f"--run-config {tmp_path / 'nope.json'}: no such file" in err
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_foreign_file_is_refused_unchanged(tmp_path, capsys):

@@ -1,0 +1,186 @@
+"""The site's own privacy ledger: durable creation, torn last lines, damage that stops a site."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+from dataclasses import asdict
+
+import pytest
+
+import client.site_ledger as site_ledger_module
+from client.errors import ConfigError
+from client.site_ledger import SiteLedger, SiteLedgerEntry
+
+
+def _entry(round_: int, steps: int = 5) -> SiteLedgerEntry:
+    return SiteLedgerEntry(round_, "prism-tangent-gaussian", 1.1, 0.05, steps, 1e-5)
+
+
+def _line(entry: SiteLedgerEntry) -> bytes:
+    return (json.dumps(asdict(entry), sort_keys=True) + "\n").encode()
+
+
+def _valid_file(tmp_path, rounds=(1, 2)):
+    ledger = SiteLedger(tmp_path)
+    for r in rounds:
+        ledger.charge(_entry(r))
+    return ledger.path, ledger.path.read_bytes()
+
+
+def test_entries_survive_a_restart(tmp_path):
+    _, data = _valid_file(tmp_path)
+    assert data == _line(_entry(1)) + _line(_entry(2))
+    assert SiteLedger(tmp_path).entries() == [_entry(1), _entry(2)]
+
+
+def test_a_torn_last_line_is_dropped_with_a_warning_and_truncated_by_the_next_charge(
+    tmp_path, caplog
+):
+    path, data = _valid_file(tmp_path)
+    torn = _line(_entry(3))[:25]  # power loss in the middle of the third charge
+    path.write_bytes(data + torn)
+    with caplog.at_level(logging.WARNING, logger="client.site_ledger"):
+        ledger = SiteLedger(tmp_path)
+    assert ledger.entries() == [_entry(1), _entry(2)]
+    assert "incomplete charge" in caplog.text and str(path) in caplog.text
+    assert path.read_bytes() == data + torn  # reading never modifies the file
+    ledger.charge(_entry(3, steps=7))
+    assert path.read_bytes() == data + _line(_entry(3, steps=7))
+    assert SiteLedger(tmp_path).entries() == [_entry(1), _entry(2), _entry(3, steps=7)]
+
+
+@pytest.mark.parametrize("tail", [b"\x00\x00\x00\x00", b"   ", b'{"delta": 1e-05, "mech'])
+def test_other_torn_tails_are_dropped_too(tmp_path, tail):
+    path, data = _valid_file(tmp_path)
+    path.write_bytes(data + tail)
+    ledger = SiteLedger(tmp_path)
+    assert ledger.entries() == [_entry(1), _entry(2)]
+    ledger.charge(_entry(3))
+    assert path.read_bytes() == data + _line(_entry(3))
+
+
+def test_a_crash_at_any_byte_of_a_charge_leaves_a_ledger_that_starts_and_charges(tmp_path):
+    """Cut the file after every byte of the last entry: the site starts with the entries whose
+    JSON is complete, and the next charge leaves exactly those entries plus the new one."""
+    path, data = _valid_file(tmp_path, rounds=(1, 2, 3))
+    first_two = len(_line(_entry(1)) + _line(_entry(2)))
+    for cut in range(first_two, len(data) + 1):
+        path.write_bytes(data[:cut])
+        complete = cut >= len(data) - 1  # the JSON of entry 3 is whole (newline optional)
+        kept = [_entry(1), _entry(2)] + ([_entry(3)] if complete else [])
+        ledger = SiteLedger(tmp_path)
+        assert ledger.entries() == kept, cut
+        ledger.charge(_entry(9))
+        assert path.read_bytes() == b"".join(_line(e) for e in [*kept, _entry(9)]), cut
+        assert SiteLedger(tmp_path).entries() == [*kept, _entry(9)]
+
+
+def _assert_refused_unchanged(tmp_path, path, content: bytes, line: int, what: str) -> None:
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as info:
+        SiteLedger(tmp_path)
+    message = str(info.value)
+    assert str(path) in message and f"line {line}" in message and what in message
+    assert "Restore it from a backup" in message
+    assert path.read_bytes() == content
+
+
+def test_a_corrupt_middle_line_stops_the_site_and_leaves_the_file_unchanged(tmp_path):
+    path, _ = _valid_file(tmp_path, rounds=(1, 2, 3))
+    lines = path.read_bytes().splitlines(keepends=True)
+    lines[1] = lines[1][:20] + b"\n"  # a bad line before the last one is never a torn write
+    _assert_refused_unchanged(tmp_path, path, b"".join(lines), 2, "not a JSON line")
+
+
+def test_a_bad_last_line_that_ends_in_a_newline_stops_the_site(tmp_path):
+    path, data = _valid_file(tmp_path)
+    _assert_refused_unchanged(tmp_path, path, data + b"{garbage\n", 3, "not a JSON line")
+
+
+@pytest.mark.parametrize(
+    ("change", "what"),
+    [
+        ({"sigma": "1.1"}, "sigma='1.1' is not of type"),
+        ({"steps": True}, "steps=True is not of type"),
+        ({"q": 1.5}, "q=1.5 must be in (0, 1]"),
+        ({"delta": 0.0}, "delta=0.0 must be in (0, 1)"),
+        ({"extra": 1}, "unknown fields ['extra']"),
+        ({"sigma": None}, "sigma=None is not of type"),
+    ],
+)
+def test_wrong_fields_stop_the_site(tmp_path, change, what):
+    path, data = _valid_file(tmp_path)
+    bad = json.dumps({**asdict(_entry(3)), **change}, sort_keys=True).encode()
+    for content, line in ((data + bad + b"\n", 3), (data + bad, 3)):  # complete JSON: not torn
+        _assert_refused_unchanged(tmp_path, path, content, line, what)
+
+
+def test_a_missing_field_and_a_non_object_stop_the_site(tmp_path):
+    path, data = _valid_file(tmp_path)
+    partial = {k: v for k, v in asdict(_entry(3)).items() if k != "delta"}
+    content = data + json.dumps(partial).encode() + b"\n"
+    _assert_refused_unchanged(tmp_path, path, content, 3, "missing fields ['delta']")
+    _assert_refused_unchanged(tmp_path, path, b"[1, 2]\n" + data, 1, "expected a JSON object")
+
+
+def test_a_charge_on_a_file_damaged_since_loading_refuses_and_writes_nothing(tmp_path):
+    path, data = _valid_file(tmp_path)
+    ledger = SiteLedger(tmp_path)
+    damaged = b"{not json}\n" + data
+    path.write_bytes(damaged)
+    with pytest.raises(ConfigError, match="line 1"):
+        ledger.charge(_entry(3))
+    assert path.read_bytes() == damaged
+
+
+def test_a_complete_last_entry_without_its_newline_is_kept_and_completed(tmp_path):
+    path, data = _valid_file(tmp_path)
+    path.write_bytes(data[:-1])
+    ledger = SiteLedger(tmp_path)
+    assert ledger.entries() == [_entry(1), _entry(2)]
+    ledger.charge(_entry(3))
+    assert path.read_bytes() == data + _line(_entry(3))
+
+
+def _record_fsyncs(monkeypatch):
+    """Record every real ``os.fsync``: (is a directory, inode) of the descriptor, in order."""
+    calls = []
+    real = os.fsync
+
+    def spy(fd):
+        info = os.fstat(fd)
+        calls.append((stat.S_ISDIR(info.st_mode), info.st_ino))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    return calls
+
+
+def test_the_folder_is_fsynced_when_the_first_charge_creates_the_file(tmp_path, monkeypatch):
+    state = tmp_path / "site-state"
+    calls = _record_fsyncs(monkeypatch)
+    ledger = SiteLedger(state)
+    # the new state folder itself was made durable in its parent
+    assert (True, tmp_path.stat().st_ino) in calls
+    calls.clear()
+    ledger.charge(_entry(1))
+    file_sync = (False, ledger.path.stat().st_ino)
+    dir_sync = (True, state.stat().st_ino)
+    assert file_sync in calls and dir_sync in calls
+    assert calls.index(file_sync) < calls.index(dir_sync)  # content durable, then the name
+    calls.clear()
+    ledger.charge(_entry(2))
+    assert calls == [file_sync]  # appending to an existing file needs no folder fsync
+
+
+def test_fsync_dir_is_called_on_create_only(tmp_path, monkeypatch):
+    seen = []
+    real = site_ledger_module.fsync_dir
+    monkeypatch.setattr(site_ledger_module, "fsync_dir", lambda p: (seen.append(p), real(p)))
+    ledger = SiteLedger(tmp_path)
+    ledger.charge(_entry(1))
+    ledger.charge(_entry(2))
+    assert seen == [tmp_path]
