@@ -195,11 +195,11 @@ def test_bad_causal_lm_rows(tmp_path: Path) -> None:
 
 def test_bad_csv_label_names_line(tmp_path: Path) -> None:
     path = tmp_path / "bad.csv"
-    path.write_text("text,label\ngood,1\nbad,pos\n", encoding="utf-8")
+    path.write_text("text,label\ngood,1\nbad,Jane-Roe-1984\n", encoding="utf-8")
     with pytest.raises(DataError, match=r"line 3: label must be an integer.*found text") as info:
         load_examples(path, "seq-cls")
     assert str(path) in str(info.value)
-    assert "pos" not in str(info.value).replace(str(path), "")  # never the cell's content
+    assert "Jane-Roe" not in str(info.value)  # never the cell's content
     path.write_text("text,label\ngood,1.5\n", encoding="utf-8")
     with pytest.raises(DataError, match=r"line 2: label must be an integer"):
         load_examples(path, "seq-cls")
