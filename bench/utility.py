@@ -165,6 +165,10 @@ def _local_grid(run_config: dict[str, Any], sites: int) -> Any:
                         "partition-id": node - 1,
                         "num-partitions": sites,
                         "share-num-examples": bool(run_config.get("weight-by-examples")),
+                        # the study's operator runs every site: it allows the non-DP baseline
+                        # and seeds the sites' randomness reproducibly (a site-held secret)
+                        "allow-nondp": run_config["method"] == "nondp",
+                        "rng-secret": f"utility-study-seed-{run_config['seed']}",
                     },
                     state=RecordDict(),
                     run_config=dict(run_config),
@@ -249,6 +253,7 @@ def central_run(spec: dict[str, Any], folder: Path) -> Path:
         "--max-length", str(spec["max_length"]),
         "--head", spec.get("head", "frozen"),
         "--seed", str(spec["seed"]),
+        "--reproducible",  # a benchmark: sampling and noise seeded too, as in the federated runs
         "--no-progress",
         "--out", str(folder),
     ]  # fmt: skip

@@ -1,34 +1,101 @@
-"""Flower ClientApp of a prism-fl site (thin: validate config, delegate to ``client.site``)."""
+"""Flower ClientApp of a prism-fl site (thin: validate config, delegate to ``client.site``).
+
+Every failure becomes a Flower error reply with a code of ``client.protocol.SITE_ERROR_CODES``
+and that code's FIXED text: 4001 configuration (the node or run config, or a privacy parameter
+the site cannot meet), 4002 data (the site's data cannot be used), 4003 anything else. The
+exception itself, which may quote the site's data, goes only to the site's own log, with its
+traceback. A refusal (``client.policy``) is not an error: it is a normal reply.
+"""
 
 from __future__ import annotations
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+import logging
+import os
+
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Error,
+    Message,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.clientapp import ClientApp
 
 from client.config import RunConfig, SiteConfig, parse_config
+from client.errors import ConfigError, DataError
 from client.logs import setup_logging
-from client.protocol import ACCOUNTING, ARRAYS, CONFIG, NONPRIVATE, ROUND_NONCE, UPDATE
+from client.policy import RNG_SECRET_ENV, site_policy
+from client.protocol import (
+    ACCOUNTING,
+    ARRAYS,
+    CONFIG,
+    NONPRIVATE,
+    ROUND_NONCE,
+    SERVER_ROUND,
+    SITE_ERROR_CODES,
+    UPDATE,
+)
 from client.site import get_site
+from prism_core.errors import PrivacyParameterError
+
+__all__ = ["CONFIG_ERROR", "DATA_ERROR", "INTERNAL_ERROR", "app", "error_code"]
+
+log = logging.getLogger(__name__)
+
+CONFIG_ERROR, DATA_ERROR, INTERNAL_ERROR = 4001, 4002, 4003
 
 app = ClientApp()
 
 
+def error_code(exc: BaseException) -> int:
+    """The ``SITE_ERROR_CODES`` code of a failure (data before config: ``DataError`` first)."""
+    if isinstance(exc, DataError):
+        return DATA_ERROR
+    if isinstance(exc, ConfigError | PrivacyParameterError):
+        return CONFIG_ERROR
+    return INTERNAL_ERROR
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    """One federated round on this site (see ``client.site.Site.train_round``)."""
+    """One federated round on this site; any failure is a coded error reply, never its text."""
     setup_logging()
+    try:
+        return _train(msg, context)
+    except Exception as exc:  # every failure: logged here in full, sent as a code only
+        code = error_code(exc)
+        log.error(
+            "site round failed; replying with error %d (%s)",
+            code,
+            SITE_ERROR_CODES[code],
+            exc_info=True,
+        )
+        return Message(Error(code=code, reason=SITE_ERROR_CODES[code]), reply_to=msg)
+
+
+def _train(msg: Message, context: Context) -> Message:
     run = parse_config(RunConfig, context.run_config, what="run config")
-    site = parse_config(SiteConfig, context.node_config, what="node config")
+    node = parse_config(SiteConfig, context.node_config, what="node config")
+    # The state folder comes from the site's node config, or in simulation from the RUN
+    # config the simulated sites share; never from the message.
+    policy = site_policy(
+        node,
+        run_dir=run.run_dir,
+        run_id=context.run_id,
+        env_secret=os.environ.get(RNG_SECRET_ENV, ""),
+    )
     config = msg.content[CONFIG]
     arrays = msg.content[ARRAYS].to_torch_state_dict()
-    worker = get_site(run, site, run_dir=str(config.get("run-dir", "")))
-    reply = worker.train_round(
-        int(config["server-round"]), arrays, run_id=str(config.get("run-id", ""))
+    site = get_site(run, node, policy)
+    reply = site.train_round(
+        int(config[SERVER_ROUND]), arrays, run_id=str(config.get("run-id", ""))
     )
     content = RecordDict(
         {UPDATE: ArrayRecord(reply.arrays), ACCOUNTING: ConfigRecord(reply.accounting)}
     )
-    if reply.nonprivate:  # opt-in only, labelled non-private in its key and record name
+    if reply.nonprivate:  # run asked AND site allowed; labelled non-private in key and record
         content[NONPRIVATE] = MetricRecord(reply.nonprivate)
     # Freshness: echo this round's nonce (also on a stored reply the site resends), so the
     # coordinator can tell this answer from a replay of an earlier round's.

@@ -15,6 +15,11 @@ Writes ``<out>/adapter`` (peft format, loads on the original base with
 ``PeftModel.from_pretrained``) and ``<out>/metrics.json``: privacy parameters and spent epsilon,
 held-out metrics. No training loss or accuracy is written: they are computed from un-noised
 private data. Exit codes: 0 success, 1 data error, 2 configuration error.
+
+Randomness: Poisson sampling, dropout and noise come from the OS CSPRNG by default. ``--seed``
+alone seeds only public choices (the head and orthonormal initialisation); it seeds sampling,
+dropout and noise too only with ``--reproducible``, which is for tests and benchmarks: anyone
+who knows the seed can predict the noise. ``metrics.json`` records which (``rng``).
 """
 
 from __future__ import annotations
@@ -72,8 +77,6 @@ TRAIN_FIELDS = {
     "max_norm": "max_norm",
     "lr": "lr",
     "head_lr": "head_lr",
-    "seed": "seed",
-    "secure_rng": "secure_rng",
     "no_progress": "progress",  # negated below
 }
 
@@ -128,14 +131,24 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--delta", type=float, help="delta (default 1e-5; keep it << 1/N)")
     dp.add_argument("--noise-multiplier", type=float, help="sigma (instead of calibrating it)")
     dp.add_argument("--max-norm", type=float, help="clip C (default 0.3)")
-    dp.add_argument("--secure-rng", action="store_true", help="noise from the OS CSPRNG")
+    dp.add_argument(
+        "--reproducible",
+        action="store_true",
+        help="seed sampling, dropout and noise from --seed (tests, benchmarks ONLY: anyone who "
+        "knows the seed can predict the noise). Default: all three from the OS CSPRNG",
+    )
     opt = parser.add_argument_group("optimisation")
     opt.add_argument("--steps", type=int, help="logical steps (default 100)")
     opt.add_argument("--batch-size", type=int, help="EXPECTED Poisson batch size (default 64)")
     opt.add_argument("--micro-batch-size", type=int, help="examples per forward (default 32)")
     opt.add_argument("--lr", type=float, help="learning rate (default 5e-3)")
     opt.add_argument("--head-lr", type=float, help="seq-cls head learning rate (default: --lr)")
-    opt.add_argument("--seed", type=int, help="seed of sampling, noise and init (default 0)")
+    opt.add_argument(
+        "--seed",
+        type=int,
+        help="seed of the public initialisation (default 0); of sampling, dropout and noise "
+        "only with --reproducible",
+    )
     opt.add_argument("--no-progress", action="store_true", help="no progress bar")
     lora = parser.add_argument_group("LoRA")
     lora.add_argument("--rank", type=int, help="LoRA rank r (default 8)")
@@ -305,6 +318,12 @@ def build_configs(values: Mapping[str, Any], sources: Mapping[str, str]) -> tupl
     problems: list[str] = []
     model_cfg = _validated(ModelConfig, MODEL_FIELDS, merged, sources, problems)
     train_cfg = _validated(TrainConfig, TRAIN_FIELDS, merged, sources, problems)
+    reproducible = merged.get("reproducible", False)
+    if not isinstance(reproducible, bool):
+        where = f" (from {sources['reproducible']})" if "reproducible" in sources else ""
+        problems.append(f"--reproducible={reproducible!r}{where}: must be true or false.")
+    elif train_cfg is not None and model_cfg is not None and reproducible:
+        train_cfg = train_cfg.model_copy(update={"seed": model_cfg.seed})
     run_opts = _validated(RunOptions, RUN_FIELDS, merged, sources, problems)
     if problems:  # a shared option (seed) can be reported by two models: keep the first
         raise ConfigError("\n".join(dict.fromkeys(problems)))
@@ -380,13 +399,18 @@ def run(values: Mapping[str, Any], sources: Mapping[str, str]) -> int:
         if held_out is not None and opts.eval_data is not None:
             _check_labels(held_out, model_cfg.num_labels, opts.eval_data)
     if train_cfg.method != "nondp" and train_cfg.delta >= 1 / len(train):
-        log.warning(
-            "delta=%g is not << 1/N = %g: the guarantee allows leaking a whole record with "
-            "probability delta. Use delta well below 1/N.",
-            train_cfg.delta,
-            1 / len(train),
+        raise ConfigError(
+            f"--delta={train_cfg.delta:g} is not below 1/N = {1 / len(train):g} for N={len(train)} "
+            "training examples: such a guarantee allows leaking a whole record with probability "
+            "delta. Use delta well below 1/N."
         )
 
+    if train_cfg.seed is None and "seed" in values:
+        log.info(
+            "--seed=%s seeds the initialisation only; sampling, dropout and noise come from the "
+            "OS CSPRNG (--reproducible seeds them too: for tests and benchmarks only)",
+            values["seed"],
+        )
     loaded = load_model(model_cfg, method=train_cfg.method)
     max_length = _max_length(loaded, opts.max_length)
     dataset = TokenizedDataset(train, loaded.tokenizer, task, max_length=max_length)
@@ -433,8 +457,9 @@ def run(values: Mapping[str, Any], sources: Mapping[str, str]) -> int:
         "epsilon": trainer.epsilon() if trainer.is_private else None,
         "epsilon_rdp": report.rdp if report is not None else None,
         "target_epsilon": train_cfg.epsilon,
-        "secure_rng": train_cfg.secure_rng,
-        "seed": train_cfg.seed,
+        "rng": trainer.rng,
+        "seed": model_cfg.seed,
+        "rng_seed": train_cfg.seed,
         "num_train_examples": len(train),
         "eval_data": str(opts.eval_data) if opts.eval_data else None,
         "eval": eval_metrics,

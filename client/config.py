@@ -8,7 +8,7 @@ every error names the key, the value found and what is allowed.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
 import annotated_types
 from pydantic import (
@@ -82,15 +82,22 @@ class RunConfig(_Kebab):
         description="sigma; -1 = calibrate from target-epsilon over the planned steps",
         json_schema_extra=_allowed_note("a number >= 0, or -1 to calibrate"),
     )
-    target_epsilon: float = Field(3.0, gt=0, description="default per-site epsilon cap")
-    delta: float = Field(1e-5, gt=0, lt=1, description="default per-site delta")
+    target_epsilon: float = Field(
+        3.0, gt=0, description="epsilon the run ASKS each site for; a site refuses above its cap"
+    )
+    delta: float = Field(
+        1e-5, gt=0, lt=1, description="delta the run asks for; a site refuses above its own"
+    )
     data: str = Field("synthetic", description="'synthetic' or a JSONL/CSV file to partition")
     partitioner: Literal["iid", "dirichlet"] = "iid"
     dirichlet_alpha: float = Field(0.5, gt=0)
     synthetic_examples: int = Field(720, ge=8, description="rows per site of the built-in task")
     max_length: int = Field(64, ge=8)
-    seed: int = 0
-    secure_rng: bool = False
+    seed: int = Field(
+        0,
+        description="seeds PUBLIC choices only: the simulation partition, synthetic data, the "
+        "head init and site selection; never a site's sampling, dropout or noise",
+    )
     run_dir: str = Field("", description="output folder; '' = runs/<UTC timestamp>")
     server_eval_data: str = Field(
         "", description="held-out JSONL/CSV the coordinator owns; 'synthetic' for the built-in task"
@@ -102,6 +109,15 @@ class RunConfig(_Kebab):
         False, description="weight sites by reported example counts (sites must share them)"
     )
     round_timeout: float = Field(3600.0, gt=0, description="seconds to wait for replies")
+
+    REMOVED_KEYS: ClassVar[dict[str, str]] = {
+        "secure-rng": (
+            "randomness is the site's choice, not the run's: every site draws its sampling, "
+            "dropout and noise from the OS CSPRNG unless its OWN operator sets reproducible mode "
+            "(node-config rng-secret or PRISM_FL_RNG_SECRET, for tests and benchmarks). Remove "
+            "secure-rng from the run config"
+        ),
+    }
 
     @field_validator("noise_multiplier")
     @classmethod
@@ -143,7 +159,14 @@ class RunConfig(_Kebab):
 
 
 class SiteConfig(_Kebab):
-    """A site's own settings (``--node-config`` of its SuperNode). The server cannot raise them."""
+    """A site's own settings (``--node-config`` of its SuperNode): its privacy POLICY.
+
+    Nothing the coordinator sends can loosen it: the run config's ``target-epsilon`` and
+    ``delta`` are requests that the site refuses when they exceed ``epsilon-cap``/``delta``.
+    A deployed site (no ``partition-id``, or a ``data-path``) must set ``epsilon-cap``,
+    ``delta`` and ``state-dir``; a simulated one (``partition-id`` without ``data-path``) gets
+    the defaults of ``client.policy``. ``client.policy.site_policy`` resolves them.
+    """
 
     model_config = ConfigDict(
         extra="forbid",
@@ -155,44 +178,64 @@ class SiteConfig(_Kebab):
 
     site_id: str = Field("", description="stable site name; default site-<partition-id>")
     data_path: str = Field("", description="the site's training file (deployment)")
-    epsilon_cap: float = Field(
-        -1.0,
-        description="the site's own epsilon cap; -1 = run default",
-        json_schema_extra=_allowed_note("a number > 0, or -1 for the run's cap"),
+    epsilon_cap: float | None = Field(
+        None,
+        description="the largest epsilon this site ever spends (lifetime, over its ledger)",
+        json_schema_extra=_allowed_note(
+            "a number > 0; required for a deployed site (simulation default 8.0)"
+        ),
     )
-    delta: float = Field(
-        -1.0,
-        description="the site's own delta; -1 = run default",
-        json_schema_extra=_allowed_note("a number > 0 and < 1, or -1 for the run's delta"),
+    delta: float | None = Field(
+        None,
+        description="the largest delta this site accepts",
+        json_schema_extra=_allowed_note(
+            "a number > 0 and < 1; required for a deployed site (simulation default 1e-05)"
+        ),
     )
     share_num_examples: bool = Field(False, description="report the shard size to the server")
-    state_dir: str = Field("", description="durable site-local privacy ledger and optimizer state")
+    state_dir: str = Field(
+        "",
+        description="durable site-local privacy ledger and optimizer state (required when "
+        "deployed)",
+    )
+    allow_nondp: bool = Field(False, description="accept runs with method=nondp (no DP at all)")
+    allow_nonprivate_metrics: bool = Field(
+        False, description="accept runs that ask for un-noised metrics (report-train-loss)"
+    )
+    require_secure_rng: bool | None = Field(
+        None,
+        description="refuse to run with a reproducible-mode secret (default: true when deployed)",
+        json_schema_extra=_allowed_note(
+            "true or false (default: true for a deployed site, false in simulation)"
+        ),
+    )
+    rng_secret: str = Field(
+        "",
+        repr=False,
+        description="reproducible mode (tests, benchmarks): seeds derive from this site-local "
+        "secret; NOT private against whoever knows it",
+    )
     partition_id: int = Field(-1, ge=-1, description="simulation: index of this site's partition")
     num_partitions: int = Field(-1, ge=-1, description="simulation: number of partitions")
 
     @field_validator("epsilon_cap")
     @classmethod
-    def _cap_or_default(cls, value: float) -> float:
-        if value <= 0 and value != -1.0:
-            raise ValueError("must be > 0, or -1 for the run's cap")
+    def _positive_cap(cls, value: float | None) -> float | None:
+        if value is not None and value <= 0:
+            raise ValueError("must be > 0")
         return value
 
     @field_validator("delta")
     @classmethod
-    def _delta_or_default(cls, value: float) -> float:
-        if not (0 < value < 1 or value == -1.0):
-            raise ValueError("must be > 0 and < 1, or -1 for the run's delta")
+    def _delta_in_range(cls, value: float | None) -> float | None:
+        if value is not None and not 0 < value < 1:
+            raise ValueError("must be > 0 and < 1")
         return value
 
-    def cap(self, run: RunConfig) -> tuple[float, float]:
-        """(epsilon cap, delta): the site's own values when set, never looser than the run's."""
-        eps = (
-            run.target_epsilon
-            if self.epsilon_cap <= 0
-            else min(self.epsilon_cap, run.target_epsilon)
-        )
-        delta = run.delta if self.delta <= 0 else min(self.delta, run.delta)
-        return eps, delta
+    @property
+    def simulation(self) -> bool:
+        """A simulated site: a partition of the run's data and no file of its own."""
+        return self.partition_id >= 0 and not self.data_path
 
     def name(self) -> str:
         if self.site_id:
@@ -245,6 +288,12 @@ def parse_config(model: type[_Kebab], values: Mapping[str, Any], *, what: str) -
         ConfigError: one ``<what> <key>=<value>: <problem> (allowed: <range>)`` per problem.
     """
     valid = sorted(_alias(name) for name in model.model_fields)
+    removed: dict[str, str] = getattr(model, "REMOVED_KEYS", {})
+    gone = [
+        f"{what} key {k!r} no longer exists: {removed[k]}" for k in sorted(values) if k in removed
+    ]
+    if gone:
+        raise ConfigError("; ".join(gone))
     unknown = sorted(k for k in values if k not in valid)
     if unknown:
         raise ConfigError(f"unknown {what} key(s) {unknown}; valid keys: {valid}")

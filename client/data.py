@@ -109,6 +109,19 @@ def _row_error(row: _Row, what: str, fix: str) -> DataError:
     return DataError(f"{row.source}, {row.where}: {what}. {fix}")
 
 
+def _kind(value: Any) -> str:
+    """What a bad cell holds, WITHOUT its content (an error text must not quote the data)."""
+    if isinstance(value, str):
+        return f"text ({len(value)} characters)"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, numbers.Integral):
+        return "a negative integer" if int(value) < 0 else "an integer"
+    if isinstance(value, numbers.Real):
+        return "a non-integer number"
+    return f"a JSON {type(value).__name__}"
+
+
 def load_examples(
     path: str | PathLike[str],
     task: str,
@@ -343,7 +356,7 @@ def _optional_text(row: _Row, field: str) -> str | None:
         return value
     raise _row_error(
         row,
-        f"field '{field}' must be a string, found {value!r} ({type(value).__name__})",
+        f"field '{field}' must be a string, found {_kind(value)}",
         f"Write '{field}' as a JSON string.",
     )
 
@@ -356,7 +369,7 @@ def _optional_answer(row: _Row) -> str | None:
         return str(value)
     raise _row_error(
         row,
-        f"field 'answer' must be a string or a number, found {value!r} ({type(value).__name__})",
+        f"field 'answer' must be a string or a number, found {_kind(value)}",
         "Write 'answer' as a string.",
     )
 
@@ -373,7 +386,7 @@ def _label(row: _Row) -> int:
         return int(value)
     raise _row_error(
         row,
-        f"label must be an integer >= 0, found {value!r} ({type(value).__name__})",
+        f"label must be an integer >= 0, found {_kind(value)}",
         "Write class labels as integers 0..K-1 (map names such as 'pos' to ids first).",
     )
 

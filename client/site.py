@@ -1,26 +1,35 @@
 """One federated site: its data, model, durable privacy ledger and the work of one round.
 
-A round (DESIGN.md §3): take the broadcast global factors, check the site's OWN cap, charge the
-round's steps to the site-local ledger, run ``tau`` private steps, and reply with the tangent
-update at the broadcast point (``prism_core.manifold.tangent_displacement``) plus accounting
-facts. Nothing computed from un-noised data is sent unless the run opts in (labelled).
+A round (DESIGN.md §3), in this order, so a refusal never costs anything:
 
-Crashes and re-asked rounds: the charge is fsync'ed BEFORE training, so a site that dies
-mid-round still has those steps on its books. Every released reply is stored atomically in the
-state folder (``last-round.pt``, with the optimizer state it leaves behind); when a restarted
-coordinator asks again for a round the site already answered (same coordinator run id, same
-round, same broadcast point by SHA-256), the site resends that stored reply instead of training
-again: it is already DP output, so resending is post-processing and spends nothing. Sampling,
-dropout and noise of a round are seeded from ``(seed, site-id, round)``, never from the process
-history, so a round that must be re-run (the site died before storing its reply) draws exactly
-what it drew the first time; it is charged again (conservatively). With ``secure-rng`` the
-randomness comes from the OS and an exact replay is impossible by design.
+1. the site's POLICY (``client.policy``; decided once per run config): a run asking for more
+   epsilon or delta than the site allows, a delta not below 1/N, a non-private method or
+   non-private metrics the site does not allow, is refused with its code;
+2. the BROADCAST (``client.broadcast``): keys, shapes, finiteness and (PRISM) full rank r;
+3. the site's own CAP: the round's planned steps must fit under the budget on its own ledger;
+4. the CHARGE: the planned event is fsync'ed to the site ledger BEFORE training;
+5. ``tau`` private steps; the mechanism's ``NoiseRecord``s must agree with the charge
+   (``AccountingMismatchError`` otherwise), and the reply's facts are built from them;
+6. the reply: the tangent update at the broadcast point
+   (``prism_core.manifold.tangent_displacement``) plus accounting facts. Nothing computed from
+   un-noised data is sent unless the run asks and the site allows it (labelled non-private).
+
+Crashes and re-asked rounds: every released reply is stored atomically in the state folder
+(``last-round.pt``, with the optimizer state it leaves behind); when a restarted coordinator
+asks again for a round the site already answered (same coordinator run id, same round, same
+broadcast point by SHA-256), the site resends that stored reply instead of training again: it
+is already DP output, so resending is post-processing and spends nothing. A round that must be
+re-run (the site died before storing its reply) is charged again and draws fresh randomness.
+
+Randomness: sampling, dropout and noise come from the OS at the site by default; in the
+site's reproducible mode (``client.policy``) from a secret only the site holds.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,22 +37,29 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from client.broadcast import broadcast_problem
 from client.config import MINILM, RunConfig, SiteConfig, site_method
 from client.data import TokenizedDataset, dirichlet_partition, iid_partition, load_examples
 from client.durable import atomic_write, locked
-from client.errors import ConfigError
+from client.errors import AccountingMismatchError, ConfigError
 from client.exchange import head_named, load_arrays
 from client.lora import read_points
 from client.model import LoadedModel, ModelConfig, load_model
-from client.protocol import HEAD_PREFIX, STATUS_OK, STATUS_REFUSED, key
+from client.policy import SitePolicy
+from client.protocol import HEAD_PREFIX, REFUSAL_REASONS, STATUS_OK, STATUS_REFUSED, key
 from client.site_ledger import SiteLedger, SiteLedgerEntry
 from client.synthetic import synthetic_examples
 from client.testhooks import pause_point
-from client.trainer import MECHANISMS, PrivateTrainer, TrainConfig
-from prism_core.accounting import PrivacyEvent, calibrate_noise_multiplier, epsilon
+from client.trainer import MECHANISMS, PrivateTrainer, StepResult, TrainConfig, noise_records
+from prism_core.accounting import (
+    PrivacyEvent,
+    calibrate_noise_multiplier,
+    epsilon,
+    events_from_records,
+)
 from prism_core.adaptive import AdaptiveState, realign_state
 from prism_core.manifold import Point, tangent_displacement
-from prism_core.mechanism import ADJACENCY
+from prism_core.mechanism import ADJACENCY, NoiseRecord
 
 __all__ = [
     "RoundReply",
@@ -51,6 +67,7 @@ __all__ = [
     "broadcast_digest",
     "get_site",
     "model_config",
+    "released_event",
     "site_examples",
 ]
 
@@ -109,11 +126,6 @@ class RoundReply:
     nonprivate: dict[str, float] = field(default_factory=dict)
 
 
-def _seed(*parts: object) -> int:
-    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:4], "little")
-
-
 def broadcast_digest(arrays: dict[str, Tensor]) -> str:
     """SHA-256 over the names, dtypes, shapes and bytes of the broadcast arrays (sorted)."""
     h = hashlib.sha256()
@@ -124,20 +136,66 @@ def broadcast_digest(arrays: dict[str, Tensor]) -> str:
     return h.hexdigest()
 
 
-class Site:
-    """A site's long-lived state within one process (model, data, trainer, ledgers)."""
+def released_event(records: Sequence[NoiseRecord], mechanism: str) -> PrivacyEvent:
+    """The one privacy event a round's mechanism records describe (Thm 3.4: tau equal steps).
 
-    def __init__(self, run: RunConfig, site: SiteConfig, state_dir: Path) -> None:
-        self.run, self.site, self.site_id = run, site, site.name()
-        self.epsilon_cap, self.delta = site.cap(run)
+    Raises:
+        AccountingMismatchError: no records, records of another mechanism, or steps with
+            different parameters (a round charges ONE event: sigma, q, tau).
+    """
+    events = events_from_records(records)
+    kinds = sorted({r.mechanism for r in records})
+    if len(events) != 1 or kinds != [mechanism]:
+        raise AccountingMismatchError(
+            f"the round's mechanism records are not one {mechanism!r} event: mechanisms {kinds}, "
+            f"events {events}"
+        )
+    return events[0]
+
+
+class Site:
+    """A site's long-lived state within one process (policy, data, model, trainer, ledger).
+
+    Args:
+        run: the run config (the coordinator's REQUEST).
+        site: the node config (the site's own settings).
+        policy: ``client.policy.site_policy(site, ...)``.
+
+    Raises:
+        ConfigError: the data or settings cannot be used (e.g. a batch larger than the data).
+        DataError: the site's data cannot be read.
+    """
+
+    def __init__(self, run: RunConfig, site: SiteConfig, policy: SitePolicy) -> None:
+        self.run, self.site, self.policy, self.site_id = run, site, policy, policy.site_id
+        self.state_dir = policy.state_dir
         self.method = site_method(run.method)
-        self.loaded: LoadedModel = load_model(model_config(run), method=self.method)
         rows = site_examples(run, site)
         self.num_examples = len(rows)
-        dataset = TokenizedDataset(rows, self.loaded.tokenizer, run.task, max_length=run.max_length)
-        self.ledger = SiteLedger(state_dir)
-        self.state_dir = state_dir
+        if run.batch_size > self.num_examples:
+            raise ConfigError(
+                f"run config batch-size={run.batch_size} is larger than site {self.site_id}'s "
+                f"data ({self.num_examples} examples): lower batch-size or add data"
+            )
+        self.ledger = SiteLedger(self.state_dir)
         self.sample_rate = run.batch_size / self.num_examples
+        self.refusal = policy.refusal(run, self.num_examples)
+        # What this site spends for this run: the request, which the policy check has bounded
+        # by the site's own cap and delta (a refused run reports the site's own values).
+        asked = self.refusal is None
+        self.epsilon_cap = run.target_epsilon if asked else policy.epsilon_cap
+        self.delta = run.delta if asked else policy.delta
+        self.sigma = 0.0
+        if self.refusal is not None:
+            log.warning(
+                "site %s refuses this run (%s): %s",
+                self.site_id,
+                self.refusal,
+                REFUSAL_REASONS[self.refusal],
+            )
+            return
+        self.loaded: LoadedModel = load_model(model_config(run), method=self.method)
+        dataset = TokenizedDataset(rows, self.loaded.tokenizer, run.task, max_length=run.max_length)
         self.sigma = self._sigma()
         train = TrainConfig(
             method=self.method,  # type: ignore[arg-type]
@@ -149,11 +207,10 @@ class Site:
             micro_batch_size=run.micro_batch_size,
             max_norm=run.max_norm,
             lr=run.lr,
-            seed=_seed(run.seed, self.site_id),
-            secure_rng=run.secure_rng,
             progress=False,
         )
         self.trainer = PrivateTrainer(self.loaded, dataset, train, history=self.ledger.events())
+        self.sample_rate = self.trainer.sample_rate
 
     def _sigma(self) -> float:
         if self.method == "nondp":
@@ -167,6 +224,11 @@ class Site:
             sample_rate=self.sample_rate,
             steps=self.run.planned_site_steps,
         )
+
+    @property
+    def mechanism(self) -> str:
+        """The ``NoiseRecord.mechanism`` this site's method runs."""
+        return MECHANISMS[self.method]
 
     # -- global state in and out -----------------------------------------------------------
 
@@ -230,41 +292,93 @@ class Site:
             return None
         return RoundReply(dict(saved["arrays"]), dict(saved["accounting"]), saved["nonprivate"])
 
-    # -- one round -------------------------------------------------------------------------
+    # -- facts -----------------------------------------------------------------------------
 
-    def _facts(
-        self, server_round: int, status: str, steps: int, reason: str = ""
-    ) -> dict[str, Any]:
+    def _facts(self, server_round: int, status: str, reason: str = "") -> dict[str, Any]:
+        """Facts every reply carries: who, what happened, the budget, where randomness came from."""
+        spent = self.ledger.epsilon(self.delta)
         facts: dict[str, Any] = {
             "site-id": self.site_id,
             "status": status,
             "reason": reason,
             "server-round": server_round,
-            "mechanism": self.trainer_mechanism(),
-            "adjacency": ADJACENCY,
-            "sampling": "poisson",
-            "sigma": float(self.sigma),
-            "q": float(self.sample_rate),
-            "steps": int(steps),
             "delta": float(self.delta),
             "epsilon-cap": float(self.epsilon_cap),
-            "epsilon": float(self.ledger.epsilon(self.delta)) if self.method != "nondp" else -1.0,
+            "epsilon": float(spent),
+            "rng": self.policy.rng,
         }
         if self.site.share_num_examples:
             facts["num-examples"] = self.num_examples
         return facts
 
-    def trainer_mechanism(self) -> str:
-        return MECHANISMS[self.method]
+    def _refused(self, server_round: int, reason: str) -> RoundReply:
+        """A refusal with its code: nothing was charged, nothing is sent."""
+        log.warning(
+            "site %s refuses round %d (%s): %s",
+            self.site_id,
+            server_round,
+            reason,
+            REFUSAL_REASONS[reason],
+        )
+        self.ledger.reload()  # the facts report the site's current spend
+        facts = self._facts(server_round, STATUS_REFUSED, reason)
+        facts.update(
+            {
+                "mechanism": self.mechanism,
+                "adjacency": ADJACENCY,
+                "sampling": "poisson",
+                "sigma": float(self.sigma),
+                "q": float(min(self.sample_rate, 1.0)),
+                "steps": 0,
+            }
+        )
+        return RoundReply({}, facts)
+
+    def _released_facts(
+        self, server_round: int, results: Sequence[StepResult], planned: SiteLedgerEntry
+    ) -> dict[str, Any]:
+        """Facts of a trained round, from the mechanism's records, checked against the charge."""
+        facts = self._facts(server_round, STATUS_OK)
+        records = noise_records(results)
+        if self.method == "nondp":  # no mechanism ran: nothing protects the data
+            if records:
+                raise AccountingMismatchError("a non-private round returned noise records")
+            event = PrivacyEvent(0.0, self.sample_rate, len(results))
+        else:
+            event = released_event(records, self.mechanism)
+        if (event.noise_multiplier, event.sample_rate, event.steps) != (
+            planned.sigma,
+            planned.q,
+            planned.steps,
+        ):
+            raise AccountingMismatchError(
+                f"site {self.site_id} round {server_round}: the mechanism ran {event} but the "
+                f"site charged sigma={planned.sigma}, q={planned.q}, steps={planned.steps}"
+            )
+        facts.update(
+            {
+                "mechanism": self.mechanism,
+                "adjacency": event.adjacency,
+                "sampling": event.sampling,
+                "sigma": float(event.noise_multiplier),
+                "q": float(event.sample_rate),
+                "steps": int(event.steps),
+            }
+        )
+        return facts
+
+    # -- one round -------------------------------------------------------------------------
 
     def train_round(
         self, server_round: int, arrays: dict[str, Tensor], *, run_id: str = ""
     ) -> RoundReply:
-        """Run one round from the broadcast ``arrays``; refuse if it would pass the site's cap.
+        """Answer one round from the broadcast ``arrays``: refuse, resend, or train.
 
         With a ``run_id`` (the coordinator's run), a round this site already answered from the
         same broadcast point is answered again with the stored reply, spending nothing.
         """
+        if self.refusal is not None:
+            return self._refused(server_round, self.refusal)
         with locked(self.state_dir / ".round.lock"):
             digest = broadcast_digest(arrays)
             stored = self._stored_reply(run_id, server_round, digest)
@@ -276,41 +390,61 @@ class Site:
                     run_id,
                 )
                 return stored
+            problem = broadcast_problem(self.loaded, arrays, full_rank=self.method == "prism")
+            if problem is not None:
+                log.warning("site %s, round %d: %s", self.site_id, server_round, problem)
+                return self._refused(server_round, "bad-broadcast")
             return self._train_round(run_id, server_round, digest, arrays)
+
+    def _planned(self, server_round: int) -> SiteLedgerEntry | None:
+        """The charge of this round's tau steps, or None if it would pass the site's cap."""
+        self.ledger.reload()  # another process may have charged this site since
+        tau = self.run.local_steps
+        history = self.ledger.events()
+        planned = SiteLedgerEntry(
+            server_round, self.mechanism, self.sigma, self.sample_rate, tau, self.delta
+        )
+        if self.method == "nondp":  # allowed by the site's policy: recorded, never capped
+            return planned
+        if epsilon([*history, planned.event()], self.delta) > self.epsilon_cap:
+            log.info(
+                "site %s: %d more steps would pass its cap epsilon=%s (spent %.4f at delta=%s)",
+                self.site_id,
+                tau,
+                self.epsilon_cap,
+                epsilon(history, self.delta),
+                self.delta,
+            )
+            return None
+        return planned
 
     def _train_round(
         self, run_id: str, server_round: int, digest: str, arrays: dict[str, Tensor]
     ) -> RoundReply:
-        self.ledger.reload()  # another process may have charged this site since
-        tau = self.run.local_steps
+        planned = self._planned(server_round)
+        if planned is None:
+            return self._refused(server_round, "cap-exhausted")
         history = self.ledger.events()
-        if self.method != "nondp":
-            planned = [*history, PrivacyEvent(self.sigma, self.sample_rate, tau)]
-            if epsilon(planned, self.delta) > self.epsilon_cap:
-                spent = epsilon(history, self.delta)
-                reason = (
-                    f"{tau} more steps would exceed this site's cap epsilon={self.epsilon_cap} "
-                    f"(spent {spent:.4f} at delta={self.delta})"
-                )
-                log.warning("site %s refuses round %d: %s", self.site_id, server_round, reason)
-                return RoundReply({}, self._facts(server_round, STATUS_REFUSED, 0, reason))
-            self.ledger.charge(
-                SiteLedgerEntry(
-                    server_round,
-                    self.trainer_mechanism(),
-                    self.sigma,
-                    self.sample_rate,
-                    tau,
-                    self.delta,
-                )
-            )
+        attempt = len(self.ledger.entries())  # this charge's position in the site's own ledger
+        self.ledger.charge(planned)
         pause_point("site-training", server_round)
         start = load_arrays(self.loaded, arrays)
         self._restore_adaptive(start)
-        self.trainer.begin_round(history, tau)
-        self.trainer.reseed(_seed(self.run.seed, self.site_id, server_round))
-        results = self.trainer.train(tau)
+        self.trainer.begin_round(history, planned.steps)
+        self.trainer.reseed(self.policy.round_seed(server_round, attempt))
+        results = self.trainer.train(planned.steps)
+        facts = self._released_facts(server_round, results, planned)
         end = read_points(self.loaded.handles)
+        reply = RoundReply(self._update(arrays, start, end), facts)
+        if self.run.report_train_loss:  # the site's policy allowed it (checked at construction)
+            reply.nonprivate["nonprivate-train-loss"] = sum(r.loss for r in results) / len(results)
+        self._store_round(run_id, server_round, digest, reply, end)
+        return reply
+
+    def _update(
+        self, arrays: dict[str, Tensor], start: list[Point], end: list[Point]
+    ) -> dict[str, Tensor]:
+        """What the site sends: the tangent update (PRISM) or the end factors (baselines)."""
         out: dict[str, Tensor] = {}
         for h, s, e in zip(self.loaded.handles, start, end, strict=True):
             if self.run.method == "prism":
@@ -323,30 +457,16 @@ class Site:
             out[HEAD_PREFIX + name] = (
                 value - arrays[HEAD_PREFIX + name].float() if self.run.method == "prism" else value
             )
-        reply = RoundReply(
-            {k: v.contiguous() for k, v in out.items()}, self._facts(server_round, STATUS_OK, tau)
-        )
-        if self.run.report_train_loss:
-            reply.nonprivate["nonprivate-train-loss"] = sum(r.loss for r in results) / len(results)
-        self._store_round(run_id, server_round, digest, reply, end)
-        return reply
+        return {k: v.contiguous() for k, v in out.items()}
 
 
-_SITES: dict[tuple[str, str], Site] = {}
+_SITES: dict[tuple[str, ...], Site] = {}
 
 
-def get_site(run: RunConfig, site: SiteConfig, *, run_dir: str = "") -> Site:
-    """The process-wide ``Site`` for this run and site (models load once per process)."""
-    cache_key = (run.model_dump_json(), site.model_dump_json() + run_dir)
+def get_site(run: RunConfig, site: SiteConfig, policy: SitePolicy) -> Site:
+    """The process-wide ``Site`` for this run config and site policy (models load once)."""
+    secret = hashlib.sha256(policy.rng_secret or b"").hexdigest()
+    cache_key = (run.model_dump_json(), site.model_dump_json(), str(policy.state_dir), secret)
     if cache_key not in _SITES:
-        if site.state_dir:
-            state = Path(site.state_dir)
-        elif run_dir and site.partition_id >= 0:  # simulation: sites live in the run folder
-            state = Path(run_dir) / "sites" / site.name()
-        else:
-            raise ConfigError(
-                "node config needs state-dir: the folder where this site keeps its durable "
-                "privacy ledger (it must survive restarts)"
-            )
-        _SITES[cache_key] = Site(run, site, state)
+        _SITES[cache_key] = Site(run, site, policy)
     return _SITES[cache_key]

@@ -12,9 +12,15 @@ per-example gradients. Then, by ``method``:
 - ``ffa``: as ``dp-adamw`` with peft's ``lora_A`` frozen (FFA-LoRA).
 - ``nondp``: plain LoRA with AdamW on the mean per-sequence loss (no clipping, no noise).
 
-Every DP method draws the same Poisson batches and is accounted the same way: one
-subsampled-Gaussian event per step in a persistent history, epsilon by PRV. A step that would
-take epsilon past the target is refused with ``BudgetExceededError``.
+Every DP method draws the same Poisson batches and is accounted the same way: each step's
+mechanism returns its ``NoiseRecord`` (``StepResult.record``), and the persistent history is
+built from those records (``prism_core.accounting.events_from_records``), epsilon by PRV. A step
+that would take epsilon past the target is refused with ``BudgetExceededError``.
+
+Randomness: by default (``seed=None``) the Poisson sampler and dropout draw from generators
+seeded by the OS (``os.urandom``, fresh at every ``reseed``) and the noise from the OS CSPRNG
+(``prism_core.rng.SecureRNG``). An integer ``seed`` makes all three reproducible: for tests and
+benchmarks only, since anyone who knows the seed can predict the noise and the batches.
 """
 
 from __future__ import annotations
@@ -40,10 +46,12 @@ from client.data import IGNORE_INDEX, make_collate, micro_batches, poisson_loade
 from client.errors import ConfigError
 from client.lora import per_example_factor_grads, read_points, write_points_
 from client.model import LoadedModel
+from client.protocol import RNG_REPRODUCIBLE, RNG_SECURE
 from prism_core.accounting import (
     PrivacyEvent,
     calibrate_noise_multiplier,
     epsilon,
+    events_from_records,
     max_steps,
 )
 from prism_core.adaptive import AdaptiveConfig, AdaptiveState, adaptive_direction, init_state
@@ -52,6 +60,7 @@ from prism_core.errors import BudgetExceededError
 from prism_core.manifold import Point, Tangent
 from prism_core.mechanism import (
     ClippedSum,
+    NoiseRecord,
     PrivateStep,
     StepFrames,
     clip_and_sum_grads,
@@ -68,6 +77,8 @@ __all__ = [
     "PrivateTrainer",
     "StepResult",
     "TrainConfig",
+    "noise_records",
+    "os_seed",
     "per_example_loss",
 ]
 
@@ -125,8 +136,11 @@ class TrainConfig(BaseModel):
     head_lr: float | None = Field(None, gt=0, description="classifier head lr (default: lr)")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (baselines, head)")
     adaptive: AdaptiveSettings = AdaptiveSettings()
-    seed: int = Field(0, description="seeds sampling, dropout and (unless secure_rng) the noise")
-    secure_rng: bool = Field(False, description="noise from the OS CSPRNG (production)")
+    seed: int | None = Field(
+        None,
+        description="None: sampling, dropout and noise from the OS (private); an int: "
+        "reproducible (tests, benchmarks; predictable to anyone who knows it)",
+    )
     progress: bool = Field(True, description="tqdm progress bar on stderr")
 
     @model_validator(mode="after")
@@ -141,11 +155,26 @@ class TrainConfig(BaseModel):
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one step did. ``loss`` and ``batch_size`` are PRIVATE (un-noised): keep them local."""
+    """What one step did. ``loss`` and ``batch_size`` are PRIVATE (un-noised): keep them local.
+
+    ``record`` is the mechanism's own ``NoiseRecord`` of the step (None for ``nondp``): the one
+    source of every privacy event, ledger entry and accounting fact.
+    """
 
     step: int
     loss: float
     batch_size: int
+    record: NoiseRecord | None = None
+
+
+def noise_records(results: Sequence[StepResult]) -> list[NoiseRecord]:
+    """The mechanism records of ``results`` (steps without one, i.e. ``nondp``, are skipped)."""
+    return [r.record for r in results if r.record is not None]
+
+
+def os_seed() -> int:
+    """A fresh 63-bit seed from the OS CSPRNG (for the sampler and dropout generators)."""
+    return int.from_bytes(os.urandom(8), "little") >> 1
 
 
 def per_example_loss(model: nn.Module, batch: dict[str, Tensor], task: str) -> Tensor:
@@ -205,28 +234,30 @@ class PrivateTrainer:
         self._allowed: int | None = None  # steps left under the cap, computed on demand
         self._setup_method()
 
-    def reseed(self, seed: int) -> None:
-        """Restart Poisson sampling, dropout and noise from ``seed`` (ignored with secure RNG).
+    def reseed(self, seed: int | None) -> None:
+        """Restart Poisson sampling, dropout and noise: from the OS (None) or from ``seed``.
 
-        A federated site reseeds every round from ``(seed, site-id, round)``, so what a round
-        draws never depends on the process's history and a re-run round replays exactly. In
-        secure-RNG mode sampling and dropout draw from a fresh OS-random seed and the noise
-        from the OS CSPRNG: an exact replay is impossible by design.
+        With None the sampler and dropout generators get fresh OS-random seeds and the noise
+        comes from the OS CSPRNG: nothing can be predicted or replayed. An integer seed is the
+        reproducible mode (tests, benchmarks); a federated site derives it from a secret only
+        it holds (``client.policy.SitePolicy.round_seed``), never from the coordinator.
         """
-        config = self.config
-        if config.secure_rng:
-            seed = int.from_bytes(os.urandom(8), "little") >> 1
-        torch.manual_seed(seed)  # dropout
+        if seed is None:
+            sampling, dropout = os_seed(), os_seed()
+            self.noise: NoiseSource = SecureRNG()
+            self.rng = RNG_SECURE
+        else:
+            sampling = dropout = seed
+            self.noise = torch.Generator().manual_seed(seed + 1)
+            self.rng = RNG_REPRODUCIBLE
+        torch.manual_seed(dropout)
         self._loader, self.sample_rate = poisson_loader(
             self._dataset,
-            expected_batch_size=config.batch_size,
+            expected_batch_size=self.config.batch_size,
             collate_fn=make_collate(self.loaded.tokenizer, self.task),
-            generator=torch.Generator().manual_seed(seed),
+            generator=torch.Generator().manual_seed(sampling),
         )
         self._batches = self._forever()
-        self.noise: NoiseSource = (
-            SecureRNG() if config.secure_rng else torch.Generator().manual_seed(seed + 1)
-        )
 
     # -- privacy ---------------------------------------------------------------------------
 
@@ -336,17 +367,18 @@ class PrivateTrainer:
         self._check_budget()
         batch = next(self._batches)
         batch = {k: v.to(self.loaded.device) for k, v in batch.items()}
+        record: NoiseRecord | None = None
         with self._autocast():
             if self.config.method == "prism":
-                loss = self._prism_step(batch)
+                loss, record = self._prism_step(batch)
             elif self.is_private:
-                loss = self._factor_step(batch)
+                loss, record = self._factor_step(batch)
             else:
                 loss = self._nondp_step(batch)
-        if self.is_private:
-            self.history.append(PrivacyEvent(self.noise_multiplier, self.sample_rate, 1))
+        if record is not None:  # the history is what the mechanism says it ran
+            self.history.extend(events_from_records([record]))
         self.steps_done += 1
-        return StepResult(self.steps_done, loss, int(batch["labels"].shape[0]))
+        return StepResult(self.steps_done, loss, int(batch["labels"].shape[0]), record)
 
     def _autocast(self) -> torch.autocast:
         enabled = self.loaded.device.type == "cuda"
@@ -436,7 +468,7 @@ class PrivateTrainer:
         )
         return released, acc, total
 
-    def _prism_step(self, batch: dict[str, Tensor]) -> float:
+    def _prism_step(self, batch: dict[str, Tensor]) -> tuple[float, NoiseRecord]:
         cfg, handles, head = self.config, self.loaded.handles, self.loaded.head_params
         points = read_points(handles)
         frames = step_frames(points)
@@ -454,9 +486,9 @@ class PrivateTrainer:
                 p.grad = g.to(p.dtype)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        return total / max(acc.count, 1)
+        return total / max(acc.count, 1), released.record
 
-    def _factor_step(self, batch: dict[str, Tensor]) -> float:
+    def _factor_step(self, batch: dict[str, Tensor]) -> tuple[float, NoiseRecord]:
         cfg = self.config
         acc: list[Tensor] | None = None
         total, count = 0.0, 0
@@ -468,7 +500,7 @@ class PrivateTrainer:
             self._clear_grads()
         if acc is None:
             acc = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
-        noisy, _ = factor_privatize(
+        noisy, record = factor_privatize(
             acc,
             noise_multiplier=self.noise_multiplier,
             max_norm=cfg.max_norm,
@@ -481,7 +513,7 @@ class PrivateTrainer:
             p.grad = g.to(p.dtype)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return total / max(count, 1)
+        return total / max(count, 1), record
 
     def _nondp_step(self, batch: dict[str, Tensor]) -> float:
         count = int(batch["labels"].shape[0])
@@ -497,7 +529,11 @@ class PrivateTrainer:
     # -- loop ------------------------------------------------------------------------------
 
     def train(self, steps: int | None = None) -> list[StepResult]:
-        """Run ``steps`` (default: the planned ``config.steps``) with a progress bar."""
+        """Run ``steps`` (default: the planned ``config.steps``) with a progress bar.
+
+        Returns one ``StepResult`` per step, each with the mechanism's ``NoiseRecord``
+        (``noise_records`` collects them for accounting).
+        """
         todo = self.config.steps if steps is None else steps
         results = []
         every = max(1, todo // 10)  # a PRV evaluation costs ~0.1 s

@@ -10,7 +10,10 @@ replaces itself with ``flower-superlink`` / ``flower-supernode``:
 - The SuperLink never installs dependencies at run time
   (``--disable-runtime-dependency-installation``): the image carries them.
 - A site's node config (``PRISM_SITE_ID``, ``PRISM_DATA_PATH``, ``PRISM_EPSILON_CAP``, ...) is
-  validated with ``client.config.SiteConfig`` before the SuperNode starts.
+  validated with ``client.config.SiteConfig`` before the SuperNode starts, and a site is refused
+  without its privacy policy and ledger folder (``PRISM_EPSILON_CAP``, ``PRISM_DELTA``,
+  ``PRISM_STATE_DIR``) or with a reproducible-randomness secret (``PRISM_FL_RNG_SECRET``) while it
+  requires secure randomness (the default).
 - Only file paths are printed, never the contents of a key.
 
 Environment of ``superlink``: ``PRISM_TLS_DIR`` (``ca.crt``, ``server.crt``, ``server.key``),
@@ -18,8 +21,10 @@ Environment of ``superlink``: ``PRISM_TLS_DIR`` (``ca.crt``, ``server.crt``, ``s
 ``PRISM_PORT`` (default 8000).
 Environment of ``supernode``: ``PRISM_SUPERLINK`` (host:port), ``PRISM_CA_CERT``,
 ``PRISM_SITE_KEY``, ``PRISM_SITE_ID``, ``PRISM_DATA_PATH``, ``PRISM_STATE_DIR``,
-``PRISM_EPSILON_CAP``, ``PRISM_DELTA``, ``PRISM_SHARE_NUM_EXAMPLES``, ``PRISM_PARTITION_ID`` and
-``PRISM_NUM_PARTITIONS`` (one-host demo only), ``PRISM_CLIENTAPP_PORT`` (default 9094).
+``PRISM_EPSILON_CAP``, ``PRISM_DELTA`` (these three required), ``PRISM_SHARE_NUM_EXAMPLES``,
+``PRISM_ALLOW_NONDP``, ``PRISM_ALLOW_NONPRIVATE_METRICS``, ``PRISM_REQUIRE_SECURE_RNG`` (default
+true), ``PRISM_PARTITION_ID`` and ``PRISM_NUM_PARTITIONS`` (one-host demo only),
+``PRISM_CLIENTAPP_PORT`` (default 9094).
 Exit code 2: refused, with the reason on stderr; otherwise Flower's own exit code.
 """
 
@@ -49,10 +54,21 @@ _NODE_ENV = {
     "epsilon-cap": "PRISM_EPSILON_CAP",
     "delta": "PRISM_DELTA",
     "share-num-examples": "PRISM_SHARE_NUM_EXAMPLES",
+    "allow-nondp": "PRISM_ALLOW_NONDP",
+    "allow-nonprivate-metrics": "PRISM_ALLOW_NONPRIVATE_METRICS",
+    "require-secure-rng": "PRISM_REQUIRE_SECURE_RNG",
     "partition-id": "PRISM_PARTITION_ID",
     "num-partitions": "PRISM_NUM_PARTITIONS",
 }
 _NUMERIC = {"epsilon-cap", "delta", "partition-id", "num-partitions"}
+_BOOLEAN = {
+    "share-num-examples",
+    "allow-nondp",
+    "allow-nonprivate-metrics",
+    "require-secure-rng",
+}
+_REQUIRED = ("epsilon-cap", "delta", "state-dir")
+"""A site kit never starts without its own privacy policy and its ledger folder."""
 
 
 def _insecure_allowed(env: Mapping[str, str]) -> bool:
@@ -129,6 +145,7 @@ def superlink_args(env: Mapping[str, str], extra: Sequence[str] = ()) -> list[st
 def _node_config(env: Mapping[str, str]) -> str:
     """``--node-config`` from the site's environment, validated by ``SiteConfig``."""
     from client.config import SiteConfig, parse_config
+    from client.policy import RNG_SECRET_ENV, site_policy
 
     values: dict[str, object] = {}
     for key, variable in _NODE_ENV.items():
@@ -140,13 +157,22 @@ def _node_config(env: Mapping[str, str]) -> str:
                 values[key] = float(raw) if key in {"epsilon-cap", "delta"} else int(raw)
             except ValueError:
                 raise DeployError(f"{variable}={raw!r} is not a number") from None
-        elif key == "share-num-examples":
+        elif key in _BOOLEAN:
             values[key] = raw.lower() in {"1", "true", "yes"}
         else:
             values[key] = raw
+    values.setdefault("require-secure-rng", True)  # a kit site is a real site: secure by default
+    missing = [_NODE_ENV[key] for key in _REQUIRED if key not in values]
+    if missing:
+        raise DeployError(
+            f"refusing to start: {', '.join(missing)} not set. A site states its own privacy "
+            "policy (PRISM_EPSILON_CAP: the most epsilon it will ever spend; PRISM_DELTA: the "
+            "largest delta it accepts, well below 1/N) and keeps its privacy ledger in "
+            "PRISM_STATE_DIR (a volume that survives restarts); the coordinator cannot set them"
+        )
     try:
         site = parse_config(SiteConfig, values, what="site setting")
-        site.name()
+        site_policy(site, env_secret=env.get(RNG_SECRET_ENV, ""))
     except ValueError as exc:
         raise DeployError(f"{exc} (set the PRISM_* variables of the site kit)") from exc
     parts = []

@@ -3,7 +3,12 @@
 Runs ``flwr run . local`` (the bundled MiniLM, the built-in synthetic task, a coordinator-owned
 synthetic held-out set), waits for it, stops the local SuperLink that ``flwr run`` leaves running,
 and prints where the adapter and the budget report are. Extra arguments are passed to
-``--run-config`` (e.g. ``python -m server.demo "num-rounds=5 data='/path/train.jsonl'"``).
+``--run-config`` (e.g. ``python -m server.demo "num-rounds=5 data='/path/train.jsonl'"``); a key
+the user gives replaces the demo's own default for it (``run-dir``, ``server-eval-data``), since
+Flower refuses a run config that names a key twice.
+
+The three simulated sites use the simulation defaults of their policy (``client.policy``: cap
+8.0, delta 1e-5, state in ``<run-dir>/sites/<site-id>``) and draw their randomness from the OS.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["demo_env", "main", "stop_local_superlinks"]
+__all__ = ["demo_env", "demo_run_config", "main", "stop_local_superlinks"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,14 +86,51 @@ def _running(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def _flwr_value(value: object) -> str:
+    """One value in Flower's ``--run-config`` syntax (TOML scalars)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, int | float):
+        return repr(value)
+    text = str(value)
+    return f"'{text}'" if "'" not in text else f'"{text}"'
+
+
+def demo_run_config(extra: str, default_run_dir: Path) -> tuple[str, Path]:
+    """The ``--run-config`` string of the demo and the run folder it writes to.
+
+    The user's ``extra`` (``key=value`` pairs, Flower's syntax) wins over the demo's defaults
+    (``run-dir``, ``server-eval-data='synthetic'``): each key appears once. A relative
+    ``run-dir`` is made absolute from the repository root, so the demo finds its report.
+
+    Raises:
+        ValueError: ``extra`` is not Flower's ``key=value ...`` syntax.
+    """
+    from flwr.common.config import parse_config_args
+
+    try:
+        given = parse_config_args([extra]) if extra.strip() else {}
+    except Exception as exc:  # Flower raises click's ClickException for a malformed string
+        raise ValueError(str(getattr(exc, "message", exc))) from exc
+    values: dict[str, object] = {"run-dir": str(default_run_dir), "server-eval-data": "synthetic"}
+    values.update(given)
+    run_dir = Path(str(values["run-dir"]) or default_run_dir)
+    values["run-dir"] = str(run_dir if run_dir.is_absolute() else ROOT / run_dir)
+    config = " ".join(f"{k}={_flwr_value(v)}" for k, v in values.items())
+    return config, Path(str(values["run-dir"]))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the demo federation; return the exit status of ``flwr run``."""
     extra = " ".join(sys.argv[1:] if argv is None else argv)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-    run_dir = ROOT / "runs" / f"demo-{stamp}"
+    try:
+        run_config, run_dir = demo_run_config(extra, ROOT / "runs" / f"demo-{stamp}")
+    except ValueError as exc:
+        print(f"prism-fl demo: bad run config {extra!r}: {exc}", file=sys.stderr)
+        return 2
     flwr_home = ROOT / ".flwr"
     env = demo_env(flwr_home)
-    run_config = f"run-dir='{run_dir}' server-eval-data='synthetic' {extra}".strip()
     command = [
         str(Path(sys.executable).parent / "flwr"),
         "run",

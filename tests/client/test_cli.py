@@ -36,7 +36,8 @@ REQUIRED_KEYS = {
     "epsilon",
     "epsilon_rdp",
     "target_epsilon",
-    "secure_rng",
+    "rng",
+    "rng_seed",
     "seed",
     "num_train_examples",
     "eval",
@@ -90,6 +91,7 @@ def test_prism_end_to_end(tiny_bert: str, sst2: tuple[Path, Path], tmp_path: Pat
     assert metrics["num_train_examples"] == 120
     assert metrics["sample_rate"] == pytest.approx(32 / 120)
     assert metrics["noise_multiplier"] > 0
+    assert metrics["rng"] == "os-csprng" and metrics["rng_seed"] is None  # secure by default
     assert metrics["eval"]["examples"] == 40
     assert 0.0 <= metrics["eval"]["accuracy"] <= 1.0
     assert metrics["eval"]["loss"] > 0
@@ -143,6 +145,41 @@ def test_yaml_config_with_cli_override(
     assert 0 < metrics["epsilon"] <= 5
 
 
+def test_seed_alone_leaves_sampling_and_noise_to_the_os_reproducible_repeats(
+    tiny_bert: str, sst2: tuple[Path, Path], tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    def run(name: str, *extra: str) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
+        out = tmp_path / name
+        args = [*_base_args(tiny_bert, sst2, out), "--noise-multiplier", "1.0", *FAST, *extra]
+        assert main([*args, "--eval-limit", "4"]) == EXIT_OK
+        metrics = json.loads((out / "metrics.json").read_text())
+        return metrics, load_file(str(out / "adapter" / "adapter_model.safetensors"))
+
+    def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+        return all(a[k].equal(b[k]) for k in a)
+
+    m1, a1 = run("s1", "--seed", "3")
+    m2, a2 = run("s2", "--seed", "3")
+    assert m2["rng"] == "os-csprng"
+    assert m1["rng"] == "os-csprng" and m1["seed"] == 3  # --seed: the initialisation only
+    assert not same(a1, a2)  # sampling and noise came from the OS
+    r1, b1 = run("r1", "--seed", "3", "--reproducible")
+    r2, b2 = run("r2", "--seed", "3", "--reproducible")
+    assert r2["rng"] == "reproducible"
+    assert r1["rng"] == "reproducible" and r1["rng_seed"] == 3
+    assert same(b1, b2)
+
+
+def test_help_says_randomness_is_secure_unless_reproducible(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["--help"]) == EXIT_OK
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--reproducible" in out and "OS CSPRNG" in out and "tests, benchmarks ONLY" in out
+
+
 def test_nondp_has_no_epsilon(tiny_bert: str, sst2: tuple[Path, Path], tmp_path: Path) -> None:
     out = tmp_path / "run"
     args = [*_base_args(tiny_bert, sst2, out), "--method", "nondp", "--train-limit", "64", *FAST]
@@ -159,6 +196,7 @@ def test_nondp_has_no_epsilon(tiny_bert: str, sst2: tuple[Path, Path], tmp_path:
         (["--epsilon", "0"], EXIT_CONFIG_ERROR, ["--epsilon=0", "> 0"]),
         (["--epsilon", "3", "--rank", "1000"], EXIT_CONFIG_ERROR, ["rank=1000", "rank <= 32"]),
         (["--epsilon", "3", "--delta", "2"], EXIT_CONFIG_ERROR, ["--delta=2", "< 1"]),
+        (["--epsilon", "3", "--delta", "0.01"], EXIT_CONFIG_ERROR, ["--delta=0.01", "1/N"]),
         (["--epsilon", "3", "--method", "sgd"], EXIT_CONFIG_ERROR, ["--method", "sgd"]),
         ([], EXIT_CONFIG_ERROR, ["needs epsilon"]),
         (["--epsilon", "3", "--batch-size", "500"], EXIT_CONFIG_ERROR, ["batch_size=500"]),

@@ -24,8 +24,9 @@ _SYMBOL = {
 }
 _CUSTOM = {  # fields whose rule is not a plain bound: a value just outside it
     "noise_multiplier": [-0.5, -2.0],
-    "epsilon_cap": [0.0, -3.0],
+    "epsilon_cap": [0.0, -3.0, -1.0],
     "delta": [0.0, 1.0, -0.5],
+    "require_secure_rng": ["maybe", 2],
     "lora_targets": [",", " , "],
 }
 
@@ -110,6 +111,13 @@ def test_rule_across_keys_names_both_and_the_rule():
     message = str(info.value)
     assert "min-sites=4" in message and "sites-per-round=2" in message
     assert "1 <= min-sites <= sites-per-round" in message
+
+
+def test_removed_secure_rng_key_says_randomness_is_the_sites_choice():
+    with pytest.raises(ConfigError, match="randomness is the site's choice") as info:
+        parse_config(RunConfig, {"secure-rng": True}, what="run config")
+    assert "'secure-rng' no longer exists" in str(info.value)
+    assert "rng-secret" in str(info.value)  # what a site operator can do instead
 
 
 def test_unknown_key_lists_the_valid_ones():

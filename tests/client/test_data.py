@@ -161,8 +161,8 @@ GOOD = json.dumps({"text": "good movie", "label": 1})
     [
         (json.dumps({"text": "good movie"}), "missing field 'label'"),
         (json.dumps({"label": 1}), "missing field 'text'"),
-        (json.dumps({"text": "good", "label": "pos"}), r"label must be an integer >= 0.*'pos'"),
-        (json.dumps({"text": "good", "label": 1.5}), r"label must be an integer >= 0.*1\.5"),
+        (json.dumps({"text": "good", "label": "pos"}), r"integer >= 0, found text \(3 char"),
+        (json.dumps({"text": "good", "label": 1.5}), r"integer >= 0, found a non-integer"),
         (json.dumps({"text": "good", "label": True}), "label must be an integer"),
         (json.dumps({"text": "good", "label": -1}), "label must be an integer >= 0"),
         (json.dumps({"text": "  ", "label": 1}), "field 'text' is empty"),
@@ -195,10 +195,11 @@ def test_bad_causal_lm_rows(tmp_path: Path) -> None:
 
 def test_bad_csv_label_names_line(tmp_path: Path) -> None:
     path = tmp_path / "bad.csv"
-    path.write_text("text,label\ngood,1\nbad,pos\n", encoding="utf-8")
-    with pytest.raises(DataError, match=r"line 3: label must be an integer.*'pos'") as info:
+    path.write_text("text,label\ngood,1\nbad,Jane-Roe-1984\n", encoding="utf-8")
+    with pytest.raises(DataError, match=r"line 3: label must be an integer.*found text") as info:
         load_examples(path, "seq-cls")
     assert str(path) in str(info.value)
+    assert "Jane-Roe" not in str(info.value)  # never the cell's content
     path.write_text("text,label\ngood,1.5\n", encoding="utf-8")
     with pytest.raises(DataError, match=r"line 2: label must be an integer"):
         load_examples(path, "seq-cls")

@@ -68,6 +68,26 @@ def test_required_settings_are_named(tmp_path):
     assert re.search(
         r"required variable PRISM_(SUPERLINK|SITE_ID|DATA_FILE) is missing", done.stderr
     )
+    # the site kit does not start without the site's own privacy policy
+    for variable in ("PRISM_EPSILON_CAP", "PRISM_DELTA"):
+        settings = [
+            line
+            for line in SITE_ENV.read_text().splitlines()
+            if not line.startswith(f"{variable}=")
+        ]
+        partial = tmp_path / f"no-{variable}.env"
+        partial.write_text("\n".join(settings) + "\n")
+        done = _config_q([DEPLOY / "site" / "docker-compose.yml"], partial)
+        assert done.returncode != 0
+        assert f"required variable {variable} is missing" in done.stderr, done.stderr
+
+
+def test_one_host_sites_state_their_privacy_policy():
+    services = compose_config(ROOT / "docker-compose.yml")["services"]
+    for site in SITES:
+        env = services[site]["environment"]
+        assert env["PRISM_STATE_DIR"] == "/var/lib/prism"
+        assert float(env["PRISM_EPSILON_CAP"]) == 8.0 and float(env["PRISM_DELTA"]) == 1e-5
 
 
 def _mounts(service: dict) -> dict[str, dict]:
@@ -209,6 +229,9 @@ def test_site_kit_settings_start_a_tls_authenticated_supernode(tmp_path):
         "epsilon-cap": 3.0,
         "delta": 1e-5,
         "share-num-examples": False,
+        "allow-nondp": False,
+        "allow-nonprivate-metrics": False,
+        "require-secure-rng": True,
     }
 
 

@@ -54,6 +54,7 @@ def test_supernode_node_config_round_trips_through_flowers_parser(pki):
         "state-dir": "/var/lib/prism",
         "epsilon-cap": 2.5,
         "delta": 1e-6,
+        "require-secure-rng": True,  # a kit site never runs on reproducible randomness
     }
 
 
@@ -94,6 +95,33 @@ def test_bad_site_settings_are_named(pki):
         supernode_args(_site_env(pki, PRISM_SITE_ID=""))
 
 
+@pytest.mark.parametrize(
+    "unset", [("PRISM_EPSILON_CAP",), ("PRISM_DELTA",), ("PRISM_STATE_DIR", "PRISM_DELTA")]
+)
+def test_a_site_without_its_privacy_policy_or_ledger_folder_is_refused(pki, unset):
+    env = _site_env(pki, **dict.fromkeys(unset, ""))
+    with pytest.raises(DeployError, match="refusing to start") as info:
+        supernode_args(env)
+    for variable in unset:
+        assert variable in str(info.value).split(": ")[1]
+
+
+def test_a_site_with_a_reproducible_secret_is_refused_unless_it_opts_out(pki):
+    with pytest.raises(DeployError, match="requires secure randomness"):
+        supernode_args(_site_env(pki, PRISM_FL_RNG_SECRET="s"))
+    args = supernode_args(_site_env(pki, PRISM_FL_RNG_SECRET="s", PRISM_REQUIRE_SECURE_RNG="false"))
+    node = parse_config_args([args[args.index("--node-config") + 1]])
+    assert node["require-secure-rng"] is False and "rng-secret" not in node
+    assert "s" not in node.values()  # the secret is never put on a command line
+
+
+def test_a_sites_allow_switches_reach_its_node_config(pki):
+    env = _site_env(pki, PRISM_ALLOW_NONDP="true", PRISM_ALLOW_NONPRIVATE_METRICS="1")
+    args = supernode_args(env)
+    node = parse_config_args([args[args.index("--node-config") + 1]])
+    assert node["allow-nondp"] is True and node["allow-nonprivate-metrics"] is True
+
+
 def test_insecure_start_prints_a_warning(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "PRISM_ALLOW_INSECURE": "1"}
     env["FLWR_HOME"] = str(tmp_path)
@@ -111,16 +139,26 @@ def test_insecure_start_prints_a_warning(tmp_path):
     assert "1.42.0" in done.stdout + done.stderr  # flower-superlink itself ran (exec)
 
 
-def test_refusal_exits_2_before_flower_starts(tmp_path):
+@pytest.mark.parametrize(
+    ("policy", "why"),
+    [
+        (
+            {"PRISM_EPSILON_CAP": "2", "PRISM_DELTA": "1e-6", "PRISM_STATE_DIR": "/s"},
+            "refusing to start: no TLS is configured",
+        ),
+        ({}, "refusing to start: PRISM_EPSILON_CAP, PRISM_DELTA, PRISM_STATE_DIR not set"),
+    ],
+)
+def test_refusal_exits_2_before_flower_starts(tmp_path, policy, why):
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "FLWR_HOME": str(tmp_path)}
     done = subprocess.run(
         [sys.executable, "-m", "deploy.launch", "supernode"],
-        env={**env, "PRISM_SUPERLINK": "x:1", "PRISM_SITE_ID": "a"},
+        env={**env, "PRISM_SUPERLINK": "x:1", "PRISM_SITE_ID": "a", **policy},
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
     )
     assert done.returncode == 2
-    assert "refusing to start: no TLS is configured" in done.stderr
+    assert why in done.stderr
     assert "Starting Flower" not in done.stderr

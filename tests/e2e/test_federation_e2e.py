@@ -109,7 +109,8 @@ def test_deployment_superlink_and_three_supernodes(tiny_bert, sst2_rows, tmp_pat
             data = tmp_path / f"{site}.jsonl"
             data.write_text("".join(json.dumps(r) + "\n" for r in sst2_rows[i * 60 : (i + 1) * 60]))
             node_config = (
-                f"site-id='{site}' data-path='{data}' state-dir='{tmp_path / 'state' / site}'"
+                f"site-id='{site}' data-path='{data}' state-dir='{tmp_path / 'state' / site}' "
+                "epsilon-cap=8.0 delta=1e-5"  # a deployed site states its own policy
             )
             group.start(
                 site,

@@ -5,7 +5,8 @@ runs the ServerApp in its own ``flwr-serverapp`` process. The test picks at leas
 points (named pause points, ``client.testhooks``; always including mid-aggregation and
 mid-ledger-write), SIGKILLs that process at each, starts ``flwr run`` again with the same
 run-dir, and finally checks the run against an uninterrupted run of the same configuration
-(the loopback driver of ``tests/server/resume_driver.py``, same sites and seeds): the same
+(the loopback driver of ``tests/server/resume_driver.py``, same sites, and the sites in their
+reproducible mode with the same secret, ``PRISM_FL_RNG_SECRET``): the same
 ledger events (none lost, none twice), the same epsilon per site, and a bitwise-identical
 global adapter.
 """
@@ -39,6 +40,7 @@ from server.checkpoint import load_checkpoint
 from server.ledger import Ledger
 
 ROUNDS, SITES = 3, 2
+SECRET = "resume-e2e"  # the sites' reproducible-mode secret
 POINTS = (
     "round-start",
     "ledger-write",
@@ -105,7 +107,9 @@ def test_serverapp_sigkilled_at_random_points_resumes_bitwise(tiny_bert, tmp_pat
     # The uninterrupted reference: same sites (partitions) and seeds, loopback transport.
     reference_dir = tmp_path / "reference"
     driver = ROOT / "tests" / "server" / "resume_driver.py"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    # Sites in reproducible mode (a secret each site process holds; never sent): the only way
+    # two runs can be compared bitwise. By default a site's randomness comes from the OS.
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PRISM_FL_RNG_SECRET=SECRET)
     env.pop("PRISM_FL_PAUSE_AT", None)
     done = subprocess.run(
         [sys.executable, str(driver), json.dumps(_config(tiny_bert, reference_dir)), str(SITES)],
@@ -123,7 +127,7 @@ def test_serverapp_sigkilled_at_random_points_resumes_bitwise(tiny_bert, tmp_pat
     control, pause = tmp_path / "pause-at.txt", tmp_path / "paused.json"
     # Same torch thread count as the reference: multi-threaded GEMMs split their reductions by
     # thread count, so float results are bitwise equal only between runs with equal threads.
-    env = dict(flower_env(home), OMP_NUM_THREADS="1")
+    env = dict(flower_env(home), OMP_NUM_THREADS="1", PRISM_FL_RNG_SECRET=SECRET)
     port = free_port()
     write_connection(home, "loopback", f"127.0.0.1:{port}")
     link_env = dict(env, PRISM_FL_PAUSE_AT=f"file:{control}", PRISM_FL_PAUSE_FILE=str(pause))

@@ -53,6 +53,8 @@ def _env(**extra: str) -> dict[str, str]:
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
         FLWR_TELEMETRY_ENABLED="0",
+        # The sites' reproducible mode (a site-held secret), so two runs can be compared bitwise.
+        PRISM_FL_RNG_SECRET="resume-test",
     )
     env.pop("PRISM_FL_PAUSE_AT", None)
     env.update(extra)

@@ -14,6 +14,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from client.config import RunConfig, SiteConfig, parse_config, site_method
 from client.exchange import head_named, to_arrays
+from client.policy import site_policy
 from client.protocol import ACCOUNTING, CONFIG, ROUND_NONCE, SERVER_ROUND, UPDATE
 from client.site import Site
 from client.trainer import MECHANISMS
@@ -120,8 +121,18 @@ def test_honest_site_updates_pass_with_margin_and_scaled_ones_are_rejected(
 ):
     head = {"lora-head": "train"} if method == "prism" else {}  # PRISM with its DP head
     run = _run(tiny_bert, seed, method=method, **head)
-    node = parse_config(SiteConfig, {"partition-id": seed, "num-partitions": 3}, what="node config")
-    site = Site(run, node, tmp_path / "state")
+    node = parse_config(
+        SiteConfig,
+        {
+            "partition-id": seed,
+            "num-partitions": 3,
+            "state-dir": str(tmp_path / "state"),
+            "epsilon-cap": 50.0,
+        },
+        what="node config",
+    )
+    # reproducible mode (a site-held secret per seed) keeps this test deterministic
+    site = Site(run, node, site_policy(node, env_secret=f"update-bound-{seed}"))
     strategy = _strategy(run, site, tmp_path)
     for server_round in (1,):  # the next round starts with warm optimizer moments
         _, metrics = _one_round(strategy, site, server_round)

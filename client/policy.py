@@ -1,0 +1,174 @@
+"""A site's privacy policy, resolved from its node config: what it allows and where it keeps state.
+
+The node config (``client.config.SiteConfig``) is the site's policy; the run config is a
+REQUEST. ``site_policy`` resolves the node config once (errors here are configuration errors:
+the site cannot run at all), and ``SitePolicy.refusal`` says whether a run's request is allowed
+(a refusal is an answer, never an error: the site replies ``refused`` with a
+``client.protocol.REFUSAL_REASONS`` code and charges nothing).
+
+Deployed and simulated sites differ only in defaults:
+
+- deployed (no ``partition-id``, or a ``data-path``): ``epsilon-cap``, ``delta`` and
+  ``state-dir`` are REQUIRED, and reproducible randomness is refused
+  (``require-secure-rng`` defaults to true);
+- simulated (``partition-id`` without ``data-path``): ``epsilon-cap`` defaults to
+  ``SIMULATION_EPSILON_CAP``, ``delta`` to ``SIMULATION_DELTA``, and ``state-dir`` to
+  ``<run-dir>/sites/<site-id>`` (``runs/flwr-run-<run id>/sites/<site-id>`` without a run-dir):
+  the simulated sites and the coordinator share one operator and one machine.
+
+Randomness: by default every random draw that protects a record (Poisson sampling, dropout,
+noise) comes from the OS at the site (``SitePolicy.round_seed`` returns None). Reproducible
+mode (tests, benchmarks) needs a secret the SITE holds (node-config ``rng-secret`` or the site
+process's ``PRISM_FL_RNG_SECRET``; never sent): each charged release is seeded by
+``HMAC-SHA256(secret, site-id : round : ledger position)``. It is not private against anyone
+who knows the secret, and the site says so in every reply (``rng = reproducible``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from client.config import RunConfig, SiteConfig
+from client.errors import ConfigError
+from client.protocol import RNG_REPRODUCIBLE, RNG_SECURE
+
+__all__ = [
+    "RNG_SECRET_ENV",
+    "SIMULATION_DELTA",
+    "SIMULATION_EPSILON_CAP",
+    "SitePolicy",
+    "site_policy",
+]
+
+RNG_SECRET_ENV = "PRISM_FL_RNG_SECRET"
+"""Environment variable of the SITE process holding a reproducible-mode secret."""
+
+SIMULATION_EPSILON_CAP = 8.0
+"""A simulated site's cap when its node config sets none: a ceiling for experiments."""
+
+SIMULATION_DELTA = 1e-5
+"""A simulated site's delta when its node config sets none."""
+
+
+@dataclass(frozen=True)
+class SitePolicy:
+    """A site's resolved policy (see the module docstring)."""
+
+    site_id: str
+    simulation: bool
+    epsilon_cap: float
+    delta: float
+    state_dir: Path
+    allow_nondp: bool
+    allow_nonprivate_metrics: bool
+    rng_secret: bytes | None = field(default=None, repr=False)
+
+    @property
+    def rng(self) -> str:
+        """The ``rng`` fact: ``os-csprng`` or ``reproducible``."""
+        return RNG_SECURE if self.rng_secret is None else RNG_REPRODUCIBLE
+
+    def round_seed(self, server_round: int, attempt: int) -> int | None:
+        """Seed of one charged release: None (draw from the OS) unless in reproducible mode.
+
+        Args:
+            server_round: the coordinator's round.
+            attempt: the charge's position in the site's own ledger, so a re-run round (the
+                site died before storing its reply) draws fresh randomness, as it is charged.
+        """
+        if self.rng_secret is None:
+            return None
+        message = f"{self.site_id}:{server_round}:{attempt}".encode()
+        digest = hmac.new(self.rng_secret, message, hashlib.sha256).digest()
+        return int.from_bytes(digest[:8], "little") >> 1  # a non-negative int64
+
+    def refusal(self, run: RunConfig, num_examples: int) -> str | None:
+        """The ``REFUSAL_REASONS`` code for a run this site will not serve, or None.
+
+        The run's ``target-epsilon``/``delta`` are requests: at or below the site's own values
+        they are honoured (the site then spends at most what the run asks), above them refused.
+        """
+        if run.report_train_loss and not self.allow_nonprivate_metrics:
+            return "nonprivate-metrics-not-allowed"
+        if run.method == "nondp":
+            return None if self.allow_nondp else "nondp-not-allowed"
+        if run.target_epsilon > self.epsilon_cap:
+            return "epsilon-above-site-cap"
+        if run.delta > self.delta:
+            return "delta-above-site-policy"
+        if run.delta >= 1.0 / num_examples:
+            return "delta-not-below-1/n"
+        return None
+
+
+def _state_dir(site: SiteConfig, site_id: str, run_dir: str, run_id: int | str) -> Path:
+    if site.state_dir:
+        return Path(site.state_dir)
+    if run_dir:
+        return Path(run_dir) / "sites" / site_id
+    return Path("runs") / f"flwr-run-{run_id}" / "sites" / site_id
+
+
+def site_policy(
+    site: SiteConfig, *, run_dir: str = "", run_id: int | str = "", env_secret: str = ""
+) -> SitePolicy:
+    """Resolve the node config into the site's policy (checked before any charge or training).
+
+    Args:
+        site: the validated node config.
+        run_dir: the run config's ``run-dir`` (never the message's): a SIMULATED site's default
+            state folder is ``<run_dir>/sites/<site-id>``.
+        run_id: Flower's run id, for a simulated site's default state folder without run-dir.
+        env_secret: the site process's ``PRISM_FL_RNG_SECRET`` (used when the node config sets
+            no ``rng-secret``).
+
+    Raises:
+        ConfigError: a deployed site without ``epsilon-cap``, ``delta`` or ``state-dir``, or a
+            reproducible-mode secret on a site that requires secure randomness.
+    """
+    site_id = site.name()
+    simulation = site.simulation
+    if not simulation:
+        missing = [
+            key
+            for key, value in (
+                ("epsilon-cap", site.epsilon_cap),
+                ("delta", site.delta),
+                ("state-dir", site.state_dir or None),
+            )
+            if value is None
+        ]
+        if missing:
+            raise ConfigError(
+                f"node config of deployed site {site_id!r} lacks {', '.join(missing)}: a site "
+                "states its own privacy policy (epsilon-cap: the most epsilon it ever spends; "
+                "delta: the largest delta it accepts, well below 1/N) and the folder of its "
+                "durable privacy ledger (state-dir, on storage that survives restarts). The "
+                "coordinator cannot choose them. Set them in --node-config (site kit: "
+                "PRISM_EPSILON_CAP, PRISM_DELTA, PRISM_STATE_DIR)."
+            )
+    secret = site.rng_secret or env_secret
+    require_secure = (
+        site.require_secure_rng if site.require_secure_rng is not None else not simulation
+    )
+    if secret and require_secure:
+        where = "node config rng-secret" if site.rng_secret else f"{RNG_SECRET_ENV}"
+        raise ConfigError(
+            f"site {site_id!r}: {where} asks for reproducible randomness, but this site requires "
+            "secure randomness (require-secure-rng is true, the default for a deployed site). "
+            "Reproducible mode makes sampling and noise predictable to whoever knows the secret; "
+            f"remove the secret ({where}), or set require-secure-rng=false for a test site."
+        )
+    return SitePolicy(
+        site_id=site_id,
+        simulation=simulation,
+        epsilon_cap=site.epsilon_cap if site.epsilon_cap is not None else SIMULATION_EPSILON_CAP,
+        delta=site.delta if site.delta is not None else SIMULATION_DELTA,
+        state_dir=_state_dir(site, site_id, run_dir, run_id),
+        allow_nondp=site.allow_nondp,
+        allow_nonprivate_metrics=site.allow_nonprivate_metrics,
+        rng_secret=secret.encode() if secret else None,
+    )

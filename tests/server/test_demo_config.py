@@ -1,0 +1,43 @@
+"""``make demo DEMO_ARGS=...``: the user's run-config keys replace the demo's own defaults."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from flwr.common.config import parse_config_args
+
+from server.demo import ROOT, demo_run_config
+
+
+def test_the_users_keys_override_the_demos_defaults():
+    """The README's example: data, server-eval-data and partitioner given by the user."""
+    extra = "data='/d/train.jsonl' server-eval-data='/d/dev.jsonl' partitioner='dirichlet'"
+    config, run_dir = demo_run_config(extra, Path("/runs/demo-1"))
+    keys = [pair.split("=", 1)[0] for pair in config.split()]
+    assert len(keys) == len(set(keys))  # Flower refuses a key named twice
+    assert parse_config_args([config]) == {
+        "run-dir": "/runs/demo-1",
+        "server-eval-data": "/d/dev.jsonl",  # the user's, not the demo's 'synthetic'
+        "data": "/d/train.jsonl",
+        "partitioner": "dirichlet",
+    }
+    assert run_dir == Path("/runs/demo-1")
+
+
+def test_defaults_apply_when_not_given_and_a_relative_run_dir_is_rooted():
+    config, run_dir = demo_run_config("", Path("/runs/demo-2"))
+    assert parse_config_args([config]) == {
+        "run-dir": "/runs/demo-2",
+        "server-eval-data": "synthetic",
+    }
+    config, run_dir = demo_run_config("run-dir='runs/mine' num-rounds=5 lr=0.5", Path("/x"))
+    values = parse_config_args([config])
+    assert run_dir == ROOT / "runs" / "mine" and values["run-dir"] == str(run_dir)
+    assert values["num-rounds"] == 5 and values["lr"] == 0.5
+    assert values["server-eval-data"] == "synthetic"
+
+
+def test_a_malformed_run_config_is_a_clear_error():
+    with pytest.raises(ValueError, match="invalid format"):
+        demo_run_config("num-rounds=5 lr=0.5.5", Path("/x"))
