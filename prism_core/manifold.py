@@ -37,6 +37,7 @@ __all__ = [
     "tangent_displacement",
     "tangent_norm_sq",
     "tangent_to_dense",
+    "transport",
     "work_dtype",
 ]
 
@@ -448,6 +449,34 @@ def tangent_displacement(A: Tensor, B: Tensor, A1: Tensor, B1: Tensor) -> Tangen
     gA = A1 @ (B1.mT @ B) - A @ (B.mT @ B)
     gB = B1 @ (A1.mT @ A) - B @ (A.mT @ A)
     return lift(A, B, gA, gB)
+
+
+def transport(A: Tensor, B: Tensor, A1: Tensor, B1: Tensor, dA: Tensor, dB: Tensor) -> Tangent:
+    """Vector transport by projection of a tangent vector at ``(A, B)`` to ``(A1, B1)``.
+
+    Implements ``P_{A1,B1}(dA B.T + A dB.T)`` lifted at the new point (eqs. 13-14 of PRISM
+    applied to the dense tangent vector; the projection transport of App. A on fixed-rank
+    manifolds, as in pymanopt's ``FixedRankEmbedded.transport``). The factor gradients of
+    ``G = dZ`` at the new point are ``G B1 = dA (B.T B1) + A (dB.T B1)`` and
+    ``G.T A1 = B (dA.T A1) + dB (A.T A1)``: only r x r products.
+
+    Args:
+        A, B: (m, r), (n, r) the point where ``(dA, dB)`` lives.
+        A1, B1: (m, r), (n, r) the new point.
+        dA, dB: (m, r), (n, r) the tangent vector.
+
+    Returns:
+        ``Tangent`` at ``(A1, B1)``; the identity (up to the lift's gauge) when the points agree.
+
+    Notes:
+        Cost O((m + n) r^2); no m x n matrix is formed. Used to carry a server momentum from
+        one round's base point to the next.
+    """
+    dtype = work_dtype(A, B, A1, B1, dA, dB)
+    A, B, A1, B1, dA, dB = (t.to(dtype) for t in (A, B, A1, B1, dA, dB))
+    gA = dA @ (B.mT @ B1) + A @ (dB.mT @ B1)
+    gB = B @ (dA.mT @ A1) + dB @ (A.mT @ A1)
+    return lift(A1, B1, gA, gB)
 
 
 def min_norm_lift(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor) -> Tangent:
