@@ -27,6 +27,8 @@ _CUSTOM = {  # fields whose rule is not a plain bound: a value just outside it
     "epsilon_cap": [0.0, -3.0],
     "delta": [0.0, 1.0, -0.5],
     "lora_targets": [",", " , "],
+    "head_max_norm": [0.0, -2.0],
+    "head_lr": [0.0, -0.5],
 }
 
 
