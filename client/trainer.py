@@ -5,9 +5,12 @@ micro-batches; each micro-batch runs forward/backward through Opacus' ``GradSamp
 (hooks mode) with a PER-SEQUENCE loss summed over examples, so ``grad_sample`` holds exact
 per-example gradients. Then, by ``method``:
 
-- ``prism``: lift -> global clip (LoRA modules and DP head together) -> accumulate, fused in
-  ``clip_and_sum_grads`` with the QR frames computed once per step; once per step: tangent
-  noise, divide by the expected batch size, DP-aware adaptive transform, retract.
+- ``prism``: lift -> global clip (LoRA modules and DP head together, or with the head's own
+  share ``head_max_norm`` of C) -> accumulate, fused in ``clip_and_sum_grads`` with the QR
+  frames computed once per step; once per step: tangent noise, divide by the expected batch
+  size, DP-aware adaptive transform, retract. The head steps with AdamW or plain SGD
+  (``head_optimizer``). Siamese text pairs: the encoder's per-text gradient rows are folded
+  into one per example (``client.classifier.fold_text_rows``) before the clip.
 - ``dp-adamw``: factor-space clip of the concatenated ``(gA, gB)`` (+ head), iid noise, AdamW.
 - ``ffa``: as ``dp-adamw`` with peft's ``lora_A`` frozen (FFA-LoRA).
 - ``nondp``: plain LoRA with AdamW on the mean per-sequence loss (no clipping, no noise).

@@ -5,6 +5,11 @@ Per logical step (Algorithm 1, lines 3-12)::
     lifts of every example and module  --clip_and_sum-->  ClippedSum  (may span micro-batches)
     ClippedSum  --privatize-->  DP tangent update per module  +  NoiseRecord
 
+The clip is global: one coefficient per example over every module (eq. 16) and any Euclidean
+tensors (a classification head), or, with ``euclidean_max_norm``, a split of the same
+sensitivity C: the tangents clipped to ``sqrt(C^2 - C_e^2)`` and the Euclidean part to ``C_e``
+(``split_max_norm``); ``privatize`` then uses C.
+
 ``privatize`` divides signal and noise by the EXPECTED batch size ``b = q * N``, never by the
 realised Poisson batch size (dividing by the realised size leaks it). The ``NoiseRecord`` holds
 only public mechanism parameters; accounting (``prism_core.accounting``) turns records into

@@ -121,3 +121,30 @@ def test_evaluate_and_predict_refuse_bad_input_with_a_clear_message(tiny_bert, t
     assert prism_fl(["predict", str(out), "--data", str(pairs), "--out", str(tmp_path / "o")]) == 0
     assert prism_fl(["predict", str(out), "--data", str(tmp_path / "x.jsonl"), "--out", "o"]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_evaluate_scores_a_causal_lm_by_exact_match_like_client_evaluate(tiny_llama, tmp_path):
+    """A causal-lm export (no classifier files) is evaluated by greedy generation: the same
+    exact match and responses as ``client.evaluate`` on the model that was exported."""
+    from client.data import load_examples
+    from client.evaluate import evaluate_rows
+    from client.export import export_adapter
+    from client.model import ModelConfig, load_model
+
+    config = ModelConfig(
+        model=tiny_llama, task="causal-lm", rank=2, target_modules=("q_proj", "v_proj")
+    )
+    lm = load_model(config)
+    export_adapter(lm, tmp_path / "run" / "adapter")
+    rows = _rows("mawps", "dev", 3)
+    data = _write(tmp_path / "mawps.jsonl", rows)
+    want, want_rows = evaluate_rows(
+        lm, load_examples(data, "causal-lm"), max_length=64, batch_size=2
+    )
+    report = tmp_path / "eval.json"
+    args = ["evaluate", str(tmp_path / "run"), "--data", str(data), "--max-length", "64"]
+    assert prism_fl([*args, "--model", tiny_llama, "--json", str(report)]) == EXIT_OK
+    got = json.loads(report.read_text())
+    assert got["exact_match"] == want["exact_match"] and got["examples"] == 3
+    lines = (tmp_path / "run" / "predictions" / "mawps.jsonl").read_text().splitlines()
+    assert [json.loads(line)["response"] for line in lines] == [r["response"] for r in want_rows]
