@@ -166,7 +166,8 @@ class LoadedModel:
     def peft_model(self) -> PeftModel:
         """The peft-wrapped base model (what ``PeftModel.from_pretrained`` reloads)."""
         inner = self.model.encoder if isinstance(self.model, PooledClassifier) else self.model
-        assert isinstance(inner, PeftModel)
+        if not isinstance(inner, PeftModel):
+            raise TypeError(f"expected a peft model, found {type(inner).__name__}")
         return inner
 
     @property
