@@ -94,8 +94,8 @@ class ClippedSum:
 
     ``euclidean`` holds the clipped sums of any other trainable tensors (e.g. a classification
     head) that share the global clip. ``count`` (realised examples) and ``clipped`` (examples
-    with a clip coefficient ``< 1``, tangent or Euclidean) are private diagnostics: they are data-dependent and must never leave
-    the site un-noised.
+    with a clip coefficient ``< 1``, tangent or Euclidean) are private diagnostics: they are
+    data-dependent and must never leave the site un-noised.
     """
 
     sums: tuple[Tangent, ...]
