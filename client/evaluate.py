@@ -4,7 +4,9 @@ Evaluation data is public or held out by the site; nothing computed here touches
 training set, so its metrics may be reported.
 
 - ``seq-cls``: argmax of the logits against the label, and the mean per-example cross-entropy
-  (the same per-sequence loss the trainer clips, ``client.trainer.per_example_loss``).
+  (the same per-sequence loss the trainer clips, ``client.trainer.per_example_loss``). The
+  logits come from ``loaded.model``, the same pooling, pair encoding (joint or siamese) and
+  head the trainer used (``client.classifier``).
 - ``causal-lm``: greedy generation from ``[bos] + format_prompt(instruction, input)`` (the prompt
   the model was trained on), then the LAST number in the generated text is compared with the
   example's ``answer`` (or, without one, with the last number of its ``output``) to an absolute
@@ -20,19 +22,22 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+import torch.nn.functional as F
+from torch import Tensor
 
 from client.data import TokenizedDataset, format_prompt, make_collate
 from client.errors import ConfigError
 from client.model import LoadedModel
-from client.trainer import per_example_loss
 
 __all__ = [
     "NUMERIC_TOLERANCE",
+    "classifier_logits",
     "evaluate",
+    "evaluate_rows",
     "extract_last_number",
     "generate_responses",
     "numeric_match",
+    "predict",
 ]
 
 log = logging.getLogger(__name__)
@@ -83,10 +88,11 @@ def evaluate(
     train/eval mode afterwards.
 
     Args:
-        loaded: The model from ``client.model.load_model`` (possibly trained).
+        loaded: The model from ``client.model.load_model`` (possibly trained) or
+            ``client.export.load_exported``.
         examples: Output of ``client.data.load_examples`` for the model's task.
-        max_length: Token limit per example (seq-cls) or per prompt (causal-lm; longer prompts
-            keep their last tokens, which hold the response marker).
+        max_length: Token limit per example (seq-cls; per text of a siamese pair) or per prompt
+            (causal-lm; longer prompts keep their last tokens, which hold the response marker).
         batch_size: Examples per forward pass or per generation batch.
         max_new_tokens: causal-lm only: the generation budget per example.
 
@@ -96,20 +102,102 @@ def evaluate(
     Raises:
         ConfigError: ``batch_size`` or ``max_new_tokens`` below 1, or no examples.
     """
+    metrics, _ = evaluate_rows(
+        loaded,
+        examples,
+        max_length=max_length,
+        batch_size=batch_size,
+        max_new_tokens=max_new_tokens,
+    )
+    return metrics
+
+
+def evaluate_rows(
+    loaded: LoadedModel,
+    examples: Sequence[Mapping[str, Any]],
+    *,
+    max_length: int,
+    batch_size: int = 64,
+    max_new_tokens: int = 32,
+) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """``evaluate``'s metrics and one prediction per row (``predict``'s, plus ``correct``)."""
+    rows = _predict(loaded, examples, max_length, batch_size, max_new_tokens, keep_logits=True)
+    n = len(rows)
+    if loaded.config.task == "seq-cls":
+        logits = torch.stack([row.pop("_logits") for row in rows])
+        labels = torch.tensor([int(ex["label"]) for ex in examples], dtype=torch.long)
+        loss = float(F.cross_entropy(logits, labels, reduction="sum"))
+        for row, label in zip(rows, labels.tolist(), strict=True):
+            row["label"], row["correct"] = label, row["prediction"] == label
+        accuracy = sum(row["correct"] for row in rows) / n
+        return {"accuracy": accuracy, "loss": loss / n, "examples": n}, rows
+    references = [_reference(ex) for ex in examples]
+    unscorable = sum(extract_last_number(ref) is None for ref in references)
+    if unscorable:
+        log.warning("%d of %d examples have no number in their answer", unscorable, n)
+    for row, ref in zip(rows, references, strict=True):
+        row["reference"], row["correct"] = ref, numeric_match(row["response"], ref)
+    return {"exact_match": sum(row["correct"] for row in rows) / n, "examples": n}, rows
+
+
+def predict(
+    loaded: LoadedModel,
+    examples: Sequence[Mapping[str, Any]],
+    *,
+    max_length: int,
+    batch_size: int = 64,
+    max_new_tokens: int = 32,
+) -> list[dict[str, Any]]:
+    """One prediction per example (labels, outputs and answers are not needed).
+
+    seq-cls: ``{"prediction": class, "probabilities": [p_0, ..., p_K-1]}``; causal-lm:
+    ``{"response": greedy text, "prediction": its last number or None}``. Same settings,
+    mode handling and errors as ``evaluate``.
+    """
+    return _predict(loaded, examples, max_length, batch_size, max_new_tokens, keep_logits=False)
+
+
+def _predict(
+    loaded: LoadedModel,
+    examples: Sequence[Mapping[str, Any]],
+    max_length: int,
+    batch_size: int,
+    max_new_tokens: int,
+    *,
+    keep_logits: bool,
+) -> list[dict[str, Any]]:
     if batch_size < 1:
         raise ConfigError(f"batch_size must be at least 1, got {batch_size}.")
     if not examples:
-        raise ConfigError("No evaluation examples: give a non-empty evaluation file.")
+        raise ConfigError("No examples: give a non-empty file.")
     model = loaded.model
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad(), _autocast(loaded.device):
             if loaded.config.task == "seq-cls":
-                return _evaluate_classifier(loaded, examples, max_length, batch_size)
+                logits = classifier_logits(
+                    loaded, examples, max_length=max_length, batch_size=batch_size
+                )
+                probabilities = logits.softmax(dim=-1)
+                return [
+                    {
+                        "prediction": int(p.argmax()),
+                        "probabilities": [round(float(x), 6) for x in p],
+                        **({"_logits": z} if keep_logits else {}),
+                    }
+                    for p, z in zip(probabilities, logits, strict=True)
+                ]
             if max_new_tokens < 1:
                 raise ConfigError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
-            return _evaluate_generation(loaded, examples, max_length, batch_size, max_new_tokens)
+            responses = generate_responses(
+                loaded,
+                examples,
+                max_length=max_length,
+                batch_size=batch_size,
+                max_new_tokens=max_new_tokens,
+            )
+            return [{"response": r, "prediction": extract_last_number(r)} for r in responses]
     finally:
         model.train(was_training)
 
@@ -124,29 +212,30 @@ def _chunks(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
         yield items[start : start + size]
 
 
-def _evaluate_classifier(
-    loaded: LoadedModel, examples: Sequence[Mapping[str, Any]], max_length: int, batch_size: int
-) -> dict[str, float]:
-    dataset = TokenizedDataset(examples, loaded.tokenizer, "seq-cls", max_length=max_length)
+def classifier_logits(
+    loaded: LoadedModel,
+    examples: Sequence[Mapping[str, Any]],
+    *,
+    max_length: int,
+    batch_size: int = 64,
+) -> Tensor:
+    """(N, K) float32 CPU logits of ``loaded.model`` (call under ``no_grad``, in eval mode).
+
+    Examples are tokenized the way the model encodes them (joint or siamese pairs).
+    """
+    dataset = TokenizedDataset(
+        examples,
+        loaded.tokenizer,
+        "seq-cls",
+        max_length=max_length,
+        pair_encoding=loaded.pair_encoding,
+    )
     collate = make_collate(loaded.tokenizer, "seq-cls")
-    logits: list[Tensor] = []
-
-    def keep_logits(_module: nn.Module, _inputs: Any, output: Any) -> None:
-        logits.append(output.logits.detach())
-
-    # One forward per batch gives both the loss (per_example_loss) and the logits (this hook).
-    hook = loaded.model.register_forward_hook(keep_logits)
-    correct, loss_sum = 0, 0.0
-    try:
-        for items in _chunks([dataset[i] for i in range(len(dataset))], batch_size):
-            batch = {k: v.to(loaded.device) for k, v in collate(items).items()}
-            loss_sum += float(per_example_loss(loaded.model, batch, "seq-cls").sum())
-            predicted = logits.pop().float().argmax(dim=-1)
-            correct += int((predicted == batch["labels"]).sum())
-    finally:
-        hook.remove()
-    n = len(dataset)
-    return {"accuracy": correct / n, "loss": loss_sum / n, "examples": n}
+    out: list[Tensor] = []
+    for items in _chunks([dataset[i] for i in range(len(dataset))], batch_size):
+        batch = {k: v.to(loaded.device) for k, v in collate(items).items() if k != "labels"}
+        out.append(loaded.model(**batch).logits.float().cpu())
+    return torch.cat(out)
 
 
 def _reference(example: Mapping[str, Any]) -> str:
@@ -228,25 +317,3 @@ def generate_responses(
             generated[:, input_ids.shape[1] :], skip_special_tokens=True
         )
     return responses
-
-
-def _evaluate_generation(
-    loaded: LoadedModel,
-    examples: Sequence[Mapping[str, Any]],
-    max_length: int,
-    batch_size: int,
-    max_new_tokens: int,
-) -> dict[str, float]:
-    responses = generate_responses(
-        loaded,
-        examples,
-        max_length=max_length,
-        batch_size=batch_size,
-        max_new_tokens=max_new_tokens,
-    )
-    references = [_reference(ex) for ex in examples]
-    unscorable = sum(extract_last_number(ref) is None for ref in references)
-    if unscorable:
-        log.warning("%d of %d examples have no number in their answer", unscorable, len(examples))
-    matches = sum(numeric_match(r, ref) for r, ref in zip(responses, references, strict=True))
-    return {"exact_match": matches / len(examples), "examples": len(examples)}

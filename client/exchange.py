@@ -27,7 +27,7 @@ def to_arrays(loaded: LoadedModel) -> dict[str, Tensor]:
         arrays[key(h.name, "A")] = p.A.cpu().contiguous()
         arrays[key(h.name, "B")] = p.B.cpu().contiguous()
     for name, param in head_named(loaded):
-        arrays[HEAD_PREFIX + name] = param.detach().float().cpu().contiguous()
+        arrays[HEAD_PREFIX + name] = param.detach().float().cpu().clone()  # no alias
     return arrays
 
 

@@ -5,7 +5,13 @@ With the spectral-residual (PiSSA) initialisation the frozen weight was changed 
 ``W0 + s [A, -A0] [B, B0].T``: a rank-2r adapter with the same scaling on the original base
 (``lora_alpha`` doubles with the rank so ``s`` is unchanged). That is exact up to float rounding.
 With the other initialisations the base is untouched and the adapter is saved as is.
-The classification head (peft ``modules_to_save``) is saved alongside in both cases.
+
+A classifier (``seq-cls``) is the peft adapter on the base ENCODER (``AutoModel``) plus the
+pooling and head of ``client.classifier``: ``classifier.json`` (pooling, normalisation, pair
+encoding, head shape and how it started) and ``classifier.safetensors`` (head ``weight`` and
+``bias``) are written next to the adapter. ``load_exported`` puts the three back together;
+``PeftModel.from_pretrained(AutoModel.from_pretrained(base), out_dir)`` alone gives the adapted
+encoder.
 """
 
 from __future__ import annotations
@@ -18,27 +24,42 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import get_peft_model_state_dict
-from safetensors.torch import save_file
+from peft import PeftModel, get_peft_model_state_dict
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoModel, AutoModelForCausalLM
 
-from client.model import LoadedModel
+from client.classifier import SPEC_FILE, ClassifierSpec, PooledClassifier
+from client.errors import ConfigError
+from client.model import LoadedModel, ModelConfig, load_tokenizer, resolve_device
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "export_adapter", "write_metrics"]
+__all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+    "CLASSIFIER_WEIGHTS",
+    "export_adapter",
+    "load_exported",
+    "write_metrics",
+]
 
 log = logging.getLogger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+CLASSIFIER_WEIGHTS = "classifier.safetensors"
 
 
 def export_adapter(loaded: LoadedModel, out_dir: str | Path) -> Path:
     """Write ``adapter_config.json`` + ``adapter_model.safetensors`` for the original base.
 
-    ``PeftModel.from_pretrained(original_base, out_dir)`` then reproduces the trained model.
+    ``PeftModel.from_pretrained(original_base, out_dir)`` then reproduces the trained base
+    model (the encoder of a classifier, whose pooling and head are saved alongside).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model = loaded.model
+    _export_classifier(loaded, out)
+    model = loaded.peft_model
     if loaded.initial_points is None:
         model.save_pretrained(str(out))
         return out
@@ -61,6 +82,102 @@ def export_adapter(loaded: LoadedModel, out_dir: str | Path) -> Path:
     )
     log.info("exported rank-%d adapter (spectral-residual rebase) to %s", config.r, out)
     return out
+
+
+def _export_classifier(loaded: LoadedModel, out: Path) -> None:
+    if loaded.spec is None or not isinstance(loaded.model, PooledClassifier):
+        return
+    loaded.spec.save(out)
+    head = loaded.model.head
+    weights = {"weight": head.weight, "bias": head.bias}
+    save_file(
+        {k: v.detach().float().cpu().contiguous() for k, v in weights.items()},
+        str(out / CLASSIFIER_WEIGHTS),
+    )
+
+
+def _adapter_base(folder: Path) -> str:
+    path = folder / ADAPTER_CONFIG
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+        return str(config["base_model_name_or_path"])
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ConfigError(
+            f"{path}: not a readable peft adapter config ({exc}). Point to the adapter folder "
+            "a prism-fl run or prism-train exported."
+        ) from exc
+
+
+def load_exported(
+    folder: str | Path, *, model: str | None = None, device: str = "auto"
+) -> LoadedModel:
+    """Load an exported adapter (and its classifier) on the ORIGINAL base, ready to evaluate.
+
+    Args:
+        folder: the ``adapter`` folder ``export_adapter`` wrote.
+        model: the base model folder or cached name; default the adapter's
+            ``base_model_name_or_path``.
+        device: ``auto``, ``cpu`` or ``cuda``.
+
+    Returns:
+        A ``LoadedModel`` in eval mode for ``client.evaluate`` (nothing trainable).
+
+    Raises:
+        ConfigError: missing or malformed files, or a base model that cannot be loaded.
+    """
+    folder = Path(folder)
+    base_name = model or _adapter_base(folder)
+    is_classifier = (folder / SPEC_FILE).is_file()
+    torch_device = resolve_device(device)
+    kwargs: dict[str, Any] = {"dtype": torch.bfloat16} if torch_device.type == "cuda" else {}
+    loader = AutoModel if is_classifier else AutoModelForCausalLM
+    try:
+        base = loader.from_pretrained(base_name, **kwargs)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot load the base model {base_name!r}: {exc}. Pass the original base model's "
+            "folder (nothing is downloaded at run time)."
+        ) from exc
+    tokenizer = load_tokenizer(base_name)
+    peft_model = PeftModel.from_pretrained(base, str(folder))
+    spec, net = None, peft_model
+    if is_classifier:
+        spec = ClassifierSpec.load(folder)
+        net = PooledClassifier(peft_model, spec, _load_head(folder, spec))
+    elif peft_model.config.pad_token_id is None:
+        peft_model.config.pad_token_id = tokenizer.pad_token_id
+    net.to(torch_device).eval()
+    net.requires_grad_(False)
+    config = ModelConfig(
+        model=base_name,
+        task="seq-cls" if is_classifier else "causal-lm",
+        num_labels=spec.num_labels if spec is not None else 2,
+        rank=int(peft_model.peft_config["default"].r),
+        alpha=float(peft_model.peft_config["default"].lora_alpha),
+        target_modules=tuple(peft_model.peft_config["default"].target_modules),
+        pooling=spec.pooling if spec is not None else "auto",
+        pair_encoding=spec.pair_encoding if spec is not None else "auto",
+        text_pairs=bool(spec and spec.siamese),
+        device=device,  # type: ignore[arg-type]
+    )
+    return LoadedModel(net, tokenizer, config, [], [], None, torch_device, spec)
+
+
+def _load_head(folder: Path, spec: ClassifierSpec) -> nn.Linear:
+    path = folder / CLASSIFIER_WEIGHTS
+    try:
+        weights = load_file(str(path))
+    except (OSError, SafetensorError) as exc:
+        raise ConfigError(f"{path}: cannot read the classifier head ({exc})") from exc
+    head = nn.Linear(spec.in_features, spec.num_labels)
+    try:
+        head.load_state_dict({"weight": weights["weight"], "bias": weights["bias"]})
+    except (KeyError, RuntimeError) as exc:
+        raise ConfigError(
+            f"{path}: the head does not match {SPEC_FILE} ({spec.in_features} -> "
+            f"{spec.num_labels}): {exc}"
+        ) from exc
+    return head
 
 
 def write_metrics(out_dir: str | Path, metrics: Mapping[str, Any]) -> Path:

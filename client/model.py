@@ -14,10 +14,16 @@ degenerate):
   unchanged.
 - ``standard``: peft's default (``lora_B = 0``), for the baselines only; refused for PRISM.
 
-Classification head: peft marks the new head (``classifier``/``score``) as a module to save. With
-``head="train"`` (default) it is trained INSIDE the DP mechanism: its per-example gradients join
-the global clip and get the same noise (``prism_core.mechanism.clip_and_sum(euclidean=...)``).
-With ``head="frozen"`` it keeps its seeded random initialisation. It is never trained outside DP.
+Classification (``seq-cls``): the base is loaded as a plain encoder (``AutoModel``), LoRA is
+attached with peft, and ``client.classifier.PooledClassifier`` pools the token states the way
+the model was trained (``pooling``, default ``auto``: the model's own sentence-transformers
+pooling) and applies one linear head; text pairs are encoded jointly or siamese
+(``pair_encoding``). The head starts from public knowledge (``head_init="zero-shot"``: the
+frozen model's embeddings of public ``label_texts``, computed before any private data is read)
+or from a seeded random draw. With ``head="train"`` (default) it is trained INSIDE the DP
+mechanism: its per-example gradients join the global clip (jointly, or with their own share of
+it, ``client.trainer.TrainConfig.head_max_norm``) and get the same noise. With
+``head="frozen"`` it keeps its initialisation. It is never trained outside DP.
 """
 
 from __future__ import annotations
@@ -31,18 +37,40 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import nn
 from transformers import (
+    AutoModel,
     AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 
+from client.classifier import (
+    PAIR_COSINE_THRESHOLD,
+    ClassifierSpec,
+    HeadInit,
+    PairEncoding,
+    PooledClassifier,
+    Pooling,
+    embed_texts,
+    random_head_,
+    read_sentence_transformers,
+    resolve_pair_encoding,
+    resolve_pooling,
+    zero_shot_head_,
+)
 from client.errors import ConfigError
 from client.lora import LoraHandle, lora_handles, read_points
 from prism_core.manifold import Point
 
-__all__ = ["LoadedModel", "ModelConfig", "load_model", "resolve_device"]
+__all__ = [
+    "LoadedModel",
+    "ModelConfig",
+    "classifier_spec",
+    "load_model",
+    "load_tokenizer",
+    "new_head",
+    "resolve_device",
+]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +98,28 @@ class ModelConfig(BaseModel):
     head: Literal["train", "frozen"] = Field(
         "train", description="seq-cls head: DP-trained or frozen"
     )
+    pooling: Pooling = Field(
+        "auto", description="seq-cls sentence vector: auto (the model's own), mean, cls, ..."
+    )
+    pair_encoding: PairEncoding = Field(
+        "auto", description="text pairs: siamese, joint, or auto (siamese for ST models)"
+    )
+    text_pairs: bool = Field(
+        False, description="seq-cls examples are text pairs (sizes a siamese head)"
+    )
+    head_init: HeadInit = Field(
+        "random", description="seq-cls head start: random (seeded) or zero-shot (label texts)"
+    )
+    label_texts: tuple[str, ...] = Field(
+        (),
+        description="PUBLIC description of each class for head_init=zero-shot ('a|b' or a list)",
+    )
+    pair_threshold: float = Field(
+        PAIR_COSINE_THRESHOLD,
+        ge=-1.0,
+        le=1.0,
+        description="public cosine threshold of the siamese zero-shot head",
+    )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = Field(0, description="seeds the head and orthonormal initialisation (public)")
 
@@ -80,18 +130,50 @@ class ModelConfig(BaseModel):
             return tuple(v.strip() for v in value.split(",") if v.strip())
         return value
 
+    @field_validator("label_texts", mode="before")
+    @classmethod
+    def _split_labels(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(v.strip() for v in value.split("|")) if value.strip() else ()
+        return value
+
+    @field_validator("label_texts")
+    @classmethod
+    def _non_empty_labels(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not text.strip() for text in value):
+            raise ValueError("every label text must be non-empty (separate them with '|')")
+        return value
+
 
 @dataclass
 class LoadedModel:
-    """A peft model ready for private training, with everything the trainer needs."""
+    """A model ready for private training, with everything the trainer needs.
 
-    model: PeftModel
+    ``model`` is a ``PooledClassifier`` around the peft model for ``seq-cls`` (its ``spec``
+    says how it pools and pairs) and the peft model itself for ``causal-lm``.
+    """
+
+    model: nn.Module
     tokenizer: PreTrainedTokenizerBase
     config: ModelConfig
     handles: list[LoraHandle]
     head_params: list[nn.Parameter]
     initial_points: list[Point] | None  # spectral-residual start, for the exact export rebase
     device: torch.device
+    spec: ClassifierSpec | None = None
+
+    @property
+    def peft_model(self) -> PeftModel:
+        """The peft-wrapped base model (what ``PeftModel.from_pretrained`` reloads)."""
+        inner = self.model.encoder if isinstance(self.model, PooledClassifier) else self.model
+        if not isinstance(inner, PeftModel):
+            raise TypeError(f"expected a peft model, found {type(inner).__name__}")
+        return inner
+
+    @property
+    def pair_encoding(self) -> str:
+        """How this model tokenizes text pairs: ``siamese`` or ``joint``."""
+        return self.spec.pair_encoding if self.spec is not None else "joint"
 
 
 def resolve_device(device: str) -> torch.device:
@@ -108,11 +190,8 @@ def _load_base(config: ModelConfig, device: torch.device) -> PreTrainedModel:
     if device.type == "cuda":
         kwargs["dtype"] = torch.bfloat16  # frozen base in bf16; LoRA factors stay float32
     try:
-        torch.manual_seed(config.seed)  # the new head's initialisation is public and seeded
         if config.task == "seq-cls":
-            return AutoModelForSequenceClassification.from_pretrained(
-                config.model, num_labels=config.num_labels, **kwargs
-            )
+            return AutoModel.from_pretrained(config.model, **kwargs)
         return AutoModelForCausalLM.from_pretrained(config.model, **kwargs)
     except OSError as exc:
         raise ConfigError(
@@ -170,7 +249,7 @@ def _orthonormal_init_(handles: list[LoraHandle], scale: float, seed: int) -> No
 
 
 def load_model(config: ModelConfig, *, method: str = "prism") -> LoadedModel:
-    """Load the base model and tokenizer, attach LoRA, set what is trainable.
+    """Load the base model and tokenizer, attach LoRA (and the classifier), set what trains.
 
     Args:
         config: model settings.
@@ -178,7 +257,8 @@ def load_model(config: ModelConfig, *, method: str = "prism") -> LoadedModel:
             FFA freezes ``lora_A`` (the down-projection).
 
     Raises:
-        ConfigError: unknown model, zero-init with PRISM, rank too large, no target matched.
+        ConfigError: unknown model, zero-init with PRISM, rank too large, no target matched,
+            a pooling the model lacks, zero-shot without usable label texts.
     """
     if method == "prism" and config.init == "standard":
         raise ConfigError(
@@ -191,16 +271,21 @@ def load_model(config: ModelConfig, *, method: str = "prism") -> LoadedModel:
     if config.task == "causal-lm" and base.config.pad_token_id is None:
         base.config.pad_token_id = tokenizer.pad_token_id
     _check_ranks(base, config)
+    spec, head = None, None
+    if config.task == "seq-cls":
+        base.to(device)
+        spec = classifier_spec(config, base)
+        head = new_head(config, spec, base, tokenizer, device)  # before LoRA touches the base
     lora_config = LoraConfig(
-        task_type="SEQ_CLS" if config.task == "seq-cls" else "CAUSAL_LM",
+        task_type="FEATURE_EXTRACTION" if config.task == "seq-cls" else "CAUSAL_LM",
         r=config.rank,
         lora_alpha=config.alpha,
         target_modules=list(config.target_modules),
         lora_dropout=config.dropout,
         init_lora_weights=_peft_init(config),
     )
-    model = get_peft_model(base, lora_config)
-    handles = lora_handles(model)
+    peft_model = get_peft_model(base, lora_config)
+    handles = lora_handles(peft_model)
     if config.init == "orthonormal":
         _orthonormal_init_(handles, config.init_scale, config.seed)
     initial = read_points(handles) if config.init == "spectral-residual" else None
@@ -208,20 +293,104 @@ def load_model(config: ModelConfig, *, method: str = "prism") -> LoadedModel:
         h.lora_A.data = h.lora_A.data.to(torch.float32)
         h.lora_B.data = h.lora_B.data.to(torch.float32)
         h.lora_A.requires_grad_(method != "ffa")
-    head = [
-        p
-        for name, p in model.named_parameters()
-        if p.requires_grad and "lora_" not in name and "modules_to_save" in name
-    ]
-    if config.head == "frozen" or config.task != "seq-cls":
-        for p in head:
-            p.requires_grad_(False)
-        head = []
+    model: nn.Module = peft_model
+    head_params: list[nn.Parameter] = []
+    if spec is not None and head is not None:
+        model = PooledClassifier(peft_model, spec, head)
+        head.requires_grad_(config.head == "train")
+        head_params = list(head.parameters()) if config.head == "train" else []
     model.to(device)
-    _check_trainable(model, handles, head)
+    _check_trainable(model, handles, head_params)
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log.info("%s: %d LoRA modules, %d trainable parameters", config.model, len(handles), n_train)
-    return LoadedModel(model, tokenizer, config, handles, head, initial, device)
+    return LoadedModel(model, tokenizer, config, handles, head_params, initial, device, spec)
+
+
+def classifier_spec(config: ModelConfig, encoder: nn.Module) -> ClassifierSpec:
+    """The resolved pooling, normalisation and pair encoding of ``config`` on ``encoder``."""
+    pooling, normalize = resolve_pooling(config.model, encoder, config.pooling)
+    siamese = config.text_pairs and resolve_pair_encoding(config.model, config.pair_encoding) == (
+        "siamese"
+    )
+    hidden = getattr(encoder.config, "hidden_size", None)
+    if not isinstance(hidden, int):
+        raise ConfigError(f"{config.model!r}: its config has no hidden_size to size the head")
+    spec = ClassifierSpec(
+        pooling=pooling,
+        normalize=normalize or siamese,  # siamese pairs compare unit vectors (cosine)
+        siamese=siamese,
+        num_labels=config.num_labels,
+        hidden_size=hidden,
+        head_init=config.head_init,
+        label_texts=config.label_texts if config.head_init == "zero-shot" else (),
+        pair_threshold=config.pair_threshold,
+    )
+    st = read_sentence_transformers(config.model)
+    log.info(
+        "classifier: pooling=%s%s, normalize=%s, pairs=%s (sentence-transformers model: %s)",
+        spec.pooling,
+        " (auto)" if config.pooling == "auto" else "",
+        spec.normalize,
+        spec.pair_encoding if config.text_pairs else "-",
+        st is not None,
+    )
+    return spec
+
+
+def new_head(
+    config: ModelConfig,
+    spec: ClassifierSpec,
+    encoder: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    device: torch.device,
+) -> nn.Linear:
+    """The head at its public start: seeded random, or zero-shot from the FROZEN ``encoder``.
+
+    Call before LoRA is attached: the zero-shot head must see the pretrained model, and no
+    private example is involved.
+    """
+    head = nn.Linear(spec.in_features, spec.num_labels).to(device=device, dtype=torch.float32)
+    if config.head_init == "random":
+        if config.label_texts:
+            log.warning("label_texts are ignored with head_init='random'")
+        std = float(getattr(encoder.config, "initializer_range", 0.02))
+        random_head_(head, std=std, seed=config.seed)
+        return head
+    embeddings = None
+    if spec.siamese:
+        if config.label_texts:
+            log.warning(
+                "label_texts are not used by the siamese zero-shot head (the cosine rule, "
+                "class 1 = similar, threshold %.3f)",
+                spec.pair_threshold,
+            )
+    else:
+        _check_label_texts(config)
+        embeddings = embed_texts(
+            encoder,
+            tokenizer,
+            config.label_texts,
+            pooling=spec.pooling,
+            normalize=spec.normalize,
+            device=device,
+        )
+    zero_shot_head_(head, spec, embeddings)
+    return head
+
+
+def _check_label_texts(config: ModelConfig) -> None:
+    if not config.label_texts:
+        raise ConfigError(
+            "head-init=zero-shot needs label-texts: one PUBLIC description per class in label "
+            "order, separated by '|' (e.g. 'this is bad|this is great' for sentiment). Never "
+            "derive them from private data: they are sent to every site. Or use "
+            "head-init=random."
+        )
+    if len(config.label_texts) != config.num_labels:
+        raise ConfigError(
+            f"label-texts has {len(config.label_texts)} descriptions but num-labels="
+            f"{config.num_labels}: give exactly one per class, in label order, separated by '|'"
+        )
 
 
 def _check_trainable(model: nn.Module, handles: list[LoraHandle], head: list[nn.Parameter]) -> None:

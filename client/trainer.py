@@ -5,9 +5,12 @@ micro-batches; each micro-batch runs forward/backward through Opacus' ``GradSamp
 (hooks mode) with a PER-SEQUENCE loss summed over examples, so ``grad_sample`` holds exact
 per-example gradients. Then, by ``method``:
 
-- ``prism``: lift -> global clip (LoRA modules and DP head together) -> accumulate, fused in
-  ``clip_and_sum_grads`` with the QR frames computed once per step; once per step: tangent
-  noise, divide by the expected batch size, DP-aware adaptive transform, retract.
+- ``prism``: lift -> global clip (LoRA modules and DP head together, or with the head's own
+  share ``head_max_norm`` of C) -> accumulate, fused in ``clip_and_sum_grads`` with the QR
+  frames computed once per step; once per step: tangent noise, divide by the expected batch
+  size, DP-aware adaptive transform, retract. The head steps with AdamW or plain SGD
+  (``head_optimizer``). Siamese text pairs: the encoder's per-text gradient rows are folded
+  into one per example (``client.classifier.fold_text_rows``) before the clip.
 - ``dp-adamw``: factor-space clip of the concatenated ``(gA, gB)`` (+ head), iid noise, AdamW.
 - ``ffa``: as ``dp-adamw`` with peft's ``lora_A`` frozen (FFA-LoRA).
 - ``nondp``: plain LoRA with AdamW on the mean per-sequence loss (no clipping, no noise).
@@ -42,6 +45,7 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
+from client.classifier import fold_text_rows
 from client.data import IGNORE_INDEX, make_collate, micro_batches, poisson_loader
 from client.errors import ConfigError
 from client.lora import per_example_factor_grads, read_points, write_points_
@@ -134,6 +138,15 @@ class TrainConfig(BaseModel):
     )
     lr: float = Field(5e-3, gt=0, description="learning rate (retraction step for prism)")
     head_lr: float | None = Field(None, gt=0, description="classifier head lr (default: lr)")
+    head_optimizer: Literal["adamw", "sgd"] = Field(
+        "adamw", description="DP head optimizer: adamw, or plain sgd on the DP gradient"
+    )
+    head_max_norm: float | None = Field(
+        None,
+        gt=0,
+        description="the head's share C_head < max_norm of the clip (LoRA gets "
+        "sqrt(C^2 - C_head^2)); None = one joint clip of LoRA and head at max_norm",
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (baselines, head)")
     adaptive: AdaptiveSettings = AdaptiveSettings()
     seed: int | None = Field(
@@ -142,6 +155,15 @@ class TrainConfig(BaseModel):
         "reproducible (tests, benchmarks; predictable to anyone who knows it)",
     )
     progress: bool = Field(True, description="tqdm progress bar on stderr")
+
+    @model_validator(mode="after")
+    def _head_share(self) -> TrainConfig:
+        if self.head_max_norm is not None and self.head_max_norm >= self.max_norm:
+            raise ValueError(
+                f"head_max_norm={self.head_max_norm} must be < max_norm={self.max_norm}: "
+                "max_norm is the total clip C (the sensitivity) and the head gets a share of it"
+            )
+        return self
 
     @model_validator(mode="after")
     def _privacy_given(self) -> TrainConfig:
@@ -197,6 +219,26 @@ def per_example_loss(model: nn.Module, batch: dict[str, Tensor], task: str) -> T
     ).view(shift_labels.shape)
     mask = (shift_labels != IGNORE_INDEX).to(tokens.dtype)
     return (tokens * mask).sum(1) / mask.sum(1).clamp_min(1.0)
+
+
+def _head_optimizer(head: Sequence[nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
+    """Plain SGD for the DP head: its step is lr times the DP gradient, nothing adaptive."""
+    return torch.optim.SGD(head, lr=cfg.head_lr or cfg.lr)
+
+
+class _Chained:
+    """Steps several optimizers as one (LoRA's AdamW and the head's SGD)."""
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        self.optimizers = list(optimizers)
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
 
 
 class PrivateTrainer:
@@ -340,25 +382,24 @@ class PrivateTrainer:
         if self.is_private:
             self.module = GradSampleModule(model, batch_first=True, loss_reduction="sum")
             self.module.train()
-        head_lr = cfg.head_lr or cfg.lr
+        head_lr, head = cfg.head_lr or cfg.lr, self.loaded.head_params
+        head_opt = _head_optimizer(head, cfg) if head and cfg.head_optimizer == "sgd" else None
         if cfg.method == "prism":
             self.states: list[AdaptiveState] = [
                 init_state(p.A, p.B) for p in read_points(self.loaded.handles)
             ]
             self.adaptive = cfg.adaptive.to_config()
-            params = self.loaded.head_params
-            self.optimizer = (
-                torch.optim.AdamW(params, lr=head_lr, weight_decay=cfg.weight_decay)
-                if params
-                else None
-            )
+            self.optimizer = head_opt
+            if head and head_opt is None:
+                self.optimizer = torch.optim.AdamW(head, lr=head_lr, weight_decay=cfg.weight_decay)
         else:
-            self.params = [p for p in model.parameters() if p.requires_grad]
             lora = [p for h in self.loaded.handles for p in (h.lora_A, h.lora_B) if p.requires_grad]
+            self.params = [*lora, *head]  # every trainable tensor (_check_trainable), head last
             groups = [{"params": lora, "lr": cfg.lr}]
-            if self.loaded.head_params:
-                groups.append({"params": self.loaded.head_params, "lr": head_lr})
-            self.optimizer = torch.optim.AdamW(groups, weight_decay=cfg.weight_decay)
+            if head and head_opt is None:
+                groups.append({"params": head, "lr": head_lr})
+            adamw = torch.optim.AdamW(groups, weight_decay=cfg.weight_decay)
+            self.optimizer = _Chained([adamw, head_opt]) if head_opt else adamw
 
     # -- one step --------------------------------------------------------------------------
 
@@ -419,9 +460,14 @@ class PrivateTrainer:
         if frames is None:
             frames = step_frames(points)
         acc, total = None, 0.0
+        split = {"euclidean_max_norm": cfg.head_max_norm} if head and cfg.head_max_norm else {}
         for micro in micro_batches(batch, cfg.micro_batch_size):
             total += self._backward(micro)
-            grads = per_example_factor_grads(handles)
+            n = int(micro["labels"].shape[0])  # siamese pairs: 2 encoder rows per example
+            grads = [
+                (fold_text_rows(gA, n), fold_text_rows(gB, n))
+                for gA, gB in per_example_factor_grads(handles)
+            ]
             head_grads = [p.grad_sample.to(torch.float32) for p in head]
             acc = clip(
                 points,
@@ -430,6 +476,7 @@ class PrivateTrainer:
                 previous=acc,
                 euclidean=head_grads,
                 frames=frames,
+                **split,
             )
             self._clear_grads()
         return (acc if acc is not None else empty_sum(points, head)), total
@@ -492,11 +539,17 @@ class PrivateTrainer:
         cfg = self.config
         acc: list[Tensor] | None = None
         total, count = 0.0, 0
+        n_head = len(self.loaded.head_params)
+        split = {"euclidean_max_norm": cfg.head_max_norm} if n_head and cfg.head_max_norm else {}
         for micro in micro_batches(batch, cfg.micro_batch_size):
             total += self._backward(micro)
-            count += int(micro["labels"].shape[0])
-            grads = [p.grad_sample.to(torch.float32) for p in self.params]
-            acc, _ = factor_clip_and_sum(grads, max_norm=cfg.max_norm, previous=acc)
+            n = int(micro["labels"].shape[0])
+            count += n
+            grads = [fold_text_rows(p.grad_sample.to(torch.float32), n) for p in self.params]
+            lora, head = grads[: len(grads) - n_head], grads[len(grads) - n_head :]
+            acc, _ = factor_clip_and_sum(
+                lora, max_norm=cfg.max_norm, previous=acc, euclidean=head, **split
+            )
             self._clear_grads()
         if acc is None:
             acc = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]

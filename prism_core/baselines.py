@@ -21,7 +21,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from prism_core.mechanism import NoiseRecord, clip_coefficients, validate_noise_parameters
+from prism_core.manifold import work_dtype
+from prism_core.mechanism import (
+    NoiseRecord,
+    clip_coefficients,
+    split_max_norm,
+    validate_noise_parameters,
+)
 from prism_core.rng import NoiseSource, standard_normal
 
 __all__ = [
@@ -39,9 +45,8 @@ def factor_norms_sq(per_example_grads: Sequence[Tensor]) -> Tensor:
     Implements the factor norm of eq. (3): ``||g_i||^2 = sum ||gA_i||_F^2 + ||gB_i||_F^2``
     once the rows are summed (``clip_coefficients`` does that).
     """
-    return torch.stack(
-        [g.flatten(1).to(torch.float32).square().sum(dim=1) for g in per_example_grads]
-    )
+    dtype = work_dtype(*per_example_grads)  # float32 or better: float64 inputs stay exact
+    return torch.stack([g.flatten(1).to(dtype).square().sum(dim=1) for g in per_example_grads])
 
 
 def factor_clip_and_sum(
@@ -49,23 +54,44 @@ def factor_clip_and_sum(
     *,
     max_norm: float,
     previous: Sequence[Tensor] | None = None,
+    euclidean: Sequence[Tensor] = (),
+    euclidean_max_norm: float | None = None,
 ) -> tuple[list[Tensor], Tensor]:
     """Clip concatenated per-example factor gradients to C (one coefficient each) and sum.
 
-    Implements the clipping of eq. (3) (factor-space DP-SGD).
+    Implements the clipping of eq. (3) (factor-space DP-SGD), with the same optional split as
+    ``prism_core.mechanism.clip_and_sum``: ``euclidean`` tensors (a classification head) join
+    the one clip at C, or with ``euclidean_max_norm = C_e < C`` are clipped to ``C_e`` and the
+    factors to ``sqrt(C^2 - C_e^2)`` (``split_max_norm``); either way each example contributes
+    at most C, the sensitivity to give ``factor_privatize``.
 
     Args:
-        per_example_grads: tensors with a leading example dimension b.
-        max_norm: C.
-        previous: running sums of earlier micro-batches of the same step.
+        per_example_grads: factor tensors with a leading example dimension b.
+        max_norm: the total clip C.
+        previous: running sums of earlier micro-batches of the same step, in the order of the
+            returned sums.
+        euclidean: per-example gradients (b, ...) of other trainable tensors.
+        euclidean_max_norm: the Euclidean share of a split clip; ``None`` for a joint clip.
 
     Returns:
-        (summed clipped gradients, the (b,) clip coefficients).
+        (summed clipped gradients of ``[*per_example_grads, *euclidean]``, the (b,) clip
+        coefficients of the factor gradients).
     """
-    alpha = clip_coefficients(factor_norms_sq(per_example_grads), max_norm)
+    c_factor, c_euclidean = split_max_norm(max_norm, euclidean_max_norm)
+    if euclidean_max_norm is None:
+        alpha = clip_coefficients(factor_norms_sq([*per_example_grads, *euclidean]), max_norm)
+        alpha_euclidean = alpha
+    elif not euclidean:
+        raise ValueError(
+            "euclidean_max_norm is set but there are no Euclidean tensors: leave it None"
+        )
+    else:
+        alpha = clip_coefficients(factor_norms_sq(per_example_grads), c_factor)
+        alpha_euclidean = clip_coefficients(factor_norms_sq(euclidean), c_euclidean)
+    weighted = [(alpha, g) for g in per_example_grads] + [(alpha_euclidean, g) for g in euclidean]
     sums = []
-    for index, g in enumerate(per_example_grads):
-        s = torch.einsum("b,b...->...", alpha.to(g.dtype), g)
+    for index, (a, g) in enumerate(weighted):
+        s = torch.einsum("b,b...->...", a.to(g.dtype), g)
         sums.append(s if previous is None else previous[index] + s)
     return sums, alpha
 

@@ -5,6 +5,11 @@ Per logical step (Algorithm 1, lines 3-12)::
     lifts of every example and module  --clip_and_sum-->  ClippedSum  (may span micro-batches)
     ClippedSum  --privatize-->  DP tangent update per module  +  NoiseRecord
 
+The clip is global: one coefficient per example over every module (eq. 16) and any Euclidean
+tensors (a classification head), or, with ``euclidean_max_norm``, a split of the same
+sensitivity C: the tangents clipped to ``sqrt(C^2 - C_e^2)`` and the Euclidean part to ``C_e``
+(``split_max_norm``); ``privatize`` then uses C.
+
 ``privatize`` divides signal and noise by the EXPECTED batch size ``b = q * N``, never by the
 realised Poisson batch size (dividing by the realised size leaks it). The ``NoiseRecord`` holds
 only public mechanism parameters; accounting (``prism_core.accounting``) turns records into
@@ -58,6 +63,7 @@ __all__ = [
     "per_example_norms_sq",
     "privatize",
     "retract_modules",
+    "split_max_norm",
     "step_frames",
     "tangent_noise",
     "validate_noise_parameters",
@@ -96,8 +102,8 @@ class ClippedSum:
 
     ``euclidean`` holds the clipped sums of any other trainable tensors (e.g. a classification
     head) that share the global clip. ``count`` (realised examples) and ``clipped`` (examples
-    with ``alpha_i < 1``) are private diagnostics: they are data-dependent and must never leave
-    the site un-noised.
+    with a clip coefficient ``< 1``, tangent or Euclidean) are private diagnostics: they are
+    data-dependent and must never leave the site un-noised.
     """
 
     sums: tuple[Tangent, ...]
@@ -274,13 +280,74 @@ def _with_euclidean(norms_sq: Tensor, euclidean: Sequence[Tensor]) -> Tensor:
     return torch.cat([norms_sq, extra])
 
 
+def split_max_norm(max_norm: float, euclidean_max_norm: float | None) -> tuple[float, float]:
+    """Clip thresholds ``(C_tangent, C_euclidean)`` of a global clip with sensitivity ``C``.
+
+    Implements a split of the global clip of eq. (16) of PRISM between the LoRA tangents and
+    Euclidean tensors (a classification head)::
+
+        C_tangent = sqrt(C^2 - C_euclidean^2),   so   C_tangent^2 + C_euclidean^2 = C^2
+
+    Each example's tangent part is clipped to ``C_tangent`` and its Euclidean part to
+    ``C_euclidean``, so its whole contribution still has norm ``<= C``: the sensitivity of the
+    sum, and the ``max_norm`` to give ``privatize``, stay ``C``.
+
+    Args:
+        max_norm: the total clip C > 0 (the L2 sensitivity of the sum).
+        euclidean_max_norm: the Euclidean share, ``0 < C_euclidean < C``; ``None`` for one
+            joint clip of everything at C (returns ``(C, C)``).
+
+    Raises:
+        PrivacyParameterError: a threshold outside these ranges.
+    """
+    if not (max_norm > 0 and math.isfinite(max_norm)):
+        raise PrivacyParameterError(f"max_norm={max_norm!r} is invalid: the clip C must be > 0")
+    if euclidean_max_norm is None:
+        return max_norm, max_norm
+    if not (0 < euclidean_max_norm < max_norm):
+        raise PrivacyParameterError(
+            f"euclidean_max_norm={euclidean_max_norm!r} is invalid: the head's share of the "
+            f"clip must be > 0 and < max_norm={max_norm} (the total sensitivity C)"
+        )
+    return math.sqrt(max_norm**2 - euclidean_max_norm**2), euclidean_max_norm
+
+
+def _coefficients(
+    norms_sq: Tensor,
+    euclidean: Sequence[Tensor],
+    max_norm: float,
+    euclidean_max_norm: float | None,
+) -> tuple[Tensor, Tensor]:
+    """Per-example clip coefficients ``(alpha_tangent, alpha_euclidean)``, each (b,).
+
+    Joint clip (``euclidean_max_norm=None``): one coefficient for everything, eq. (16).
+    Split clip: the tangent part to ``C_tangent``, the Euclidean part to ``C_euclidean``.
+    """
+    if euclidean_max_norm is None:
+        alpha = clip_coefficients(_with_euclidean(norms_sq, euclidean), max_norm)
+        return alpha, alpha
+    if not euclidean:
+        raise ValueError(
+            "euclidean_max_norm is set but there are no Euclidean tensors to clip with it: "
+            "leave it None (joint clip) when no head is trained"
+        )
+    c_tangent, c_euclidean = split_max_norm(max_norm, euclidean_max_norm)
+    extra = _with_euclidean(norms_sq[:0], euclidean)
+    return clip_coefficients(norms_sq, c_tangent), clip_coefficients(extra, c_euclidean)
+
+
 def _accumulate(
     parts: Sequence[Tangent],
-    alpha: Tensor,
+    alphas: tuple[Tensor, Tensor],
     euclidean: Sequence[Tensor],
     previous: ClippedSum | None,
 ) -> ClippedSum:
-    """Add this micro-batch's clipped sums (tangents and Euclidean) to ``previous``."""
+    """Add this micro-batch's clipped sums (tangents and Euclidean) to ``previous``.
+
+    ``alphas`` are the (tangent, Euclidean) coefficients; an example counts as clipped when
+    either is below 1.
+    """
+    alpha, alpha_euclidean = alphas
     sums = list(parts)
     if previous is not None:
         sums = [
@@ -289,10 +356,12 @@ def _accumulate(
         ]
     extra_sums = []
     for index, g in enumerate(euclidean):
-        total = torch.einsum("b,b...->...", alpha.to(work_dtype(g)), g.to(work_dtype(g)))
+        weights = alpha_euclidean.to(work_dtype(g))
+        total = torch.einsum("b,b...->...", weights, g.to(work_dtype(g)))
         extra_sums.append(total if previous is None else previous.euclidean[index] + total)
     count = int(alpha.shape[0]) + (previous.count if previous else 0)
-    clipped = int((alpha < 1.0).sum()) + (previous.clipped if previous else 0)
+    engaged = (alpha < 1.0) | (alpha_euclidean < 1.0) if euclidean else alpha < 1.0
+    clipped = int(engaged.sum()) + (previous.clipped if previous else 0)
     return ClippedSum(tuple(sums), count, clipped, tuple(extra_sums))
 
 
@@ -303,6 +372,7 @@ def clip_and_sum(
     max_norm: float,
     previous: ClippedSum | None = None,
     euclidean: Sequence[Tensor] = (),
+    euclidean_max_norm: float | None = None,
 ) -> ClippedSum:
     """Globally clip per-example lifts and add them to a running sum.
 
@@ -314,21 +384,27 @@ def clip_and_sum(
     Args:
         points: one ``Point(A, B)`` per module (unbatched).
         lifts: one ``Tangent`` per module with a leading example dimension (b, m, r), (b, n, r).
-        max_norm: clip threshold C.
+        max_norm: the total clip C, the L2 sensitivity of the sum (give ``privatize`` the same).
         previous: the running sum of earlier micro-batches of the same step, if any.
         euclidean: per-example gradients (b, ...) of other trainable tensors (e.g. a
             classification head); their squared norms join the same global norm ``s_i``.
+        euclidean_max_norm: ``None`` (default): one joint clip of tangents and Euclidean
+            tensors at C. Else the Euclidean share ``C_e < C`` of a split clip: tangents are
+            clipped to ``sqrt(C^2 - C_e^2)`` and Euclidean tensors to ``C_e`` (``split_max_norm``).
 
     Returns:
         A new ``ClippedSum``; inputs are not modified.
 
     Notes:
         Each example contributes ``alpha_i (dA_i, dB_i)`` (and ``alpha_i g_i`` for Euclidean
-        tensors) with total norm ``<= C`` over all modules and tensors together: the L2
-        sensitivity of the sum under add/remove adjacency.
+        tensors; ``alpha'_i g_i`` with its own coefficient in a split clip) with total norm
+        ``<= C`` over all modules and tensors together: the L2 sensitivity of the sum under
+        add/remove adjacency.
     """
-    norms_sq = _with_euclidean(per_example_norms_sq(points, lifts), euclidean)
-    alpha = clip_coefficients(norms_sq, max_norm)
+    alphas = _coefficients(
+        per_example_norms_sq(points, lifts), euclidean, max_norm, euclidean_max_norm
+    )
+    alpha = alphas[0]
     parts = []
     for t in lifts:
         dtype = work_dtype(t.dA, t.dB, alpha)
@@ -339,7 +415,7 @@ def clip_and_sum(
                 torch.einsum("b,bnr->nr", a, t.dB.to(dtype)),
             )
         )
-    return _accumulate(parts, alpha, euclidean, previous)
+    return _accumulate(parts, alphas, euclidean, previous)
 
 
 def _weighted_sum(alpha: Tensor, g: Tensor) -> Tensor:
@@ -370,6 +446,7 @@ def clip_and_sum_grads(
     previous: ClippedSum | None = None,
     euclidean: Sequence[Tensor] = (),
     frames: StepFrames | None = None,
+    euclidean_max_norm: float | None = None,
 ) -> ClippedSum:
     """Lift, globally clip and sum per-example factor gradients, without per-example lifts.
 
@@ -384,10 +461,11 @@ def clip_and_sum_grads(
     Args:
         points: one ``Point(A, B)`` per module (unbatched).
         grads: one ``(gA, gB)`` per module, shapes (b, m, r) and (b, n, r).
-        max_norm: clip threshold C.
+        max_norm: the total clip C, the L2 sensitivity of the sum (give ``privatize`` the same).
         previous: the running sum of earlier micro-batches of the same step, if any.
         euclidean: per-example gradients (b, ...) of other trainable tensors sharing the clip.
         frames: ``step_frames(points)``, computed once per step; built here if omitted.
+        euclidean_max_norm: the Euclidean share of a split clip, see ``clip_and_sum``.
 
     Returns:
         A new ``ClippedSum``; inputs are not modified.
@@ -408,8 +486,9 @@ def clip_and_sum_grads(
         norms = lift_norm_sq_from_moments(together)
         for j, i in enumerate(group):
             rows[i] = norms[j]
-    norms_sq = _with_euclidean(torch.stack([r for r in rows if r is not None]), euclidean)
-    alpha = clip_coefficients(norms_sq, max_norm)
+    norms_sq = torch.stack([r for r in rows if r is not None])
+    alphas = _coefficients(norms_sq, euclidean, max_norm, euclidean_max_norm)
+    alpha = alphas[0]
     parts: list[Tangent | None] = [None] * len(points)
     for group, stacked, point in zip(frames.groups, frames.stacked, frames.points, strict=True):
         dtype = work_dtype(stacked.QA, *grads[group[0]], alpha)
@@ -419,7 +498,7 @@ def clip_and_sum_grads(
         lifted = lift(point.A, point.B, sum_a, sum_b, frame=stacked)
         for j, i in enumerate(group):
             parts[i] = Tangent(lifted.dA[j], lifted.dB[j])
-    return _accumulate([p for p in parts if p is not None], alpha, euclidean, previous)
+    return _accumulate([p for p in parts if p is not None], alphas, euclidean, previous)
 
 
 def tangent_noise(

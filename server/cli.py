@@ -12,17 +12,26 @@ Subcommands:
   per-block noise tests, canaries with a one-run lower bound on epsilon and per-block noise
   tests; prints tables, the verdict and why, and writes ``audit.json``.
 
-Exit codes: 0 success, 1 cannot write the output, 2 bad ledger or bad arguments, 3 an audit
+- ``evaluate RUN_DIR --data FILE [--json OUT] [--predictions FILE]``: load the run's exported
+  model (peft adapter on the original base, plus pooling and head for a classifier), print its
+  accuracy (classification) or exact match (causal-lm) on FILE and write one prediction per
+  row (JSON Lines).
+
+- ``predict RUN_DIR --data FILE --out FILE``: the same predictions for rows without labels.
+
+Exit codes: 0 success, 1 cannot write the output, 2 bad ledger, data or arguments, 3 an audit
 check failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from server.errors import ConfigError, LedgerError
 from server.ledger import Ledger
@@ -194,12 +203,108 @@ def _add_audit(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     audit.set_defaults(handler=_audit)
 
 
+def _load_run(args: argparse.Namespace) -> Any:
+    from server.evaluation import load_run
+
+    return load_run(args.run_dir, model=args.model, max_length=args.max_length, device=args.device)
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    from client.errors import ClientError
+    from server.evaluation import evaluate_run, write_jsonl
+
+    try:
+        run = _load_run(args)
+        metrics, rows = evaluate_run(run, args.data, batch_size=args.batch_size)
+    except ClientError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    name = "accuracy" if "accuracy" in metrics else "exact_match"
+    extra = f", loss {metrics['loss']:.4f}" if "loss" in metrics else ""
+    print(f"{PROG}: {name} {metrics[name]:.4f} on {metrics['examples']} rows of {args.data}{extra}")
+    predictions = args.predictions or run.run_dir / "predictions" / f"{Path(args.data).stem}.jsonl"
+    report = {"data": str(args.data), "adapter": str(run.adapter), **metrics}
+    try:
+        print(f"{PROG}: per-row predictions written to {write_jsonl(predictions, rows)}")
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+            print(f"{PROG}: metrics written to {args.json}")
+    except OSError as exc:
+        print(f"{PROG}: cannot write the output: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    return EXIT_OK
+
+
+def _predict(args: argparse.Namespace) -> int:
+    from client.errors import ClientError
+    from server.evaluation import predict_run, write_jsonl
+
+    try:
+        rows = predict_run(_load_run(args), args.data, batch_size=args.batch_size)
+    except ClientError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        path = write_jsonl(args.out, rows)
+    except OSError as exc:
+        print(f"{PROG}: cannot write the predictions to {args.out}: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    print(f"{PROG}: {len(rows)} predictions written to {path}")
+    return EXIT_OK
+
+
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="run folder (or its adapter folder)")
+    parser.add_argument("--data", required=True, metavar="FILE", help=".jsonl, .csv or dataset")
+    parser.add_argument(
+        "--model", default=None, help="the ORIGINAL base model (default: the run's own)"
+    )
+    parser.add_argument(
+        "--max-length",
+        type=_positive_int,
+        default=None,
+        help="tokens per example (default: the run's, else 128)",
+    )
+    parser.add_argument(
+        "--batch-size", type=_positive_int, default=64, help="rows per forward pass (64)"
+    )
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+
+
+def _add_model_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    evaluate = sub.add_parser(
+        "evaluate",
+        help="accuracy / exact match of a run's exported model on a labelled file",
+        description="Load the exported adapter on the original base model (with the "
+        "classifier's pooling and head), print accuracy (classification) or exact match "
+        "(causal-lm) and write one prediction per row.",
+    )
+    _model_arguments(evaluate)
+    evaluate.add_argument("--json", default=None, metavar="OUT", help="write the metrics here")
+    evaluate.add_argument(
+        "--predictions",
+        default=None,
+        metavar="FILE",
+        help="per-row predictions (default RUN_DIR/predictions/<data name>.jsonl)",
+    )
+    evaluate.set_defaults(handler=_evaluate)
+    predict = sub.add_parser(
+        "predict",
+        help="predictions of a run's exported model for rows without labels",
+        description="Like evaluate, for rows without labels: writes one prediction per row.",
+    )
+    _model_arguments(predict)
+    predict.add_argument("--out", required=True, metavar="FILE", help="predictions (.jsonl)")
+    predict.set_defaults(handler=_predict)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser: one subparser per subcommand, each with a ``handler``."""
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="prism-fl coordinator tools.",
-        epilog="Exit codes: 0 success, 1 cannot write output, 2 bad ledger or arguments, "
+        epilog="Exit codes: 0 success, 1 cannot write output, 2 bad ledger, data or arguments, "
         "3 an audit check failed.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -221,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.set_defaults(handler=_report)
     _add_audit(sub)
+    _add_model_commands(sub)
     return parser
 
 

@@ -144,9 +144,14 @@ def run_federation(grid: Grid, run: RunConfig) -> Path:
         delta=run.delta,
         weight_by_examples=run.weight_by_examples,
         seed=run.seed,
-        # the sites' trainer: PRISM's adaptive transform, torch AdamW for the head and baselines
+        # the sites' trainer: PRISM's adaptive transform, AdamW or SGD (head-optimizer) for the
+        # head, AdamW for the baselines
         update_bound=UpdateBound(
-            lr=run.lr, max_norm=run.max_norm, expected_batch_size=run.batch_size
+            lr=run.lr,
+            max_norm=run.max_norm,
+            expected_batch_size=run.batch_size,
+            head_lr=run.head_learning_rate,
+            head_optimizer=run.head_optimizer,
         ),
         # what the sites must report: the mechanism the run's method runs there
         mechanism=MECHANISMS[site_method(run.method)],

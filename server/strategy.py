@@ -122,7 +122,9 @@ class UpdateBound:
     See ``prism_core.bounds``. ``optimizer="adaptive"`` is PRISM's transform (the trainer's);
     ``"sgd"`` bounds plain DP steps from ``max_norm``, ``expected_batch_size`` and the site's
     reported ``sigma``/``q`` with false-rejection probability ``failure`` per round. The DP head
-    and the factor-space baselines use torch AdamW (betas ``head_betas``, no weight decay).
+    and the factor-space baselines use torch AdamW (betas ``head_betas``, no weight decay);
+    ``head_optimizer="sgd"``: the head takes plain SGD steps on its DP gradient, bounded like a
+    DP step from ``max_norm`` (the total clip, >= the head's share) and the reply's sigma/q.
     """
 
     lr: float
@@ -132,6 +134,7 @@ class UpdateBound:
     bias_correction: bool = True
     head_lr: float | None = None
     head_betas: tuple[float, float] = (0.9, 0.999)
+    head_optimizer: Literal["adamw", "sgd"] = "adamw"
     max_norm: float = 0.0
     expected_batch_size: float = 0.0
     failure: float = 1e-9
@@ -141,9 +144,11 @@ class UpdateBound:
             raise ConfigError(f"optimizer={self.optimizer!r}: use 'adaptive' or 'sgd'")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ConfigError(f"lr={self.lr!r}: the sites' local lr must be finite and > 0")
-        if self.optimizer == "sgd" and not (self.max_norm > 0 and self.expected_batch_size > 0):
+        sgd = self.optimizer == "sgd" or self.head_optimizer == "sgd"
+        if sgd and not (self.max_norm > 0 and self.expected_batch_size > 0):
             raise ConfigError(
-                f"optimizer='sgd' needs max_norm > 0 and expected_batch_size > 0, got "
+                f"optimizer='sgd' (or head_optimizer='sgd') needs max_norm > 0 and "
+                f"expected_batch_size > 0, got "
                 f"{self.max_norm!r} and {self.expected_batch_size!r}"
             )
         if not 0 < self.failure < 1:
@@ -408,6 +413,8 @@ class PrismStrategy(Strategy):
         b1, b2 = ub.head_betas
         head_gain = adam_gain(beta1=b1, beta2=b2, max_step=horizon(b1, b2))
         head_size = sum(self._broadcast[HEAD_PREFIX + n].numel() for n in self.head)
+        if ub.head_optimizer == "sgd":
+            head_size = 0  # an SGD head's bound needs the reply's sigma and q (_head_sgd_bound)
         if self.mode == "tangent":
             if ub.optimizer == "sgd":
                 return  # depends on the reply's sigma and q: computed per reply
@@ -441,11 +448,31 @@ class PrismStrategy(Strategy):
         )
         for m, (bound_a, bound_b) in zip(self.modules, bounds, strict=True):
             self._factor_bounds[key(m, "A")], self._factor_bounds[key(m, "B")] = bound_a, bound_b
-        for n in self.head:
+        for n in self.head if head_size else ():
             size = self._broadcast[HEAD_PREFIX + n].numel()
             self._factor_bounds[HEAD_PREFIX + n] = (
                 head_lr * self.local_steps * head_gain * math.sqrt(size)
             )
+
+    def _head_sgd_bound(self, facts: dict[str, Any]) -> float:
+        """Bound on an SGD head's move over the round: ``head_lr tau`` times one DP step's norm.
+
+        One step is ``head_lr (sum_i alpha_i g_i + sigma C xi) / b`` with every example's head
+        gradient clipped to at most C (``dp_step_norm_bound`` over the head's coordinates).
+        """
+        ub = self.update_bound
+        if ub is None or ub.head_optimizer != "sgd" or not self.head:
+            return 0.0
+        step = dp_step_norm_bound(
+            max_norm=ub.max_norm,
+            noise_multiplier=float(facts["sigma"]),
+            expected_batch_size=ub.expected_batch_size,
+            sample_rate=float(facts["q"]),
+            dimension=sum(self._broadcast[HEAD_PREFIX + n].numel() for n in self.head),
+            failure=ub.failure / self.local_steps,
+        )
+        head_lr = ub.lr if ub.head_lr is None else ub.head_lr
+        return head_lr * self.local_steps * step
 
     def _sgd_bound(self, facts: dict[str, Any]) -> float:
         """Tangent-mode bound for plain DP-SGD sites, from the reply's sigma and q."""
@@ -507,8 +534,11 @@ class PrismStrategy(Strategy):
         """Reject an update larger than an honest site's round can produce (float64 norms)."""
         if self.update_bound is None:
             return
+        head_sgd = self._head_sgd_bound(facts)
         if self.mode == "factor-average":
-            for name, bound in self._factor_bounds.items():
+            bounds = dict(self._factor_bounds)
+            bounds.update({HEAD_PREFIX + n: head_sgd for n in self.head if head_sgd})
+            for name, bound in bounds.items():
                 moved = float((tensors[name].double() - self._broadcast[name].double()).norm())
                 if moved > bound * (1 + FLOAT32_SLACK) + 1e-6:
                     raise ReplyError(
@@ -523,10 +553,19 @@ class PrismStrategy(Strategy):
             A, B = self._broadcast[key(m, "A")].double(), self._broadcast[key(m, "B")].double()
             dA, dB = tensors[key(m, "dA")].double(), tensors[key(m, "dB")].double()
             total += float(tangent_norm_sq(A, B, dA, dB).clamp_min(0.0))
-        for n in self.head:
-            total += float(tensors[HEAD_PREFIX + n].double().square().sum())
-        norm = math.sqrt(total)
+        head_sq = sum(float(tensors[HEAD_PREFIX + n].double().square().sum()) for n in self.head)
         scale = math.sqrt(sum(float(v.double().square().sum()) for v in self._broadcast.values()))
+        if head_sgd:  # an SGD head has its own bound; the modules keep theirs
+            head_norm = math.sqrt(head_sq)
+            if not math.isfinite(head_norm) or head_norm > head_sgd * (1 + FLOAT32_SLACK) + 1e-6:
+                raise ReplyError(
+                    f"head update norm {head_norm:.4g} exceeds the bound {head_sgd:.4g} of "
+                    f"{self.local_steps} SGD steps on its DP gradient",
+                    "norm",
+                )
+        else:
+            total += head_sq
+        norm = math.sqrt(total)
         if not math.isfinite(norm) or norm > bound * (1 + FLOAT32_SLACK) + 1e-6 * scale:
             raise ReplyError(
                 f"update norm {norm:.4g} exceeds the bound {bound:.4g} implied by the mechanism "

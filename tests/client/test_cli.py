@@ -74,7 +74,11 @@ def _base_args(model: Path, data: tuple[Path, Path], out: Path) -> list[str]:
 
 def test_prism_end_to_end(tiny_bert: str, sst2: tuple[Path, Path], tmp_path: Path) -> None:
     from peft import PeftModel
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from safetensors.torch import load_file
+    from transformers import AutoModel, AutoTokenizer
+
+    from client.classifier import ClassifierSpec, PooledClassifier
+    from client.export import CLASSIFIER_WEIGHTS
 
     out = tmp_path / "run"
     args = [*_base_args(tiny_bert, sst2, out), "--task", "seq-cls", "--method", "prism"]
@@ -97,16 +101,20 @@ def test_prism_end_to_end(tiny_bert: str, sst2: tuple[Path, Path], tmp_path: Pat
     assert metrics["eval"]["loss"] > 0
 
     # The exported adapter reloads with plain peft on the original base and is a rank-2r rebase.
-    base = AutoModelForSequenceClassification.from_pretrained(tiny_bert, num_labels=2)
+    base = AutoModel.from_pretrained(tiny_bert)
     reloaded = PeftModel.from_pretrained(base, out / "adapter").eval()
     assert reloaded.peft_config["default"].r == 8
-    # ... and reproduces the reported held-out loss and accuracy (the export is exact).
+    assert metrics["classifier"]["pooling"] == "pooler"  # a plain BERT: its own pooler
+    # ... and with the saved pooling and head reproduces the reported held-out loss and accuracy
+    spec = ClassifierSpec.load(out / "adapter")
+    head = torch.nn.Linear(spec.in_features, spec.num_labels)
+    head.load_state_dict(load_file(str(out / "adapter" / CLASSIFIER_WEIGHTS)))
     tokenizer = AutoTokenizer.from_pretrained(tiny_bert)
     dev = [json.loads(line) for line in sst2[1].read_text().splitlines()]
     texts, labels = [r["text"] for r in dev], torch.tensor([r["label"] for r in dev])
     batch = tokenizer(texts, truncation=True, max_length=32, padding=True, return_tensors="pt")
     with torch.no_grad():
-        logits = reloaded(**batch).logits.float()
+        logits = PooledClassifier(reloaded, spec, head)(**batch).logits.float()
     loss = torch.nn.functional.cross_entropy(logits, labels).item()
     assert loss == pytest.approx(metrics["eval"]["loss"], abs=1e-4)
     accuracy = (logits.argmax(-1) == labels).float().mean().item()

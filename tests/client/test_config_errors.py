@@ -28,6 +28,8 @@ _CUSTOM = {  # fields whose rule is not a plain bound: a value just outside it
     "delta": [0.0, 1.0, -0.5],
     "require_secure_rng": ["maybe", 2],
     "lora_targets": [",", " , "],
+    "head_max_norm": [0.0, -2.0],
+    "head_lr": [0.0, -0.5],
 }
 
 

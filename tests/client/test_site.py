@@ -385,3 +385,35 @@ def test_an_allowed_nondp_run_is_recorded_as_unprotected(tiny_bert, tmp_path):
     assert reply.accounting["epsilon"] == math.inf  # the data now has no DP guarantee
     dp = _site(tiny_bert, tmp_path)  # a later DP run on the same ledger cannot claim one
     assert dp.train_round(2, to_arrays(dp.loaded)).accounting["reason"] == "cap-exhausted"
+
+
+def test_siamese_pairs_with_a_zero_shot_sgd_head_run_a_round(tiny_bert, tmp_path):
+    """Text pairs encoded siamese, the head from the cosine rule, trained by SGD with its own
+    clip share: a round runs and replies with a finite DP update (head included)."""
+    import json
+
+    from conftest import SHARED_DATA
+
+    with open(SHARED_DATA / "medical_questions_pairs" / "train.jsonl", encoding="utf-8") as f:
+        rows = [json.loads(next(f)) for _ in range(96)]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pairs = {
+        "data": str(data),
+        "text-pairs": True,
+        "pair-encoding": "siamese",
+        "head-init": "zero-shot",
+        "lora-head": "train",
+        "head-optimizer": "sgd",
+        "head-lr": 1.0,
+        "head-max-norm": 0.03,  # of max-norm 0.05: LoRA gets 0.04
+    }
+    site = _site(tiny_bert, tmp_path, run=_run(tiny_bert, **pairs))
+    assert site.loaded.spec.siamese and site.loaded.pair_encoding == "siamese"
+    broadcast = to_arrays(site.loaded)
+    reply = site.train_round(1, broadcast)
+    assert reply.accounting["status"] == STATUS_OK
+    assert all(torch.isfinite(t).all() for t in reply.arrays.values())
+    assert reply.arrays[HEAD_PREFIX + "head.weight"].abs().sum() > 0  # the head moved
+    with pytest.raises(ConfigError, match="text-pairs=true but this site's data are single"):
+        _site(tiny_bert, tmp_path / "single", run=_run(tiny_bert, **{"text-pairs": True}))

@@ -8,11 +8,13 @@ from opacus import GradSampleModule
 from opacus.accountants import PRVAccountant
 from peft import PeftModel
 from pydantic import ValidationError
-from transformers import AutoModelForSequenceClassification
+from safetensors.torch import load_file
+from transformers import AutoModel
 
+from client.classifier import ClassifierSpec, PooledClassifier
 from client.data import TokenizedDataset, make_collate
 from client.errors import ConfigError
-from client.export import export_adapter
+from client.export import CLASSIFIER_WEIGHTS, export_adapter, load_exported
 from client.lora import per_example_factor_grads, read_points
 from client.model import ModelConfig, load_model
 from client.protocol import RNG_SECURE
@@ -160,13 +162,19 @@ def test_export_round_trip_reproduces_logits(method, init, tiny_bert, sst2_rows,
     lm.model.eval()
     with torch.no_grad():
         trained = lm.model(**inputs).logits
-    base = AutoModelForSequenceClassification.from_pretrained(tiny_bert, num_labels=2).eval()
+    # plain peft on the ORIGINAL base encoder, plus the saved pooling and head
+    spec = ClassifierSpec.load(out)
+    head = torch.nn.Linear(spec.in_features, spec.num_labels)
+    head.load_state_dict(load_file(str(out / CLASSIFIER_WEIGHTS)))
+    base = AutoModel.from_pretrained(tiny_bert).eval()
     with torch.no_grad():
-        before = base(**inputs).logits
+        before = PooledClassifier(base, spec, head)(**inputs).logits
     reloaded = PeftModel.from_pretrained(base, str(out)).eval()  # wraps ``base`` in place
     with torch.no_grad():
-        again = reloaded(**inputs).logits
+        again = PooledClassifier(reloaded, spec, head)(**inputs).logits
+        loaded_again = load_exported(out, device="cpu").model(**inputs).logits
     torch.testing.assert_close(again, trained, atol=1e-5, rtol=0)
+    torch.testing.assert_close(loaded_again, trained, atol=1e-5, rtol=0)
     assert not torch.allclose(trained, before, atol=1e-4)  # training changed the model
 
 
@@ -226,7 +234,7 @@ def test_train_returns_the_mechanisms_records_and_the_history_is_built_from_them
 def test_only_lora_factors_and_the_dp_head_are_trainable(tiny_bert):
     lm = load_model(ModelConfig(model=tiny_bert, rank=4))
     trainable = {n for n, p in lm.model.named_parameters() if p.requires_grad}
-    assert all("lora_" in n or "classifier.modules_to_save" in n for n in trainable)
+    assert all("lora_" in n or n in ("head.weight", "head.bias") for n in trainable)
     assert len(lm.head_params) == 2
     frozen = load_model(ModelConfig(model=tiny_bert, rank=4, head="frozen"))
     assert not frozen.head_params

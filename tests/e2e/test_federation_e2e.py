@@ -19,8 +19,9 @@ from flower_harness import (
     write_connection,
 )
 from peft import PeftModel
-from transformers import AutoModelForSequenceClassification
+from transformers import AutoModel
 
+from client.export import load_exported
 from prism_core.accounting import PrivacyEvent, epsilon
 from server.demo import stop_local_superlinks
 from server.ledger import Ledger
@@ -69,10 +70,12 @@ def _check_outputs(run_dir: Path, model: str, sites: int) -> None:
             assert row["epsilon"] == pytest.approx(
                 epsilon([PrivacyEvent(sigma, q, ROUNDS * STEPS)], row["delta"])
             )
-    base = AutoModelForSequenceClassification.from_pretrained(model, num_labels=2)
+    base = AutoModel.from_pretrained(model)
     adapter = PeftModel.from_pretrained(base, str(run_dir / "adapter")).eval()
     ids = torch.tensor([[101, 2023, 2003, 2204, 102]])
-    assert torch.isfinite(adapter(input_ids=ids).logits).all()
+    assert torch.isfinite(adapter(input_ids=ids).last_hidden_state).all()
+    classifier = load_exported(run_dir / "adapter", model=model, device="cpu").model
+    assert torch.isfinite(classifier(input_ids=ids).logits).all()
 
 
 def test_simulation_three_sites_two_rounds(tiny_bert, tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from conftest import random_point
 
@@ -88,3 +89,25 @@ def test_nondp_gradient_is_batch_mean():
     grads = _per_example(2)
     for out, g in zip(nondp_gradient(grads), grads, strict=True):
         torch.testing.assert_close(out, g.mean(0))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_factor_split_clip_bounds_each_part_and_the_whole_by_C(seed):
+    """Add/remove one example (float64): factors move <= sqrt(C^2 - C_h^2), head <= C_h."""
+    g = torch.Generator().manual_seed(seed)
+    grads = [100.0 * torch.randn(5, 10, 3, generator=g, dtype=torch.float64) for _ in range(2)]
+    head = [100.0 * torch.randn(5, 2, 7, generator=g, dtype=torch.float64)]
+    C, C_head = 0.5, 0.3
+    full, alpha = factor_clip_and_sum(grads, max_norm=C, euclidean=head, euclidean_max_norm=C_head)
+    rest, _ = factor_clip_and_sum(
+        [x[1:] for x in grads], max_norm=C, euclidean=[head[0][1:]], euclidean_max_norm=C_head
+    )
+    moved = [(f - r).square().sum().item() for f, r in zip(full, rest, strict=True)]
+    factor_part, head_part = math.sqrt(sum(moved[:2])), math.sqrt(moved[2])
+    assert factor_part == pytest.approx(0.4, rel=1e-9) and head_part == pytest.approx(0.3, rel=1e-9)
+    assert math.hypot(factor_part, head_part) <= C * (1 + 1e-9)
+    assert alpha.shape == (5,) and (alpha < 1).all()
+    joint, _ = factor_clip_and_sum(grads, max_norm=C, euclidean=head)
+    together, _ = factor_clip_and_sum([*grads, *head], max_norm=C)
+    for a, b in zip(joint, together, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=0)

@@ -32,6 +32,7 @@ from prism_core.mechanism import (
     per_example_norms_sq,
     privatize,
     retract_modules,
+    split_max_norm,
     step_frames,
     tangent_noise,
 )
@@ -586,3 +587,89 @@ def test_the_release_is_the_min_norm_lift_of_the_noisy_dZ(seed):
         assert float(tangent_norm_sq(p.A, p.B, *t)) == pytest.approx(
             float(tangent_norm_sq(p.A, p.B, *plain)), rel=1e-10
         )
+
+
+# --------------------------------------------------------------------------- split clip
+
+
+def _split_parts(points, full, rest):
+    """(tangent part, Euclidean part) of the difference of two clipped sums (float64)."""
+    tangent_sq = sum(
+        tangent_norm_sq(p.A, p.B, f.dA - r.dA, f.dB - r.dB)
+        for p, f, r in zip(points, full.sums, rest.sums, strict=True)
+    )
+    euclid_sq = sum(
+        (f - r).square().sum() for f, r in zip(full.euclidean, rest.euclidean, strict=True)
+    )
+    return tangent_sq.sqrt().item(), float(euclid_sq) ** 0.5
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    b=st.integers(1, 6),
+    log_scale=st.floats(-2.0, 3.0),
+    share=st.floats(0.05, 0.95),
+)
+def test_split_clip_joint_sensitivity_is_at_most_C(seed, b, log_scale, share):
+    """Add/remove one example (float64): LoRA part <= sqrt(C^2 - C_h^2), head part <= C_h, so
+    the whole release moves by <= C = sqrt(C_lora^2 + C_head^2), on both clip paths."""
+    points = _module_points(seed % 97, DIMS_WITH_REPEATS)
+    scale = 10.0**log_scale
+    grads = _random_grads(points, b, seed, scale=scale)
+    g = torch.Generator().manual_seed(seed)
+    head = [
+        scale * torch.randn(b, 3, 5, generator=g, dtype=torch.float64),
+        scale * torch.randn(b, 3, generator=g, dtype=torch.float64),
+    ]
+    C = 0.6
+    C_head = share * C
+    C_lora = math.sqrt(C**2 - C_head**2)
+    kwargs = {"max_norm": C, "euclidean_max_norm": C_head}
+    full = clip_and_sum_grads(points, grads, euclidean=head, **kwargs)
+    rest = clip_and_sum_grads(
+        points, [(gA[1:], gB[1:]) for gA, gB in grads], euclidean=[h[1:] for h in head], **kwargs
+    )
+    lora_part, head_part = _split_parts(points, full, rest)
+    assert lora_part <= C_lora * (1 + 1e-9)
+    assert head_part <= C_head * (1 + 1e-9)
+    assert math.hypot(lora_part, head_part) <= C * (1 + 1e-9)
+    lifts = [lift(p.A, p.B, *gr) for p, gr in zip(points, grads, strict=True)]
+    _assert_same_sum(full, clip_and_sum(points, lifts, euclidean=head, **kwargs))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_split_clip_bound_is_tight_and_each_part_is_clipped_on_its_own(seed):
+    """Large gradients: the removed example contributes exactly C_lora and C_head (total C);
+    a small head gradient is not scaled down by a large LoRA one (unlike the joint clip)."""
+    points = _module_points(seed, DIMS_WITH_REPEATS)
+    grads = _random_grads(points, 3, seed, scale=1e3)
+    g = torch.Generator().manual_seed(seed)
+    head = [1e3 * torch.randn(3, 4, generator=g, dtype=torch.float64)]
+    C, C_head = 0.5, 0.3
+    kwargs = {"max_norm": C, "euclidean_max_norm": C_head}
+    full = clip_and_sum_grads(points, grads, euclidean=head, **kwargs)
+    rest = clip_and_sum_grads(
+        points, [(gA[1:], gB[1:]) for gA, gB in grads], euclidean=[head[0][1:]], **kwargs
+    )
+    lora_part, head_part = _split_parts(points, full, rest)
+    assert lora_part == pytest.approx(0.4, rel=1e-9) and head_part == pytest.approx(0.3, rel=1e-9)
+    assert full.clipped == full.count == 3
+    tiny_head = [1e-6 * head[0]]
+    split = clip_and_sum_grads(points, grads, euclidean=tiny_head, **kwargs)
+    joint = clip_and_sum_grads(points, grads, euclidean=tiny_head, max_norm=C)
+    torch.testing.assert_close(split.euclidean[0], tiny_head[0].sum(0), rtol=1e-12, atol=0)
+    assert joint.euclidean[0].norm() < 1e-3 * split.euclidean[0].norm()
+
+
+def test_split_clip_rejects_bad_shares():
+    points = _module_points(0)
+    grads = _random_grads(points, 2, 0)
+    head = [torch.ones(2, 3, dtype=torch.float64)]
+    for bad in (0.0, -0.1, 0.6, 0.7, math.nan):
+        with pytest.raises(PrivacyParameterError, match="euclidean_max_norm"):
+            clip_and_sum_grads(points, grads, max_norm=0.6, euclidean=head, euclidean_max_norm=bad)
+    with pytest.raises(ValueError, match="no Euclidean tensors"):
+        clip_and_sum_grads(points, grads, max_norm=0.6, euclidean_max_norm=0.3)
+    assert split_max_norm(0.5, 0.3) == pytest.approx((0.4, 0.3), rel=1e-12)
+    assert split_max_norm(0.5, None) == (0.5, 0.5)

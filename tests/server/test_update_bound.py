@@ -220,3 +220,43 @@ def test_sgd_bound_follows_the_reported_noise_and_rejects_past_it(tmp_path):
         content = RecordDict({UPDATE: ArrayRecord(update), ACCOUNTING: ConfigRecord(facts)})
         _, metrics = strategy.aggregate_train(1, [Message(content=content, reply_to=request)])
         assert metrics["sites-accepted"] == accepted, strategy.summaries[-1].rejected
+
+
+@pytest.mark.parametrize("method", ["prism", "fedavg-factors"])
+def test_sgd_head_bound_admits_an_honest_site_and_rejects_a_pushed_head(
+    tiny_bert, tmp_path, method
+):
+    """A DP head on plain SGD (its own clip share and lr): the honest round passes; the same
+    reply with the head moved 1.5x past ``head_lr tau`` x (one DP step's bound) is rejected."""
+    head = {"lora-head": "train", "head-optimizer": "sgd", "head-lr": 2.0, "head-max-norm": 0.3}
+    run = _run(tiny_bert, 0, method=method, **head)
+    node = parse_config(SiteConfig, {"partition-id": 0, "num-partitions": 3}, what="node config")
+    site = Site(run, node, tmp_path / "state")
+    strategy = _strategy(run, site, tmp_path)
+    strategy.update_bound = UpdateBound(
+        lr=run.lr,
+        max_norm=run.max_norm,
+        expected_batch_size=run.batch_size,
+        head_lr=run.head_learning_rate,
+        head_optimizer="sgd",
+    )
+    _, metrics = _one_round(strategy, site, 1)
+    assert metrics["sites-accepted"] == 1, strategy.summaries[-1].rejected
+    broadcast = to_arrays(site.loaded)
+    (request,) = strategy.configure_train(2, ArrayRecord(broadcast), ConfigRecord(), _Grid([7]))
+    reply = site.train_round(2, broadcast)
+    reply.accounting[ROUND_NONCE] = request.content[CONFIG][ROUND_NONCE]
+    bound = strategy._head_sgd_bound(reply.accounting)
+    names = [f"head/{n}" for n in strategy.head]
+    start = {
+        k: broadcast[k] if method != "prism" else torch.zeros_like(broadcast[k]) for k in names
+    }
+    moved = sum(float((reply.arrays[k] - start[k]).double().square().sum()) for k in names) ** 0.5
+    assert 0 < moved < MARGIN * bound, (moved, bound)
+    factor = 1.5 * bound / moved
+    arrays = dict(reply.arrays)
+    for k in names:
+        arrays[k] = (start[k] + factor * (reply.arrays[k] - start[k])).contiguous()
+    content = RecordDict({UPDATE: ArrayRecord(arrays), ACCOUNTING: ConfigRecord(reply.accounting)})
+    new, metrics = strategy.aggregate_train(2, [Message(content=content, reply_to=request)])
+    assert new is None and metrics["rejected-norm"] == 1
