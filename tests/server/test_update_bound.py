@@ -230,8 +230,17 @@ def test_sgd_head_bound_admits_an_honest_site_and_rejects_a_pushed_head(
     reply with the head moved 1.5x past ``head_lr tau`` x (one DP step's bound) is rejected."""
     head = {"lora-head": "train", "head-optimizer": "sgd", "head-lr": 2.0, "head-max-norm": 0.3}
     run = _run(tiny_bert, 0, method=method, **head)
-    node = parse_config(SiteConfig, {"partition-id": 0, "num-partitions": 3}, what="node config")
-    site = Site(run, node, tmp_path / "state")
+    node = parse_config(
+        SiteConfig,
+        {
+            "partition-id": 0,
+            "num-partitions": 3,
+            "state-dir": str(tmp_path / "state"),
+            "epsilon-cap": 50.0,  # the run asks for more than the simulation default
+        },
+        what="node config",
+    )
+    site = Site(run, node, site_policy(node, env_secret="update-bound-sgd-head"))
     strategy = _strategy(run, site, tmp_path)
     strategy.update_bound = UpdateBound(
         lr=run.lr,
