@@ -165,7 +165,7 @@ def _local_grid(run_config: dict[str, Any], sites: int) -> Any:
                     node_config={
                         "partition-id": node - 1,
                         "num-partitions": sites,
-                        "share-num-examples": bool(run_config.get("weight-by-examples")),
+                        "share-num-examples": run_config.get("aggregation") == "examples",
                         # the study's operator runs every site: it allows the non-DP baseline
                         # and seeds the sites' randomness reproducibly (a site-held secret)
                         "allow-nondp": run_config["method"] == "nondp",
@@ -215,7 +215,11 @@ def federated_run(spec: dict[str, Any], folder: Path) -> Path:
         "max-norm": spec["max_norm"],
         "lr": spec["lr"],
         "server-lr": spec.get("server_lr", 1.0),
-        "weight-by-examples": spec.get("weight_by_examples", False),
+        "aggregation": (
+            "examples"
+            if spec.get("weight_by_examples", False)
+            else spec.get("aggregation", "inverse-noise")
+        ),
         "target-epsilon": spec["epsilon"] if spec["method"] != "nondp" else 1.0,
         "delta": spec["delta"],
         "data": spec["pool"],

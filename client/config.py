@@ -121,8 +121,15 @@ class RunConfig(_Kebab):
     report_train_loss: bool = Field(
         False, description="NON-PRIVATE opt-in: sites send their un-noised mean training loss"
     )
-    weight_by_examples: bool = Field(
-        False, description="weight sites by reported example counts (sites must share them)"
+    aggregation: Literal["inverse-noise", "uniform", "examples"] = Field(
+        "inverse-noise",
+        description="weights of the sites' updates: inverse-noise (b / (sigma C))^2 from the "
+        "replies' checked facts, uniform, or examples (shard sizes; sites must share them)",
+    )
+    server_optimizer: Literal["sgd", "momentum", "adaptive"] = Field(
+        "sgd",
+        description="server step on the aggregate (post-processing): sgd, momentum, or PRISM's "
+        "adaptive transform with DP-aware floors (prism only)",
     )
     round_timeout: float = Field(3600.0, gt=0, description="seconds to wait for replies")
 
@@ -187,6 +194,10 @@ class RunConfig(_Kebab):
             "(node-config rng-secret or PRISM_FL_RNG_SECRET, for tests and benchmarks). Remove "
             "secure-rng from the run config"
         ),
+        "weight-by-examples": (
+            "use aggregation='examples' (FedAvg weights by shard size; sites must share it) or "
+            "the default aggregation='inverse-noise'"
+        ),
     }
 
     @field_validator("noise_multiplier")
@@ -210,6 +221,11 @@ class RunConfig(_Kebab):
                 f"head-max-norm={self.head_max_norm} must be > 0 and < max-norm={self.max_norm} "
                 "(max-norm is the total clip C; the head gets a share of it), or -1 for a "
                 "joint clip"
+            )
+        if self.server_optimizer != "sgd" and self.method != "prism":
+            raise ValueError(
+                f"server-optimizer={self.server_optimizer!r} steps in PRISM's tangent space; "
+                f"method={self.method!r} averages factors: use server-optimizer='sgd'"
             )
         if self.min_sites > self.sites_per_round:
             raise ValueError(

@@ -103,6 +103,8 @@ ACCOUNTING_KEYS = (
     "epsilon",
     "num-examples",
     "rng",
+    "max-norm",
+    "expected-batch-size",
 )
 
 

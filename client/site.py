@@ -170,6 +170,22 @@ def released_event(records: Sequence[NoiseRecord], mechanism: str) -> PrivacyEve
     return events[0]
 
 
+def _noise_scale_facts(records: Sequence[NoiseRecord]) -> dict[str, float]:
+    """``max-norm`` (C) and ``expected-batch-size`` (b) of a round's records, for the coordinator's
+    noise-aware weights ``(b / (sigma C))^2``; empty for a non-private round.
+
+    Raises:
+        AccountingMismatchError: the round's steps used different C or b.
+    """
+    scales = {(r.max_norm, r.expected_batch_size) for r in records}
+    if not scales:
+        return {}
+    if len(scales) != 1:
+        raise AccountingMismatchError(f"the round's steps used different (C, b): {sorted(scales)}")
+    ((max_norm, expected),) = scales
+    return {"max-norm": float(max_norm), "expected-batch-size": float(expected)}
+
+
 class Site:
     """A site's long-lived state within one process (policy, data, model, trainer, ledger).
 
@@ -392,6 +408,7 @@ class Site:
                 "steps": int(event.steps),
             }
         )
+        facts.update(_noise_scale_facts(records))
         return facts
 
     # -- one round -------------------------------------------------------------------------

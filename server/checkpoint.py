@@ -12,9 +12,9 @@ one per (run, round, site) and kind (``server.ledger``). A round re-run after a 
 its charges again and the ledger ignores those it holds, so a resumed run neither loses nor
 duplicates an unconfirmed charge, and a site's resent reply confirms one without counting twice.
 
-Server optimizer: today the server step is plain ``server-lr`` times the aggregated update, with
-no state; the ``server-optimizer`` slot records ``{"kind": "sgd", "server-lr": ..., "state": {}}``
-so a stateful server optimizer can store its moments there.
+Server optimizer (``server.optimizer``): its tensors (momentum, adaptive moments, the base point
+they live at) are stored among the arrays under ``server-optimizer/``; its kind, step counts and
+``server-lr`` in the ``server-optimizer`` slot of the metadata. A resumed run continues bit for bit.
 """
 
 from __future__ import annotations

@@ -41,6 +41,8 @@ from client.trainer import MECHANISMS
 from server.checkpoint import Checkpoint, config_differences, load_checkpoint, save_checkpoint
 from server.errors import ConfigError
 from server.ledger import Ledger
+from server.optimizer import STATE_PREFIX as OPTIMIZER_STATE
+from server.optimizer import ServerOptimizerConfig
 from server.report import build_report, format_round_table, round_rows, write_reports
 from server.strategy import PrismStrategy, RoundSummary, UpdateBound
 
@@ -142,7 +144,11 @@ def run_federation(grid: Grid, run: RunConfig) -> Path:
         local_steps=run.local_steps,
         target_epsilon=run.target_epsilon,
         delta=run.delta,
-        weight_by_examples=run.weight_by_examples,
+        aggregation=run.aggregation,
+        max_norm=run.max_norm,
+        expected_batch_size=float(run.batch_size),
+        server_optimizer=ServerOptimizerConfig(kind=run.server_optimizer, lr=run.server_lr),
+        local_lr=run.lr,
         seed=run.seed,
         # the sites' trainer: PRISM's adaptive transform, AdamW or SGD (head-optimizer) for the
         # head, AdamW for the baselines
@@ -161,8 +167,11 @@ def run_federation(grid: Grid, run: RunConfig) -> Path:
     first_round, initial_record, previous = 1, ArrayRecord(initial), None
     if ckpt is not None:
         strategy.load_state_dict(ckpt.strategy)
+        strategy.optimizer.load_state_dict(ckpt.arrays, ckpt.server_optimizer)
         first_round = ckpt.server_round + 1
-        initial_record = ArrayRecord(ckpt.arrays)
+        initial_record = ArrayRecord(
+            {k: v for k, v in ckpt.arrays.items() if not k.startswith(OPTIMIZER_STATE)}
+        )
         previous = _previous_result(ckpt)
         log.info("resuming run %s after round %d (%s)", run_id, ckpt.server_round, run_dir)
         print(f"prism-fl: resuming {run_dir} at round {first_round}")
@@ -171,14 +180,15 @@ def run_federation(grid: Grid, run: RunConfig) -> Path:
         server_round: int, arrays: ArrayRecord, summary: RoundSummary, result: Result
     ) -> None:
         pause_point("before-checkpoint", server_round)
+        optimizer_tensors, optimizer_meta = strategy.optimizer.state_dict()
         save_checkpoint(
             run_dir,
             Checkpoint(
                 server_round=server_round,
-                arrays=arrays.to_torch_state_dict(),
+                arrays={**arrays.to_torch_state_dict(), **optimizer_tensors},
                 run_config=config,
                 strategy=strategy.state_dict(),
-                server_optimizer={"kind": "sgd", "server-lr": run.server_lr, "state": {}},
+                server_optimizer=optimizer_meta,
                 train_metrics={r: dict(m) for r, m in result.train_metrics_clientapp.items()},
                 eval_metrics={r: dict(m) for r, m in result.evaluate_metrics_serverapp.items()},
             ),

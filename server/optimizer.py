@@ -35,7 +35,13 @@ from prism_core.adaptive import (
 )
 from prism_core.manifold import Point, Tangent, retract, transport
 
-__all__ = ["SERVER_OPTIMIZERS", "ServerOptimizer", "ServerOptimizerConfig", "ServerOptimizerKind"]
+__all__ = [
+    "SERVER_OPTIMIZERS",
+    "STATE_PREFIX",
+    "ServerOptimizer",
+    "ServerOptimizerConfig",
+    "ServerOptimizerKind",
+]
 
 ServerOptimizerKind = Literal["sgd", "momentum", "adaptive"]
 SERVER_OPTIMIZERS: tuple[str, ...] = ("sgd", "momentum", "adaptive")

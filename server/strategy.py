@@ -28,6 +28,7 @@ itself before failing; the report counts these charges in the site's worst-case 
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import random
@@ -63,6 +64,7 @@ from client.protocol import (
     key,
 )
 from client.testhooks import pause_point
+from prism_core.aggregation import Aggregation, aggregate_noise_std, site_noise_std
 from prism_core.bounds import (
     FLOAT32_SLACK,
     adam_gain,
@@ -71,7 +73,7 @@ from prism_core.bounds import (
     round_update_norm_bound,
     tangent_dimension,
 )
-from prism_core.manifold import Point, retract, tangent_norm_sq
+from prism_core.manifold import Point, Tangent, retract, tangent_norm_sq
 from prism_core.mechanism import ADJACENCY
 from server.errors import (
     ConfigError,
@@ -81,6 +83,7 @@ from server.errors import (
     ReplyError,
 )
 from server.ledger import DEFAULT_MECHANISM, UNKNOWN_Q, UNKNOWN_SIGMA, Ledger, LedgerEvent
+from server.optimizer import ServerOptimizer, ServerOptimizerConfig
 
 __all__ = ["PrismStrategy", "RoundSummary", "UpdateBound", "error_reply_text", "validate_facts"]
 
@@ -157,6 +160,8 @@ class UpdateBound:
 
 _MAX_STEPS = 10**6  # more local steps than any real round; larger is a garbled fact
 _MAX_SIGMA = 1e4
+_MAX_SCALE = 1e9  # largest C or expected batch a reply may state
+_SCALE_RTOL = 1e-6  # a reply's C and b must equal the run's to this relative tolerance
 _MAX_ABS = 1e8  # no adapter or update entry is this large; rejected before any arithmetic
 _MIN_RANK_RATIO = 1e-6  # s_r / s_1 of a retracted Z = A B.T below this: rank r is lost in float32
 _SAMPLING = "poisson"  # the only sampling the accountant composes
@@ -175,6 +180,8 @@ _OPTIONAL_FACTS: dict[str, type] = {
     "epsilon-cap": float,
     "epsilon": float,
     "num-examples": int,
+    "max-norm": float,
+    "expected-batch-size": float,
 }
 
 
@@ -220,6 +227,9 @@ def validate_facts(facts: dict[str, Any]) -> dict[str, Any]:
         )
     if "delta" in facts and not 0 < float(facts["delta"]) < 1:
         raise ReplyError(f"delta={facts['delta']!r} is not in (0, 1)", "facts")
+    for name in ("max-norm", "expected-batch-size"):
+        if name in facts and not 0 < float(facts[name]) <= _MAX_SCALE:
+            raise ReplyError(f"{name}={facts[name]!r} is not in (0, {_MAX_SCALE:g}]", "facts")
     if "num-examples" in facts and not 1 <= int(facts["num-examples"]) <= 10**12:
         raise ReplyError(f"num-examples={facts['num-examples']!r} is not in [1, 1e12]", "facts")
     if SERVER_ROUND in facts and int(facts[SERVER_ROUND]) < 0:
@@ -272,7 +282,7 @@ class PrismStrategy(Strategy):
         mode: ``tangent`` (PRISM) or ``factor-average`` (baselines).
         ledger: the coordinator's privacy ledger.
         run_id: this run's id in the ledger.
-        sites_per_round, min_sites, server_lr, weight_by_examples, local_steps, default cap
+        sites_per_round, min_sites, server_lr, aggregation, local_steps, default cap
         (epsilon, delta) and seed: see ``client.config.RunConfig``.
         update_bound: the sites' local optimizer settings; when given, a reply whose update
             norm exceeds what an honest site can produce (``prism_core.bounds``) is rejected.
@@ -296,7 +306,11 @@ class PrismStrategy(Strategy):
         local_steps: int,
         target_epsilon: float,
         delta: float,
-        weight_by_examples: bool = False,
+        aggregation: Aggregation = "inverse-noise",
+        max_norm: float | None = None,
+        expected_batch_size: float | None = None,
+        server_optimizer: ServerOptimizerConfig | None = None,
+        local_lr: float = 1.0,
         seed: int = 0,
         wait_for_nodes: float = 120.0,
         update_bound: UpdateBound | None = None,
@@ -309,7 +323,13 @@ class PrismStrategy(Strategy):
         self.sites_per_round, self.min_sites = sites_per_round, min_sites
         self.server_lr, self.local_steps = server_lr, local_steps
         self.target_epsilon, self.delta = target_epsilon, delta
-        self.weight_by_examples = weight_by_examples
+        self.aggregation: Aggregation = aggregation
+        self.max_norm, self.expected_batch_size = max_norm, expected_batch_size
+        self.local_lr = local_lr
+        self.optimizer = ServerOptimizer(
+            server_optimizer or ServerOptimizerConfig(kind="sgd", lr=server_lr), modules, head
+        )
+        self._noise: list[tuple[float, float]] = []  # (weight, noise std) of this round's updates
         self.rng = random.Random(seed)
         self.wait_for_nodes = wait_for_nodes
         self.node_site: dict[int, str] = {}
@@ -608,6 +628,18 @@ class PrismStrategy(Strategy):
             )
         if self.dp and not float(facts["sigma"]) > 0:
             raise ReplyError("sigma = 0 for a differentially private method", "facts-mismatch")
+        if self.dp and not refused:
+            for name, value in (
+                ("max-norm", self.max_norm),
+                ("expected-batch-size", self.expected_batch_size),
+            ):
+                stated = facts.get(name)
+                if stated is None or (
+                    value is not None and not math.isclose(stated, value, rel_tol=_SCALE_RTOL)
+                ):
+                    raise ReplyError(
+                        f"fact {name} is missing or not the run's {value!r}", "facts-mismatch"
+                    )
         if "delta" not in facts or float(facts["delta"]) > self.delta:
             raise ReplyError(
                 f"delta {facts.get('delta')!r} is missing or above the run's {self.delta}",
@@ -719,6 +751,7 @@ class PrismStrategy(Strategy):
         summary = self.summaries[-1]
         sums: dict[str, Tensor] = {}
         total_weight = 0.0
+        self._noise = []
         seen: set[str] = set()
         answered: set[int] = set()  # asked nodes whose facts were confirmed or that refused
         pending: dict[int, tuple[str, int]] = {}  # asked node -> (code, steps) of a rejection
@@ -765,6 +798,7 @@ class PrismStrategy(Strategy):
                 value = weight * tensor.double()
                 sums[name] = sums[name] + value if name in sums else value
             total_weight += weight
+            self._noise.append((weight, self._noise_std(facts)))
             summary.accepted.append(site)
         self._charge_unanswered(server_round, answered, pending, replied, summary)
         if len(summary.accepted) < self.min_sites or total_weight <= 0:
@@ -899,18 +933,39 @@ class PrismStrategy(Strategy):
             raise ReplyError("reply has no accounting facts record", "facts")
         return validate_facts(dict(record))
 
+    def _noise_std(self, facts: dict[str, Any]) -> float:
+        """``sigma C / b`` of a reply from its CHECKED facts (0 for a non-private run)."""
+        if not self.dp:
+            return 0.0
+        return site_noise_std(
+            noise_multiplier=float(facts["sigma"]),
+            max_norm=float(facts["max-norm"]),
+            expected_batch_size=float(facts["expected-batch-size"]),
+        )
+
     def _weight(self, facts: dict[str, Any]) -> float:
-        if not self.weight_by_examples:
+        """The reply's un-normalised weight (the streamed sum is divided by their total).
+
+        ``inverse-noise``: ``(b / (sigma C))^2`` from the reply's facts, which ``_cross_check``
+        has matched against the run's C and b (post-processing of public parameters; exact in
+        the tangent space at the broadcast point); ``uniform``: 1; ``examples``: N_k (FedAvg;
+        needs sites that share their shard size). See ``prism_core.aggregation``.
+        """
+        if self.aggregation == "uniform":
             return 1.0
-        if "num-examples" not in facts:
-            raise ReplyError("weight-by-examples is on but the reply has no num-examples", "facts")
-        return float(facts["num-examples"])
+        if self.aggregation == "examples":
+            if "num-examples" not in facts:
+                raise ReplyError("aggregation=examples but the reply has no num-examples", "facts")
+            return float(facts["num-examples"])
+        std = self._noise_std(facts)
+        return 1.0 if std == 0 else 1.0 / (std * std)
 
     def _apply_checked(
         self, means: dict[str, Tensor], summary: RoundSummary
     ) -> dict[str, Tensor] | None:
         """``_apply``, guarded: a non-finite mean or result, or lost rank, keeps the old adapter."""
         reason = ""
+        saved = copy.deepcopy(self.optimizer)  # a discarded step must not move its moments
         if not all(torch.isfinite(v).all() for v in means.values()):
             reason = "the aggregated update is not finite"
         else:
@@ -927,12 +982,30 @@ class PrismStrategy(Strategy):
                         reason = f"the new {m} lost rank (singular values {sv.tolist()})"
                         break
         if reason:
+            self.optimizer = saved
             summary.discarded = reason
             log.error("round %d: %s; global adapter unchanged", summary.server_round, reason)
             return None
         return new
 
+    def _aggregate_noise_std(self) -> float:
+        """Per-coordinate noise std of this round's weighted mean, in the update's units.
+
+        ``sqrt(sum_k w_k^2 s_k^2) / sum_k w_k`` with ``s_k = sigma_k C_k / b_k`` is the noise of
+        the mean of one DP step per site; a site's update is ``tau`` local steps of size ``lr``,
+        so it is scaled by ``lr sqrt(tau)`` (exact for plain SGD steps, the scale of the noise
+        for the adaptive ones). Sets the adaptive server optimizer's DP-aware floors (eq. 26).
+        """
+        if not self._noise:
+            return 0.0
+        total = math.fsum(w for w, _ in self._noise)
+        weights = [w / total for w, _ in self._noise]
+        std = aggregate_noise_std(weights, [s for _, s in self._noise])
+        return self.local_lr * math.sqrt(self.local_steps) * std
+
     def _apply(self, means: dict[str, Tensor]) -> dict[str, Tensor]:
+        if self.mode == "tangent":
+            return self._apply_tangent(means)
         new: dict[str, Tensor] = {}
         for module in self.modules:
             A, B = self._broadcast[key(module, "A")], self._broadcast[key(module, "B")]
@@ -946,10 +1019,28 @@ class PrismStrategy(Strategy):
             new[key(module, "B")] = B_new.to(torch.float32).contiguous()
         for name in self.head:
             value = self._broadcast[HEAD_PREFIX + name]
-            delta = means[HEAD_PREFIX + name]
-            if self.mode != "tangent":
-                delta = delta - value
+            delta = means[HEAD_PREFIX + name] - value
             new[HEAD_PREFIX + name] = (value + self.server_lr * delta).contiguous()
+        return new
+
+    def _apply_tangent(self, means: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The server optimizer's step (``server.optimizer``) from the aggregated tangent update."""
+        points = {
+            m: Point(self._broadcast[key(m, "A")], self._broadcast[key(m, "B")])
+            for m in self.modules
+        }
+        updates = {m: Tangent(means[key(m, "dA")], means[key(m, "dB")]) for m in self.modules}
+        values = {n: self._broadcast[HEAD_PREFIX + n] for n in self.head}
+        deltas = {n: means[HEAD_PREFIX + n] for n in self.head}
+        moved, head = self.optimizer.step(
+            points, updates, values, deltas, noise_std=self._aggregate_noise_std()
+        )
+        new: dict[str, Tensor] = {}
+        for m in self.modules:
+            new[key(m, "A")] = moved[m].A.to(torch.float32).contiguous()
+            new[key(m, "B")] = moved[m].B.to(torch.float32).contiguous()
+        for n in self.head:
+            new[HEAD_PREFIX + n] = head[n].to(torch.float32).contiguous()
         return new
 
     @staticmethod

@@ -196,6 +196,8 @@ def _honest_facts(node: int, request: Message) -> dict:
         "sampling": "poisson",
         "sigma": SIGMA,
         "q": 0.05,
+        "max-norm": 0.05,
+        "expected-batch-size": 16.0,
         "steps": TAU,
         "delta": 1e-5,
         "epsilon-cap": 1e3,

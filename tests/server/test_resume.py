@@ -208,6 +208,8 @@ class _HalfGrid:
             "status": "ok",
             "sigma": 1.0,
             "q": 0.1,
+            "max-norm": 0.05,
+            "expected-batch-size": 16.0,
             "steps": 2,
             "mechanism": "prism-tangent-gaussian",
             "adjacency": "add-remove",

@@ -115,6 +115,8 @@ def _facts(node, request, **changes):
         "sampling": "poisson",
         "sigma": SIGMA,
         "q": Q,
+        "max-norm": 0.05,
+        "expected-batch-size": 16.0,
         "steps": TAU,
         "delta": DELTA,
         "epsilon-cap": 100.0,

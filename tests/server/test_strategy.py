@@ -70,6 +70,8 @@ def _facts(site, steps=2, status="ok"):
         "sampling": "poisson",
         "sigma": 1.0,
         "q": 0.05,
+        "max-norm": 0.05,
+        "expected-batch-size": 16.0,
         "steps": steps,
         "delta": 1e-5,
         "epsilon-cap": 10.0,
@@ -249,3 +251,66 @@ def test_factor_average_mode_is_fedavg_of_factors(tmp_path):
     for module in MODULES:
         mean_A = sum(e[module][0] for e in ends) / 3
         torch.testing.assert_close(new[key(module, "A")], mean_A, rtol=1e-6, atol=1e-6)
+
+
+def _noisy_payloads(glob, sigmas):
+    payloads = []
+    for i, (end, sigma) in enumerate(
+        zip(_site_ends(glob, len(sigmas), seed=5), sigmas, strict=True)
+    ):
+        arrays = {}
+        for module in MODULES:
+            A, B = glob[key(module, "A")].double(), glob[key(module, "B")].double()
+            d = tangent_displacement(A, B, *(t.double() for t in end[module]))
+            arrays[key(module, "dA")], arrays[key(module, "dB")] = d.dA.float(), d.dB.float()
+        payloads.append((arrays, {**_facts(f"site-{i}"), "sigma": sigma}))
+    return payloads
+
+
+@pytest.mark.parametrize("aggregation", ["inverse-noise", "uniform"])
+def test_sites_are_weighted_by_the_closed_form_of_their_noise(tmp_path, aggregation):
+    """inverse-noise: w_k = (b_k / (sigma_k C_k))^2 / sum_j (...) from the checked facts."""
+    glob = _global()
+    sigmas = [0.7, 2.1, 17.0]  # a small site needs tenfold noise
+    payloads = _noisy_payloads(glob, sigmas)
+    strategy, _ = _strategy(
+        tmp_path, aggregation=aggregation, max_norm=0.05, expected_batch_size=16
+    )
+    new, metrics = _round(strategy, glob, payloads)
+    assert metrics["sites-accepted"] == 3
+    precision = [(16.0 / (s * 0.05)) ** 2 for s in sigmas]
+    weights = (
+        [p / sum(precision) for p in precision] if aggregation == "inverse-noise" else [1 / 3] * 3
+    )
+    assert sum(weights) == pytest.approx(1.0, abs=1e-12)
+    new = new.to_torch_state_dict()
+    for module in MODULES:
+        A, B = glob[key(module, "A")].double(), glob[key(module, "B")].double()
+        mean = [
+            sum(
+                w * p[0][key(module, part)].double() for w, p in zip(weights, payloads, strict=True)
+            )
+            for part in ("dA", "dB")
+        ]
+        A1, B1 = retract(A, B, *mean, 1.0)
+        torch.testing.assert_close(
+            new[key(module, "A")].double() @ new[key(module, "B")].double().T,
+            A1 @ B1.T,
+            atol=1e-5,
+            rtol=1e-5,
+        )
+
+
+@pytest.mark.parametrize(
+    ("fact", "value"), [("max-norm", 0.5), ("expected-batch-size", 1.0), ("max-norm", None)]
+)
+def test_weights_never_come_from_facts_that_do_not_match_the_run(tmp_path, fact, value):
+    """A site claiming a larger b (or smaller C) would buy itself more weight: rejected."""
+    glob = _global()
+    payloads = _noisy_payloads(glob, [1.0, 1.0, 1.0])
+    facts = {**payloads[0][1], fact: value}
+    payloads[0] = (payloads[0][0], {k: v for k, v in facts.items() if v is not None})
+    strategy, _ = _strategy(tmp_path, max_norm=0.05, expected_batch_size=16)
+    _, metrics = _round(strategy, glob, payloads)
+    assert metrics["sites-accepted"] == 2
+    assert metrics["rejected-facts-mismatch"] == 1

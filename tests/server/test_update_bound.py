@@ -206,6 +206,8 @@ def test_sgd_bound_follows_the_reported_noise_and_rejects_past_it(tmp_path):
             "status": "ok",
             "sigma": sigma,
             "q": q,
+            "max-norm": C,
+            "expected-batch-size": float(b),
             "steps": tau,
             "mechanism": "prism-tangent-gaussian",
             "adjacency": "add-remove",
