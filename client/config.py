@@ -81,17 +81,17 @@ class RunConfig(_Kebab):
     )
     lora_init: Literal["auto", "spectral-residual", "orthonormal", "standard"] = "auto"
     lora_head: Literal["frozen", "train"] = Field(
-        "frozen", description="seq-cls head: frozen (seeded, public) or DP-trained (global clip)"
+        "train", description="seq-cls head: DP-trained inside the global clip, or frozen"
     )
     method: FedMethod = "prism"
-    num_rounds: int = Field(3, ge=1)
+    num_rounds: int = Field(30, ge=1)
     sites_per_round: int = Field(3, ge=1)
     min_sites: int = Field(1, ge=1, description="fewest valid replies that update the model")
-    local_steps: int = Field(5, ge=1, description="tau: private steps per site per round")
+    local_steps: int = Field(1, ge=1, description="tau: private steps per site per round")
     batch_size: int = Field(128, ge=1, description="expected Poisson batch per local step")
     micro_batch_size: int = Field(64, ge=1)
-    max_norm: float = Field(0.05, gt=0, description="clip C (near the typical per-example norm)")
-    lr: float = Field(0.02, gt=0, description="local learning rate")
+    max_norm: float = Field(1.0, gt=0, description="clip C: the total sensitivity (LoRA + head)")
+    lr: float = Field(0.005, gt=0, description="local learning rate (PRISM's LoRA step)")
     server_lr: float = Field(1.0, gt=0, description="server step on the aggregated update")
     noise_multiplier: float = Field(
         -1.0,
@@ -145,25 +145,25 @@ class RunConfig(_Kebab):
         False, description="the data are text pairs (text_a, text_b): sizes the siamese head"
     )
     head_init: Literal["random", "zero-shot"] = Field(
-        "random", description="head start: seeded random, or zero-shot from label-texts"
+        "zero-shot", description="head start: zero-shot from label-texts, or seeded random"
     )
     label_texts: str = Field(
-        "",
+        "this is bad|this is great",
         description="PUBLIC description of each class, '|'-separated, in label order (zero-shot);"
         " never derived from private data: every site receives them",
     )
     head_max_norm: float = Field(
-        -1.0,
+        0.9,
         description="the head's share C_head < max-norm of the clip; -1 = one joint clip",
         json_schema_extra=_allowed_note("a number > 0 and < max-norm, or -1 for a joint clip"),
     )
     head_lr: float = Field(
-        -1.0,
+        5.0,
         description="head learning rate; -1 = lr",
         json_schema_extra=_allowed_note("a number > 0, or -1 for lr"),
     )
     head_optimizer: Literal["adamw", "sgd"] = Field(
-        "adamw", description="head optimizer on its DP gradient: adamw or plain sgd"
+        "sgd", description="head optimizer on its DP gradient: plain sgd or adamw"
     )
 
     @field_validator("head_lr")

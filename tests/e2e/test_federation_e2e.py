@@ -23,6 +23,7 @@ from transformers import AutoModel
 
 from client.export import load_exported
 from prism_core.accounting import PrivacyEvent, epsilon
+from server.cli import main as prism_fl
 from server.demo import stop_local_superlinks
 from server.ledger import Ledger
 
@@ -119,13 +120,25 @@ def test_deployment_superlink_and_three_supernodes(tiny_bert, sst2_rows, tmp_pat
                 site,
                 insecure_supernode(port, node_config),
             )
-        result = flwr_run(env, "loopback", _run_config(tiny_bert, run_dir, **{"min-sites": 3}))
+        held_out = tmp_path / "held-out.jsonl"  # the coordinator's own rows, no site's
+        held_out.write_text("".join(json.dumps(r) + "\n" for r in sst2_rows[180:200]))
+        config = _run_config(
+            tiny_bert, run_dir, **{"min-sites": 3, "server-eval-data": f"'{held_out}'"}
+        )
+        result = flwr_run(env, "loopback", config)
         logs = "\n".join(group.log(n)[-2000:] for n in ("superlink", "hospital-a"))
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:] + logs
         wait_for(lambda: (run_dir / "summary.json").exists(), 120, "the run's summary")
     _check_outputs(run_dir, tiny_bert, sites=3)
     with Ledger.open(run_dir / "ledger.sqlite", read_only=True) as ledger:
         assert sorted(ledger.sites()) == ["clinic-c", "hospital-a", "hospital-b"]
+    # prism-fl evaluate on the run folder reproduces the coordinator's last evaluation
+    out = tmp_path / "evaluate.json"
+    assert prism_fl(["evaluate", str(run_dir), "--data", str(held_out), "--json", str(out)]) == 0
+    last = json.loads((run_dir / "summary.json").read_text())["server-eval"][str(ROUNDS)]
+    mine = json.loads(out.read_text())
+    assert mine["accuracy"] == pytest.approx(last["accuracy"], abs=1e-9)
+    assert mine["loss"] == pytest.approx(last["loss"], rel=1e-5)
     for site in ("hospital-a", "hospital-b", "clinic-c"):  # each site's own durable ledger
         assert (tmp_path / "state" / site / "privacy-ledger.jsonl").read_text().count(
             "\n"
