@@ -24,6 +24,11 @@ facts that do not match the configuration, an invalid or replayed reply) as an U
 charge of the round's steps at its last confirmed parameters (``Ledger.last_confirmed``), or,
 for a site with none, with unknown parameters (accounted as epsilon inf). It may have charged
 itself before failing; the report counts these charges in the site's worst-case epsilon.
+
+A private clip norm (``max-norm = auto``, ``AutoClip``): a site's reply carries its clip as
+``max-norm``, checked against the public range of every estimate the run config allows, and in
+the round it estimated it, the estimate's own event (``quantile-*`` facts), recorded as a ledger
+row of mechanism ``QUANTILE_MECHANISM`` beside the training row.
 """
 
 from __future__ import annotations
@@ -815,8 +820,10 @@ class PrismStrategy(Strategy):
         reply must come from a node asked this round, carry this round's number and nonce,
         match the node's bound site id, and be the site's first reply this round
         (``_check_origin``); its facts must match what the coordinator configured
-        (``_cross_check``: steps, mechanism, sampling, adjacency, rng, sigma, q, delta, and a
-        known refusal code). Only then are they charged to the ledger as CONFIRMED, so a reply
+        (``_cross_check``: steps, mechanism, sampling, adjacency, rng, sigma, q, delta, a known
+        refusal code, and with ``max-norm = auto`` the reported clip's range and the clip
+        estimate's steps). Only then are they charged to the ledger as CONFIRMED (a private clip
+        estimate as its own row, in the same transaction as the steps), so a reply
         whose UPDATE is bad (keys, dtype, shape, NaN/Inf, huge entries, a norm beyond the
         mechanism's bound) is still charged: the site spent that budget. A ledger conflict (a
         different confirmed record of the same round) rejects the reply, never the round.
@@ -932,8 +939,10 @@ class PrismStrategy(Strategy):
 
         At the site's last confirmed parameters (sigma, q, delta, cap, mechanism, rng); a site
         with none (never seen, or a node never bound to a site: ``node-<id>``) is recorded with
-        unknown parameters, accounted as sigma 0 (epsilon inf, the worst case). Idempotent: the
-        ledger keeps one unconfirmed charge per (run, round, site) and none once confirmed
+        unknown parameters, accounted as sigma 0 (epsilon inf, the worst case); with
+        ``max-norm = auto`` and no confirmed clip estimate of the site in this run, plus an
+        unconfirmed estimate (``_unconfirmed_estimate``). Idempotent: the ledger keeps one
+        unconfirmed charge per (run, round, site, mechanism) and none once confirmed
         (a re-run round whose charge is already confirmed adds nothing, and is not listed in
         ``summary.unconfirmed``).
         """

@@ -255,3 +255,47 @@ def test_a_damaged_clip_file_stops_the_site_and_is_left_as_it_is(
     assert str(path) in str(info.value) and "move it away" in str(info.value)
     assert path.read_text() == text
     assert SiteLedger(tmp_path / "state").entries() == entries  # nothing charged
+
+
+class _CrashError(Exception):
+    """A crash injected at one point of a round."""
+
+
+def test_a_crash_between_the_two_charges_never_leaves_a_step_uncharged(tiny_bert, tmp_path):
+    """Crash after the estimate's charge, before its store: the restart estimates and charges
+    again (counted twice, never zero). Crash after the store, before the training charge: the
+    restart reuses the estimate and charges only the steps."""
+    site = _site(tiny_bert, tmp_path)
+
+    def lost(stored):
+        raise _CrashError
+
+    site.clip_store.save = lost  # type: ignore[method-assign]
+    with pytest.raises(_CrashError):
+        site.train_round(1, to_arrays(site.loaded), run_id="run-a")
+    mechanisms = [e.mechanism for e in SiteLedger(tmp_path / "state").entries()]
+    assert mechanisms == [QUANTILE_MECHANISM]  # charged before it ran
+    assert ClipStore(tmp_path / "state").load() is None
+
+    restarted = _site(tiny_bert, tmp_path)
+    charge = restarted.ledger.charge
+
+    def crash_on_training(entry):
+        if entry.mechanism != QUANTILE_MECHANISM:
+            raise _CrashError
+        charge(entry)
+
+    restarted.ledger.charge = crash_on_training  # type: ignore[method-assign]
+    with pytest.raises(_CrashError):
+        restarted.train_round(1, to_arrays(restarted.loaded), run_id="run-a")
+    stored = ClipStore(tmp_path / "state").load()
+    assert stored is not None and stored.run_id == "run-a"  # stored before the steps' charge
+    mechanisms = [e.mechanism for e in SiteLedger(tmp_path / "state").entries()]
+    assert mechanisms == [QUANTILE_MECHANISM, QUANTILE_MECHANISM]  # the first one counts too
+
+    again = _site(tiny_bert, tmp_path)
+    facts = again.train_round(1, to_arrays(again.loaded), run_id="run-a").accounting
+    assert not any(k in facts for k in QUANTILE_FACTS) and facts["max-norm"] == stored.max_norm
+    entries = SiteLedger(tmp_path / "state").entries()
+    assert [e.mechanism for e in entries] == [QUANTILE_MECHANISM] * 2 + ["prism-tangent-gaussian"]
+    assert facts["epsilon"] == pytest.approx(epsilon([e.event() for e in entries], 1e-5))
