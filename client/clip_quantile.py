@@ -26,7 +26,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from client.config import RunConfig
 from client.durable import atomic_write
@@ -200,4 +200,8 @@ class ClipStore:
             "plan": asdict(stored.plan),
         }
         text = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
-        atomic_write(self.path, lambda f: f.write(text))
+
+        def write(f: BinaryIO) -> None:
+            f.write(text)
+
+        atomic_write(self.path, write)
