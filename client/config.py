@@ -7,6 +7,7 @@ every error names the key, the value found and what is allowed.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal, get_args
 
@@ -21,8 +22,10 @@ from pydantic import (
 )
 
 from client.errors import ConfigError
+from prism_core.quantile import clip_range
 
 __all__ = [
+    "AUTO_CLIP",
     "RunConfig",
     "SiteConfig",
     "describe_allowed",
@@ -32,6 +35,8 @@ __all__ = [
 ]
 
 FedMethod = Literal["prism", "fedavg-factors", "ffa", "nondp"]
+AUTO_CLIP = "auto"
+"""``max-norm = auto``: the clip is estimated privately at each site (``client.clip_quantile``)."""
 MINILM = "minilm"
 
 
@@ -90,7 +95,12 @@ class RunConfig(_Kebab):
     local_steps: int = Field(1, ge=1, description="tau: private steps per site per round")
     batch_size: int = Field(128, ge=1, description="expected Poisson batch per local step")
     micro_batch_size: int = Field(64, ge=1)
-    max_norm: float = Field(1.0, gt=0, description="clip C: the total sensitivity (LoRA + head)")
+    max_norm: float | Literal["auto"] = Field(
+        1.0,
+        description="clip C: the total sensitivity (LoRA + head), or 'auto': each site "
+        "estimates it privately (clip-quantile keys) and charges that to its ledger",
+        json_schema_extra=_allowed_note("a finite number > 0, or 'auto'"),
+    )
     lr: float = Field(0.005, gt=0, description="local learning rate (PRISM's LoRA step)")
     server_lr: float = Field(1.0, gt=0, description="server step on the aggregated update")
     noise_multiplier: float = Field(
@@ -166,12 +176,39 @@ class RunConfig(_Kebab):
         "sgd", description="head optimizer on its DP gradient: plain sgd or adamw"
     )
 
+    # -- max-norm = auto: a private clip norm per site (Andrew et al. 2021, geometric update;
+    # prism_core.quantile, client.clip_quantile), charged to the site's ledger before training
+    clip_quantile: float = Field(
+        0.5, gt=0, lt=1, description="auto clip: target quantile gamma of the per-example norms"
+    )
+    clip_quantile_steps: int = Field(
+        30, ge=1, description="auto clip: K noisy quantile steps, each on a fresh Poisson batch"
+    )
+    clip_init: float = Field(0.1, gt=0, description="auto clip: the PUBLIC starting C_0")
+    clip_quantile_noise: float = Field(
+        0.05,
+        gt=0,
+        description="auto clip: noise std of the released fraction below C; the count's noise "
+        "multiplier is this times the expected batch b (Andrew et al.: b/20)",
+    )
+    clip_lr: float = Field(0.3, gt=0, description="auto clip: eta of C <- C exp(-eta (f - gamma))")
+
     @field_validator("head_lr")
     @classmethod
     def _head_lr_or_default(cls, value: float) -> float:
         if value <= 0 and value != -1.0:
             raise ValueError("must be > 0, or -1 for lr")
         return value
+
+    @field_validator("max_norm", mode="before")
+    @classmethod
+    def _clip_or_auto(cls, value: Any) -> Any:
+        if value == AUTO_CLIP:
+            return value
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not (number and math.isfinite(value) and value > 0):
+            raise ValueError(f"is neither a clip C > 0 nor {AUTO_CLIP!r}")
+        return float(value)
 
     @field_validator("head_max_norm")
     @classmethod
@@ -216,7 +253,7 @@ class RunConfig(_Kebab):
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
-        if self.head_max_norm >= self.max_norm:
+        if isinstance(self.max_norm, float) and self.head_max_norm >= self.max_norm:
             raise ValueError(
                 f"head-max-norm={self.head_max_norm} must be > 0 and < max-norm={self.max_norm} "
                 "(max-norm is the total clip C; the head gets a share of it), or -1 for a "
@@ -252,6 +289,35 @@ class RunConfig(_Kebab):
     @property
     def head_learning_rate(self) -> float:
         return self.head_lr if self.head_lr > 0 else self.lr
+
+    @property
+    def auto_clip(self) -> bool:
+        """``max-norm = auto``: every site estimates its clip privately before training."""
+        return self.max_norm == AUTO_CLIP
+
+    @property
+    def split_head_clip(self) -> float | None:
+        """The head's share of a SPLIT clip: ``head_clip`` when a DP head is trained, else None."""
+        trains_head = self.task == "seq-cls" and self.lora_head == "train"
+        return self.head_clip if trains_head else None
+
+    def total_clip(self, lora_clip: float) -> float:
+        """The total clip C (the sensitivity) for a LoRA (or joint) clip: with the head's own
+        share ``C_head`` (split clip), ``sqrt(C_lora^2 + C_head^2)``; else ``lora_clip``."""
+        head = self.split_head_clip
+        return math.sqrt(lora_clip**2 + head**2) if head is not None else lora_clip
+
+    @property
+    def auto_clip_range(self) -> tuple[float, float]:
+        """Every total clip C a site can report with ``max-norm = auto`` (public, from the run
+        config: ``prism_core.quantile.clip_range`` of the estimate, then ``total_clip``)."""
+        low, high = clip_range(
+            self.clip_init,
+            target_quantile=self.clip_quantile,
+            lr=self.clip_lr,
+            steps=self.clip_quantile_steps,
+        )
+        return self.total_clip(low), self.total_clip(high)
 
     @property
     def planned_site_steps(self) -> int:

@@ -22,6 +22,11 @@ Randomness: ``RNG`` in the facts says where the site's sampling/dropout/noise ra
 from: ``RNG_SECURE`` (OS CSPRNG, the default) or ``RNG_REPRODUCIBLE`` (seeded from a site-local
 secret for tests and benchmarks; NOT private against the coordinator, and reported so).
 
+Clip: an ``ok`` reply's ``max-norm`` is the clip C (the sensitivity) its steps ran with. With
+``max-norm = auto`` the round in which a site estimated C privately (``client.clip_quantile``)
+also reports that estimate's own event: ``quantile-sigma`` (the noise multiplier of the count),
+``quantile-q`` and ``quantile-steps`` (mechanism ``prism_core.quantile.QUANTILE_MECHANISM``).
+
 Freshness: every train message's ``CONFIG`` also carries ``ROUND_NONCE`` (random, new each
 round); the ClientApp echoes it in ``ACCOUNTING`` next to ``server-round`` (``SERVER_ROUND``),
 so the coordinator rejects a stale or replayed reply.
@@ -105,6 +110,9 @@ ACCOUNTING_KEYS = (
     "rng",
     "max-norm",
     "expected-batch-size",
+    "quantile-sigma",
+    "quantile-q",
+    "quantile-steps",
 )
 
 

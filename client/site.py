@@ -7,7 +7,11 @@ A round (DESIGN.md §3), in this order, so a refusal never costs anything:
    non-private metrics the site does not allow, is refused with its code;
 2. the BROADCAST (``client.broadcast``): keys, shapes, finiteness and (PRISM) full rank r;
 3. the site's own CAP: the round's planned steps must fit under the budget on its own ledger;
-4. the CHARGE: the planned event is fsync'ed to the site ledger BEFORE training;
+4. the CHARGE: the planned event is fsync'ed to the site ledger BEFORE training; with
+   ``max-norm = auto``, in the site's first round of a run, first the private clip estimate
+   (``client.clip_quantile``): its own event is charged, the K quantile steps run at the
+   broadcast point, the estimate is stored, and only then is the training event charged (the
+   cap check before covers both, so the estimate is never spent on a round that cannot run);
 5. ``tau`` private steps; the mechanism's ``NoiseRecord``s must agree with the charge
    (``AccountingMismatchError`` otherwise), and the reply's facts are built from them;
 6. the reply: the tangent update at the broadcast point
@@ -38,6 +42,7 @@ import torch
 from torch import Tensor
 
 from client.broadcast import broadcast_problem
+from client.clip_quantile import ClipEstimate, ClipPlan, ClipStore, StoredClip, estimate_clip
 from client.config import RunConfig, SiteConfig, resolve_model, site_method
 from client.data import TokenizedDataset, dirichlet_partition, iid_partition, load_examples
 from client.durable import atomic_write, locked
@@ -60,6 +65,7 @@ from prism_core.accounting import (
 from prism_core.adaptive import AdaptiveState, realign_state
 from prism_core.manifold import Point, tangent_displacement
 from prism_core.mechanism import ADJACENCY, NoiseRecord
+from prism_core.quantile import QUANTILE_MECHANISM
 
 __all__ = [
     "RoundReply",
@@ -220,6 +226,9 @@ class Site:
         self.epsilon_cap = run.target_epsilon if asked else policy.epsilon_cap
         self.delta = run.delta if asked else policy.delta
         self.sigma = 0.0
+        self.clip_plan: ClipPlan | None = None  # max-norm = auto: the private clip estimate
+        self.clip_store = ClipStore(self.state_dir)
+        self._clip_run: str | None = None  # the run whose clip the trainer holds
         if self.refusal is not None:
             log.warning(
                 "site %s refuses this run (%s): %s",
@@ -236,6 +245,13 @@ class Site:
             max_length=run.max_length,
             pair_encoding=self.loaded.pair_encoding,
         )
+        if run.auto_clip and self.method != "nondp":
+            self.clip_plan = ClipPlan.from_run(
+                run,
+                expected_batch_size=self.sample_rate * self.num_examples,
+                sample_rate=self.sample_rate,
+                trains_head=bool(self.loaded.head_params),
+            )
         self.sigma = self._sigma()
         train = TrainConfig(
             method=self.method,  # type: ignore[arg-type]
@@ -245,7 +261,7 @@ class Site:
             steps=run.local_steps,
             batch_size=run.batch_size,
             micro_batch_size=run.micro_batch_size,
-            max_norm=run.max_norm,
+            max_norm=self._initial_clip(),
             lr=run.lr,
             head_lr=run.head_learning_rate,
             head_optimizer=run.head_optimizer,
@@ -261,12 +277,20 @@ class Site:
         if self.run.noise_multiplier >= 0:
             return self.run.noise_multiplier
         # No amplification from the server's choice of sites: assume this site runs every round.
+        # A private clip estimate runs first: the steps get the budget it leaves.
         return calibrate_noise_multiplier(
             target_epsilon=self.epsilon_cap,
             delta=self.delta,
             sample_rate=self.sample_rate,
             steps=self.run.planned_site_steps,
+            history=[self.clip_plan.event()] if self.clip_plan is not None else (),
         )
+
+    def _initial_clip(self) -> float:
+        """The run's clip C, or (auto) the plan's start until the estimate replaces it."""
+        if isinstance(self.run.max_norm, float):
+            return self.run.max_norm
+        return self.run.total_clip(self.run.clip_init)
 
     @property
     def mechanism(self) -> str:
@@ -378,9 +402,16 @@ class Site:
         return RoundReply({}, facts)
 
     def _released_facts(
-        self, server_round: int, results: Sequence[StepResult], planned: SiteLedgerEntry
+        self,
+        server_round: int,
+        results: Sequence[StepResult],
+        planned: SiteLedgerEntry,
+        quantile: PrivacyEvent | None = None,
     ) -> dict[str, Any]:
-        """Facts of a trained round, from the mechanism's records, checked against the charge."""
+        """Facts of a trained round, from the mechanism's records, checked against the charge.
+
+        ``quantile``: the event of a private clip estimate charged this round (its own facts).
+        """
         facts = self._facts(server_round, STATUS_OK)
         records = noise_records(results)
         if self.method == "nondp":  # no mechanism ran: nothing protects the data
@@ -409,6 +440,14 @@ class Site:
             }
         )
         facts.update(_noise_scale_facts(records))
+        if quantile is not None:
+            facts.update(
+                {
+                    "quantile-sigma": float(quantile.noise_multiplier),
+                    "quantile-q": float(quantile.sample_rate),
+                    "quantile-steps": int(quantile.steps),
+                }
+            )
         return facts
 
     # -- one round -------------------------------------------------------------------------
@@ -440,11 +479,17 @@ class Site:
                 return self._refused(server_round, "bad-broadcast")
             return self._train_round(run_id, server_round, digest, arrays)
 
-    def _planned(self, server_round: int) -> SiteLedgerEntry | None:
-        """The charge of this round's tau steps, or None if it would pass the site's cap."""
+    def _planned(
+        self, server_round: int, before: Sequence[PrivacyEvent] = ()
+    ) -> SiteLedgerEntry | None:
+        """The charge of this round's tau steps, or None if it would pass the site's cap.
+
+        ``before``: events still to be charged ahead of the steps (a private clip estimate);
+        they count in the cap check.
+        """
         self.ledger.reload()  # another process may have charged this site since
         tau = self.run.local_steps
-        history = self.ledger.events()
+        history = [*self.ledger.events(), *before]
         planned = SiteLedgerEntry(
             server_round, self.mechanism, self.sigma, self.sample_rate, tau, self.delta
         )
@@ -465,9 +510,15 @@ class Site:
     def _train_round(
         self, run_id: str, server_round: int, digest: str, arrays: dict[str, Tensor]
     ) -> RoundReply:
-        planned = self._planned(server_round)
+        plan = self._clip_to_estimate(run_id)
+        planned = self._planned(server_round, [plan.event()] if plan is not None else [])
         if planned is None:
             return self._refused(server_round, "cap-exhausted")
+        quantile = None
+        if plan is not None:  # charged, run and stored before the training charge
+            quantile = self._estimate_clip(run_id, server_round, arrays, plan)
+        if self.clip_plan is not None and self._clip_run != run_id:
+            raise AccountingMismatchError("max-norm = auto, but the clip was not resolved")
         history = self.ledger.events()
         attempt = len(self.ledger.entries())  # this charge's position in the site's own ledger
         self.ledger.charge(planned)
@@ -477,13 +528,96 @@ class Site:
         self.trainer.begin_round(history, planned.steps)
         self.trainer.reseed(self.policy.round_seed(server_round, attempt))
         results = self.trainer.train(planned.steps)
-        facts = self._released_facts(server_round, results, planned)
+        facts = self._released_facts(server_round, results, planned, quantile)
         end = read_points(self.loaded.handles)
         reply = RoundReply(self._update(arrays, start, end), facts)
         if self.run.report_train_loss:  # the site's policy allowed it (checked at construction)
             reply.nonprivate["nonprivate-train-loss"] = sum(r.loss for r in results) / len(results)
         self._store_round(run_id, server_round, digest, reply, end)
         return reply
+
+    # -- max-norm = auto: the private clip (client.clip_quantile) -------------------------------
+
+    def _use_clip(self, run_id: str, max_norm: float) -> None:
+        self.trainer.set_max_norm(max_norm)
+        self._clip_run = run_id
+
+    def _clip_to_estimate(self, run_id: str) -> ClipPlan | None:
+        """The plan to run now, or None: no auto clip, or this run's estimate is known.
+
+        Known: held by this process, or stored in the state folder for this run id (a
+        restarted site, or a deployed site's fresh ClientApp process): reused, nothing spent.
+        Without a run id a stored estimate is never reused (the run cannot be told apart).
+        """
+        if self.clip_plan is None or self._clip_run == run_id:
+            return None
+        stored = self.clip_store.load()
+        if stored is not None and run_id and stored.run_id == run_id:
+            if stored.plan == self.clip_plan:
+                log.info(
+                    "site %s: reusing the clip C=%.6g estimated in round %d of run %s",
+                    self.site_id,
+                    stored.max_norm,
+                    stored.server_round,
+                    run_id,
+                )
+                self._use_clip(run_id, stored.max_norm)
+                return None
+            log.warning(
+                "site %s: the stored clip estimate of run %s was made with another plan (%s); "
+                "estimating again",
+                self.site_id,
+                run_id,
+                stored.plan,
+            )
+        return self.clip_plan
+
+    def _estimate_clip(
+        self, run_id: str, server_round: int, arrays: dict[str, Tensor], plan: ClipPlan
+    ) -> PrivacyEvent:
+        """Charge, run and store the private clip estimate; its released event.
+
+        Order (crash-safe): the quantile event is fsync'ed to the ledger, then the K steps run
+        at the broadcast point, then the estimate is stored atomically. A crash before the
+        store makes a restarted site estimate (and charge) again: counted twice, never zero.
+        """
+        entry = SiteLedgerEntry(
+            server_round,
+            QUANTILE_MECHANISM,
+            plan.noise_multiplier,
+            plan.sample_rate,
+            plan.steps,
+            self.delta,
+        )
+        attempt = len(self.ledger.entries())
+        self.ledger.charge(entry)
+        load_arrays(self.loaded, arrays)
+        self.trainer.reseed(self.policy.round_seed(server_round, attempt))
+        estimate: ClipEstimate = estimate_clip(self.trainer, plan)
+        event = released_event(estimate.records, QUANTILE_MECHANISM)
+        if (event.noise_multiplier, event.sample_rate, event.steps) != (
+            entry.sigma,
+            entry.q,
+            entry.steps,
+        ):
+            raise AccountingMismatchError(
+                f"site {self.site_id} round {server_round}: the clip estimate ran {event} but the "
+                f"site charged sigma={entry.sigma}, q={entry.q}, steps={entry.steps}"
+            )
+        self.clip_store.save(
+            StoredClip(run_id, server_round, estimate.estimate, estimate.max_norm, plan)
+        )
+        self._use_clip(run_id, estimate.max_norm)
+        log.info(
+            "site %s: private clip C=%.6g (quantile %.2f, %d steps, sigma_b=%.4g, q=%.4g)",
+            self.site_id,
+            estimate.max_norm,
+            plan.target_quantile,
+            plan.steps,
+            plan.noise_multiplier,
+            plan.sample_rate,
+        )
+        return event
 
     def _update(
         self, arrays: dict[str, Tensor], start: list[Point], end: list[Point]

@@ -369,6 +369,14 @@ class PrivateTrainer:
         self._allowed = None
         self.config = self.config.model_copy(update={"steps": steps})
 
+    def set_max_norm(self, max_norm: float) -> None:
+        """Use the clip C = ``max_norm`` from now on (a private estimate, ``client.clip_quantile``).
+
+        Raises:
+            pydantic.ValidationError: C not > 0, or not above the head's share of the clip.
+        """
+        self.config = TrainConfig.model_validate({**self.config.model_dump(), "max_norm": max_norm})
+
     # -- setup -----------------------------------------------------------------------------
 
     def _forever(self) -> Iterator[dict[str, Tensor]]:
@@ -578,6 +586,51 @@ class PrivateTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return total / max(count, 1)
+
+    # -- a private clip estimate (client.clip_quantile) -----------------------------------
+
+    def count_within(self, max_norm: float, *, lora_only: bool) -> tuple[int, int]:
+        """On the next Poisson batch: ``(examples, examples whose clipped norm is <= max_norm)``.
+
+        The norm is the one the clip of this method sees: PRISM's intrinsic norm of the lift
+        (eq. 15), or the baselines' factor norm, joined by the DP head's gradient unless
+        ``lora_only`` (a split clip estimates the LoRA part alone). Computed by the same clip
+        functions as a training step (an example is below when its coefficient is 1); no
+        parameter moves. Both counts are PRIVATE: only a noisy count may leave this method's
+        caller (``prism_core.quantile.noisy_fraction_below``).
+        """
+        batch = {k: v.to(self.loaded.device) for k, v in next(self._batches).items()}
+        handles, head = self.loaded.handles, self.loaded.head_params
+        points = read_points(handles)
+        frames = step_frames(points) if self.config.method == "prism" else None
+        count = below = 0
+        with self._autocast():
+            for micro in micro_batches(batch, self.config.micro_batch_size):
+                self._backward(micro)
+                n = int(micro["labels"].shape[0])
+                if frames is not None:  # as clipped_sum
+                    grads = [
+                        (fold_text_rows(gA, n), fold_text_rows(gB, n))
+                        for gA, gB in per_example_factor_grads(handles)
+                    ]
+                    extra = [p.grad_sample.to(torch.float32) for p in head]
+                    acc = clip_and_sum_grads(
+                        points,
+                        grads,
+                        max_norm=max_norm,
+                        euclidean=[] if lora_only else extra,
+                        frames=frames,
+                    )
+                    count, below = count + acc.count, below + acc.count - acc.clipped
+                else:  # as _factor_step
+                    rows = [fold_text_rows(p.grad_sample.to(torch.float32), n) for p in self.params]
+                    lora, extra = rows[: len(rows) - len(head)], rows[len(rows) - len(head) :]
+                    _, alpha = factor_clip_and_sum(
+                        lora, max_norm=max_norm, euclidean=[] if lora_only else extra
+                    )
+                    count, below = count + n, below + int((alpha >= 1.0).sum())
+                self._clear_grads()
+        return count, below
 
     # -- loop ------------------------------------------------------------------------------
 

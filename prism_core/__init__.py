@@ -7,6 +7,7 @@ Pure functions on tensors (no Flower, no I/O):
 - ``adaptive``: DP-aware gauge-invariant adaptive transform (eqs. 24-26).
 - ``baselines``: factor-space DP-LoRA, FFA-LoRA and non-DP gradients for comparison.
 - ``accounting``: epsilon from mechanism histories with Opacus' PRV (RDP cross-check).
+- ``quantile``: a private clip norm, the DP quantile estimate of Andrew et al. (2021).
 - ``rng``: seeded or secure (OS CSPRNG) noise sources.
 """
 

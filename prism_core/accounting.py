@@ -187,6 +187,7 @@ def calibrate_noise_multiplier(
     sample_rate: float,
     steps: int,
     relative_tolerance: float = 0.005,
+    history: Sequence[PrivacyEvent] = (),
 ) -> float:
     """Smallest sigma (to a tolerance) whose PRV epsilon after ``steps`` stays below the target.
 
@@ -196,8 +197,14 @@ def calibrate_noise_multiplier(
     reports epsilon, and an absolute tolerance of ``relative_tolerance * target_epsilon``:
     the calibrated epsilon lies in ``[(1 - relative_tolerance) target, target]``.
 
+    With a ``history`` (events that run before these steps, e.g. a private clip estimate), sigma
+    is the smallest whose PRV epsilon of ``history`` plus the ``steps`` stays below the target,
+    found by bisection on the same accountant (``_calibrate_after``); the epsilon then lies in
+    ``[(1 - relative_tolerance) target, target]`` too, unless the history alone comes that close.
+
     Raises:
-        PrivacyParameterError: for a non-positive target or steps, or a budget too small.
+        PrivacyParameterError: for a non-positive target or steps, a budget too small, or a
+            history that alone spends the target.
     """
     if not (target_epsilon > 0 and math.isfinite(target_epsilon)):
         raise PrivacyParameterError(
@@ -208,6 +215,15 @@ def calibrate_noise_multiplier(
     if not 0 < sample_rate <= 1:
         raise PrivacyParameterError(f"sample_rate={sample_rate!r} must be in (0, 1]")
     _check_delta(delta)
+    if compose_events(history):
+        return _calibrate_after(
+            list(history),
+            target_epsilon=target_epsilon,
+            delta=delta,
+            sample_rate=sample_rate,
+            steps=steps,
+            relative_tolerance=relative_tolerance,
+        )
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
@@ -226,6 +242,64 @@ def calibrate_noise_multiplier(
             f"{steps} steps: {exc} Raise the budget or lower the steps or the sampling rate."
         ) from exc
     return float(sigma)
+
+
+_MAX_SIGMA_DOUBLINGS = 40
+"""How often ``_calibrate_after`` doubles sigma looking for one that fits, before giving up."""
+
+
+def _calibrate_after(
+    history: list[PrivacyEvent],
+    *,
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    relative_tolerance: float,
+) -> float:
+    """Bisection for the smallest sigma with ``epsilon(history + steps) <= target`` (PRV).
+
+    Implements the calibration of Thm 3.4 of PRISM after a prefix of events: epsilon decreases
+    in sigma, so the fresh calibration (no history) is a lower end; doubling finds an upper end
+    that fits, and bisection narrows the two until the upper end's epsilon is within
+    ``relative_tolerance * target`` of the target (or the ends meet).
+    """
+    spent = epsilon(history, delta)
+    if not spent < target_epsilon:
+        raise PrivacyParameterError(
+            f"the earlier events alone spend epsilon={spent:.4f} of the target {target_epsilon} "
+            f"at delta={delta}: no noise multiplier leaves room for {steps} more steps. Raise "
+            "the budget or make the earlier events cheaper."
+        )
+
+    def eps_at(sigma: float) -> float:
+        return epsilon([*history, PrivacyEvent(sigma, sample_rate, steps)], delta)
+
+    lo = calibrate_noise_multiplier(
+        target_epsilon=target_epsilon,
+        delta=delta,
+        sample_rate=sample_rate,
+        steps=steps,
+        relative_tolerance=relative_tolerance,
+    )
+    if eps_at(lo) <= target_epsilon:
+        return lo
+    hi = 2 * lo
+    for _ in range(_MAX_SIGMA_DOUBLINGS):
+        if eps_at(hi) <= target_epsilon:
+            break
+        lo, hi = hi, 2 * hi
+    else:
+        raise PrivacyParameterError(
+            f"no noise multiplier up to {hi:.3g} keeps epsilon of the earlier events plus "
+            f"{steps} steps at q={sample_rate} within {target_epsilon} at delta={delta}: the "
+            f"earlier events spend {spent:.4f}. Raise the budget."
+        )
+    tolerance = relative_tolerance * target_epsilon
+    while target_epsilon - eps_at(hi) > tolerance and hi - lo > 1e-9 * hi:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if eps_at(mid) > target_epsilon else (lo, mid)
+    return hi
 
 
 def max_steps(

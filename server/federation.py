@@ -44,7 +44,7 @@ from server.ledger import Ledger
 from server.optimizer import STATE_PREFIX as OPTIMIZER_STATE
 from server.optimizer import ServerOptimizerConfig
 from server.report import build_report, format_round_table, round_rows, write_reports
-from server.strategy import PrismStrategy, RoundSummary, UpdateBound
+from server.strategy import AutoClip, PrismStrategy, RoundSummary, UpdateBound
 
 __all__ = ["make_run_dir", "run_federation"]
 
@@ -112,6 +112,19 @@ def _previous_result(ckpt: Checkpoint) -> Result:
     return result
 
 
+def _auto_clip(run: RunConfig) -> AutoClip | None:
+    """What the coordinator checks of the sites' private clips (``max-norm = auto``)."""
+    if not run.auto_clip or run.method == "nondp":  # nondp: no clip, nothing estimated
+        return None
+    low, high = run.auto_clip_range
+    return AutoClip(
+        low=low,
+        high=high,
+        steps=run.clip_quantile_steps,
+        noise_multiplier=run.clip_quantile_noise * run.batch_size,
+    )
+
+
 def run_federation(grid: Grid, run: RunConfig) -> Path:
     """Run the whole federation for ``run`` on ``grid`` (resuming a checkpointed run folder)."""
     run_dir = make_run_dir(run)
@@ -129,6 +142,7 @@ def run_federation(grid: Grid, run: RunConfig) -> Path:
     initial = to_arrays(loaded)
     modules = [h.name for h in loaded.handles]
     head = [name for name, _ in head_named(loaded)]
+    auto_clip = _auto_clip(run)
     ledger = Ledger.open(run_dir / "ledger.sqlite")
     run_id = run_dir.name
     ledger.record_run(run_id, config)
@@ -145,7 +159,8 @@ def run_federation(grid: Grid, run: RunConfig) -> Path:
         target_epsilon=run.target_epsilon,
         delta=run.delta,
         aggregation=run.aggregation,
-        max_norm=run.max_norm,
+        # a fixed C every reply must state; with max-norm = auto, AutoClip checks its range
+        max_norm=run.max_norm if isinstance(run.max_norm, float) else None,
         expected_batch_size=float(run.batch_size),
         server_optimizer=ServerOptimizerConfig(kind=run.server_optimizer, lr=run.server_lr),
         local_lr=run.lr,
@@ -154,7 +169,8 @@ def run_federation(grid: Grid, run: RunConfig) -> Path:
         # head, AdamW for the baselines
         update_bound=UpdateBound(
             lr=run.lr,
-            max_norm=run.max_norm,
+            # max-norm = auto: the largest clip a site's estimate can give (AutoClip.high)
+            max_norm=run.max_norm if isinstance(run.max_norm, float) else run.auto_clip_range[1],
             expected_batch_size=run.batch_size,
             head_lr=run.head_learning_rate,
             head_optimizer=run.head_optimizer,
@@ -162,6 +178,7 @@ def run_federation(grid: Grid, run: RunConfig) -> Path:
         # what the sites must report: the mechanism the run's method runs there
         mechanism=MECHANISMS[site_method(run.method)],
         dp=run.method != "nondp",
+        auto_clip=auto_clip,
     )
 
     first_round, initial_record, previous = 1, ArrayRecord(initial), None

@@ -5,10 +5,10 @@ site and round, the mechanism, neighbouring relation, sampling method, sigma, q,
 (and the site's epsilon cap). Epsilon is never stored: ``Ledger.epsilon`` recomputes it from the
 site's whole history with ``prism_core.accounting`` (PRV, with the RDP cross-check) every time.
 
-File layout (schema version 2):
+File layout (schema version 3):
 
-- ``meta(key, value)``: ``application = "prism-fl-ledger"``, ``schema_version = "2"``,
-  ``created_at`` (and ``migrated_from_1_at`` on a migrated file); the SQLite header also carries
+- ``meta(key, value)``: ``application = "prism-fl-ledger"``, ``schema_version = "3"``,
+  ``created_at`` (and ``migrated_from_<v>_at`` on a migrated file); the SQLite header also carries
   ``application_id = LEDGER_APPLICATION_ID`` and ``user_version = SCHEMA_VERSION``, so a foreign
   file is recognised from its first 100 bytes.
 - ``events``: append-only (TRIGGERs abort any UPDATE or DELETE). Each row is a charge, either
@@ -19,15 +19,19 @@ File layout (schema version 2):
   with ``params_known = 0`` and sigma 0, i.e. epsilon infinite, when it has none). ``code`` says
   why a charge is unconfirmed (a coordinator code, never site text); ``rng`` is the site's
   ``rng`` fact (``os-csprng`` or ``reproducible``; NULL when not known).
-  ``UNIQUE (run_id, round, site_id, confirmed)``: at most one confirmed and one unconfirmed row
-  per (run, round, site), so a replayed record is never counted twice. A confirmed row
-  *supersedes* the unconfirmed row of the same (run, round, site): ``Ledger.events`` (the history
-  every epsilon is computed from) leaves the superseded row out; ``Ledger.records`` shows all.
+  ``UNIQUE (run_id, round, site_id, mechanism, confirmed)``: at most one confirmed and one
+  unconfirmed row per (run, round, site, mechanism), so a replayed record is never counted twice,
+  and a round can hold a training row and the row of a private clip estimate
+  (``prism_core.quantile.QUANTILE_MECHANISM``) charged in the same round. A confirmed row
+  *supersedes* every unconfirmed row of the same (run, round, site), whatever its mechanism (a
+  valid reply states everything the site charged that round): ``Ledger.events`` (the history
+  every epsilon is computed from) leaves the superseded rows out; ``Ledger.records`` shows all.
 - ``runs(run_id, started_at, config_json)``: one row per federated run, append-only too.
 
-Schema version 1 (before unconfirmed charges and the rng fact) is still read: opened for writing
-it is migrated in place, in one transaction (every row kept, as confirmed with rng unknown);
-opened read-only it is read as is.
+Schema versions 1 (before unconfirmed charges and the rng fact) and 2 (one row per (run, round,
+site, confirmed), before the private clip estimate) are still read: opened for writing they are
+migrated in place, in one transaction (every row kept; a version-1 row as confirmed with rng
+unknown); opened read-only they are read as they are.
 
 Durability: WAL journal, ``synchronous = FULL`` (a committed append survives power loss), every
 write in one ``BEGIN IMMEDIATE`` transaction. A new ledger is built in a temporary file and
@@ -59,6 +63,7 @@ from client.testhooks import pause_point
 from prism_core.accounting import EpsilonReport, PrivacyEvent, epsilon, epsilon_report
 from prism_core.errors import AccountingError
 from prism_core.mechanism import ADJACENCY
+from prism_core.quantile import QUANTILE_MECHANISM
 from server.errors import InvalidEventError, LedgerConflictError, LedgerError
 
 __all__ = [
@@ -71,6 +76,7 @@ __all__ = [
     "Ledger",
     "LedgerEvent",
     "RunRecord",
+    "epsilon_points",
     "epsilon_series",
 ]
 
@@ -78,9 +84,10 @@ log = logging.getLogger(__name__)
 
 APPLICATION: Final = "prism-fl-ledger"
 """Value of ``meta.application`` in every prism-fl ledger."""
-SCHEMA_VERSION: Final = 2
-"""Schema version written by this module (version 1 is still read, and migrated on write)."""
-OLD_SCHEMA_VERSIONS: Final = (1,)
+SCHEMA_VERSION: Final = 3
+"""Schema version written by this module (versions 1 and 2 are still read, and migrated on
+write)."""
+OLD_SCHEMA_VERSIONS: Final = (1, 2)
 """Older schema versions this module reads (read-only) and migrates (opened for writing)."""
 LEDGER_APPLICATION_ID: Final = 0x50524C47  # "PRLG"
 """``PRAGMA application_id`` of a prism-fl ledger (bytes 68-71 of the SQLite header)."""
@@ -95,7 +102,7 @@ UNKNOWN_Q: Final = 1.0
 (epsilon infinite, the worst case)."""
 _CODE_PATTERN: Final = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
 
-_EVENTS_V2_BODY: Final = """
+_EVENTS_BODY: Final = """
     id INTEGER PRIMARY KEY,
     run_id TEXT NOT NULL CHECK (length(run_id) > 0),
     round INTEGER NOT NULL CHECK (round >= 0),
@@ -115,7 +122,7 @@ _EVENTS_V2_BODY: Final = """
     code TEXT NOT NULL DEFAULT '',
     CHECK (confirmed = 0 OR (params_known = 1 AND code = '')),
     CHECK (params_known = 1 OR (sigma = 0 AND q = 1)),
-    UNIQUE (run_id, round, site_id, confirmed)""".strip("\n")
+    UNIQUE (run_id, round, site_id, mechanism, confirmed)""".strip("\n")
 _EVENTS_EXTRAS: Final = """
 CREATE INDEX events_by_site ON events (site_id, id);
 CREATE TRIGGER events_no_update BEFORE UPDATE ON events
@@ -139,7 +146,7 @@ CREATE TABLE runs (
     config_json TEXT NOT NULL
 );
 CREATE TABLE events (
-{_EVENTS_V2_BODY}
+{_EVENTS_BODY}
 );
 {_EVENTS_EXTRAS}
 CREATE TRIGGER runs_no_update BEFORE UPDATE ON runs
@@ -349,18 +356,30 @@ def _event_from_row(row: Sequence[Any]) -> LedgerEvent:
     )
 
 
-def epsilon_series(events: Sequence[LedgerEvent], delta: float) -> list[tuple[int, float]]:
-    """``(round, PRV epsilon of events[: i + 1])`` for each event ``i`` that ran steps > 0.
+def epsilon_points(events: Sequence[LedgerEvent], delta: float) -> list[tuple[str, int, float]]:
+    """``(run_id, round, PRV epsilon so far)`` after each round that ran steps > 0.
 
-    The events are composed in the given order (one site's history, in ledger order).
+    The events are composed in the given order (one site's history, in ledger order); the
+    consecutive events of one (run, round), e.g. a private clip estimate and the training
+    steps charged in the same round, give one point, after the last of them.
     """
-    out: list[tuple[int, float]] = []
+    out: list[tuple[str, int, float]] = []
     history: list[PrivacyEvent] = []
-    for e in events:
+    ran = False  # the current (run, round) ran steps
+    for index, e in enumerate(events):
         history.append(e.privacy_event())
-        if e.steps > 0:
-            out.append((e.round, epsilon(history, delta)))
+        ran = ran or e.steps > 0
+        following = events[index + 1] if index + 1 < len(events) else None
+        if following is None or (following.run_id, following.round) != (e.run_id, e.round):
+            if ran:
+                out.append((e.run_id, e.round, epsilon(history, delta)))
+            ran = False
     return out
+
+
+def epsilon_series(events: Sequence[LedgerEvent], delta: float) -> list[tuple[int, float]]:
+    """``(round, PRV epsilon)`` of ``epsilon_points``: after each round that ran steps > 0."""
+    return [(rnd, eps) for _, rnd, eps in epsilon_points(events, delta)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -467,8 +486,8 @@ def _validate_ledger(conn: sqlite3.Connection, path: Path) -> int:
 
 
 def _columns(version: int) -> tuple[str, ...]:
-    """The event columns stored by a schema version."""
-    return _EVENT_COLUMNS if version == SCHEMA_VERSION else _V1_COLUMNS
+    """The event columns stored by a schema version (version 3 changed only the UNIQUE key)."""
+    return _V1_COLUMNS if version == 1 else _EVENT_COLUMNS
 
 
 def _event_select(version: int) -> str:
@@ -563,12 +582,13 @@ def _statements(script: str) -> list[str]:
 
 
 def _migrate(conn: sqlite3.Connection, path: Path) -> bool:
-    """Migrate a version-1 ledger to ``SCHEMA_VERSION`` in place, in ONE transaction.
+    """Migrate a version-1 or -2 ledger to ``SCHEMA_VERSION`` in place, in ONE transaction.
 
-    The events table is rebuilt with the new columns (SQLite cannot change a UNIQUE constraint in
-    place): every row is copied with its id, as a confirmed charge with the rng fact unknown,
-    then the append-only triggers are restored and ``meta`` records the new version and when it
-    was migrated. A crash leaves the file as it was before or as it is after, never between.
+    The events table is rebuilt with the new UNIQUE key (and, from version 1, the new columns;
+    SQLite cannot change a UNIQUE constraint in place): every row is copied with its id (a
+    version-1 row as a confirmed charge with the rng fact unknown), then the append-only
+    triggers are restored and ``meta`` records the new version and when it was migrated. A crash
+    leaves the file as it was before or as it is after, never between.
 
     Returns:
         True if this call migrated the file, False if it already had the current version (another
@@ -581,15 +601,15 @@ def _migrate(conn: sqlite3.Connection, path: Path) -> bool:
             conn.execute("ROLLBACK")
             return False
         (before,) = conn.execute("SELECT count(*) FROM events").fetchone()
-        old = ", ".join(("id", *_V1_COLUMNS))
+        old = ", ".join(("id", *_columns(int(version))))
         for statement in (
             "DROP TRIGGER events_no_update",
             "DROP TRIGGER events_no_delete",
             "DROP TRIGGER meta_no_update",
-            f"CREATE TABLE events_v2 (\n{_EVENTS_V2_BODY}\n)",
-            f"INSERT INTO events_v2 ({old}) SELECT {old} FROM events ORDER BY id",
+            f"CREATE TABLE events_new (\n{_EVENTS_BODY}\n)",
+            f"INSERT INTO events_new ({old}) SELECT {old} FROM events ORDER BY id",
             "DROP TABLE events",
-            "ALTER TABLE events_v2 RENAME TO events",
+            "ALTER TABLE events_new RENAME TO events",
             *_statements(_EVENTS_EXTRAS),
         ):
             conn.execute(statement)
@@ -610,7 +630,7 @@ def _migrate(conn: sqlite3.Connection, path: Path) -> bool:
             conn.execute("ROLLBACK")
         raise
     log.warning(
-        "ledger %s: migrated from schema version %s to %d (%d events kept, as confirmed)",
+        "ledger %s: migrated from schema version %s to %d (%d events kept)",
         path,
         version,
         SCHEMA_VERSION,
@@ -665,8 +685,8 @@ class Ledger:
         An existing file is first checked without writing anything: its SQLite header (the
         ``application_id``), then, on a read-only connection, its integrity, ``meta`` table,
         schema version, tables and triggers. Only a file that passes is opened for writing. A
-        version-1 ledger opened for writing is migrated to version 2 (one transaction, every
-        event kept); opened read-only it is read as it is.
+        version-1 or -2 ledger opened for writing is migrated to version 3 (one transaction,
+        every event kept); opened read-only it is read as it is.
 
         Args:
             path: the ledger file.
@@ -784,13 +804,21 @@ class Ledger:
                 raise LedgerError(f"ledger {self._path}: commit failed ({exc}).") from exc
 
     def _stored(
-        self, conn: sqlite3.Connection, event: LedgerEvent, *, confirmed: bool
+        self,
+        conn: sqlite3.Connection,
+        event: LedgerEvent,
+        *,
+        confirmed: bool,
+        any_mechanism: bool = False,
     ) -> LedgerEvent | None:
-        """The stored event of ``event``'s (run, round, site) with the given confirmation."""
+        """The stored event of ``event``'s (run, round, site, mechanism) with the given
+        confirmation; with ``any_mechanism``, of its (run, round, site) with any mechanism."""
+        mechanism = "" if any_mechanism else " AND mechanism = ?"
+        params: tuple[Any, ...] = (event.run_id, event.round, event.site_id, int(confirmed))
         row = conn.execute(
             f"SELECT {', '.join(_EVENT_COLUMNS)} FROM events "
-            "WHERE run_id = ? AND round = ? AND site_id = ? AND confirmed = ?",
-            (event.run_id, event.round, event.site_id, int(confirmed)),
+            f"WHERE run_id = ? AND round = ? AND site_id = ? AND confirmed = ?{mechanism}",
+            params if any_mechanism else (*params, event.mechanism),
         ).fetchone()
         return None if row is None else _event_from_row(row)
 
@@ -798,8 +826,14 @@ class Ledger:
         if not isinstance(event, LedgerEvent):
             raise InvalidEventError(f"expected a LedgerEvent, found {type(event).__name__}")
         _validate_event(event)  # again: a frozen dataclass can still be altered by force
-        who = f"site {event.site_id!r}, run {event.run_id!r}, round {event.round}"
-        if not event.confirmed and self._stored(conn, event, confirmed=True) is not None:
+        who = (
+            f"site {event.site_id!r}, run {event.run_id!r}, round {event.round}, "
+            f"mechanism {event.mechanism!r}"
+        )
+        if (
+            not event.confirmed
+            and self._stored(conn, event, confirmed=True, any_mechanism=True) is not None
+        ):
             log.info("ledger: %s is already confirmed; unconfirmed charge not recorded", who)
             return False
         row = {c: getattr(event, c) for c in _EVENT_COLUMNS}
@@ -810,14 +844,15 @@ class Ledger:
         try:
             cur = conn.execute(
                 f"INSERT INTO events ({names}) VALUES ({marks}) "
-                "ON CONFLICT (run_id, round, site_id, confirmed) DO NOTHING",
+                "ON CONFLICT (run_id, round, site_id, mechanism, confirmed) DO NOTHING",
                 row,
             )
         except sqlite3.IntegrityError as exc:
             raise InvalidEventError(f"ledger {self._path}: event refused ({exc}).") from exc
         if cur.rowcount == 1:
             pause_point("ledger-write", event.round)  # crash tests: inside the transaction
-            if event.confirmed and self._stored(conn, event, confirmed=False) is not None:
+            superseded = self._stored(conn, event, confirmed=False, any_mechanism=True)
+            if event.confirmed and superseded is not None:
                 log.info("ledger: %s confirmed; its unconfirmed charge is superseded", who)
             return True
         existing = self._stored(conn, event, confirmed=event.confirmed)
@@ -835,13 +870,14 @@ class Ledger:
     def append(self, event: LedgerEvent) -> bool:
         """Durably record one event.
 
-        Duplicates: a (run, round, site) holds at most one confirmed and one unconfirmed event.
-        Re-recording an identical confirmed event (a replayed or re-delivered reply) is a no-op
-        that returns False, so it is never counted twice; a *different* confirmed event under
-        the same key raises LedgerConflictError and keeps the stored one. An unconfirmed event
-        is a no-op when the key already has a confirmed or an unconfirmed one (the first
-        stands). A confirmed event recorded after an unconfirmed one supersedes it (``events``
-        then leaves the unconfirmed one out): the charge is counted once.
+        Duplicates: a (run, round, site, mechanism) holds at most one confirmed and one
+        unconfirmed event. Re-recording an identical confirmed event (a replayed or re-delivered
+        reply) is a no-op that returns False, so it is never counted twice; a *different*
+        confirmed event under the same key raises LedgerConflictError and keeps the stored one.
+        An unconfirmed event is a no-op when its (run, round, site) already has a confirmed
+        event (any mechanism) or its key an unconfirmed one (the first stands). A confirmed event
+        recorded after unconfirmed ones of its (run, round, site) supersedes them (``events``
+        then leaves them out): the charge is counted once.
 
         Returns:
             True if the event was written, False if it was not (see duplicates).
@@ -956,12 +992,17 @@ class Ledger:
         return [_event_from_row(r) for r in rows]
 
     def last_confirmed(self, site_id: str) -> LedgerEvent | None:
-        """The site's last confirmed event that ran steps (any run), or None if it has none.
+        """The site's last confirmed TRAINING event that ran steps (any run), or None.
 
         Its parameters are the site's "last known" ones, at which the coordinator records an
-        unconfirmed charge (``server.strategy``).
+        unconfirmed charge (``server.strategy``). A private clip estimate's event
+        (``QUANTILE_MECHANISM``) is not a training event and is skipped.
         """
-        confirmed = [e for e in self.records(site_id=site_id) if e.confirmed and e.steps > 0]
+        confirmed = [
+            e
+            for e in self.records(site_id=site_id)
+            if e.confirmed and e.steps > 0 and e.mechanism != QUANTILE_MECHANISM
+        ]
         return confirmed[-1] if confirmed else None
 
     def sites(self) -> list[str]:

@@ -10,6 +10,10 @@ Two marks (JSON fields, CSV columns, HTML text, the per-round table and ``prism-
   they are counted in its epsilon at its last confirmed parameters: a worst-case epsilon. A site
   with such a charge and no confirmed parameters has an unknown epsilon (shown as "unknown",
   accounted as inf).
+- A PRIVATE CLIP ESTIMATE (``max-norm = auto``): the noisy quantile steps a site ran to choose
+  its clip (mechanism ``prism_core.quantile.QUANTILE_MECHANISM``) are charged like training
+  steps and composed into its epsilon; the report shows them on their own (``quantile_steps``,
+  ``quantile_charges``, ``quantile_sigma_values``), apart from the training ``steps``.
 - NOT PRIVATE AGAINST THE COORDINATOR: a site that reported ``rng = reproducible`` (sampling,
   dropout and noise seeded for tests and benchmarks) and every run it took part in that way: its
   epsilon holds against outsiders only, not against a coordinator that could learn the seed.
@@ -37,8 +41,9 @@ from prism_core.accounting import (
     max_steps,
 )
 from prism_core.errors import AccountingError
+from prism_core.quantile import QUANTILE_MECHANISM
 from server.errors import ConfigError
-from server.ledger import Ledger, LedgerEvent, epsilon_series
+from server.ledger import Ledger, LedgerEvent, epsilon_points
 
 __all__ = [
     "CSV_COLUMNS",
@@ -70,6 +75,9 @@ CSV_COLUMNS: Final = (
     "q",
     "sigma_values",
     "q_values",
+    "quantile_steps",
+    "quantile_charges",
+    "quantile_sigma_values",
     "steps_per_round",
     "projected_rounds_left",
     "projection_capped",
@@ -143,6 +151,15 @@ def _distinct(values: Sequence[float]) -> list[float]:
     return list(dict.fromkeys(values))
 
 
+def _distinct_keys(values: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
+    return list(dict.fromkeys(values))
+
+
+def _training(event: LedgerEvent) -> bool:
+    """A training event (not a private clip estimate's, ``QUANTILE_MECHANISM``)."""
+    return event.mechanism != QUANTILE_MECHANISM
+
+
 def _rng_name(rng: str | None) -> str:
     return "unknown" if rng is None else rng
 
@@ -151,7 +168,8 @@ def site_marks(events: Sequence[LedgerEvent]) -> dict[str, Any]:
     """The confirmation and randomness marks of one site's accounted history (``events``).
 
     Returns:
-        ``unconfirmed_rounds`` and ``unconfirmed_steps`` (unconfirmed charges that ran steps),
+        ``unconfirmed_rounds`` (distinct (run, round) with an unconfirmed charge that ran
+        steps) and ``unconfirmed_steps`` (their training steps),
         ``unconfirmed_codes`` (their codes, distinct, in order), ``epsilon_known`` (False when
         an unconfirmed charge has unknown parameters), ``rng`` (distinct rng facts, "unknown"
         for none), ``private_against_coordinator`` (False if any event reported the
@@ -160,6 +178,7 @@ def site_marks(events: Sequence[LedgerEvent]) -> dict[str, Any]:
     """
     ran = [e for e in events if e.steps > 0]
     unconfirmed = [e for e in ran if not e.confirmed]
+    unconfirmed_rounds = _distinct_keys([(e.run_id, e.round) for e in unconfirmed])
     rngs = [_rng_name(e.rng) for e in events]
     if RNG_REPRODUCIBLE in rngs:
         private: bool | None = False
@@ -170,14 +189,14 @@ def site_marks(events: Sequence[LedgerEvent]) -> dict[str, Any]:
     known = all(e.params_known for e in ran)
     marks = []
     if unconfirmed:
-        marks.append(f"{len(unconfirmed)} {MARK_UNCONFIRMED}")
+        marks.append(f"{len(unconfirmed_rounds)} {MARK_UNCONFIRMED}")
     if not known:
         marks.append(MARK_EPSILON_UNKNOWN)
     if private is False:
         marks.append(MARK_NOT_PRIVATE)
     return {
-        "unconfirmed_rounds": len(unconfirmed),
-        "unconfirmed_steps": sum(e.steps for e in unconfirmed),
+        "unconfirmed_rounds": len(unconfirmed_rounds),
+        "unconfirmed_steps": sum(e.steps for e in unconfirmed if _training(e)),
         "unconfirmed_codes": _distinct([e.code for e in unconfirmed]),
         "epsilon_known": known,
         "rng": _distinct(rngs),
@@ -195,9 +214,12 @@ def _site_row(
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     events = ledger.events(site_id=site_id)  # one snapshot: the server may be appending
     history = [e.privacy_event() for e in events]
-    ran = [e for e in events if e.steps > 0]
+    quantile = [e for e in events if not _training(e) and e.steps > 0]
+    ran = [e for e in events if e.steps > 0 and _training(e)]
     known = [e for e in ran if e.params_known]
     last: LedgerEvent = known[-1] if known else (ran[-1] if ran else events[-1])
+    if not _training(last):  # only a private clip estimate ran: no training parameters
+        last = next((e for e in reversed(events) if _training(e)), last)
     marks = site_marks(events)
     caps = [e.epsilon_cap for e in events if e.epsilon_cap is not None]
     cap = min(caps) if caps else None
@@ -209,11 +231,14 @@ def _site_row(
         "epsilon_cap": cap,
         "delta": delta,
         "rounds": len({(e.run_id, e.round) for e in ran}),
-        "steps": sum(e.steps for e in events),
+        "steps": sum(e.steps for e in events if _training(e)),
         "sigma": last.sigma,
         "q": last.q,
         "sigma_values": _distinct([e.sigma for e in known]),
         "q_values": _distinct([e.q for e in known]),
+        "quantile_steps": sum(e.steps for e in quantile),
+        "quantile_charges": len(quantile),
+        "quantile_sigma_values": _distinct([e.sigma for e in quantile if e.params_known]),
         "steps_per_round": planned_steps_per_round or (last.steps if ran else None),
         "projected_rounds_left": None,
         "projection_capped": False,
@@ -221,6 +246,11 @@ def _site_row(
         **marks,
         "note": "",
     }
+    if quantile:
+        row["note"] += (
+            f"includes {len(quantile)} private clip estimate(s) ({QUANTILE_MECHANISM}, "
+            f"{row['quantile_steps']} noisy quantile steps), composed into epsilon. "
+        )
     if marks["unconfirmed_rounds"]:
         row["note"] += (
             f"{marks['unconfirmed_rounds']} unconfirmed charge(s) "
@@ -242,18 +272,14 @@ def _site_row(
         row["note"] += "deltas differ; accounted at the smallest. "
     try:
         report = epsilon_report(history, delta)
-        by_round = epsilon_series(events, delta)
+        by_round = epsilon_points(events, delta)
     except AccountingError as exc:
         row["status"] = "exhausted"
         row["note"] += f"cannot be accounted, treated as exhausted: {exc}"
         return row, []
     row["note"] = row["note"].strip()
     row["epsilon"], row["epsilon_rdp"] = report.prv, report.rdp
-    ran_keys = [(e.run_id, e.round) for e in ran]
-    series = [
-        {"run_id": run_id, "round": rnd, "epsilon": eps}
-        for (run_id, _), (rnd, eps) in zip(ran_keys, by_round, strict=True)
-    ]
+    series = [{"run_id": run_id, "round": rnd, "epsilon": eps} for run_id, rnd, eps in by_round]
     if cap is None:
         return row, series
     per_round = row["steps_per_round"]
@@ -288,11 +314,16 @@ def build_report(
     ``epsilon`` (PRV) and ``epsilon_rdp`` (RDP cross-check) over all the site's events;
     ``epsilon_cap`` (the smallest cap the site ever reported: a budget can be tightened, never
     loosened; None if none); ``delta`` (the smallest of the site's deltas, the one epsilon is
-    accounted at); ``rounds`` (distinct (run, round) with steps > 0); ``steps`` (total);
-    ``sigma`` and ``q`` of the last event that ran steps, with ``sigma_values``/``q_values``
-    listing the distinct values in order of use; ``steps_per_round`` (``planned_steps_per_round``
-    or the last round's steps); ``projected_rounds_left`` (further rounds of the last (sigma, q,
-    steps per round) that fit under the cap, by ``max_steps``; None without a cap), with
+    accounted at); ``rounds`` (distinct (run, round) with training steps > 0); ``steps`` (the
+    training steps, total);
+    ``sigma`` and ``q`` of the last training event that ran steps, with
+    ``sigma_values``/``q_values`` listing the distinct values in order of use; the private clip
+    estimates (``QUANTILE_MECHANISM``, counted in epsilon but not in ``steps`` or ``rounds``):
+    ``quantile_steps`` (their noisy quantile steps), ``quantile_charges`` (how many) and
+    ``quantile_sigma_values`` (their count noise multipliers); ``steps_per_round``
+    (``planned_steps_per_round`` or the last round's steps); ``projected_rounds_left``
+    (further rounds of the last (sigma, q, steps per round) that fit under the cap, by
+    ``max_steps``; None without a cap), with
     ``projection_capped`` when it hit ``horizon_rounds``; ``status`` ("exhausted" when no further
     round fits or epsilon is past the cap, else "active"); the marks of ``site_marks``
     (``unconfirmed_rounds``, ``unconfirmed_steps``, ``unconfirmed_codes``, ``epsilon_known``,
@@ -503,6 +534,7 @@ _HTML_COLUMNS: Final = (
     ("steps", "steps"),
     ("sigma_values", "sigma"),
     ("q_values", "q"),
+    ("quantile_steps", "clip-estimate steps"),
     ("projected_rounds_left", "rounds left"),
     ("status", "status"),
     ("unconfirmed_rounds", "unconfirmed"),

@@ -24,6 +24,11 @@ facts that do not match the configuration, an invalid or replayed reply) as an U
 charge of the round's steps at its last confirmed parameters (``Ledger.last_confirmed``), or,
 for a site with none, with unknown parameters (accounted as epsilon inf). It may have charged
 itself before failing; the report counts these charges in the site's worst-case epsilon.
+
+A private clip norm (``max-norm = auto``, ``AutoClip``): a site's reply carries its clip as
+``max-norm``, checked against the public range of every estimate the run config allows, and in
+the round it estimated it, the estimate's own event (``quantile-*`` facts), recorded as a ledger
+row of mechanism ``QUANTILE_MECHANISM`` beside the training row.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import random
 import secrets
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -75,6 +80,7 @@ from prism_core.bounds import (
 )
 from prism_core.manifold import Point, Tangent, retract, tangent_norm_sq
 from prism_core.mechanism import ADJACENCY
+from prism_core.quantile import QUANTILE_MECHANISM
 from server.errors import (
     ConfigError,
     InvalidEventError,
@@ -85,7 +91,14 @@ from server.errors import (
 from server.ledger import DEFAULT_MECHANISM, UNKNOWN_Q, UNKNOWN_SIGMA, Ledger, LedgerEvent
 from server.optimizer import ServerOptimizer, ServerOptimizerConfig
 
-__all__ = ["PrismStrategy", "RoundSummary", "UpdateBound", "error_reply_text", "validate_facts"]
+__all__ = [
+    "AutoClip",
+    "PrismStrategy",
+    "RoundSummary",
+    "UpdateBound",
+    "error_reply_text",
+    "validate_facts",
+]
 
 log = logging.getLogger(__name__)
 
@@ -158,10 +171,41 @@ class UpdateBound:
             raise ConfigError(f"failure={self.failure!r}: must be in (0, 1)")
 
 
+@dataclass(frozen=True)
+class AutoClip:
+    """A run with ``max-norm = auto``: what the coordinator knows of the sites' private clips.
+
+    Each site estimates its clip C privately in its first round of the run (``prism_core.
+    quantile``, ``client.clip_quantile``) and reports it as ``max-norm``; that round's reply also
+    carries the estimate's own event (``quantile-sigma``, ``quantile-q``, ``quantile-steps``),
+    recorded as its own ledger row (``QUANTILE_MECHANISM``).
+
+    Attributes:
+        low, high: every total clip an honest site can report (``RunConfig.auto_clip_range``:
+            public, from the run config). A reply outside ``[low, high]`` (beyond float32 slack)
+            is rejected; ``high`` is the clip the update bound assumes for a site.
+        steps: K, the quantile steps of one estimate.
+        noise_multiplier: the count's sigma_b at the run's expected batch size, used for an
+            UNCONFIRMED estimate (a site that may have estimated and then failed).
+    """
+
+    low: float
+    high: float
+    steps: int
+    noise_multiplier: float
+
+    def __post_init__(self) -> None:
+        ok = 0 < self.low <= self.high < math.inf and self.steps >= 1
+        if not (ok and self.noise_multiplier > 0):
+            raise ConfigError(f"{self}: need 0 < low <= high, steps >= 1 and sigma_b > 0")
+
+
 _MAX_STEPS = 10**6  # more local steps than any real round; larger is a garbled fact
 _MAX_SIGMA = 1e4
 _MAX_SCALE = 1e9  # largest C or expected batch a reply may state
 _SCALE_RTOL = 1e-6  # a reply's C and b must equal the run's to this relative tolerance
+_MAX_COUNT_SIGMA = 1e8  # a clip estimate's count noise (sigma_b = noise * b) grows with b
+_QUANTILE_FACTS = ("quantile-sigma", "quantile-q", "quantile-steps")
 _MAX_ABS = 1e8  # no adapter or update entry is this large; rejected before any arithmetic
 _MIN_RANK_RATIO = 1e-6  # s_r / s_1 of a retracted Z = A B.T below this: rank r is lost in float32
 _SAMPLING = "poisson"  # the only sampling the accountant composes
@@ -182,6 +226,9 @@ _OPTIONAL_FACTS: dict[str, type] = {
     "num-examples": int,
     "max-norm": float,
     "expected-batch-size": float,
+    "quantile-sigma": float,
+    "quantile-q": float,
+    "quantile-steps": int,
 }
 
 
@@ -234,7 +281,25 @@ def validate_facts(facts: dict[str, Any]) -> dict[str, Any]:
         raise ReplyError(f"num-examples={facts['num-examples']!r} is not in [1, 1e12]", "facts")
     if SERVER_ROUND in facts and int(facts[SERVER_ROUND]) < 0:
         raise ReplyError(f"server-round={facts[SERVER_ROUND]!r} is negative", "facts")
+    if "max-norm" in facts and not float(facts["max-norm"]) > 0:
+        raise ReplyError(f"max-norm={facts['max-norm']!r} is not > 0", "facts")
+    _check_quantile_facts(facts)
     return facts
+
+
+def _check_quantile_facts(facts: dict[str, Any]) -> None:
+    """A private clip estimate's facts: all three or none, in range (``validate_facts``)."""
+    given = [name for name in _QUANTILE_FACTS if name in facts]
+    if not given:
+        return
+    if len(given) != len(_QUANTILE_FACTS):
+        raise ReplyError(f"clip-estimate facts {given} without the others", "facts")
+    sigma, q = float(facts["quantile-sigma"]), float(facts["quantile-q"])
+    steps = int(facts["quantile-steps"])
+    if not (0 < sigma <= _MAX_COUNT_SIGMA and 0 < q <= 1 and 1 <= steps <= _MAX_STEPS):
+        raise ReplyError(
+            f"impossible clip-estimate parameters sigma={sigma}, q={q}, steps={steps}", "facts"
+        )
 
 
 def error_reply_text(code: object) -> str:
@@ -290,6 +355,7 @@ class PrismStrategy(Strategy):
             (``client.trainer.MECHANISMS[client.config.site_method(method)]``); a reply
             reporting another is rejected.
         dp: whether that mechanism adds noise; a DP reply must report sigma > 0.
+        auto_clip: set for a run with ``max-norm = auto`` (see ``AutoClip``).
     """
 
     def __init__(
@@ -316,6 +382,7 @@ class PrismStrategy(Strategy):
         update_bound: UpdateBound | None = None,
         mechanism: str = DEFAULT_MECHANISM,
         dp: bool = True,
+        auto_clip: AutoClip | None = None,
     ) -> None:
         self.modules, self.head, self.mode = modules, head, mode
         self.mechanism, self.dp = mechanism, dp
@@ -345,6 +412,7 @@ class PrismStrategy(Strategy):
         self._connected: set[int] = set()
         self._norm_bound: float | None = None  # tangent mode: bound on the update's norm
         self._factor_bounds: dict[str, float] = {}  # factor-average: per-tensor bounds
+        self.auto_clip = auto_clip
 
     # -- selection -------------------------------------------------------------------------
 
@@ -484,7 +552,7 @@ class PrismStrategy(Strategy):
         if ub is None or ub.head_optimizer != "sgd" or not self.head:
             return 0.0
         step = dp_step_norm_bound(
-            max_norm=ub.max_norm,
+            max_norm=self._clip_of(facts),
             noise_multiplier=float(facts["sigma"]),
             expected_batch_size=ub.expected_batch_size,
             sample_rate=float(facts["q"]),
@@ -493,6 +561,13 @@ class PrismStrategy(Strategy):
         )
         head_lr = ub.lr if ub.head_lr is None else ub.head_lr
         return head_lr * self.local_steps * step
+
+    def _clip_of(self, facts: dict[str, Any]) -> float:
+        """The clip C to bound a reply's DP steps with: its ``max-norm`` fact, never above the
+        update bound's ``max_norm`` (the run's C, or ``AutoClip.high`` for ``max-norm = auto``)."""
+        ub = self.update_bound
+        assert ub is not None
+        return min(float(facts.get("max-norm", ub.max_norm)), ub.max_norm)
 
     def _sgd_bound(self, facts: dict[str, Any]) -> float:
         """Tangent-mode bound for plain DP-SGD sites, from the reply's sigma and q."""
@@ -505,7 +580,7 @@ class PrismStrategy(Strategy):
         dim = tangent_dimension([(m, n, r) for m, r, n in shapes])
         dim += sum(self._broadcast[HEAD_PREFIX + n].numel() for n in self.head)
         step = dp_step_norm_bound(
-            max_norm=ub.max_norm,
+            max_norm=self._clip_of(facts),
             noise_multiplier=float(facts["sigma"]),
             expected_batch_size=ub.expected_batch_size,
             sample_rate=float(facts["q"]),
@@ -645,6 +720,33 @@ class PrismStrategy(Strategy):
                 f"delta {facts.get('delta')!r} is missing or above the run's {self.delta}",
                 "facts-mismatch",
             )
+        self._cross_check_clip(facts)
+
+    def _cross_check_clip(self, facts: dict[str, Any]) -> None:
+        """``max-norm = auto``: an ok reply's ``max-norm`` in ``AutoClip``'s range, and a clip
+        estimate's facts only on an ok reply of such a run, with the run's K steps."""
+        estimated = "quantile-steps" in facts
+        auto = self.auto_clip
+        if estimated and (auto is None or facts["status"] != STATUS_OK):
+            raise ReplyError(
+                "clip-estimate facts on a refusal or in a run without max-norm = auto",
+                "facts-mismatch",
+            )
+        if auto is None or facts["status"] != STATUS_OK:
+            return
+        if estimated and int(facts["quantile-steps"]) != auto.steps:
+            raise ReplyError(
+                f"the clip estimate ran {facts['quantile-steps']} steps, the run asks {auto.steps}",
+                "facts-mismatch",
+            )
+        clip = float(facts.get("max-norm", math.nan))
+        low, high = auto.low * (1 - FLOAT32_SLACK), auto.high * (1 + FLOAT32_SLACK)
+        if not low <= clip <= high:
+            raise ReplyError(
+                f"max-norm {facts.get('max-norm')!r} is missing or outside [{auto.low:.6g}, "
+                f"{auto.high:.6g}], the clips a private estimate of this run can give",
+                "facts-mismatch",
+            )
 
     def _record(self, server_round: int, facts: dict[str, Any]) -> None:
         """Charge a reply's cross-checked facts to the ledger as CONFIRMED.
@@ -672,8 +774,20 @@ class PrismStrategy(Strategy):
             epsilon_cap=cap if cap > 0 else None,
             rng=str(facts[RNG]),
         )
+        events = [event]
+        if "quantile-steps" in facts:  # a private clip estimate ran before the steps
+            events.insert(
+                0,
+                replace(
+                    event,
+                    mechanism=QUANTILE_MECHANISM,
+                    sigma=float(facts["quantile-sigma"]),
+                    q=float(facts["quantile-q"]),
+                    steps=int(facts["quantile-steps"]),
+                ),
+            )
         try:
-            self.ledger.append(event)
+            self.ledger.append_many(events)  # all of the round's charges, or none
         except InvalidEventError as exc:
             raise ReplyError(f"accounting facts refused by the ledger: {exc}", "facts") from exc
         except LedgerConflictError as exc:
@@ -737,8 +851,10 @@ class PrismStrategy(Strategy):
         reply must come from a node asked this round, carry this round's number and nonce,
         match the node's bound site id, and be the site's first reply this round
         (``_check_origin``); its facts must match what the coordinator configured
-        (``_cross_check``: steps, mechanism, sampling, adjacency, rng, sigma, q, delta, and a
-        known refusal code). Only then are they charged to the ledger as CONFIRMED, so a reply
+        (``_cross_check``: steps, mechanism, sampling, adjacency, rng, sigma, q, delta, a known
+        refusal code, and with ``max-norm = auto`` the reported clip's range and the clip
+        estimate's steps). Only then are they charged to the ledger as CONFIRMED (a private clip
+        estimate as its own row, in the same transaction as the steps), so a reply
         whose UPDATE is bad (keys, dtype, shape, NaN/Inf, huge entries, a norm beyond the
         mechanism's bound) is still charged: the site spent that budget. A ledger conflict (a
         different confirmed record of the same round) rejects the reply, never the round.
@@ -856,8 +972,10 @@ class PrismStrategy(Strategy):
 
         At the site's last confirmed parameters (sigma, q, delta, cap, mechanism, rng); a site
         with none (never seen, or a node never bound to a site: ``node-<id>``) is recorded with
-        unknown parameters, accounted as sigma 0 (epsilon inf, the worst case). Idempotent: the
-        ledger keeps one unconfirmed charge per (run, round, site) and none once confirmed
+        unknown parameters, accounted as sigma 0 (epsilon inf, the worst case); with
+        ``max-norm = auto`` and no confirmed clip estimate of the site in this run, plus an
+        unconfirmed estimate (``_unconfirmed_estimate``). Idempotent: the ledger keeps one
+        unconfirmed charge per (run, round, site, mechanism) and none once confirmed
         (a re-run round whose charge is already confirmed adds nothing, and is not listed in
         ``summary.unconfirmed``).
         """
@@ -907,7 +1025,7 @@ class PrismStrategy(Strategy):
             )
         summary.unconfirmed.append(site)
         try:
-            self.ledger.append(event)
+            self.ledger.append_many([*self._unconfirmed_estimate(site, last, event), event])
         except LedgerError as exc:
             log.error(
                 "round %d: the unconfirmed charge of %s could NOT be recorded: %s",
@@ -926,6 +1044,31 @@ class PrismStrategy(Strategy):
             if last is None
             else f"at its last confirmed sigma={last.sigma}, q={last.q}",
         )
+
+    def _unconfirmed_estimate(
+        self, site: str, last: LedgerEvent | None, event: LedgerEvent
+    ) -> list[LedgerEvent]:
+        """With ``max-norm = auto``, a site without a confirmed clip estimate in this run may
+        have estimated (and charged) one before failing: an unconfirmed estimate row too, at
+        the run's K and sigma_b and the site's last confirmed q (none for unknown parameters:
+        the training row is already accounted as epsilon inf)."""
+        auto = self.auto_clip
+        if auto is None or last is None:
+            return []
+        estimated = any(
+            e.mechanism == QUANTILE_MECHANISM and e.confirmed
+            for e in self.ledger.events(site_id=site, run_id=self.run_id)
+        )
+        if estimated:
+            return []
+        return [
+            replace(
+                event,
+                mechanism=QUANTILE_MECHANISM,
+                sigma=auto.noise_multiplier,
+                steps=auto.steps,
+            )
+        ]
 
     def _facts_of(self, msg: Message) -> dict[str, Any]:
         record = msg.content.get(ACCOUNTING)

@@ -30,6 +30,7 @@ _CUSTOM = {  # fields whose rule is not a plain bound: a value just outside it
     "lora_targets": [",", " , "],
     "head_max_norm": [0.0, -2.0],
     "head_lr": [0.0, -0.5],
+    "max_norm": [0.0, -1.0, "automatic", math.inf],
 }
 
 

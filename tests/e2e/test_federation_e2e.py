@@ -23,6 +23,7 @@ from transformers import AutoModel
 
 from client.export import load_exported
 from prism_core.accounting import PrivacyEvent, epsilon
+from prism_core.quantile import QUANTILE_MECHANISM
 from server.cli import main as prism_fl
 from server.demo import stop_local_superlinks
 from server.ledger import Ledger
@@ -47,7 +48,8 @@ def _run_config(model: str, run_dir: Path, **extra: object) -> str:
     return " ".join(f"{k}={v}" for k, v in values.items())
 
 
-def _check_outputs(run_dir: Path, model: str, sites: int) -> None:
+def _check_outputs(run_dir: Path, model: str, sites: int, estimates: int = 0) -> None:
+    """The run's files, adapter and budget; ``estimates``: private clip estimates per site."""
     for name in (
         "run-config.json",
         "ledger.sqlite",
@@ -63,13 +65,21 @@ def _check_outputs(run_dir: Path, model: str, sites: int) -> None:
     with Ledger.open(run_dir / "ledger.sqlite", read_only=True) as ledger:
         assert len(ledger.sites()) == sites
         for row in report["sites"]:
-            events = [e.privacy_event() for e in ledger.events(site_id=row["site_id"])]
-            assert sum(e.steps for e in events) == ROUNDS * STEPS
+            rows = ledger.events(site_id=row["site_id"])
+            events = [e.privacy_event() for e in rows]
+            clip = [
+                e for e, r in zip(events, rows, strict=True) if r.mechanism == QUANTILE_MECHANISM
+            ]
+            train = [
+                e for e, r in zip(events, rows, strict=True) if r.mechanism != QUANTILE_MECHANISM
+            ]
+            assert len(clip) == row["quantile_charges"] == estimates
+            assert sum(e.steps for e in train) == ROUNDS * STEPS == row["steps"]
             assert row["epsilon"] == pytest.approx(epsilon(events, row["delta"]), rel=1e-9)
             assert row["epsilon"] <= row["epsilon_cap"]
-            sigma, q = events[0].noise_multiplier, events[0].sample_rate
+            sigma, q = train[0].noise_multiplier, train[0].sample_rate
             assert row["epsilon"] == pytest.approx(
-                epsilon([PrivacyEvent(sigma, q, ROUNDS * STEPS)], row["delta"])
+                epsilon([*clip, PrivacyEvent(sigma, q, ROUNDS * STEPS)], row["delta"])
             )
     base = AutoModel.from_pretrained(model)
     adapter = PeftModel.from_pretrained(base, str(run_dir / "adapter")).eval()
@@ -99,6 +109,56 @@ def test_simulation_three_sites_two_rounds(tiny_bert, tmp_path):
 
 
 def test_deployment_superlink_and_three_supernodes(tiny_bert, sst2_rows, tmp_path):
+    held_out = tmp_path / "held-out.jsonl"  # the coordinator's own rows, no site's
+    held_out.write_text("".join(json.dumps(r) + "\n" for r in sst2_rows[180:200]))
+    run_dir = _deploy(tiny_bert, sst2_rows, tmp_path, **{"server-eval-data": f"'{held_out}'"})
+    _check_outputs(run_dir, tiny_bert, sites=3)
+    # prism-fl evaluate on the run folder reproduces the coordinator's last evaluation
+    out = tmp_path / "evaluate.json"
+    assert prism_fl(["evaluate", str(run_dir), "--data", str(held_out), "--json", str(out)]) == 0
+    last = json.loads((run_dir / "summary.json").read_text())["server-eval"][str(ROUNDS)]
+    mine = json.loads(out.read_text())
+    assert mine["accuracy"] == pytest.approx(last["accuracy"], abs=1e-9)
+    assert mine["loss"] == pytest.approx(last["loss"], rel=1e-5)
+    for site in SITES:  # each site's own durable ledger
+        assert (tmp_path / "state" / site / "privacy-ledger.jsonl").read_text().count(
+            "\n"
+        ) == ROUNDS
+
+
+def test_deployment_with_a_private_clip_estimates_once_per_site(tiny_bert, sst2_rows, tmp_path):
+    """max-norm = auto on real SuperNodes (a fresh ClientApp process per message): every site
+    estimates its clip in round 1, charges it to its own ledger and reports it; round 2 reuses
+    the stored estimate (nothing spent again). Both ledgers and the report hold one estimate."""
+    clip = {"max-norm": "'auto'", "clip-quantile-steps": 3, "clip-quantile-noise": 0.5}
+    run_dir = _deploy(tiny_bert, sst2_rows, tmp_path, **clip)
+    _check_outputs(run_dir, tiny_bert, sites=3, estimates=1)
+    with Ledger.open(run_dir / "ledger.sqlite", read_only=True) as ledger:
+        for site in SITES:
+            own = [
+                json.loads(line)
+                for line in (tmp_path / "state" / site / "privacy-ledger.jsonl")
+                .read_text()
+                .splitlines()
+            ]
+            assert [(e["server_round"], e["mechanism"]) for e in own] == [
+                (1, QUANTILE_MECHANISM),
+                (1, "prism-tangent-gaussian"),
+                (2, "prism-tangent-gaussian"),
+            ]
+            coordinator = ledger.events(site_id=site)
+            assert [(e.round, e.mechanism, e.sigma, e.steps) for e in coordinator] == [
+                (e["server_round"], e["mechanism"], e["sigma"], e["steps"]) for e in own
+            ]
+            stored = json.loads((tmp_path / "state" / site / "clip-norm.json").read_text())
+            assert stored["run-id"] == run_dir.name and stored["round"] == 1
+
+
+SITES = ("hospital-a", "hospital-b", "clinic-c")
+
+
+def _deploy(tiny_bert: str, sst2_rows: list, tmp_path: Path, **extra: object) -> Path:
+    """A SuperLink and three deployed SuperNodes on loopback; one run; its folder."""
     home, run_dir = tmp_path / "flwr", tmp_path / "run"
     env = flower_env(home)
     port = free_port()
@@ -109,7 +169,7 @@ def test_deployment_superlink_and_three_supernodes(tiny_bert, sst2_rows, tmp_pat
             insecure_superlink(port, tmp_path / "superlink.db"),
         )
         wait_for(lambda: port_open(port), 60, "the SuperLink port")
-        for i, site in enumerate(("hospital-a", "hospital-b", "clinic-c")):
+        for i, site in enumerate(SITES):
             data = tmp_path / f"{site}.jsonl"
             data.write_text("".join(json.dumps(r) + "\n" for r in sst2_rows[i * 60 : (i + 1) * 60]))
             node_config = (
@@ -120,26 +180,11 @@ def test_deployment_superlink_and_three_supernodes(tiny_bert, sst2_rows, tmp_pat
                 site,
                 insecure_supernode(port, node_config),
             )
-        held_out = tmp_path / "held-out.jsonl"  # the coordinator's own rows, no site's
-        held_out.write_text("".join(json.dumps(r) + "\n" for r in sst2_rows[180:200]))
-        config = _run_config(
-            tiny_bert, run_dir, **{"min-sites": 3, "server-eval-data": f"'{held_out}'"}
-        )
+        config = _run_config(tiny_bert, run_dir, **{"min-sites": 3, **extra})
         result = flwr_run(env, "loopback", config)
         logs = "\n".join(group.log(n)[-2000:] for n in ("superlink", "hospital-a"))
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:] + logs
         wait_for(lambda: (run_dir / "summary.json").exists(), 120, "the run's summary")
-    _check_outputs(run_dir, tiny_bert, sites=3)
     with Ledger.open(run_dir / "ledger.sqlite", read_only=True) as ledger:
-        assert sorted(ledger.sites()) == ["clinic-c", "hospital-a", "hospital-b"]
-    # prism-fl evaluate on the run folder reproduces the coordinator's last evaluation
-    out = tmp_path / "evaluate.json"
-    assert prism_fl(["evaluate", str(run_dir), "--data", str(held_out), "--json", str(out)]) == 0
-    last = json.loads((run_dir / "summary.json").read_text())["server-eval"][str(ROUNDS)]
-    mine = json.loads(out.read_text())
-    assert mine["accuracy"] == pytest.approx(last["accuracy"], abs=1e-9)
-    assert mine["loss"] == pytest.approx(last["loss"], rel=1e-5)
-    for site in ("hospital-a", "hospital-b", "clinic-c"):  # each site's own durable ledger
-        assert (tmp_path / "state" / site / "privacy-ledger.jsonl").read_text().count(
-            "\n"
-        ) == ROUNDS
+        assert sorted(ledger.sites()) == sorted(SITES)
+    return run_dir

@@ -120,3 +120,45 @@ def test_equal_histories_are_accounted_once_and_match_a_fresh_accountant(monkeyp
     fresh.history = [(0.93, 0.0123, 10)]
     assert first == again == pytest.approx(fresh.get_epsilon(delta=1e-5, eps_error=0.01), rel=1e-12)
     assert other > first
+
+
+@pytest.mark.parametrize(
+    ("prefix", "q", "steps"),
+    [
+        (PrivacyEvent(6.4, 0.18, 30), 0.18, 15),  # a private clip estimate, then training
+        (PrivacyEvent(2.0, 0.05, 20), 0.02, 300),
+    ],
+)
+def test_calibration_after_a_history_meets_the_target_with_it_and_needs_more_noise(
+    prefix, q, steps
+):
+    target, delta = 3.0, 1e-5
+    fresh = calibrate_noise_multiplier(
+        target_epsilon=target, delta=delta, sample_rate=q, steps=steps
+    )
+    sigma = calibrate_noise_multiplier(
+        target_epsilon=target, delta=delta, sample_rate=q, steps=steps, history=[prefix]
+    )
+    eps = epsilon([prefix, PrivacyEvent(sigma, q, steps)], delta)
+    assert eps <= target
+    assert eps >= target * (1 - 0.005) - 1e-9  # as tight as the fresh calibration
+    assert sigma > fresh  # the prefix's spend is paid for by more noise on the steps
+    assert epsilon([prefix, PrivacyEvent(fresh, q, steps)], delta) > target  # fresh is too small
+
+
+def test_calibration_refuses_a_history_that_alone_spends_the_target():
+    spent = PrivacyEvent(0.5, 0.5, 100)
+    assert epsilon([spent], 1e-5) > 3.0
+    with pytest.raises(PrivacyParameterError, match="earlier events alone spend"):
+        calibrate_noise_multiplier(
+            target_epsilon=3.0, delta=1e-5, sample_rate=0.01, steps=10, history=[spent]
+        )
+
+
+def test_calibration_with_an_empty_or_zero_step_history_is_the_fresh_one():
+    fresh = calibrate_noise_multiplier(target_epsilon=2.0, delta=1e-5, sample_rate=0.02, steps=50)
+    for history in ([], [PrivacyEvent(1.0, 0.1, 0)]):
+        again = calibrate_noise_multiplier(
+            target_epsilon=2.0, delta=1e-5, sample_rate=0.02, steps=50, history=history
+        )
+        assert again == fresh

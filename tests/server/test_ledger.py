@@ -276,7 +276,7 @@ def _newer_schema(path: Path) -> None:
         pass
     conn = sqlite3.connect(path)
     conn.execute("DROP TRIGGER meta_no_update")
-    conn.execute("UPDATE meta SET value = '3' WHERE key = 'schema_version'")
+    conn.execute("UPDATE meta SET value = '4' WHERE key = 'schema_version'")
     conn.commit()
     conn.close()
 
@@ -336,7 +336,7 @@ def _garbled_page(path: Path) -> None:
         (_garbled_page, "corrupt|integrity check failed"),
         (_foreign_sqlite, r"application_id 0x0 and tables \['patients'\]"),
         (_spoofed_sqlite, "meta.application is 'something-else'"),
-        (_newer_schema, "schema version '3'"),
+        (_newer_schema, "schema version '4'"),
         (lambda p: p.write_bytes(random.Random(0).randbytes(5000)), "not an SQLite database"),
         (lambda p: p.write_text("site,epsilon\na,1.0\n"), "not an SQLite database"),
         (lambda p: p.write_bytes(b""), "empty"),

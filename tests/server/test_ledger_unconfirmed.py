@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from prism_core.accounting import PrivacyEvent, epsilon
+from prism_core.quantile import QUANTILE_MECHANISM
 from server.errors import InvalidEventError, LedgerConflictError, LedgerError
 from server.ledger import (
     LEDGER_APPLICATION_ID,
@@ -230,6 +231,12 @@ def test_a_schema_1_ledger_is_read_as_is_read_only_and_migrated_for_writing(
         assert led.append(unconfirmed(4, "a", run_id="run-0", code="error-reply-4001"))
         assert led.append(ev(4, "a", run_id="run-0", rng="reproducible"))
         assert [(e.round, e.confirmed) for e in led.events("a")][-1] == (4, True)
+        # schema 3: a round holds a private clip estimate's row beside its training row
+        assert led.append(ev(4, "a", run_id="run-0", mechanism=QUANTILE_MECHANISM, sigma=8.0))
+        assert [e.mechanism for e in led.events("a") if e.round == 4] == [
+            "prism-tangent-gaussian",
+            QUANTILE_MECHANISM,
+        ]
     conn = sqlite3.connect(path)
     try:
         meta = dict(conn.execute("SELECT key, value FROM meta"))
@@ -248,7 +255,7 @@ def test_a_schema_1_ledger_is_read_as_is_read_only_and_migrated_for_writing(
     finally:
         conn.close()
     with Ledger.open(path, create=False) as led:  # reopening a migrated ledger: no-op
-        assert len(led.records()) == 6 and _v1_view(led)[:4] == _V1_ROWS
+        assert len(led.records()) == 7 and _v1_view(led)[:4] == _V1_ROWS
 
 
 def test_a_schema_1_ledger_with_an_invalid_row_is_refused_untouched(tmp_path: Path) -> None:

@@ -1,0 +1,207 @@
+"""A site's private clip norm (``max-norm = auto``): estimated once per run, charged, stored.
+
+Before its first training step in a run, a site runs K steps of the DP quantile estimate of
+Andrew et al. (2021) (``prism_core.quantile``) at the broadcast point: each step draws a fresh
+Poisson batch with the training sampler (rate q), computes the per-example norms of exactly what
+the clip sees (``PrivateTrainer.count_within``: the lift's intrinsic norm, joined by the DP
+head's gradient in a joint clip; the LoRA part alone in a split clip, whose total is then
+``sqrt(C_lora^2 + C_head^2)``), releases the count below C with Gaussian noise (sensitivity 1)
+and moves C geometrically. No parameter moves.
+
+Accounting: the K steps are ONE event ``PrivacyEvent(sigma_b, q, K)`` (mechanism
+``QUANTILE_MECHANISM``, ``sigma_b = clip-quantile-noise * b``), charged to the site's durable
+ledger BEFORE they run, composed with the training steps in the same history; the training
+sigma is calibrated for the quantile event plus the planned training steps
+(``calibrate_noise_multiplier(history=...)``).
+
+Durability (``ClipStore``): the estimate is stored atomically in the state folder with the
+coordinator's run id, so a restarted site of the same run (and every round of a deployed site,
+whose ClientApp is a fresh process per message) reuses it and spends nothing again; a new run
+estimates again. The estimate is DP output: reusing it is post-processing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from client.config import RunConfig
+from client.durable import atomic_write
+from client.errors import ConfigError
+from client.trainer import PrivateTrainer
+from prism_core.accounting import PrivacyEvent
+from prism_core.mechanism import NoiseRecord
+from prism_core.quantile import (
+    clip_range,
+    count_noise_multiplier,
+    geometric_clip_update,
+    noisy_fraction_below,
+)
+
+__all__ = ["ClipEstimate", "ClipPlan", "ClipStore", "StoredClip", "estimate_clip"]
+
+
+@dataclass(frozen=True)
+class ClipPlan:
+    """The quantile estimate a run asks of this site (public: run config, b and q).
+
+    Attributes:
+        initial: the public start C_0 of the estimated clip (LoRA, or LoRA and head jointly).
+        target_quantile: gamma.
+        lr: eta of the geometric update.
+        steps: K.
+        noise_multiplier: sigma_b, the count's noise std (its sensitivity is 1).
+        sample_rate: q of the site's Poisson sampler.
+        head_clip: the head's fixed share of a split clip (the estimate is then of the LoRA
+            part alone), or None.
+    """
+
+    initial: float
+    target_quantile: float
+    lr: float
+    steps: int
+    noise_multiplier: float
+    sample_rate: float
+    head_clip: float | None
+
+    @classmethod
+    def from_run(
+        cls,
+        run: RunConfig,
+        *,
+        expected_batch_size: float,
+        sample_rate: float,
+        trains_head: bool,
+    ) -> ClipPlan:
+        """The plan of ``run``'s clip-quantile keys at this site's b and q."""
+        return cls(
+            initial=run.clip_init,
+            target_quantile=run.clip_quantile,
+            lr=run.clip_lr,
+            steps=run.clip_quantile_steps,
+            noise_multiplier=count_noise_multiplier(run.clip_quantile_noise, expected_batch_size),
+            sample_rate=sample_rate,
+            head_clip=run.split_head_clip if trains_head else None,
+        )
+
+    def event(self) -> PrivacyEvent:
+        """The privacy event of the K quantile steps (charged before they run)."""
+        return PrivacyEvent(self.noise_multiplier, self.sample_rate, self.steps)
+
+    def total(self, estimate: float) -> float:
+        """The total clip C of an estimate: ``sqrt(C_lora^2 + C_head^2)`` in a split clip."""
+        return math.hypot(estimate, self.head_clip) if self.head_clip is not None else estimate
+
+    def range(self) -> tuple[float, float]:
+        """Every estimate K steps can reach (``prism_core.quantile.clip_range``)."""
+        return clip_range(
+            self.initial, target_quantile=self.target_quantile, lr=self.lr, steps=self.steps
+        )
+
+
+@dataclass(frozen=True)
+class ClipEstimate:
+    """A finished estimate: the estimated clip, the total C and the mechanism's records."""
+
+    estimate: float
+    max_norm: float
+    records: tuple[NoiseRecord, ...]
+
+
+def estimate_clip(trainer: PrivateTrainer, plan: ClipPlan) -> ClipEstimate:
+    """Run the K noisy quantile steps of ``plan`` on ``trainer``'s sampler, data and noise.
+
+    Implements Algorithm 1 of Andrew et al. (2021) (``prism_core.quantile``) with the trainer's
+    per-example norms; the divisor is the trainer's EXPECTED batch size. The caller charges
+    ``plan.event()`` before and checks the returned records against it after.
+    """
+    clip = plan.initial
+    records = []
+    for _ in range(plan.steps):
+        _, below = trainer.count_within(clip, lora_only=plan.head_clip is not None)
+        fraction, record = noisy_fraction_below(
+            below,
+            noise_multiplier=plan.noise_multiplier,
+            expected_batch_size=trainer.expected_batch_size,
+            sample_rate=trainer.sample_rate,
+            generator=trainer.noise,
+        )
+        records.append(record)
+        clip = geometric_clip_update(
+            clip, fraction, target_quantile=plan.target_quantile, lr=plan.lr
+        )
+    return ClipEstimate(clip, plan.total(clip), tuple(records))
+
+
+@dataclass(frozen=True)
+class StoredClip:
+    """What ``ClipStore`` keeps: the run, the round it was estimated in, the estimate, the plan."""
+
+    run_id: str
+    server_round: int
+    estimate: float
+    max_norm: float
+    plan: ClipPlan
+
+
+class ClipStore:
+    """``<state_dir>/clip-norm.json``: the site's private clip estimate of its current run."""
+
+    FILE = "clip-norm.json"
+
+    def __init__(self, state_dir: Path) -> None:
+        self.path = Path(state_dir) / self.FILE
+
+    def _damaged(self, problem: str) -> ConfigError:
+        return ConfigError(
+            f"{self.path}: {problem}. It holds this site's private clip estimate of its current "
+            "run. Restore it from a backup, or move it away: the site then estimates the clip "
+            "again, charging that to its privacy ledger."
+        )
+
+    def load(self) -> StoredClip | None:
+        """The stored estimate, None if there is none.
+
+        Raises:
+            ConfigError: an unreadable or invalid file (left as it is).
+        """
+        if not self.path.exists():
+            return None
+        try:
+            obj: dict[str, Any] = json.loads(self.path.read_text(encoding="utf-8"))
+            stored = StoredClip(
+                run_id=str(obj["run-id"]),
+                server_round=int(obj["round"]),
+                estimate=float(obj["estimate"]),
+                max_norm=float(obj["max-norm"]),
+                plan=ClipPlan(**obj["plan"]),
+            )
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            raise self._damaged(f"unreadable ({exc!r})") from exc
+        low, high = stored.plan.range()
+        ok = low * (1 - 1e-9) <= stored.estimate <= high * (1 + 1e-9)
+        if not (ok and math.isclose(stored.max_norm, stored.plan.total(stored.estimate))):
+            raise self._damaged(
+                f"estimate {stored.estimate!r} (total {stored.max_norm!r}) is not one the plan "
+                f"can produce (range [{low:.6g}, {high:.6g}])"
+            )
+        return stored
+
+    def save(self, stored: StoredClip) -> None:
+        """Store ``stored`` atomically (``client.durable.atomic_write``)."""
+        obj = {
+            "run-id": stored.run_id,
+            "round": stored.server_round,
+            "estimate": stored.estimate,
+            "max-norm": stored.max_norm,
+            "plan": asdict(stored.plan),
+        }
+        text = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+
+        def write(f: BinaryIO) -> None:
+            f.write(text)
+
+        atomic_write(self.path, write)
