@@ -82,6 +82,12 @@ def _run(tiny_bert):
         "clip-quantile-noise": 0.1,
         "noise-multiplier": 1.0,
         "target-epsilon": 40.0,
+        # one joint clip and a frozen head: the strategy below bounds updates as for AdamW
+        "lora-head": "frozen",
+        "head-init": "random",
+        "head-optimizer": "adamw",
+        "head-lr": -1.0,
+        "head-max-norm": -1.0,
     }
     return parse_config(RunConfig, values, what="run config")
 
@@ -219,6 +225,7 @@ def _facts(node, request, **changes):
         "epsilon": 0.5,
         "rng": "os-csprng",
         "max-norm": 0.2,
+        "expected-batch-size": 16.0,
     }
     facts.update(changes)
     return {k: v for k, v in facts.items() if v is not None}
