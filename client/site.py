@@ -401,6 +401,24 @@ class Site:
         )
         return RoundReply({}, facts)
 
+    def _check_charged(
+        self, server_round: int, what: str, event: PrivacyEvent, charged: SiteLedgerEntry
+    ) -> None:
+        """What ran (from the mechanism's records) must be what was charged before it ran.
+
+        Raises:
+            AccountingMismatchError: sigma, q or the step count differ (the charge stays).
+        """
+        if (event.noise_multiplier, event.sample_rate, event.steps) != (
+            charged.sigma,
+            charged.q,
+            charged.steps,
+        ):
+            raise AccountingMismatchError(
+                f"site {self.site_id} round {server_round}: {what} ran {event} but the site "
+                f"charged sigma={charged.sigma}, q={charged.q}, steps={charged.steps}"
+            )
+
     def _released_facts(
         self,
         server_round: int,
@@ -420,15 +438,7 @@ class Site:
             event = PrivacyEvent(0.0, self.sample_rate, len(results))
         else:
             event = released_event(records, self.mechanism)
-        if (event.noise_multiplier, event.sample_rate, event.steps) != (
-            planned.sigma,
-            planned.q,
-            planned.steps,
-        ):
-            raise AccountingMismatchError(
-                f"site {self.site_id} round {server_round}: the mechanism ran {event} but the "
-                f"site charged sigma={planned.sigma}, q={planned.q}, steps={planned.steps}"
-            )
+        self._check_charged(server_round, "the mechanism", event, planned)
         facts.update(
             {
                 "mechanism": self.mechanism,
@@ -595,15 +605,7 @@ class Site:
         self.trainer.reseed(self.policy.round_seed(server_round, attempt))
         estimate: ClipEstimate = estimate_clip(self.trainer, plan)
         event = released_event(estimate.records, QUANTILE_MECHANISM)
-        if (event.noise_multiplier, event.sample_rate, event.steps) != (
-            entry.sigma,
-            entry.q,
-            entry.steps,
-        ):
-            raise AccountingMismatchError(
-                f"site {self.site_id} round {server_round}: the clip estimate ran {event} but the "
-                f"site charged sigma={entry.sigma}, q={entry.q}, steps={entry.steps}"
-            )
+        self._check_charged(server_round, "the clip estimate", event, entry)
         self.clip_store.save(
             StoredClip(run_id, server_round, estimate.estimate, estimate.max_norm, plan)
         )

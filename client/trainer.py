@@ -446,6 +446,15 @@ class PrivateTrainer:
             if hasattr(p, "grad_sample"):
                 p.grad_sample = None
 
+    def _example_grads(self, n: int) -> tuple[list[tuple[Tensor, Tensor]], list[Tensor]]:
+        """Per-example factor gradients ``(gA, gB)`` of every LoRA module and the head's, for
+        the ``n`` examples of the last backward (siamese pairs: 2 encoder rows folded into 1)."""
+        grads = [
+            (fold_text_rows(gA, n), fold_text_rows(gB, n))
+            for gA, gB in per_example_factor_grads(self.loaded.handles)
+        ]
+        return grads, [p.grad_sample.to(torch.float32) for p in self.loaded.head_params]
+
     def clipped_sum(
         self,
         batch: dict[str, Tensor],
@@ -464,19 +473,14 @@ class PrivateTrainer:
         Returns the ``ClippedSum`` and the summed per-sequence loss (private, local only).
         """
         clip = clip_and_sum_grads if clip_fn is None else clip_fn
-        cfg, handles, head = self.config, self.loaded.handles, self.loaded.head_params
+        cfg, head = self.config, self.loaded.head_params
         if frames is None:
             frames = step_frames(points)
         acc, total = None, 0.0
         split = {"euclidean_max_norm": cfg.head_max_norm} if head and cfg.head_max_norm else {}
         for micro in micro_batches(batch, cfg.micro_batch_size):
             total += self._backward(micro)
-            n = int(micro["labels"].shape[0])  # siamese pairs: 2 encoder rows per example
-            grads = [
-                (fold_text_rows(gA, n), fold_text_rows(gB, n))
-                for gA, gB in per_example_factor_grads(handles)
-            ]
-            head_grads = [p.grad_sample.to(torch.float32) for p in head]
+            grads, head_grads = self._example_grads(int(micro["labels"].shape[0]))
             acc = clip(
                 points,
                 grads,
@@ -609,11 +613,7 @@ class PrivateTrainer:
                 self._backward(micro)
                 n = int(micro["labels"].shape[0])
                 if frames is not None:  # as clipped_sum
-                    grads = [
-                        (fold_text_rows(gA, n), fold_text_rows(gB, n))
-                        for gA, gB in per_example_factor_grads(handles)
-                    ]
-                    extra = [p.grad_sample.to(torch.float32) for p in head]
+                    grads, extra = self._example_grads(n)
                     acc = clip_and_sum_grads(
                         points,
                         grads,
