@@ -123,3 +123,67 @@ def _with_runs(outcome):
             r["metrics"].setdefault("held-out", {"accuracy": acc, "loss": 1.0 - acc})
             r.setdefault("privacy", {"epsilon": r["spec"]["epsilon"], "noise_multiplier": 1.0})
     return outcome
+
+
+def test_every_method_gets_the_products_classifier_and_aggregation(utility, tmp_path):
+    """The study runs at the defaults a new user gets; the baselines get the same head, pooling,
+    clip split and aggregation as PRISM (a fair comparison), and the zero-shot floor one run."""
+    import tomllib
+
+    defaults = tomllib.loads((BENCH.parents[1] / "pyproject.toml").read_text())["tool"]["flwr"][
+        "app"
+    ]["config"]
+    args = make_args(
+        utility, tmp_path, "--methods", "prism", "ffa", "central", "zero-shot", "--grid-C", "1.0"
+    )
+    calls: list = []
+    runner = fake_runner(calls)
+
+    def scored(spec, runs):  # the table knows prism and nondp only
+        return runner({**spec, "method": "prism"} if spec["method"] != "nondp" else spec, runs)
+
+    outcome = utility.study(args, scored)
+    specs = [r["spec"] for results in outcome["finals"].values() for r in results]
+    for spec in specs:
+        assert spec["settings"] == {key: defaults[key] for key in utility.SETTINGS}
+    assert args.rounds == defaults["num-rounds"] and args.batch_size == defaults["batch-size"]
+    assert args.local_steps == defaults["local-steps"]
+    assert args.max_length == defaults["max-length"]
+    assert len(outcome["finals"][("zero-shot", 0.0)]) == 1  # no randomness: one run
+
+
+def test_pairs_use_the_siamese_cosine_start_and_set_is_checked(utility, tmp_path, monkeypatch):
+    monkeypatch.setattr(utility, "DATA_DIR", tmp_path)
+    rows = [{"text_a": f"q {i}", "text_b": f"p {i}", "label": i % 2} for i in range(30)]
+    folder = tmp_path / "medical_questions_pairs"
+    folder.mkdir()
+    for name in ("train.jsonl", "dev.jsonl"):
+        (folder / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = ["--task", "medical_questions_pairs", "--out", str(tmp_path / "o"), "--select-rows", "5"]
+    args = utility.parse_args(base)
+    assert args.settings["text-pairs"] is True and args.settings["label-texts"] == ""
+    args = utility.parse_args([*base, "--set", "aggregation=uniform", "head-lr=0.5"])
+    assert args.settings["aggregation"] == "uniform" and args.settings["head-lr"] == 0.5
+    with pytest.raises(SystemExit):
+        utility.parse_args([*base, "--set", "aggregation=median"])  # not a product value
+    with pytest.raises(SystemExit):
+        utility.parse_args([*base, "--set", "epsilon-cap=1"])  # not a shared setting
+
+
+def test_central_run_uses_the_federations_classifier(utility, tmp_path, monkeypatch):
+    """``central`` (prism-train) gets every classifier flag from the same settings."""
+    args = make_args(utility, tmp_path, "--set", "head-lr=2.5", "pooling=cls")
+    spec = {**utility.base_spec(args, {"pool": "p", "select": "s"}), "method": "central",
+            "epsilon": 3.0, "max_norm": 1.0, "lr": 0.005, "seed": 0}  # fmt: skip
+    seen: list = []
+    import client.cli
+
+    monkeypatch.setattr(client.cli, "main", lambda argv: seen.append(argv) or 1)
+    with pytest.raises(RuntimeError, match="exited with 1"):
+        utility.central_run(spec, tmp_path / "c")
+    flags = dict(zip(seen[0][::2], seen[0][1::2], strict=False))
+    assert flags["--head-lr"] == "2.5" and flags["--pooling"] == "cls"
+    assert flags["--head"] == spec["settings"]["lora-head"]
+    assert flags["--head-max-norm"] == str(spec["settings"]["head-max-norm"])
+    assert flags["--label-texts"] == spec["settings"]["label-texts"]
+    assert flags["--batch-size"] == str(spec["sites"] * spec["batch_size"])
