@@ -525,7 +525,8 @@ def study(args: argparse.Namespace, runner: Any = ensure_run) -> dict[str, Any]:
     for method in args.methods:
         epsilons = [NONDP_EPSILON] if method in NO_DP else args.epsilons
         clips = [1.0] if method in NO_DP else args.grid_C  # C unused without DP
-        lrs = args.grid_lr[:1] if method == "zero-shot" else args.grid_lr  # nothing trains
+        lrs = args.method_grid_lr.get(method, args.grid_lr)
+        lrs = lrs[:1] if method == "zero-shot" else lrs  # nothing trains
         for eps in epsilons:
             finals_of.append((method, eps))
             if method not in NO_DP and eps not in grid_eps:
@@ -691,6 +692,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, nargs="+")
     parser.add_argument("--grid-C", dest="grid_C", type=float, nargs="+")
     parser.add_argument("--grid-lr", type=float, nargs="+")
+    parser.add_argument(
+        "--method-grid-lr",
+        nargs="*",
+        default=[],
+        metavar="METHOD=LR,LR",
+        help="a method's own lr grid instead of --grid-lr (e.g. ffa=0.0005,0.005)",
+    )
     parser.add_argument("--sites", type=int, default=4)
     parser.add_argument("--dirichlet-alpha", type=float, default=0.5)
     parser.add_argument("--rounds", type=int)
@@ -776,7 +784,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             parser.error(f"{path} not found (set PRISM_DATA_DIR or pass the file)")
     args.eval_data = [p.resolve() for p in args.eval_data]
     args.settings = study_settings(product, args.task, args.set, parser)
+    args.method_grid_lr = method_grids(args.method_grid_lr, parser)
     return args
+
+
+def method_grids(items: Sequence[str], parser: argparse.ArgumentParser) -> dict[str, list]:
+    """``--method-grid-lr ffa=0.0005,0.005`` -> {"ffa": [0.0005, 0.005]}."""
+    grids: dict[str, list[float]] = {}
+    for item in items:
+        method, sep, values = item.partition("=")
+        try:
+            grids[method] = [float(v) for v in values.split(",")]
+        except ValueError:
+            grids[method] = []
+        if not sep or method not in METHODS or not grids[method] or min(grids[method]) <= 0:
+            parser.error(f"--method-grid-lr {item!r}: use METHOD=LR[,LR...], METHOD in {METHODS}")
+    return grids
 
 
 def study_settings(

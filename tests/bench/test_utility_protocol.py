@@ -187,3 +187,15 @@ def test_central_run_uses_the_federations_classifier(utility, tmp_path, monkeypa
     assert flags["--head-max-norm"] == str(spec["settings"]["head-max-norm"])
     assert flags["--label-texts"] == spec["settings"]["label-texts"]
     assert flags["--batch-size"] == str(spec["sites"] * spec["batch_size"])
+
+
+def test_a_methods_own_lr_grid(utility, tmp_path):
+    args = make_args(utility, tmp_path, "--method-grid-lr", "nondp=0.02,0.01")
+    calls: list = []
+    outcome = utility.study(args, fake_runner(calls))
+    grid_lrs = {c[3] for c in calls if c[0] == "nondp" and c[4] == 0}
+    assert grid_lrs == {0.02, 0.01}
+    assert {c[3] for c in calls if c[0] == "prism" and c[4] == 0 and c[1] == 3.0} == {0.02, 0.05}
+    assert outcome["chosen"][("nondp", 0.0)] == (1.0, 0.02)
+    with pytest.raises(SystemExit):
+        make_args(utility, tmp_path, "--method-grid-lr", "nondp=fast")
