@@ -7,6 +7,10 @@ replaces itself with ``flower-superlink`` / ``flower-supernode``:
 - TLS and SuperNode authentication are on. Running without TLS needs ``PRISM_ALLOW_INSECURE=1``
   and prints a warning; passing ``--insecure`` without it is refused.
 - Private keys must not be readable by group or others (the error says which ``chmod`` to run).
+- A secrets folder holds its owner's files only: a SuperLink or SuperNode that sees another
+  party's files next to its key (a sub-folder such as ``sites/``, or a ``*.key`` that is not its
+  own, e.g. ``ca.key``) refuses to start and names the fix. That is the whole-volume layout: an
+  old compose file's ``volume.subpath``, which Docker Engines before 26 silently ignore.
 - The SuperLink never installs dependencies at run time
   (``--disable-runtime-dependency-installation``): the image carries them.
 - A site's node config (``PRISM_SITE_ID``, ``PRISM_DATA_PATH``, ``PRISM_EPSILON_CAP``, ...) is
@@ -38,7 +42,14 @@ from pathlib import Path
 
 from deploy.errors import DeployError, InsecureSetupError
 
-__all__ = ["ALLOW_INSECURE", "check_private_key", "main", "superlink_args", "supernode_args"]
+__all__ = [
+    "ALLOW_INSECURE",
+    "check_own_folder",
+    "check_private_key",
+    "main",
+    "superlink_args",
+    "supernode_args",
+]
 
 ALLOW_INSECURE = "PRISM_ALLOW_INSECURE"
 WARNING = (
@@ -97,6 +108,35 @@ def check_private_key(path: str, what: str, variable: str) -> Path:
     return key
 
 
+def check_own_folder(folder: Path, own_key: str, who: str, variable: str) -> None:
+    """``folder`` (where ``who`` keeps its private key ``own_key``) holds no one else's files.
+
+    Refused: any sub-folder, and any ``*.key`` other than ``own_key``. Ignored: hidden entries
+    and ``lost+found`` (a platform's or file system's own bookkeeping).
+
+    Raises:
+        InsecureSetupError: the folder shows another party's files (the whole-volume layout).
+    """
+    if not folder.is_dir():
+        return  # the missing-file check names the path
+    foreign = sorted(
+        f"{entry.name}/" if entry.is_dir() else entry.name
+        for entry in folder.iterdir()
+        if not entry.name.startswith(".")
+        and entry.name != "lost+found"
+        and (entry.is_dir() or (entry.suffix == ".key" and entry.name != own_key))
+    )
+    if foreign:
+        raise InsecureSetupError(
+            f"refusing to start: {folder} ({variable}) holds files that are not the {who}'s own "
+            f"({', '.join(foreign)}): this is the whole key volume, with the CA key or other "
+            f"parties' keys, not the {who}'s own folder. Docker Engines before 26 silently "
+            "ignore `volume.subpath`, which older prism-fl compose files used. Fix: use this "
+            "version's docker-compose.yml (one volume per secret holder, no subpath) and run "
+            f"`docker compose up -d` again; outside compose, mount only the {who}'s own folder"
+        )
+
+
 def _plain_text(env: Mapping[str, str], extra: Sequence[str], tls_configured: bool) -> bool:
     """True if the process will run without TLS; refuses unless explicitly allowed."""
     if "--insecure" in extra or not tls_configured:
@@ -127,6 +167,7 @@ def superlink_args(env: Mapping[str, str], extra: Sequence[str] = ()) -> list[st
         command.append("--insecure")
     else:
         folder = Path(tls_dir)
+        check_own_folder(folder, "server.key", "SuperLink", "PRISM_TLS_DIR")
         ca = _existing_file(str(folder / "ca.crt"), "CA certificate", "PRISM_TLS_DIR")
         cert = _existing_file(str(folder / "server.crt"), "server certificate", "PRISM_TLS_DIR")
         key = check_private_key(str(folder / "server.key"), "server private key", "PRISM_TLS_DIR")
@@ -211,6 +252,8 @@ def supernode_args(env: Mapping[str, str], extra: Sequence[str] = ()) -> list[st
                 "PRISM_CA_CERT (the coordinator's CA certificate) and PRISM_SITE_KEY (this "
                 "site's private key) must both be set"
             )
+        site_key = Path(env["PRISM_SITE_KEY"])
+        check_own_folder(site_key.parent, site_key.name, "site", "PRISM_SITE_KEY")
         ca = _existing_file(env["PRISM_CA_CERT"], "CA certificate", "PRISM_CA_CERT")
         key = check_private_key(env["PRISM_SITE_KEY"], "site private key", "PRISM_SITE_KEY")
         command += ["--root-certificates", str(ca), "--auth-supernode-private-key", str(key)]

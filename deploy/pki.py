@@ -1,19 +1,28 @@
 """TLS and SuperNode-authentication material for a prism-fl federation (``python -m deploy.pki``).
 
-Subcommands (every one is idempotent: existing files are kept, never overwritten):
+Every party that holds a secret gets its own folder, and in a container its own volume, so no
+container can see another party's secret whatever the Docker Engine version (no ``subpath``):
 
-- ``init --out DIR --site NAME ... [--san HOST ...]``: everything a one-host federation needs:
-  a CA, the SuperLink's server certificate and one authentication key pair per site, laid out
-  so that each container mounts only its own part::
+- ``init --ca DIR --superlink DIR --public DIR [--san HOST ...]``: the coordinator's material, one
+  folder per holder: ``--ca`` gets the CA (``ca.key``, ``ca.crt``; the key never leaves it),
+  ``--superlink`` the SuperLink's ``ca.crt``, ``server.crt``, ``server.key``, ``--public`` what
+  the register step and the coordinator read (``ca.crt``; sites publish ``sites/NAME.pub`` here).
+- ``init --out DIR [--site NAME ...]``: the same in one folder on a host without containers, with
+  one key pair per site::
 
       DIR/ca/ca.key, ca.crt                 the CA (its key never leaves this folder)
       DIR/superlink/ca.crt, server.crt, server.key
       DIR/public/ca.crt, sites/NAME.pub     what the register step and the coordinator read
       DIR/sites/NAME/ca.crt, site.key, site.pub
 
-- ``site-key --out DIR [--name NAME]``: one site's key pair (run it AT the site); prints the
-  public key to send to the coordinator. The private key never leaves ``DIR``.
+- ``site-key --out DIR [--name NAME] [--ca-cert FILE] [--publish DIR]``: one site's key pair
+  (run it AT the site, or in the site's own key volume); prints the public key to send to the
+  coordinator. The private key never leaves ``DIR``. ``--ca-cert`` copies the federation's CA
+  certificate into ``DIR``; ``--publish`` writes the public key as ``DIR2/NAME.pub`` (what the
+  register step reads).
 
+Idempotent: private keys and certificates are never overwritten; copies of public files
+(``ca.crt`` in a holder's folder, a published ``NAME.pub``) follow their source.
 TLS keys are ECDSA P-256 with X.509 certificates (the server certificate carries SANs for the
 given host names and IP addresses); SuperNode keys are ECDSA P-384 in OpenSSH format, which is
 what ``flower-supernode --auth-supernode-private-key`` and ``flwr supernode register`` read.
@@ -39,7 +48,14 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from deploy.errors import DeployError
 
-__all__ = ["DEFAULT_SANS", "init_federation", "main", "site_key", "valid_site_name"]
+__all__ = [
+    "DEFAULT_SANS",
+    "init_coordinator",
+    "init_federation",
+    "main",
+    "site_key",
+    "valid_site_name",
+]
 
 DEFAULT_SANS = ("superlink", "localhost", "127.0.0.1")
 _SITE_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
@@ -56,14 +72,36 @@ def valid_site_name(name: str) -> str:
     return name
 
 
+def _unwritable(path: Path, exc: OSError) -> DeployError:
+    return DeployError(
+        f"cannot write {path} ({exc.strerror}): its folder must be writable by uid {os.getuid()}. "
+        "A Docker volume mounted where the image has no folder is owned by root: mount each "
+        "holder's volume at /pki, /tls, /pki-public or /keys (docker-compose.yml does), or "
+        "`chown` the host folder to the containers' user (deploy/README.md)"
+    )
+
+
 def _write(path: Path, data: bytes, *, private: bool) -> None:
     """Create ``path`` (never overwrite); private files get mode 0600 from the start."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if private:
-        path.parent.chmod(0o700)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o644)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if private:
+            path.parent.chmod(0o700)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o644)
+    except PermissionError as exc:
+        raise _unwritable(path, exc) from exc
     with os.fdopen(fd, "wb") as f:
         f.write(data)
+
+
+def _publish(data: bytes, path: Path) -> None:
+    """Make the public file ``path`` hold ``data`` (a copy follows its source; mode 0644)."""
+    if path.is_file() and path.read_bytes() == data:
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    _write(tmp, data, private=False)
+    tmp.replace(path)
 
 
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -179,52 +217,86 @@ def _ensure_server_cert(
     _write(cert_path, cert.public_bytes(serialization.Encoding.PEM), private=False)
 
 
-def site_key(out: Path, name: str = "site") -> Path:
+def site_key(
+    out: Path, name: str = "site", *, ca_cert: Path | None = None, publish: Path | None = None
+) -> Path:
     """Create ``out/site.key`` (OpenSSH EC P-384, 0600) and ``out/site.pub``; return the .pub.
 
-    An existing key pair is kept as it is (its public key is returned again).
+    An existing key pair is kept as it is (its public key is returned again). ``ca_cert``: the
+    federation's CA certificate, copied to ``out/ca.crt``; ``publish``: a folder that gets a copy
+    of the public key as ``NAME.pub`` (what ``deploy.register sync`` reads).
     """
+    valid_site_name(name)
+    if ca_cert is not None and not ca_cert.is_file():
+        raise DeployError(
+            f"CA certificate {ca_cert} not found: create the coordinator's material first "
+            "(`python -m deploy.pki init ...`)"
+        )
     key_path, pub_path = out / "site.key", out / "site.pub"
-    if key_path.exists() and pub_path.exists():
-        return pub_path
-    if key_path.exists() or pub_path.exists():
+    if key_path.exists() != pub_path.exists():
         raise DeployError(
             f"{out} holds only one of site.key and site.pub; move the folder away to create a "
             "new key pair (the coordinator must then register the new public key)"
         )
-    key = ec.generate_private_key(ec.SECP384R1())
-    private = key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.OpenSSH,
-        serialization.NoEncryption(),
-    )
-    public = key.public_key().public_bytes(
-        serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
-    )
-    _write(key_path, private, private=True)
-    _write(pub_path, public + f" {name}\n".encode(), private=False)
+    if not key_path.exists():
+        key = ec.generate_private_key(ec.SECP384R1())
+        private = key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.OpenSSH,
+            serialization.NoEncryption(),
+        )
+        public = key.public_key().public_bytes(
+            serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
+        )
+        _write(key_path, private, private=True)
+        _write(pub_path, public + f" {name}\n".encode(), private=False)
+    if ca_cert is not None:
+        _publish(ca_cert.read_bytes(), out / "ca.crt")
+    if publish is not None:
+        _publish(pub_path.read_bytes(), publish / f"{name}.pub")
     return pub_path
 
 
-def _copy(src: Path, dst: Path) -> None:
-    if not dst.exists():
-        _write(dst, src.read_bytes(), private=False)
+def _separate(folders: dict[str, Path]) -> None:
+    """Each holder's folder is its own: none is another's, or inside another's."""
+    resolved = {what: path.resolve() for what, path in folders.items()}
+    for what, path in resolved.items():
+        for other, other_path in resolved.items():
+            if what != other and (path == other_path or path.is_relative_to(other_path)):
+                raise DeployError(
+                    f"the {what} folder {folders[what]} is (inside) the {other} folder "
+                    f"{folders[other]}: each holder needs a folder of its own, so that no one "
+                    "sees another's secret"
+                )
+
+
+def init_coordinator(
+    ca_dir: Path, superlink_dir: Path, public_dir: Path, sans: Sequence[str] = DEFAULT_SANS
+) -> None:
+    """The CA in ``ca_dir``, the SuperLink's TLS material in ``superlink_dir`` and the public
+    CA certificate in ``public_dir``: three holders, three folders (layout: module doc)."""
+    if not sans:
+        raise DeployError("the server certificate needs at least one --san host name")
+    _separate({"CA": ca_dir, "SuperLink": superlink_dir, "public": public_dir})
+    ca_key, ca_cert = _ensure_ca(ca_dir)
+    _ensure_server_cert(superlink_dir, ca_key, ca_cert, sans)
+    certificate = (ca_dir / "ca.crt").read_bytes()
+    for folder in (superlink_dir, public_dir):
+        _publish(certificate, folder / "ca.crt")
 
 
 def init_federation(out: Path, sites: Sequence[str], sans: Sequence[str] = DEFAULT_SANS) -> None:
-    """CA, server certificate and one key pair per site under ``out`` (layout: module doc)."""
+    """Everything under one folder ``out`` (a host without containers; layout: module doc)."""
     for site in sites:
         valid_site_name(site)
-    if not sans:
-        raise DeployError("the server certificate needs at least one --san host name")
-    ca_key, ca_cert = _ensure_ca(out / "ca")
-    _ensure_server_cert(out / "superlink", ca_key, ca_cert, sans)
-    for folder in (out / "superlink", out / "public"):
-        _copy(out / "ca" / "ca.crt", folder / "ca.crt")
+    init_coordinator(out / "ca", out / "superlink", out / "public", sans)
     for site in sites:
-        pub = site_key(out / "sites" / site, site)
-        _copy(out / "ca" / "ca.crt", out / "sites" / site / "ca.crt")
-        _copy(pub, out / "public" / "sites" / f"{site}.pub")
+        site_key(
+            out / "sites" / site,
+            site,
+            ca_cert=out / "public" / "ca.crt",
+            publish=out / "public" / "sites",
+        )
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -232,9 +304,12 @@ def _build_parser() -> argparse.ArgumentParser:
         prog="python -m deploy.pki", description=__doc__.split("\n")[0]
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    init = sub.add_parser("init", help="CA, server certificate and site keys (idempotent)")
-    init.add_argument("--out", type=Path, required=True, help="folder for all the material")
-    init.add_argument("--site", action="append", default=[], help="a site name (repeat)")
+    init = sub.add_parser("init", help="CA, server certificate (and site keys with --out)")
+    init.add_argument("--out", type=Path, help="one folder for all the material (no containers)")
+    init.add_argument("--site", action="append", default=[], help="with --out: a site (repeat)")
+    init.add_argument("--ca", type=Path, help="the CA's own folder (its key stays there)")
+    init.add_argument("--superlink", type=Path, help="the SuperLink's own TLS folder")
+    init.add_argument("--public", type=Path, help="folder for the public CA certificate")
     init.add_argument(
         "--san",
         action="append",
@@ -244,7 +319,30 @@ def _build_parser() -> argparse.ArgumentParser:
     key = sub.add_parser("site-key", help="one site's authentication key pair (run at the site)")
     key.add_argument("--out", type=Path, required=True, help="the site's private key folder")
     key.add_argument("--name", default="site", help="site name (a comment in the public key)")
+    key.add_argument("--ca-cert", type=Path, help="copy this CA certificate into --out")
+    key.add_argument("--publish", type=Path, help="folder that gets a copy of NAME.pub")
     return parser
+
+
+def _init(args: argparse.Namespace) -> str:
+    """``init`` in one of its two forms; returns what was done."""
+    sans = args.san or DEFAULT_SANS
+    holders = (args.ca, args.superlink, args.public)
+    if args.out is not None:
+        if any(holders):
+            raise DeployError("give either --out, or --ca, --superlink and --public, not both")
+        sites = args.site or [
+            s for s in os.environ.get("PRISM_SITES", "").replace(",", " ").split() if s
+        ]
+        init_federation(args.out, sites, sans)
+        return f"CA, server certificate and {len(sites)} site key(s) in {args.out}"
+    if not all(holders) or args.site:
+        raise DeployError(
+            "give --out DIR [--site NAME ...], or --ca DIR --superlink DIR --public DIR (one "
+            "folder per holder; site keys then come from `site-key` in each site's folder)"
+        )
+    init_coordinator(args.ca, args.superlink, args.public, sans)
+    return f"CA in {args.ca}, SuperLink TLS in {args.superlink}, CA certificate in {args.public}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -252,15 +350,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     try:
         if args.command == "init":
-            sites = args.site or [
-                s for s in os.environ.get("PRISM_SITES", "").replace(",", " ").split() if s
-            ]
-            init_federation(args.out, sites, args.san or DEFAULT_SANS)
-            print(
-                f"prism-fl pki: CA, server certificate and {len(sites)} site key(s) in {args.out}"
-            )
+            print(f"prism-fl pki: {_init(args)}")
         else:
-            pub = site_key(args.out, valid_site_name(args.name))
+            pub = site_key(args.out, args.name, ca_cert=args.ca_cert, publish=args.publish)
             print(f"prism-fl pki: private key {args.out / 'site.key'} (mode 0600, keep it here)")
             print("Send this public key to the coordinator (it is not secret):")
             print(pub.read_text().strip())

@@ -2,10 +2,10 @@
 
 Runs ``flwr run . local`` (the bundled MiniLM, the built-in synthetic task, a coordinator-owned
 synthetic held-out set), waits for it, stops the local SuperLink that ``flwr run`` leaves running,
-and prints where the adapter and the budget report are. Extra arguments are passed to
-``--run-config`` (e.g. ``python -m server.demo "num-rounds=5 data='/path/train.jsonl'"``); a key
-the user gives replaces the demo's own default for it (``run-dir``, ``server-eval-data``), since
-Flower refuses a run config that names a key twice.
+and prints where the adapter (or why there is none: no round was applied) and the budget report
+are. Extra arguments are passed to ``--run-config`` (e.g. ``python -m server.demo "num-rounds=5
+data='/path/train.jsonl'"``); a key the user gives replaces the demo's own default for it
+(``run-dir``, ``server-eval-data``), since Flower refuses a run config that names a key twice.
 
 The three simulated sites use the simulation defaults of their policy (``client.policy``: cap
 8.0, delta 1e-5, state in ``<run-dir>/sites/<site-id>``) and draw their randomness from the OS.
@@ -163,7 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         first, last = evals[min(evals, key=int)], evals[max(evals, key=int)]
         before, after = first.get("accuracy", float("nan")), last.get("accuracy", float("nan"))
         print(f"  held-out accuracy: {before:.3f} (start) -> {after:.3f} (end)")
-    print(f"  adapter (peft format): {run_dir / 'adapter'}")
+    if summary.get("adapter"):
+        print(f"  adapter (peft format): {run_dir / summary['adapter']}")
+    else:
+        print(f"  NO adapter: {summary.get('adapter-reason', 'no round was applied')}")
     print(f"  budget report: {run_dir / 'report.html'}")
     return 0
 

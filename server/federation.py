@@ -1,10 +1,16 @@
 """The coordinator's run: set up the run folder, drive the strategy, write adapter and reports.
 
 Outputs in one run folder (default ``runs/<UTC timestamp>/``): ``run-config.json``,
-``ledger.sqlite`` (the privacy ledger), ``adapter/`` (peft format, loads on the original base
-model), ``report.json`` / ``report.csv`` / ``report.html`` (budget reports) and ``summary.json``
-(per-round outcomes and any server-side evaluation), and ``checkpoint.safetensors`` (the
-coordinator's state after the last finished round, see ``server.checkpoint``).
+``ledger.sqlite`` (the privacy ledger), ``report.json`` / ``report.csv`` / ``report.html``
+(budget reports), ``summary.json`` (per-round outcomes, ``rounds-applied``, any server-side
+evaluation and where the adapter is), ``checkpoint.safetensors`` (the coordinator's resume state
+after the last finished round, see ``server.checkpoint``; not a model) and ``adapter/`` (peft
+format, loads on the original base model).
+
+No adapter without training: when no round was applied (every site refused, every reply was
+rejected or every aggregate discarded), ``adapter/`` is NOT written, since it would be the
+untrained start point under a trained model's name. The run says so: a WARNING naming why, and
+``summary.json`` holds ``"rounds-applied": 0``, ``"adapter": null`` and ``"adapter-reason"``.
 
 Resume: running again with the same ``run-dir`` continues after the checkpointed round. The run
 config must be the same (a different one is refused, naming the keys that differ). A round that
@@ -38,7 +44,13 @@ from client.site import model_config
 from client.synthetic import synthetic_examples
 from client.testhooks import pause_point
 from client.trainer import MECHANISMS
-from server.checkpoint import Checkpoint, config_differences, load_checkpoint, save_checkpoint
+from server.checkpoint import (
+    CHECKPOINT,
+    Checkpoint,
+    config_differences,
+    load_checkpoint,
+    save_checkpoint,
+)
 from server.errors import ConfigError
 from server.ledger import Ledger
 from server.optimizer import STATE_PREFIX as OPTIMIZER_STATE
@@ -46,9 +58,14 @@ from server.optimizer import ServerOptimizerConfig
 from server.report import build_report, format_round_table, round_rows, write_reports
 from server.strategy import AutoClip, PrismStrategy, RoundSummary, UpdateBound
 
-__all__ = ["make_run_dir", "run_federation"]
+__all__ = ["ADAPTER_DIR", "make_run_dir", "no_adapter_reason", "run_federation"]
 
 log = logging.getLogger(__name__)
+
+ADAPTER_DIR = "adapter"
+RESUME_STATE_NOTE = (
+    "the coordinator's resume state (not a model): run again with the same run-dir to continue"
+)
 
 
 def make_run_dir(run: RunConfig) -> Path:
@@ -125,6 +142,39 @@ def _auto_clip(run: RunConfig) -> AutoClip | None:
     )
 
 
+def no_adapter_reason(summaries: list[RoundSummary]) -> str:
+    """Why no round was applied, from the rounds' summaries (empty when one was)."""
+    if any(s.applied for s in summaries):
+        return ""
+    if not summaries:
+        return "no round ran: no site could take part within its privacy cap"
+    refused = sum(len(s.refused) for s in summaries)
+    rejected = sum(len(s.rejected) for s in summaries)
+    discarded = sum(bool(s.discarded) for s in summaries)
+    codes = sorted({code for s in summaries for code in s.refusal_codes.values()})
+    why = f"refusals: {refused}" + (f" ({', '.join(codes)})" if codes else "")
+    why += f", rejected replies: {rejected}, discarded aggregates: {discarded}"
+    return (
+        f"no round was applied in {len(summaries)} round(s) ({why}): the adapter would be the "
+        "untrained start point, so none is exported"
+    )
+
+
+def _export(loaded: LoadedModel, run_dir: Path, summaries: list[RoundSummary]) -> dict[str, Any]:
+    """Export the adapter if a round was applied; the summary's adapter entries either way."""
+    applied = sum(s.applied for s in summaries)
+    entries: dict[str, Any] = {"rounds-applied": applied}
+    reason = no_adapter_reason(summaries)
+    if reason:
+        log.warning("no adapter exported: %s (the run folder %s)", reason, run_dir)
+        print(f"prism-fl: WARNING: NO adapter exported: {reason}")
+        return {**entries, "adapter": None, "adapter-reason": reason}
+    adapter = export_adapter(loaded, run_dir / ADAPTER_DIR)
+    log.info("adapter: %s", adapter)
+    print(f"prism-fl: adapter in {adapter}")
+    return {**entries, "adapter": ADAPTER_DIR}
+
+
 def run_federation(grid: Grid, run: RunConfig) -> Path:
     """Run the whole federation for ``run`` on ``grid`` (resuming a checkpointed run folder)."""
     run_dir = make_run_dir(run)
@@ -135,7 +185,7 @@ def run_federation(grid: Grid, run: RunConfig) -> Path:
         differences = config_differences(ckpt.run_config, config)
         if differences:
             raise ConfigError(
-                f"{run_dir / 'checkpoint.safetensors'} was written by another configuration "
+                f"{run_dir / CHECKPOINT} was written by another configuration "
                 f"({'; '.join(differences)}); use another run-dir."
             )
     loaded = load_model(model_config(run), method=site_method(run.method))
@@ -233,20 +283,20 @@ def run_federation(grid: Grid, run: RunConfig) -> Path:
         previous=previous,
     )
     load_arrays(loaded, result.arrays.to_torch_state_dict())
-    adapter = export_adapter(loaded, run_dir / "adapter")
+    adapter = _export(loaded, run_dir, strategy.summaries)
     report_files = write_reports(
         build_report(ledger, planned_steps_per_round=run.local_steps), run_dir
     )
     summary = {
         "run-id": run_id,
+        **adapter,
+        "checkpoint": {"file": CHECKPOINT, "what": RESUME_STATE_NOTE},
         "rounds": [vars(s) for s in strategy.summaries],
         "server-eval": {r: dict(m) for r, m in result.evaluate_metrics_serverapp.items()},
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     ledger.close()
-    log.info("adapter: %s", adapter)
     log.info("budget report: %s", report_files.get("html", run_dir / "report.html"))
-    print(f"prism-fl: adapter in {adapter}")
     print(
         f"prism-fl: budget report in {run_dir / 'report.html'} (ledger {run_dir / 'ledger.sqlite'})"
     )

@@ -3,6 +3,8 @@
 #   ./make-site-key.sh [KEYS_DIR]      (default: PRISM_KEYS_DIR from .env, else ./keys)
 # The private key (KEYS_DIR/site.key, mode 0600) never leaves this host. An existing key pair
 # is kept. Uses the prism-fl image (no network) or, if installed, the local Python package.
+# The key belongs to the user the site's container runs as: your own user, or, when you run
+# this as root, PRISM_UID:PRISM_GID of .env (default 10001; containers never run as root).
 set -euo pipefail
 cd "$(dirname "$0")"
 setting() { grep -E "^$1=" .env 2>/dev/null | tail -n 1 | cut -d= -f2- || true; }
@@ -11,12 +13,32 @@ KEYS_DIR="${KEYS_DIR:-./keys}"
 SITE_ID="${PRISM_SITE_ID:-$(setting PRISM_SITE_ID)}"
 SITE_ID="${SITE_ID:-site}"
 VARIANT="${PRISM_VARIANT:-$(setting PRISM_VARIANT)}"
+if [ "$(id -u)" = 0 ]; then
+    OWNER_UID="${PRISM_UID:-$(setting PRISM_UID)}"
+    OWNER_GID="${PRISM_GID:-$(setting PRISM_GID)}"
+    OWNER="${OWNER_UID:-10001}:${OWNER_GID:-10001}"
+else
+    OWNER="$(id -u):$(id -g)"
+fi
+case "$OWNER" in
+    0:* | *:0)
+        echo "PRISM_UID/PRISM_GID must not be 0 (found $OWNER): the site's container never" \
+            "runs as root; keep 10001 in .env" >&2
+        exit 2
+        ;;
+esac
 mkdir -p "$KEYS_DIR"
 chmod 700 "$KEYS_DIR"
 if python3 -c "import deploy.pki" 2>/dev/null; then
     python3 -m deploy.pki site-key --out "$KEYS_DIR" --name "$SITE_ID"
+    if [ "$(id -u)" = 0 ]; then
+        chown -R "$OWNER" "$KEYS_DIR"
+    fi
 else
-    docker run --rm --network none --user "$(id -u):$(id -g)" \
+    if [ "$(id -u)" = 0 ]; then
+        chown "$OWNER" "$KEYS_DIR"
+    fi
+    docker run --rm --network none --user "$OWNER" \
         --volume "$(realpath "$KEYS_DIR"):/keys" --entrypoint python \
         "prism-fl:${VARIANT:-cpu}" -m deploy.pki site-key --out /keys --name "$SITE_ID"
 fi

@@ -3,9 +3,10 @@
 No Docker engine runs here, so a service becomes a process: the image's ENTRYPOINT/CMD/WORKDIR/ENV
 (from ``deploy/Dockerfile``) overlaid with the service's entrypoint, command, working_dir and
 environment, exactly as Docker would combine them. Every mount target is mapped to a folder
-under a temp dir (a named volume with a ``subpath`` maps to that sub-folder of the volume's
-folder, so services share files exactly as their volumes do), the service name ``superlink``
-resolves to loopback, and container ports are replaced by free local ports.
+under a temp dir: a named volume is always its WHOLE folder, shared by every service that mounts
+it, as every Docker Engine mounts it (an Engine before 26 silently ignores ``volume.subpath``, so
+a ``subpath`` is not honoured here either); the service name ``superlink`` resolves to loopback,
+and container ports are replaced by free local ports.
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def localize(
     mounts: dict[str, Path] = {"/home/prism": tmp / "home" / name}
     for mount in service.get("volumes", []):
         if mount["type"] == "volume":
-            host = tmp / "volumes" / mount["source"] / mount.get("volume", {}).get("subpath", "")
+            host = tmp / "volumes" / mount["source"]  # whole: a subpath is ignored (Engine < 26)
         else:
             source = Path(mount["source"])
             relative = source.relative_to(ROOT) if source.is_relative_to(ROOT) else source.name
@@ -173,3 +174,30 @@ def localize(
                 (cwd / relative).parent.mkdir(parents=True, exist_ok=True)
                 (cwd / relative).symlink_to(host, target_is_directory=True)
     return LocalService(name, argv, env, cwd, mounts)
+
+
+def _in_order(services: dict[str, Any]) -> list[str]:
+    """Service names, each after everything it ``depends_on``."""
+    ordered: list[str] = []
+
+    def visit(name: str) -> None:
+        for dependency in services[name].get("depends_on", {}):
+            visit(dependency)
+        if name not in ordered:
+            ordered.append(name)
+
+    for name in sorted(services):
+        visit(name)
+    return ordered
+
+
+def setup_steps(config: dict[str, Any]) -> list[str]:
+    """The one-shot services that run before the SuperLink exists (the pki step, then each
+    site's key step), in dependency order: no restart policy, no need of the SuperLink."""
+    services = config["services"]
+    ordered = _in_order(services)
+    needs_superlink = {"superlink"}
+    for name in ordered:
+        if set(services[name].get("depends_on", {})) & needs_superlink:
+            needs_superlink.add(name)
+    return [n for n in ordered if n not in needs_superlink and "restart" not in services[n]]

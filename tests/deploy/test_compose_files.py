@@ -6,13 +6,21 @@ import fnmatch
 import json
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
 import pytest
-from compose_local import DOCKERFILE, compose, compose_config, dockerfile_instructions
+from compose_local import (
+    DOCKERFILE,
+    compose,
+    compose_config,
+    dockerfile_instructions,
+    localize,
+    setup_steps,
+)
 from flower_harness import ROOT
 from flwr.common.config import parse_config_args
 
@@ -109,27 +117,111 @@ def test_one_host_federation_is_secure_by_default():
     assert database.startswith("/var/lib/prism/") and state["type"] == "volume"
     assert _mounts(superlink)["/srv/prism/runs"]["type"] == "bind"  # reports on the host
     assert [p["host_ip"] for p in superlink["ports"]] == ["127.0.0.1"]
-    key_paths = set()
     for site in SITES:
         service = services[site]
         env, mounts = service["environment"], _mounts(service)
         assert env["PRISM_SITE_ID"] == site
         assert env["PRISM_SITE_KEY"] == "/keys/site.key" and env["PRISM_CA_CERT"] == "/keys/ca.crt"
         keys = mounts["/keys"]
-        assert keys["read_only"] and keys["volume"]["subpath"] == f"sites/{site}"
-        key_paths.add(keys["volume"]["subpath"])
+        assert keys["read_only"] and keys["source"] == f"{site}-keys"
         assert mounts["/data"]["read_only"]
         assert mounts["/data"]["source"] == str(ROOT / "deploy" / "local" / site / "data")
         assert mounts["/var/lib/prism"]["source"] == f"{site}-state"  # its own durable ledger
         assert service["depends_on"]["register"]["condition"] == "service_completed_successfully"
-    assert len(key_paths) == len(SITES)
-    assert set(services["pki"]["environment"]["PRISM_SITES"].split()) == set(SITES)
-    for name in ("superlink", "register", *SITES):  # the CA key's folder is mounted nowhere else
-        assert all(
-            m.get("volume", {}).get("subpath")
-            for m in services[name]["volumes"]
-            if m["source"] == "pki"
+        # its own key step writes its key volume, before the register step reads the public key
+        step = services[f"{site}-key"]
+        assert step["command"][step["command"].index("--name") + 1] == site
+        assert _mounts(step)["/keys"]["source"] == f"{site}-keys"
+        register_needs = services["register"]["depends_on"]
+        assert register_needs[f"{site}-key"]["condition"] == "service_completed_successfully"
+
+
+def _volume_users(services: dict) -> dict[str, set[str]]:
+    users: dict[str, set[str]] = {}
+    for name, service in services.items():
+        for mount in service.get("volumes", []):
+            if mount["type"] == "volume":
+                users.setdefault(mount["source"], set()).add(name)
+    return users
+
+
+@pytest.mark.parametrize(("files", "env_file"), COMPOSE_SETS, ids=lambda v: str(v)[-40:])
+def test_no_compose_file_uses_volume_subpath(files, env_file):
+    """``volume.subpath`` needs Engine >= 26; older engines silently mount the WHOLE volume."""
+    args = [a for f in files[1:] for a in ("-f", str(f))]
+    if env_file is not None:
+        args += ["--env-file", str(env_file)]
+    done = compose(files[0], *args, "config", "--format", "json")
+    assert done.returncode == 0, done.stderr
+    for name, service in json.loads(done.stdout)["services"].items():
+        for mount in service.get("volumes", []):
+            assert "subpath" not in mount.get("volume", {}), (name, mount)
+
+
+@pytest.mark.parametrize(
+    "file", [ROOT / "docker-compose.yml", DEPLOY / "coordinator" / "docker-compose.yml"]
+)
+def test_each_secret_volume_is_mounted_by_its_holder_and_its_writer_only(file):
+    env = {"PRISM_PUBLIC_HOST": "coordinator.example.org"}
+    services = compose_config(file, env=env)["services"]
+    users = _volume_users(services)
+    sites = SITES if file == ROOT / "docker-compose.yml" else ()
+    assert users["pki"] == {"pki"}  # the CA key: only where the pki step runs
+    assert users["superlink-tls"] == {"pki", "superlink"}
+    for site in sites:
+        assert users[f"{site}-keys"] == {f"{site}-key", site}
+    writers = {"pki", *(f"{site}-key" for site in sites)}  # the pki steps write; no one else
+    pki_volumes = {"pki", "superlink-tls", "pki-public", *(f"{site}-keys" for site in sites)}
+    for name, service in services.items():
+        for mount in service.get("volumes", []):
+            if mount["type"] == "volume" and mount["source"] in pki_volumes:
+                assert mount.get("read_only", False) == (name not in writers), (name, mount)
+
+
+def _private_keys(folder: Path) -> dict[str, Path]:
+    """Every private key under ``folder`` by its holder: the CA, the SuperLink or a site."""
+    out = {}
+    for key in folder.rglob("*.key"):
+        if key.name == "ca.key":
+            out["CA"] = key
+        elif key.name == "server.key":
+            out["superlink"] = key
+        else:  # a site key: its public key next to it names the site
+            out[key.with_suffix(".pub").read_text().split()[-1]] = key
+    return out
+
+
+def test_no_container_sees_another_partys_secret(tmp_path):
+    """Run the compose file's setup steps (pki, each site's key step) as local processes, with
+    every volume mounted WHOLE (an Engine before 26 ignores ``subpath``), then look through each
+    service's mounts: each sees its own private key only, and its launcher accepts the folder."""
+    config = compose_config(ROOT / "docker-compose.yml")
+    svc = {
+        name: localize(config, name, tmp_path, superlink_port=8000, base_env={})
+        for name in config["services"]
+    }
+    steps = setup_steps(config)
+    assert steps == ["pki", *sorted(f"{s}-key" for s in SITES)]
+    for step in steps:
+        done = subprocess.run(svc[step].argv, env=svc[step].env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+    holders = {"pki": {"CA", "superlink"}, "superlink": {"superlink"}, "register": set()}
+    holders |= {s: {s} for s in SITES} | {f"{s}-key": {s} for s in SITES}
+    for name, expected in holders.items():
+        seen: dict[str, Path] = {}
+        for host in svc[name].mounts.values():
+            seen |= _private_keys(host)
+        assert set(seen) == expected, name
+        for key in seen.values():
+            assert stat.S_IMODE(key.stat().st_mode) == 0o600, key
+    superlink_args(svc["superlink"].env)  # its folder holds its own files only
+    for site in SITES:
+        supernode_args(svc[site].env)
+        assert svc[site].host_path("/keys/ca.crt").read_bytes() == (
+            svc["superlink"].host_path("/tls/ca.crt").read_bytes()
         )
+    published = svc["register"].host_path("/pki-public/sites")
+    assert sorted(p.stem for p in published.glob("*.pub")) == sorted(SITES)
 
 
 def test_gpu_override_reserves_a_gpu_per_site_with_the_cuda_image():
@@ -282,3 +374,69 @@ def test_image_sources_hold_every_module_the_services_run():
         assert f"{module.replace('.', '/')}.py" in copied, module
         assert f"{package}/__init__.py" in copied, package
         assert any(fnmatch.fnmatch(package, pattern) for pattern in include), package
+
+
+def _run_instructions() -> list[str]:
+    return [rest for word, rest in dockerfile_instructions() if word == "RUN"]
+
+
+@pytest.mark.parametrize(
+    ("uid", "gid", "refused"),
+    [
+        ("0", "10001", "PRISM_UID"),
+        ("10001", "0", "PRISM_GID"),
+        ("00", "10001", "PRISM_UID"),
+        ("", "10001", "PRISM_UID"),
+        ("root", "10001", "PRISM_UID"),
+        ("10001", "10001", None),
+        ("1000", "1000", None),
+    ],
+)
+def test_the_image_refuses_to_build_for_root(uid, gid, refused):
+    """The build's first RUN, run as Docker runs it (bash -o pipefail -c, build args in the
+    environment), stops for uid or gid 0 with a message naming the fix; it comes before the user
+    is created or anything is installed."""
+    runs = _run_instructions()
+    check = runs[0]
+    assert not any(word in check for word in ("groupadd", "useradd", "pip"))
+    assert any("groupadd" in r for r in runs[1:]) and any("pip install" in r for r in runs[1:])
+    shell = json.loads(next(r for w, r in dockerfile_instructions() if w == "SHELL"))
+    done = subprocess.run(
+        [*shell, check],
+        env={"PATH": "/usr/bin:/bin", "PRISM_UID": uid, "PRISM_GID": gid},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    if refused is None:
+        assert done.returncode == 0, done.stderr
+    else:
+        assert done.returncode != 0
+        assert f"{refused} must be a user/group id other than 0 (found '" in done.stderr
+        assert "PRISM_UID=10001 PRISM_GID=10001 and chown the host folders" in done.stderr
+    args = dict(
+        re.findall(
+            r"^(\w+)=(\S+)$", "\n".join(r for w, r in dockerfile_instructions() if w == "ARG"), re.M
+        )
+    )
+    assert args["PRISM_UID"] == args["PRISM_GID"] == "10001"  # the defaults are not root
+
+
+def test_every_volume_mount_point_is_made_in_the_image_for_its_user():
+    """A named volume takes its owner from the image folder it is first mounted on; where the
+    image has no folder it is root's, and the non-root user cannot write to it."""
+    made = next(r for r in _run_instructions() if r.startswith("mkdir -p /srv/prism/runs"))
+    mkdir, _, rest = made.partition("&&")
+    created = set(mkdir.split()[2:])
+    chowned = set(rest.split("&&")[0].replace("\\", " ").split()[3:])
+    assert all(any(p == c or p.startswith(f"{c}/") for c in chowned) for p in created)
+    for files, env_file in COMPOSE_SETS:
+        args = [a for f in files[1:] for a in ("-f", str(f))]
+        if env_file is not None:
+            args += ["--env-file", str(env_file)]
+        done = compose(files[0], *args, "config", "--format", "json")
+        for name, service in json.loads(done.stdout)["services"].items():
+            for mount in service.get("volumes", []):
+                if mount["type"] == "volume":
+                    assert mount["target"] in created, (name, mount["target"])

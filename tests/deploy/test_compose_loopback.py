@@ -1,9 +1,10 @@
 """``docker-compose.yml``'s services run as local processes on loopback (no Docker engine here).
 
 Each service's command (image ENTRYPOINT/CMD + the service's entrypoint/command, with its
-environment, its volumes mapped to folders under a temp dir) runs in order: the pki one-shot,
-the SuperLink (TLS + SuperNode authentication + ``--database`` on its volume), the register
-one-shot and the three SuperNodes; then a 2-round run with a tiny model. Checked on the way: the
+environment, its volumes mapped to WHOLE folders under a temp dir, as every Docker Engine mounts
+them) runs in order: the pki one-shot and each site's key one-shot, the SuperLink (TLS +
+SuperNode authentication + ``--database`` on its volume), the register one-shot and the three
+SuperNodes; then a 2-round run with a tiny model. Checked on the way: the
 run completes and its ledger, reports and adapter land on the host-mounted runs volume; an
 unregistered (and a revoked) site key is refused; a client that does not trust the federation's
 CA cannot connect, nor can a plain-text client; the SuperLink's state and the ledger survive a
@@ -18,7 +19,7 @@ import stat
 import subprocess
 from pathlib import Path
 
-from compose_local import LocalService, compose_config, localize
+from compose_local import LocalService, compose_config, localize, setup_steps
 from cryptography import x509
 from flower_harness import (
     BIN,
@@ -100,6 +101,8 @@ def _key_material(path: Path) -> list[str]:
 def test_compose_services_on_loopback(tiny_bert, tmp_path):
     config = compose_config(ROOT / "docker-compose.yml")
     assert {"pki", "superlink", "register", *SITES} <= set(config["services"])
+    steps = setup_steps(config)
+    assert steps == ["pki", *sorted(f"{site}-key" for site in SITES)]
     port = free_port()
     home = tmp_path / "operator-flwr-home"  # the operator's flwr CLI on the host
     base = flower_env(home)
@@ -115,10 +118,11 @@ def test_compose_services_on_loopback(tiny_bert, tmp_path):
     outputs: list[str] = []
 
     with processes(base, tmp_path / "logs") as group:
-        # 1. pki one-shot: CA, server certificate with the SANs, one 0600 key per site
-        done = _one_shot(svc["pki"])
-        outputs.append(done.stdout + done.stderr)
-        assert done.returncode == 0, done.stderr
+        # 1. pki one-shots: CA, server certificate with the SANs, one 0600 key per site
+        for step in steps:
+            done = _one_shot(svc[step])
+            outputs.append(done.stdout + done.stderr)
+            assert done.returncode == 0, done.stderr
         tls = superlink.host_path("/tls")
         assert _private_mode(tls / "server.key") == 0o600
         cert = x509.load_pem_x509_certificate((tls / "server.crt").read_bytes())
@@ -129,8 +133,10 @@ def test_compose_services_on_loopback(tiny_bert, tmp_path):
         assert not (svc["register"].host_path("/pki-public") / "ca.key").exists()
         # a re-run keeps every key (registered keys stay valid)
         before = (tls / "server.key").read_bytes()
-        assert _one_shot(svc["pki"]).returncode == 0
+        site_before = svc["clinic-c"].host_path("/keys/site.key").read_bytes()
+        assert all(_one_shot(svc[step]).returncode == 0 for step in steps)
         assert (tls / "server.key").read_bytes() == before
+        assert svc["clinic-c"].host_path("/keys/site.key").read_bytes() == site_before
 
         # 2. SuperLink with TLS, SuperNode auth and its database on the state volume
         group.start("superlink", superlink.argv, env=superlink.env, cwd=superlink.cwd)
@@ -145,6 +151,11 @@ def test_compose_services_on_loopback(tiny_bert, tmp_path):
         registry_file = svc["register"].host_path("/var/lib/prism/registered-sites.json")
         registry = json.loads(registry_file.read_text())
         assert sorted(registry) == sorted(SITES)
+        # the next `up`: every key is known, none is sent again, the SuperLink logs no ERROR
+        again = _one_shot(svc["register"])
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert again.stdout.count("already known as node") == len(SITES), again.stdout
+        assert "already in use" not in group.log("superlink")
 
         # 4. the three SuperNodes
         for site in SITES:
@@ -234,7 +245,7 @@ def test_compose_services_on_loopback(tiny_bert, tmp_path):
     texts = [p.read_text(errors="replace") for p in (tmp_path / "logs").glob("*.log")]
     texts += [*outputs, result.stdout, result.stderr]
     keys = [tls / "server.key", *(svc[s].host_path("/keys/site.key") for s in SITES)]
-    keys.append(svc["pki"].host_path("/pki/ca/ca.key"))
+    keys.append(svc["pki"].host_path("/pki/ca/ca.key"))  # only the pki step mounts `pki`
     secret_lines = [line for key in keys for line in _key_material(key)]
     assert secret_lines
     for text in texts:

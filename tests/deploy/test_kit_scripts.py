@@ -1,14 +1,17 @@
-"""The kits' shell scripts: valid bash; the site's key script creates a usable key pair."""
+"""The kits' shell scripts and deploy/README.md's host-side recipes: valid bash, usable as root."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import stat
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from compose_local import dockerfile_instructions
 from flower_harness import ROOT
 from flwr.cli.supernode.register import try_load_public_key
 
@@ -52,3 +55,119 @@ def test_make_site_key_prints_the_public_key_and_keeps_the_private_one(tmp_path)
     )
     assert again.returncode == 0 and public in again.stdout
     assert (keys / "site.pub").read_text().strip() == public
+
+
+README = ROOT / "deploy" / "README.md"
+
+
+def _fake_bin(folder: Path, uid: int) -> Path:
+    """``id`` answering ``uid`` (root when 0) and a ``chown`` that records its arguments."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "id").write_text(f"#!/bin/sh\necho {uid}\n")
+    (folder / "chown").write_text(f'#!/bin/sh\necho "$@" >> "{folder}/chown.calls"\n')
+    for tool in ("id", "chown"):
+        (folder / tool).chmod(0o755)
+    return folder
+
+
+def _readme_block(marker: str) -> str:
+    """The README's ```bash block that contains ``marker``, without its docker/flwr lines
+    (no engine, no SuperLink here): the host-side part of the recipe."""
+    (block,) = [
+        b for b in re.findall(r"```bash\n(.*?)```", README.read_text(), re.S) if marker in b
+    ]
+    keep = [ln for ln in block.splitlines() if not ln.startswith(("docker ", ".venv/bin/flwr"))]
+    return "\n".join(keep)
+
+
+def _bash(script: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(("uid", "expected"), [(0, "10001"), (1000, "1000")])
+def test_the_one_host_recipe_never_builds_for_root(tmp_path, uid, expected):
+    """deploy/README.md section 1 as root: ids 10001 (the image's build check passes), the
+    host folders the containers use are given to them; as a user: that user's ids."""
+    fake = _fake_bin(tmp_path / "bin", uid)
+    recipe = _readme_block("docker compose up -d --build        # pki")
+    done = _bash(
+        recipe + '\nenv | grep "^PRISM_[UG]ID=" | sort',
+        tmp_path,
+        {"PATH": f"{fake}:/usr/bin:/bin", "HOME": str(tmp_path)},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [f"PRISM_GID={expected}", f"PRISM_UID={expected}"]  # exported
+    calls = (fake / "chown.calls").read_text().splitlines()
+    assert calls == [f"-R {expected}:{expected} runs deploy/local"]
+    for site in ("hospital-a", "hospital-b", "clinic-c"):
+        assert (tmp_path / "deploy" / "local" / site / "data").is_dir()
+    check = next(r for w, r in dockerfile_instructions() if w == "RUN")
+    build = _bash(
+        check, tmp_path, {"PATH": "/usr/bin:/bin", "PRISM_UID": expected, "PRISM_GID": expected}
+    )
+    assert build.returncode == 0, build.stderr
+
+
+def test_the_connection_recipe_works_where_flwr_never_ran(tmp_path):
+    """No ~/.flwr yet: the recipe makes it; run twice, the connection is there once, and
+    Flower's own reader finds it."""
+    home, repo = tmp_path / "home", tmp_path / "repo"
+    home.mkdir()
+    repo.mkdir()
+    recipe = _readme_block("[superlink.prism-compose]")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(home)}
+    for _ in range(2):
+        done = _bash(recipe, repo, env)
+        assert done.returncode == 0, done.stderr
+    config = (home / ".flwr" / "config.toml").read_text()
+    assert config.count("[superlink.prism-compose]") == 1
+    read = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import json; from flwr.cli.flower_config import read_superlink_connection as r; "
+            "c = r('prism-compose'); print(json.dumps([c.address, c.root_certificates]))",
+        ],
+        env={**env, "FLWR_HOME": str(home / ".flwr"), "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert read.returncode == 0, read.stderr
+    assert json.loads(read.stdout.splitlines()[-1]) == ["127.0.0.1:8000", f"{repo}/deploy/ca.crt"]
+
+
+def test_make_site_key_as_root_gives_the_key_to_the_containers_user(tmp_path):
+    fake = _fake_bin(tmp_path / "bin", 0)
+    keys = tmp_path / "keys"
+    env = {
+        "PATH": f"{fake}:{Path(sys.executable).parent}:/usr/bin:/bin",
+        "PYTHONPATH": str(ROOT),
+        "PRISM_SITE_ID": "hospital-a",
+    }
+    script = ROOT / "deploy" / "site" / "make-site-key.sh"
+    done = subprocess.run(
+        [str(script), str(keys)], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert (keys / "site.key").is_file()
+    assert (fake / "chown.calls").read_text().splitlines() == [f"-R 10001:10001 {keys}"]
+    refused = subprocess.run(
+        [str(script), str(tmp_path / "other")],
+        env={**env, "PRISM_UID": "0"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert refused.returncode == 2 and "must not be 0" in refused.stderr
+    assert not (tmp_path / "other").exists()

@@ -162,3 +162,51 @@ def test_refusal_exits_2_before_flower_starts(tmp_path, policy, why):
     assert done.returncode == 2
     assert why in done.stderr
     assert "Starting Flower" not in done.stderr
+
+
+FIX = "one volume per secret holder, no subpath"
+
+
+def test_the_whole_key_volume_as_the_superlinks_folder_is_refused_naming_the_fix(pki):
+    """An Engine before 26 ignores ``volume.subpath``: the SuperLink sees the whole volume."""
+    with pytest.raises(InsecureSetupError) as info:
+        superlink_args({"PRISM_TLS_DIR": str(pki)})
+    message = str(info.value)
+    assert "not the SuperLink's own (ca/, public/, sites/, superlink/)" in message
+    assert FIX in message and "Docker Engines before 26" in message
+
+
+def test_the_whole_key_volume_as_a_sites_folder_is_refused_naming_the_fix(pki):
+    env = _site_env(pki, PRISM_CA_CERT=str(pki / "ca.crt"), PRISM_SITE_KEY=str(pki / "site.key"))
+    with pytest.raises(InsecureSetupError, match=r"not the site's own \(ca/, public/, sites/"):
+        supernode_args(env)
+
+
+@pytest.mark.parametrize("foreign", ["ca.key", "hospital-b.key", "server.key", "sites/"])
+def test_another_partys_file_next_to_a_sites_key_is_refused(pki, foreign):
+    folder = pki / "sites" / "hospital-a"
+    if foreign.endswith("/"):
+        (folder / foreign).mkdir()
+    else:
+        (folder / foreign).write_text("secret of someone else\n")
+    with pytest.raises(InsecureSetupError, match=rf"not the site's own \({foreign}\).*{FIX}"):
+        supernode_args(_site_env(pki))
+
+
+def test_the_own_folder_with_hidden_bookkeeping_is_accepted(pki):
+    (pki / "superlink" / ".snapshot").mkdir()  # a platform's own entry, not a party's file
+    assert "--enable-supernode-auth" in superlink_args({"PRISM_TLS_DIR": str(pki / "superlink")})
+
+
+def test_a_refused_folder_exits_2_before_flower_starts(pki, tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "FLWR_HOME": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "deploy.launch", "superlink"],
+        env={**env, "PRISM_TLS_DIR": str(pki)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert FIX in done.stderr and "Starting Flower" not in done.stderr
