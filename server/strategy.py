@@ -701,7 +701,8 @@ class PrismStrategy(Strategy):
             raise ReplyError(
                 f"reply ran {facts['steps']} steps, the round asked for {steps}", "facts-mismatch"
             )
-        if self.dp and not float(facts["sigma"]) > 0:
+        # A refusal spent nothing: a site that refused up front never calibrated (sigma 0).
+        if self.dp and not refused and not float(facts["sigma"]) > 0:
             raise ReplyError("sigma = 0 for a differentially private method", "facts-mismatch")
         if self.dp and not refused:
             for name, value in (
@@ -715,7 +716,7 @@ class PrismStrategy(Strategy):
                     raise ReplyError(
                         f"fact {name} is missing or not the run's {value!r}", "facts-mismatch"
                     )
-        if "delta" not in facts or float(facts["delta"]) > self.delta:
+        if not refused and ("delta" not in facts or float(facts["delta"]) > self.delta):
             raise ReplyError(
                 f"delta {facts.get('delta')!r} is missing or above the run's {self.delta}",
                 "facts-mismatch",
@@ -894,7 +895,8 @@ class PrismStrategy(Strategy):
                 answered.add(node)
                 sigma, q = float(facts["sigma"]), float(facts["q"])
                 cap = float(facts.get("epsilon-cap", self.target_epsilon))
-                self.site_mechanism[site] = (sigma, q, cap, float(facts["delta"]))
+                if sigma > 0 or not self.dp:  # an up-front refusal has no mechanism to keep
+                    self.site_mechanism[site] = (sigma, q, cap, float(facts["delta"]))
                 if facts["status"] == STATUS_REFUSED:
                     self._refused(server_round, site, str(facts["reason"]), summary)
                     continue

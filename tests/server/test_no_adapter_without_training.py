@@ -6,8 +6,8 @@ refuses (the run asks for more epsilon than the sites' cap), the run folder has 
 (it would be the untrained start point), ``summary.json`` says ``rounds-applied: 0`` with the
 reason, and a WARNING names it. A run where the sites train still exports its adapter.
 
-(Today the coordinator's facts cross-check rejects these refusals, which report sigma = 0, as
-``facts-mismatch``; the test counts refused and rejected answers alike: neither is applied.)
+A site that refuses up front never calibrated its noise (sigma 0 in its facts): the coordinator
+records a refusal (no charge), not a ``facts-mismatch`` rejection with an unconfirmed charge.
 """
 
 from __future__ import annotations
@@ -72,13 +72,14 @@ def test_a_run_where_every_site_refused_exports_no_adapter_and_says_why(
     finally:
         logger.removeHandler(listener)
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert [r["applied"] for r in summary["rounds"]] == [False, False]
+    # every site refused round 1 (so none is asked again): the run stops there
+    assert [r["applied"] for r in summary["rounds"]] == [False]
     for r in summary["rounds"]:  # every site answered, none with an update
-        assert r["accepted"] == [] and len(r["refused"]) + len(r["rejected"]) == SITES
+        assert r["accepted"] == [] and len(r["refused"]) == SITES and not r["rejected"]
     assert summary["rounds-applied"] == 0
     assert summary["adapter"] is None
     reason = summary["adapter-reason"]
-    assert reason.startswith("no round was applied in 2 round(s) (refusals: ")
+    assert reason.startswith("no round was applied in 1 round(s) (refusals: ")
     refused = sum(len(r["refused"]) for r in summary["rounds"])
     rejected = sum(len(r["rejected"]) for r in summary["rounds"])
     assert f"refusals: {refused}" in reason and f"rejected replies: {rejected}" in reason
@@ -94,6 +95,8 @@ def test_a_run_where_every_site_refused_exports_no_adapter_and_says_why(
     assert "WARNING: NO adapter exported" in capsys.readouterr().out
     for name in ("ledger.sqlite", "report.json", "run-config.json"):
         assert (run_dir / name).is_file(), name
+    sites = json.loads((run_dir / "report.json").read_text())["sites"]
+    assert sites == []  # a refusal charges nothing, confirmed or unconfirmed: no ledger row
 
 
 def test_a_run_where_the_sites_trained_still_exports_its_adapter(tiny_bert, tmp_path):
