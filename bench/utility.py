@@ -31,24 +31,26 @@ deviation of the eval accuracy. Each run is one subprocess and writes one JSON f
 (``<out>/runs/<run-id>.json``); a run whose file exists is skipped (resumable), and a file whose
 settings differ from the requested run is an error (use another ``--out``).
 
-Run (full study on SST-2, then the medical task)::
+Run (full study on SST-2, then a medical task)::
 
     .venv/bin/python bench/utility.py --jobs 2 --threads 1 --out bench-results/utility-sst2
-    .venv/bin/python bench/utility.py --threads 1 --task medical_questions_pairs \\
-        --out bench-results/utility-medqp
+    .venv/bin/python bench/utility.py --jobs 2 --threads 1 --task medical_questions_pairs \\
+        --select-rows 300 --out bench-results/utility-medqp
 
-Defaults: 8 rounds x 1 local step per site, expected Poisson batch 256 per site step (1,024
-pooled), FedAvg weighted by shard size; the grid (C in {0.1, 0.3} x lr in {0.02, 0.05}) at
-epsilon 3 only, epsilon 6 reusing its choice; seeds 0, 1, 2. Why these: with several local steps
-each nearly single-class site drifts to its own label and FedAvg collapses to the majority class,
-non-DP included; at 128 x 15 PRISM at epsilon 3 learned on one partition and collapsed on another;
-with equal weights a 1,000-row single-class site pulls the average (see docs/benchmarks.md,
-"Settings search under Dirichlet(0.5)"). ``--jobs 2 --threads 1`` runs two runs at a time.
+Defaults: every method at the PRODUCT's defaults (``client.config.RunConfig``, the same as
+``[tool.flwr.app.config]``): rounds, local steps, expected batch, micro-batch, max length, C and
+PRISM's lr, and the classifier and coordinator keys of ``SETTINGS`` (pooling, zero-shot head from
+public label texts, the head's clip share, optimizer and lr, aggregation, server optimizer), the
+same for every method so the comparison is fair (``--set KEY=VALUE`` changes one for all; each
+task has its public head start in ``TASK_SETTINGS``). The baselines' Adam steps get their own lr
+grid ``BASELINE_GRID_LR`` on the selection set (``--method-grid-lr`` to change); the grid runs at
+epsilon 3 only, epsilon 6 reusing its choice; seeds 0, 1, 2; K = 4 sites, Dirichlet(0.5).
+``zero-shot`` is the sites' starting model (no private step): the floor.
 
 ``--quick`` runs a smoke configuration (subsampled data, 2 rounds, prism vs nondp, eps 3,
 one seed, one grid point); ``--methods``, ``--epsilons``, ``--seeds``, ``--grid-C``,
-``--grid-lr``, ``--grid-epsilons``, ``--rounds``, ``--local-steps``, ``--batch-size``,
-``--server-lr``, ``--head``, ``--[no-]weight-by-examples`` override any part.
+``--grid-lr``, ``--method-grid-lr``, ``--grid-epsilons``, ``--rounds``, ``--local-steps``,
+``--batch-size``, ``--micro-batch-size``, ``--max-length``, ``--set`` override any part.
 ``--curve`` also records the selection-set accuracy after every round (federated runs).
 ``--report-only`` prints the tables from the JSON files without running anything. The tables
 go to ``<out>/report.md`` and a plot of the eval accuracy per method to ``<out>/utility.png``.
@@ -108,6 +110,7 @@ TASK_SETTINGS: dict[str, dict[str, Any]] = {
 }
 FEDERATED = ("prism", "fedavg-factors", "ffa", "nondp")
 METHODS = (*FEDERATED, "central", "zero-shot")
+BASELINE_GRID_LR = (0.0005, 0.005)  # DP-Adam on factors: noise-dominated steps move ~lr each
 NO_DP = ("nondp", "zero-shot")  # no epsilon (zero-shot: no private data at all)
 NONDP_EPSILON = 0.0  # marker in run ids: no privacy
 # Run-config keys of the classifier and the coordinator: every method gets the same values (the
@@ -785,6 +788,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.eval_data = [p.resolve() for p in args.eval_data]
     args.settings = study_settings(product, args.task, args.set, parser)
     args.method_grid_lr = method_grids(args.method_grid_lr, parser)
+    if not args.quick and not args.method_grid_lr and args.grid_lr == [product.lr]:
+        # the baselines' Adam steps get their own lr grid on the selection set; PRISM's lr was
+        # chosen on public data with the other defaults (docs/benchmarks.md)
+        args.method_grid_lr = {m: list(BASELINE_GRID_LR) for m in ("fedavg-factors", "ffa")}
     return args
 
 

@@ -199,3 +199,18 @@ def test_a_methods_own_lr_grid(utility, tmp_path):
     assert outcome["chosen"][("nondp", 0.0)] == (1.0, 0.02)
     with pytest.raises(SystemExit):
         make_args(utility, tmp_path, "--method-grid-lr", "nondp=fast")
+
+
+def test_by_default_only_the_baselines_get_an_lr_grid(utility, tmp_path):
+    rows = [{"text": f"row {i}", "label": i % 2} for i in range(40)]
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = utility.parse_args(
+        ["--task", "custom", "--train", str(train), "--eval-data", str(train), "--num-labels",
+         "2", "--select-rows", "10", "--out", str(tmp_path / "out")]
+    )  # fmt: skip
+    assert args.grid_lr == [0.005]  # PRISM: the product's lr, chosen on public data
+    assert args.method_grid_lr == {
+        "fedavg-factors": list(utility.BASELINE_GRID_LR),
+        "ffa": list(utility.BASELINE_GRID_LR),
+    }
