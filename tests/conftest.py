@@ -88,8 +88,17 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(folder)
 
 
+def shared_data_file(relative: str) -> Path:
+    """A file of the shared data folder (``../shared/data`` next to the checkout); the calling
+    test is SKIPPED, with the path it looked for, when the folder or file is not there."""
+    path = SHARED_DATA / relative
+    if not path.is_file():
+        pytest.skip(f"shared test data {path} not found (a checkout without ../shared/data)")
+    return path
+
+
 @pytest.fixture(scope="session")
 def sst2_rows() -> list[dict]:
-    """The first 200 SST-2 training rows (real data)."""
-    with open(SHARED_DATA / "sst2" / "train.jsonl") as f:
+    """The first 200 SST-2 training rows (real data); skips without the shared data folder."""
+    with open(shared_data_file("sst2/train.jsonl")) as f:
         return [json.loads(next(f)) for _ in range(200)]

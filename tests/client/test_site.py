@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
 
+import client.trainer
+import prism_core.mechanism
 from client.config import RunConfig, SiteConfig, parse_config
 from client.errors import AccountingMismatchError, ConfigError
 from client.exchange import to_arrays
@@ -25,6 +28,7 @@ from client.site import Site, released_event
 from client.site_ledger import SiteLedger
 from prism_core.accounting import PrivacyEvent, epsilon
 from prism_core.mechanism import NoiseRecord
+from prism_core.rng import SecureRNG
 
 SECRET = "test-secret"
 
@@ -211,6 +215,75 @@ def test_site_refuses_past_its_own_cap_even_if_asked(tiny_bert, tmp_path):
     assert site.ledger.epsilon(1e-5) == pytest.approx(one_round)
 
 
+def test_the_charge_is_durable_before_the_first_step_runs(tiny_bert, tmp_path):
+    """Every step of a round starts with that round's charge already in the ledger FILE (read
+    back by a fresh ``SiteLedger``, as a restarted site would): a crash mid-round never leaves
+    spent budget unrecorded."""
+    site = _site(tiny_bert, tmp_path)
+    on_disk_at_each_step = []
+    step = site.trainer.step
+
+    def step_after_reading_the_file():
+        entries = SiteLedger(site.state_dir).entries()
+        on_disk_at_each_step.append([(e.server_round, e.steps) for e in entries])
+        return step()
+
+    site.trainer.step = step_after_reading_the_file  # the instance attribute shadows the method
+    site.train_round(1, to_arrays(site.loaded))
+    site.train_round(2, to_arrays(site.loaded))
+    assert on_disk_at_each_step == [[(1, 2)]] * 2 + [[(1, 2), (2, 2)]] * 2
+
+
+def test_the_cap_check_counts_the_round_it_is_about_to_run(tiny_bert, tmp_path):
+    """The site's OWN check refuses a round whose steps would pass the cap although the budget
+    spent so far is below it. The trainer's budget check (a second line of defence) is switched
+    off, so only the site's check can refuse, and nothing may be charged."""
+    one_round = epsilon([PrivacyEvent(1.0, 16 / 64, 2)], 1e-5)
+    below_one_round = _run(tiny_bert, **{"target-epsilon": one_round * 0.9})
+    first = _site(tiny_bert, tmp_path / "a", run=below_one_round)
+    first.trainer._check_budget = lambda: None
+    reply = first.train_round(1, to_arrays(first.loaded))
+    assert (reply.accounting["status"], reply.accounting["reason"]) == (
+        STATUS_REFUSED,
+        "cap-exhausted",
+    )
+    assert _ledger_bytes(first) is None  # spent 0 < cap, yet nothing charged or run
+
+    two_rounds = epsilon([PrivacyEvent(1.0, 16 / 64, 4)], 1e-5)
+    cap = (one_round + two_rounds) / 2  # one round fits, two do not
+    site = _site(tiny_bert, tmp_path / "b", run=_run(tiny_bert, **{"target-epsilon": cap}))
+    site.trainer._check_budget = lambda: None
+    assert site.train_round(1, to_arrays(site.loaded)).accounting["status"] == STATUS_OK
+    assert epsilon(site.ledger.events(), 1e-5) == pytest.approx(one_round)  # < cap
+    before = _ledger_bytes(site)
+    second = site.train_round(2, to_arrays(site.loaded))
+    assert (second.accounting["status"], second.accounting["reason"]) == (
+        STATUS_REFUSED,
+        "cap-exhausted",
+    )
+    assert second.arrays == {} and _ledger_bytes(site) == before
+
+
+def test_a_calibrated_sigma_covers_every_planned_round(tiny_bert, tmp_path):
+    """noise-multiplier = -1: sigma is calibrated so that ALL planned rounds (num-rounds x
+    local-steps at q = b / N) spend the target, not one round. Checked by composing the planned
+    steps with the site's sigma (PRV, the reporting accountant): at most the target, and within
+    3 % of it (calibration tolerance 0.5 %)."""
+    target, rounds = 3.0, 12
+    run = _run(
+        tiny_bert, **{"noise-multiplier": -1.0, "target-epsilon": target, "num-rounds": rounds}
+    )
+    site = _site(tiny_bert, tmp_path, run=run)
+    q = 16 / 64
+    assert site.sample_rate == pytest.approx(q, rel=1e-12)
+    planned = epsilon([PrivacyEvent(site.sigma, q, rounds * 2)], 1e-5)
+    assert target * 0.97 <= planned <= target
+    # one round at this sigma spends far less: a sigma for one round would overshoot
+    assert epsilon([PrivacyEvent(site.sigma, q, 2)], 1e-5) < target / 2
+    reply = site.train_round(1, to_arrays(site.loaded))
+    assert reply.accounting["sigma"] == site.sigma  # the steps ran at that sigma
+
+
 def test_a_restart_remembers_spent_budget(tiny_bert, tmp_path):
     site = _site(tiny_bert, tmp_path)
     site.train_round(1, to_arrays(site.loaded))
@@ -307,6 +380,99 @@ def test_a_coordinator_replica_cannot_reproduce_a_reply(tiny_bert, tmp_path):
         assert not torch.allclose(real.arrays[name], copy.arrays[name], rtol=0, atol=1e-7), name
 
 
+class _Draws:
+    """Records, during one round, every Gaussian draw of the mechanism (tangent and head noise,
+    via ``prism_core.mechanism.standard_normal``) and every batch the trainer sampled."""
+
+    def __init__(self, monkeypatch):
+        self.noise, self.batches = [], []
+        draw, split = prism_core.mechanism.standard_normal, client.trainer.micro_batches
+
+        def recording_draw(*args, **kwargs):
+            out = draw(*args, **kwargs)
+            self.noise.append(out.detach().double().flatten().clone())
+            return out
+
+        def recording_split(batch, *args, **kwargs):
+            self.batches.append(batch["input_ids"].clone())
+            return split(batch, *args, **kwargs)
+
+        monkeypatch.setattr(prism_core.mechanism, "standard_normal", recording_draw)
+        monkeypatch.setattr(client.trainer, "micro_batches", recording_split)
+
+    def take(self):
+        noise, batches = torch.cat(self.noise), list(self.batches)
+        self.noise, self.batches = [], []
+        return noise, batches
+
+
+def _same_batches(a, b):
+    if len(a) != len(b):
+        return False
+    return all(x.shape == y.shape and x.equal(y) for x, y in zip(a, b, strict=True))
+
+
+def test_noise_and_batches_are_not_reproducible_from_what_the_coordinator_knows(
+    tiny_bert, tmp_path, monkeypatch
+):
+    """Default policy: a replica built from the run config (its seed included), the same
+    partition and the same broadcast draws other noise AND other batches than the site."""
+    site = _site(tiny_bert, tmp_path / "site")
+    replica = _site(tiny_bert, tmp_path / "replica")
+    arrays = to_arrays(site.loaded)
+    draws = _Draws(monkeypatch)
+    site.train_round(1, arrays, run_id="x")
+    noise, batches = draws.take()
+    replica.train_round(1, arrays, run_id="x")
+    replica_noise, replica_batches = draws.take()
+    count = noise.numel()
+    assert count == replica_noise.numel() > 1000 and len(batches) == 2
+    # independent N(0, 1) draws: |corr| < 5 / sqrt(count) except with probability ~6e-7
+    corr = torch.corrcoef(torch.stack([noise, replica_noise]))[0, 1]
+    assert abs(float(corr)) < 5 / math.sqrt(count)
+    assert not _same_batches(batches, replica_batches)  # P(equal) ~ 0.625^128 for q = 1/4
+    assert isinstance(site.trainer.noise, SecureRNG)
+
+
+def test_reproducible_noise_follows_the_site_secret_never_the_run_seed(
+    tiny_bert, tmp_path, monkeypatch
+):
+    """Reproducible mode: the same secret gives the same draws whatever the run's ``seed``;
+    another secret gives other draws. (The site's own data file: the rows do not depend on the
+    run's seed, so only the randomness could differ.)"""
+    data = tmp_path / "rows.jsonl"
+    rows = [{"text": f"row {i} is {'good' if i % 2 else 'bad'}", "label": i % 2} for i in range(64)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def deployed(folder, run_seed, secret):
+        node = {
+            "site-id": "h",
+            "data-path": str(data),
+            "epsilon-cap": 50.0,
+            "delta": 1e-5,
+            "state-dir": str(tmp_path / folder),
+            "require-secure-rng": False,
+        }
+        config = parse_config(SiteConfig, node, what="node config")
+        run = _run(tiny_bert, seed=run_seed)
+        return Site(run, config, site_policy(config, env_secret=secret))
+
+    draws = _Draws(monkeypatch)
+    sites = {
+        folder: deployed(folder, run_seed, secret)
+        for folder, run_seed, secret in (("a", 0, SECRET), ("b", 7, SECRET), ("c", 0, "other"))
+    }
+    arrays = to_arrays(sites["a"].loaded)
+    results = {}
+    for folder, site in sites.items():
+        site.train_round(1, arrays, run_id="x")
+        results[folder] = draws.take()
+    (noise_a, batches_a), (noise_b, batches_b), (noise_c, batches_c) = (results[k] for k in "abc")
+    assert noise_a.numel() > 0 and torch.equal(noise_a, noise_b)  # the run seed changed nothing
+    assert _same_batches(batches_a, batches_b)
+    assert not torch.allclose(noise_a, noise_c) and not _same_batches(batches_a, batches_c)
+
+
 def test_sampling_and_noise_differ_between_reseeds_by_default(tiny_bert, tmp_path):
     site = _site(tiny_bert, tmp_path)
     trainer = site.trainer
@@ -390,11 +556,9 @@ def test_an_allowed_nondp_run_is_recorded_as_unprotected(tiny_bert, tmp_path):
 def test_siamese_pairs_with_a_zero_shot_sgd_head_run_a_round(tiny_bert, tmp_path):
     """Text pairs encoded siamese, the head from the cosine rule, trained by SGD with its own
     clip share: a round runs and replies with a finite DP update (head included)."""
-    import json
+    from conftest import shared_data_file
 
-    from conftest import SHARED_DATA
-
-    with open(SHARED_DATA / "medical_questions_pairs" / "train.jsonl", encoding="utf-8") as f:
+    with open(shared_data_file("medical_questions_pairs/train.jsonl"), encoding="utf-8") as f:
         rows = [json.loads(next(f)) for _ in range(96)]
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))

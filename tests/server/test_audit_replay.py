@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from server.audit.mechanisms import BROKEN, CORRECT
+from prism_core.mechanism import ClippedSum, privatize
+from server.audit.mechanisms import BROKEN, CORRECT, Mechanism
 from server.audit.replay import ReplaySettings, build_tiny_model, run_replay_checks
 
 TOL = 1e-3  # float32 release, see ReplaySettings.rel_tol
@@ -69,6 +70,28 @@ def test_a_missing_noise_block_is_caught_in_that_block(model_dir, seed):
     assert not checks["A-perp"].passed and checks["A-perp"].measured < 1e-3
     assert checks["core"].passed and checks["B-perp"].passed and checks["head"].passed
     assert not checks["all"].passed
+
+
+def _no_head_noise_privatize(points, clipped, **kw):
+    """Tangents noised correctly, the DP head released WITHOUT noise (record still claims sigma)."""
+    lora_only = ClippedSum(clipped.sums, clipped.count, clipped.clipped, ())
+    step = privatize(points, lora_only, **kw)
+    head = [t / kw["expected_batch_size"] for t in clipped.euclidean]
+    return step._replace(euclidean=head)
+
+
+NO_HEAD_NOISE = Mechanism(
+    "no-head-noise", CORRECT.clip_and_sum, CORRECT.clip_and_sum_grads, _no_head_noise_privatize
+)
+
+
+def test_a_head_released_without_noise_is_caught_in_the_head_block(model_dir):
+    """The head's 66 coordinates are 6 % of the release: pooled with the tangent blocks their
+    missing noise barely moves the std ratio, so the head has its own check, which fails."""
+    checks = _run(model_dir, NO_HEAD_NOISE)
+    assert not checks["head"].passed and checks["head"].measured == 0.0
+    assert all(checks[name].passed for name in ("sensitivity", "noise", "core", "A-perp", "B-perp"))
+    assert checks["all"].measured > 0.9  # sqrt(960 / 1026) = 0.967 expected pooled
 
 
 def test_noise_divided_by_the_realised_batch_is_caught(model_dir):

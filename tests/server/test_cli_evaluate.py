@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SHARED_DATA
+from conftest import shared_data_file
 from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModel
@@ -29,7 +29,7 @@ def _write(path: Path, rows: list[dict]) -> Path:
 
 
 def _rows(name: str, split: str, n: int) -> list[dict]:
-    with open(SHARED_DATA / name / f"{split}.jsonl", encoding="utf-8") as f:
+    with open(shared_data_file(f"{name}/{split}.jsonl"), encoding="utf-8") as f:
         return [json.loads(next(f)) for _ in range(n)]
 
 

@@ -10,7 +10,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from client.protocol import ACCOUNTING, CONFIG, ROUND_NONCE, SERVER_ROUND, UPDATE, key
 from prism_core.accounting import PrivacyEvent, epsilon
-from prism_core.manifold import project_dense, retract, tangent_displacement, tangent_to_dense
+from prism_core.manifold import project_dense, tangent_displacement, tangent_to_dense
 from server.ledger import Ledger
 from server.strategy import PrismStrategy
 
@@ -102,6 +102,14 @@ def _site_ends(glob, k, seed, scale=0.05):
     return ends
 
 
+def _best_rank_r(A, B, dA, dB, t):
+    """Best rank-r approximation (truncated dense SVD) of ``Z + t (dA B.T + A dB.T)``: what the
+    retraction must return (eq. 22, Prop. 3.2), computed without ``prism_core``."""
+    U, S, Vh = torch.linalg.svd(A @ B.T + t * (dA @ B.T + A @ dB.T))
+    r = A.shape[1]
+    return (U[:, :r] * S[:r]) @ Vh[:r]
+
+
 def _round(strategy, glob, payloads):
     requests = list(
         strategy.configure_train(1, ArrayRecord(glob), ConfigRecord(), _Grid([11, 12, 13]))
@@ -140,11 +148,11 @@ def test_tangent_aggregation_is_the_exact_mean_of_projected_site_displacements(t
         ]
         got = tangent_to_dense(A, B, *mean)
         assert ((got - target).norm() / target.norm()).item() < 1e-6
-        # and the new global point is its retraction (server lr 1)
-        A1, B1 = retract(A, B, *mean, 1.0)
+        # and the new global point is its retraction (server lr 1): the best rank-r
+        # approximation of Z + mean dZ
         torch.testing.assert_close(
             new[key(module, "A")].double() @ new[key(module, "B")].double().T,
-            A1 @ B1.T,
+            _best_rank_r(A, B, *mean, 1.0),
             atol=1e-5,
             rtol=1e-5,
         )
@@ -185,6 +193,26 @@ def test_too_few_valid_replies_leave_the_adapter_unchanged(tmp_path):
         strategy, glob, [(bad, _facts("a")), (bad, _facts("b")), (bad, _facts("c"))]
     )
     assert new is None and metrics["applied"] == 0
+
+
+def test_valid_replies_fewer_than_min_sites_leave_the_adapter_unchanged(tmp_path):
+    """min-sites=3: two VALID replies (and one invalid) do not update the adapter, although
+    they alone would give a finite aggregate; with three valid ones the round applies."""
+    glob = _global()
+    payloads = _noisy_payloads(glob, [1.0, 2.0, 3.0])
+    bad = {key(MODULES[0], "dA"): torch.zeros(1)}
+    two = tmp_path / "two"
+    two.mkdir()
+    strategy, ledger = _strategy(two, min_sites=3)
+    new, metrics = _round(strategy, glob, [payloads[0], payloads[1], (bad, payloads[2][1])])
+    assert metrics["sites-accepted"] == 2 and metrics["replies-rejected"] == 1
+    assert new is None and metrics["applied"] == 0
+    assert ledger.sites() == ["site-0", "site-1", "site-2"]  # all charged all the same
+    three = tmp_path / "three"
+    three.mkdir()
+    strategy, _ = _strategy(three, min_sites=3)
+    new, metrics = _round(strategy, glob, payloads)
+    assert metrics["sites-accepted"] == 3 and metrics["applied"] == 1 and new is not None
 
 
 class _ReplyingGrid(_Grid):
@@ -267,23 +295,36 @@ def _noisy_payloads(glob, sigmas):
     return payloads
 
 
-@pytest.mark.parametrize("aggregation", ["inverse-noise", "uniform"])
-def test_sites_are_weighted_by_the_closed_form_of_their_noise(tmp_path, aggregation):
-    """inverse-noise: w_k = (b_k / (sigma_k C_k))^2 / sum_j (...) from the checked facts."""
+SIGMAS, SHARDS = [0.7, 2.1, 17.0], [500, 150, 40]  # a small site needs tenfold noise
+
+
+def _closed_form_weights(aggregation):
+    """DESIGN.md §3: (b_k / (sigma_k C_k))^2, 1 or N_k, normalised (here C = 0.05, b = 16)."""
+    raw = {
+        "inverse-noise": [(16.0 / (s * 0.05)) ** 2 for s in SIGMAS],
+        "uniform": [1.0] * len(SIGMAS),
+        "examples": [float(n) for n in SHARDS],
+    }[aggregation]
+    return [w / sum(raw) for w in raw]
+
+
+def _weighted_round(tmp_path, aggregation):
     glob = _global()
-    sigmas = [0.7, 2.1, 17.0]  # a small site needs tenfold noise
-    payloads = _noisy_payloads(glob, sigmas)
-    strategy, _ = _strategy(
-        tmp_path, aggregation=aggregation, max_norm=0.05, expected_batch_size=16
-    )
+    payloads = [
+        (arrays, {**facts, "num-examples": n})
+        for (arrays, facts), n in zip(_noisy_payloads(glob, SIGMAS), SHARDS, strict=True)
+    ]
+    folder = tmp_path / aggregation
+    folder.mkdir()
+    strategy, _ = _strategy(folder, aggregation=aggregation, max_norm=0.05, expected_batch_size=16)
     new, metrics = _round(strategy, glob, payloads)
-    assert metrics["sites-accepted"] == 3
-    precision = [(16.0 / (s * 0.05)) ** 2 for s in sigmas]
-    weights = (
-        [p / sum(precision) for p in precision] if aggregation == "inverse-noise" else [1 / 3] * 3
-    )
-    assert sum(weights) == pytest.approx(1.0, abs=1e-12)
-    new = new.to_torch_state_dict()
+    assert metrics["sites-accepted"] == 3 and metrics["applied"] == 1
+    return glob, payloads, new.to_torch_state_dict()
+
+
+def _expected_z(glob, payloads, weights):
+    """Per module the best rank-r approximation of ``Z + sum_k w_k dZ_k`` (server lr 1)."""
+    out = {}
     for module in MODULES:
         A, B = glob[key(module, "A")].double(), glob[key(module, "B")].double()
         mean = [
@@ -292,13 +333,28 @@ def test_sites_are_weighted_by_the_closed_form_of_their_noise(tmp_path, aggregat
             )
             for part in ("dA", "dB")
         ]
-        A1, B1 = retract(A, B, *mean, 1.0)
-        torch.testing.assert_close(
-            new[key(module, "A")].double() @ new[key(module, "B")].double().T,
-            A1 @ B1.T,
-            atol=1e-5,
-            rtol=1e-5,
-        )
+        out[module] = _best_rank_r(A, B, *mean, 1.0)
+    return out
+
+
+@pytest.mark.parametrize("aggregation", ["inverse-noise", "uniform", "examples"])
+def test_the_applied_update_uses_the_configured_weights(tmp_path, aggregation):
+    """The new adapter is the retraction of the closed-form weighted mean for the configured
+    mode, and is measurably NOT what either other mode's weights give."""
+    glob, payloads, new = _weighted_round(tmp_path, aggregation)
+    weights = _closed_form_weights(aggregation)
+    assert sum(weights) == pytest.approx(1.0, abs=1e-12)
+    want = _expected_z(glob, payloads, weights)
+    others = [
+        _expected_z(glob, payloads, _closed_form_weights(a))
+        for a in ("inverse-noise", "uniform", "examples")
+        if a != aggregation
+    ]
+    for module in MODULES:
+        got = new[key(module, "A")].double() @ new[key(module, "B")].double().T
+        torch.testing.assert_close(got, want[module], atol=1e-5, rtol=1e-5)
+        for other in others:
+            assert float((got - other[module]).abs().max()) > 1e-3  # 100x the tolerance
 
 
 @pytest.mark.parametrize(

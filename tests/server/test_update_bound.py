@@ -7,6 +7,8 @@ be rejected with reason ``norm``, and its accounting facts still charged.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
@@ -22,6 +24,37 @@ from server.ledger import Ledger
 from server.strategy import PrismStrategy, UpdateBound
 
 MARGIN = 0.5  # an honest update uses less than half of the bound
+
+
+def _dp_step_bound(*, C, sigma, b, q, dimension, failure):
+    """One DP step's norm bound, eqs. (16)-(19) of PRISM, written out from its two tails:
+    ``(C X + sigma C ||xi||) / b`` with the realised Poisson batch X at its multiplicative
+    Chernoff quantile (``P(X >= (1 + d) b) <= exp(-d^2 b / (2 + d))``, solved for d at
+    ``failure / 2``; never above N = b / q) and ``||xi||^2 ~ chi^2_D`` at its Laurent-Massart
+    quantile (2000, Lemma 1: ``D + 2 sqrt(D x) + 2 x``, ``x = ln(2 / failure)``)."""
+    L = math.log(2 / failure)
+    d = (L + math.sqrt(L * L + 8 * b * L)) / (2 * b)
+    batch = min((1 + d) * b, b / q)
+    noise = math.sqrt(dimension + 2 * math.sqrt(dimension * L) + 2 * L)
+    return C * (batch + sigma * noise) / b
+
+
+def test_the_written_out_dp_step_bound_is_above_a_brute_force_maximum():
+    """50,000 draws of the worst case (every example fully clipped along one direction, so the
+    clipped sum is exactly C X): the largest step norm stays below the bound at failure 1e-3
+    (expected exceedances <= 50) and above half of it (the bound is not vacuous)."""
+    C, sigma, b, q, D, draws = 0.5, 1.2, 32.0, 0.1, 57, 50_000
+    g = torch.Generator().manual_seed(0)
+    N = torch.full((draws,), b / q, dtype=torch.float64)
+    X = torch.binomial(N, torch.full_like(N, q), generator=g)
+    xi = torch.randn(draws, D, generator=g, dtype=torch.float64)
+    direction = torch.zeros(D, dtype=torch.float64)
+    direction[0] = 1.0
+    norms = (C * X[:, None] * direction + sigma * C * xi).norm(dim=1) / b
+    bound = _dp_step_bound(C=C, sigma=sigma, b=b, q=q, dimension=D, failure=1e-3)
+    assert int((norms > bound).sum()) <= 1e-3 * draws
+    tight = _dp_step_bound(C=C, sigma=sigma, b=b, q=q, dimension=D, failure=1e-9)
+    assert 0.5 * tight < float(norms.max()) <= tight
 
 
 @pytest.fixture(autouse=True)
@@ -170,7 +203,6 @@ def test_sgd_bound_follows_the_reported_noise_and_rejects_past_it(tmp_path):
     """Plain DP-SGD sites: the bound uses C, b and the reply's sigma; 0.9x passes, 1.1x fails."""
     from conftest import random_point
 
-    from prism_core.bounds import dp_step_norm_bound, tangent_dimension
     from prism_core.manifold import tangent_norm_sq
 
     m, n, r = 12, 10, 3
@@ -180,14 +212,9 @@ def test_sgd_bound_follows_the_reported_noise_and_rejects_past_it(tmp_path):
     dA, dB = torch.randn(m, r, generator=g), torch.randn(n, r, generator=g)
     unit = float(tangent_norm_sq(A.double(), B.double(), dA.double(), dB.double())) ** 0.5
     C, b, lr, tau, sigma, q = 0.5, 32.0, 0.1, 2, 1.2, 0.1
-    step = dp_step_norm_bound(
-        max_norm=C,
-        noise_multiplier=sigma,
-        expected_batch_size=b,
-        sample_rate=q,
-        dimension=tangent_dimension([(m, n, r)]),
-        failure=1e-9 / tau,
-    )
+    # tau steps of at most one DP step each (failure 1e-9 / tau per step), retraction slack 2
+    dimension = r * (m + n - r)  # the tangent space of the rank-r manifold (Thm 3.1)
+    step = _dp_step_bound(C=C, sigma=sigma, b=b, q=q, dimension=dimension, failure=1e-9 / tau)
     bound = 2 * lr * tau * step
     for factor, accepted in ((0.9, 1), (1.1, 0)):
         strategy = PrismStrategy(
@@ -263,7 +290,18 @@ def test_sgd_head_bound_admits_an_honest_site_and_rejects_a_pushed_head(
     (request,) = strategy.configure_train(2, ArrayRecord(broadcast), ConfigRecord(), _Grid([7]))
     reply = site.train_round(2, broadcast)
     reply.accounting[ROUND_NONCE] = request.content[CONFIG][ROUND_NONCE]
-    bound = strategy._head_sgd_bound(reply.accounting)
+    # head_lr tau DP steps over the head's coordinates, with the total clip C (>= its share)
+    facts = reply.accounting
+    assert facts["max-norm"] == run.max_norm
+    step = _dp_step_bound(
+        C=run.max_norm,
+        sigma=facts["sigma"],
+        b=run.batch_size,
+        q=facts["q"],
+        dimension=sum(p.numel() for _, p in head_named(site.loaded)),
+        failure=1e-9 / run.local_steps,
+    )
+    bound = run.head_learning_rate * run.local_steps * step
     names = [f"head/{n}" for n in strategy.head]
     start = {
         k: broadcast[k] if method != "prism" else torch.zeros_like(broadcast[k]) for k in names
