@@ -97,8 +97,7 @@ def test_prism_end_to_end(tiny_bert: str, sst2: tuple[Path, Path], tmp_path: Pat
     assert metrics["noise_multiplier"] > 0
     assert metrics["rng"] == "os-csprng" and metrics["rng_seed"] is None  # secure by default
     assert metrics["eval"]["examples"] == 40
-    assert 0.0 <= metrics["eval"]["accuracy"] <= 1.0
-    assert metrics["eval"]["loss"] > 0
+    assert metrics["eval"]["loss"] > 0  # accuracy and loss are recomputed from the export below
 
     # The exported adapter reloads with plain peft on the original base and is a rank-2r rebase.
     base = AutoModel.from_pretrained(tiny_bert)
