@@ -522,7 +522,9 @@ def study(args: argparse.Namespace, runner: Any = ensure_run) -> dict[str, Any]:
     data = prepare_data(args)
     base = base_spec(args, data)
     runs = args.out / "runs"
-    grid_eps = list(args.grid_epsilons or args.epsilons)
+    # a grid epsilon outside --epsilons would choose for nothing: fall back to the first one
+    grid_eps = [e for e in (args.grid_epsilons or args.epsilons) if e in args.epsilons]
+    grid_eps = grid_eps or list(args.epsilons[:1])
     cells: dict[tuple[str, float], list[dict[str, Any]]] = {}  # (method, eps) -> grid specs
     finals_of: list[tuple[str, float]] = []
     for method in args.methods:

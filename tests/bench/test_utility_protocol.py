@@ -214,3 +214,11 @@ def test_by_default_only_the_baselines_get_an_lr_grid(utility, tmp_path):
         "fedavg-factors": list(utility.BASELINE_GRID_LR),
         "ffa": list(utility.BASELINE_GRID_LR),
     }
+
+
+def test_epsilons_without_the_grid_epsilon_run_their_own_grid(utility, tmp_path):
+    args = make_args(utility, tmp_path, "--epsilons", "6")  # default grid epsilon 3 is not asked
+    calls: list = []
+    outcome = utility.study(args, fake_runner(calls))
+    assert set(outcome["grid"]) == {("prism", 6.0), ("nondp", 0.0)}
+    assert {c[1] for c in calls if c[0] == "prism"} == {6.0}
