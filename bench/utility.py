@@ -830,7 +830,8 @@ def study_settings(
         checked = parse_config(RunConfig, dict(settings), what="--set")
     except ConfigError as exc:
         parser.error(str(exc))
-    return {key: checked.model_dump(by_alias=True)[key] for key in SETTINGS}
+    values = checked.model_dump(by_alias=True)
+    return {key: values[key] for key in SETTINGS}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

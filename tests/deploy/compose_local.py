@@ -50,9 +50,10 @@ def compose(
     )
 
 
-def compose_config(file: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """The fully resolved compose model (interpolated, anchors merged) as JSON."""
-    done = compose(file, "config", "--format", "json", env=env)
+def compose_config(file: Path, *options: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """The fully resolved compose model (interpolated, anchors merged) as JSON; ``options``
+    (more ``-f`` files, ``--env-file``) go before ``config``."""
+    done = compose(file, *options, "config", "--format", "json", env=env)
     assert done.returncode == 0, done.stderr
     config: dict[str, Any] = json.loads(done.stdout)
     return config

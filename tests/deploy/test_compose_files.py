@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 from compose_local import (
@@ -45,11 +46,19 @@ COMPOSE_SETS = [
 ]
 
 
+def _set_options(files: list[Path], env_file: Path | None) -> list[str]:
+    """``-f`` for every file after the first, and ``--env-file`` if the set has one."""
+    options = [a for f in files[1:] for a in ("-f", str(f))]
+    return options + (["--env-file", str(env_file)] if env_file is not None else [])
+
+
 def _config_q(files: list[Path], env_file: Path | None) -> subprocess.CompletedProcess[str]:
-    args = [a for f in files[1:] for a in ("-f", str(f))]
-    if env_file is not None:
-        args += ["--env-file", str(env_file)]
-    return compose(files[0], *args, "config", "-q")
+    return compose(files[0], *_set_options(files, env_file), "config", "-q")
+
+
+def _services(files: list[Path], env_file: Path | None) -> dict[str, Any]:
+    """The rendered services of one set of compose files."""
+    return dict(compose_config(files[0], *_set_options(files, env_file))["services"])
 
 
 @pytest.mark.parametrize(("files", "env_file"), COMPOSE_SETS, ids=lambda v: str(v)[-40:])
@@ -148,12 +157,7 @@ def _volume_users(services: dict) -> dict[str, set[str]]:
 @pytest.mark.parametrize(("files", "env_file"), COMPOSE_SETS, ids=lambda v: str(v)[-40:])
 def test_no_compose_file_uses_volume_subpath(files, env_file):
     """``volume.subpath`` needs Engine >= 26; older engines silently mount the WHOLE volume."""
-    args = [a for f in files[1:] for a in ("-f", str(f))]
-    if env_file is not None:
-        args += ["--env-file", str(env_file)]
-    done = compose(files[0], *args, "config", "--format", "json")
-    assert done.returncode == 0, done.stderr
-    for name, service in json.loads(done.stdout)["services"].items():
+    for name, service in _services(files, env_file).items():
         for mount in service.get("volumes", []):
             assert "subpath" not in mount.get("volume", {}), (name, mount)
 
@@ -296,20 +300,15 @@ def test_dockerfile_copies_existing_files_and_pins_the_project_torch():
 
 def test_every_compose_build_uses_this_dockerfile():
     for files, env_file in COMPOSE_SETS:
-        args = [a for f in files[1:] for a in ("-f", str(f))]
-        if env_file is not None:
-            args += ["--env-file", str(env_file)]
-        done = compose(files[0], *args, "config", "--format", "json")
-        for name, service in json.loads(done.stdout)["services"].items():
+        for name, service in _services(files, env_file).items():
             build = service["build"]
             assert Path(build["context"]) == ROOT, name
             assert (Path(build["context"]) / build["dockerfile"]) == DOCKERFILE, name
 
 
 def _service_env(file: Path, env_file: Path, service: str) -> dict[str, str]:
-    done = compose(file, "--env-file", str(env_file), "config", "--format", "json")
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)["services"][service]["environment"]
+    environment: dict[str, str] = _services([file], env_file)[service]["environment"]
+    return environment
 
 
 def test_site_kit_settings_start_a_tls_authenticated_supernode(tmp_path):
@@ -344,11 +343,9 @@ def test_server_certificates_cover_every_name_the_superlink_is_reached_by():
     """Sites use the service or public name; the SuperLink's own SuperExec uses 127.0.0.1."""
     root = compose_config(ROOT / "docker-compose.yml")["services"]["pki"]["command"]
     assert _sans(root) == {"superlink", "localhost", "127.0.0.1"}
-    done = compose(
-        DEPLOY / "coordinator" / "docker-compose.yml",
-        *("--env-file", str(COORDINATOR_ENV), "config", "--format", "json"),
-    )
-    coordinator = json.loads(done.stdout)["services"]["pki"]["command"]
+    coordinator = _services([DEPLOY / "coordinator" / "docker-compose.yml"], COORDINATOR_ENV)[
+        "pki"
+    ]["command"]
     assert _sans(coordinator) == {"coordinator.example.org", "superlink", "localhost", "127.0.0.1"}
 
 
@@ -439,11 +436,7 @@ def test_every_volume_mount_point_is_made_in_the_image_for_its_user():
     chowned = set(rest.split("&&")[0].replace("\\", " ").split()[3:])
     assert all(any(p == c or p.startswith(f"{c}/") for c in chowned) for p in created)
     for files, env_file in COMPOSE_SETS:
-        args = [a for f in files[1:] for a in ("-f", str(f))]
-        if env_file is not None:
-            args += ["--env-file", str(env_file)]
-        done = compose(files[0], *args, "config", "--format", "json")
-        for name, service in json.loads(done.stdout)["services"].items():
+        for name, service in _services(files, env_file).items():
             for mount in service.get("volumes", []):
                 if mount["type"] == "volume":
                     assert mount["target"] in created, (name, mount["target"])

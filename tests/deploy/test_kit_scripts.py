@@ -30,17 +30,34 @@ def test_script_is_valid_executable_bash(script):
     assert done.returncode == 0, done.stderr
 
 
-def test_make_site_key_prints_the_public_key_and_keeps_the_private_one(tmp_path):
-    keys = tmp_path / "keys"
-    env = {
-        "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
+MAKE_SITE_KEY = ROOT / "deploy" / "site" / "make-site-key.sh"
+
+
+def _make_site_key(
+    keys: Path, *, bin_first: Path | None = None, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """Run make-site-key.sh for site ``hospital-a`` into ``keys`` (``bin_first``: fake commands
+    found before the real ones; ``env``: more variables)."""
+    path = f"{Path(sys.executable).parent}:/usr/bin:/bin"
+    variables = {
+        "PATH": f"{bin_first}:{path}" if bin_first else path,
         "PYTHONPATH": str(ROOT),
         "PRISM_SITE_ID": "hospital-a",
+        **env,
     }
-    script = ROOT / "deploy" / "site" / "make-site-key.sh"
-    done = subprocess.run(
-        [str(script), str(keys)], env=env, capture_output=True, text=True, timeout=120, check=False
+    return subprocess.run(
+        [str(MAKE_SITE_KEY), str(keys)],
+        env=variables,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
+
+
+def test_make_site_key_prints_the_public_key_and_keeps_the_private_one(tmp_path):
+    keys = tmp_path / "keys"
+    done = _make_site_key(keys)
     assert done.returncode == 0, done.stderr
     public = (keys / "site.pub").read_text().strip()
     assert public.endswith(" hospital-a") and public in done.stdout
@@ -50,9 +67,7 @@ def test_make_site_key_prints_the_public_key_and_keeps_the_private_one(tmp_path)
     secret = [ln for ln in (keys / "site.key").read_text().splitlines() if "-----" not in ln]
     assert not any(line in done.stdout + done.stderr for line in secret)
     # a second run keeps the key pair
-    again = subprocess.run(
-        [str(script), str(keys)], env=env, capture_output=True, text=True, timeout=120, check=False
-    )
+    again = _make_site_key(keys)
     assert again.returncode == 0 and public in again.stdout
     assert (keys / "site.pub").read_text().strip() == public
 
@@ -149,25 +164,10 @@ def test_the_connection_recipe_works_where_flwr_never_ran(tmp_path):
 def test_make_site_key_as_root_gives_the_key_to_the_containers_user(tmp_path):
     fake = _fake_bin(tmp_path / "bin", 0)
     keys = tmp_path / "keys"
-    env = {
-        "PATH": f"{fake}:{Path(sys.executable).parent}:/usr/bin:/bin",
-        "PYTHONPATH": str(ROOT),
-        "PRISM_SITE_ID": "hospital-a",
-    }
-    script = ROOT / "deploy" / "site" / "make-site-key.sh"
-    done = subprocess.run(
-        [str(script), str(keys)], env=env, capture_output=True, text=True, timeout=120, check=False
-    )
+    done = _make_site_key(keys, bin_first=fake)
     assert done.returncode == 0, done.stderr
     assert (keys / "site.key").is_file()
     assert (fake / "chown.calls").read_text().splitlines() == [f"-R 10001:10001 {keys}"]
-    refused = subprocess.run(
-        [str(script), str(tmp_path / "other")],
-        env={**env, "PRISM_UID": "0"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    refused = _make_site_key(tmp_path / "other", bin_first=fake, PRISM_UID="0")
     assert refused.returncode == 2 and "must not be 0" in refused.stderr
     assert not (tmp_path / "other").exists()
