@@ -101,8 +101,13 @@ class RunConfig(_Kebab):
         "estimates it privately (clip-quantile keys) and charges that to its ledger",
         json_schema_extra=_allowed_note("a finite number > 0, or 'auto'"),
     )
-    lr: float = Field(0.005, gt=0, description="local learning rate (PRISM's LoRA step)")
+    lr: float = Field(0.002, gt=0, description="local learning rate (PRISM's LoRA step)")
     server_lr: float = Field(1.0, gt=0, description="server step on the aggregated update")
+    server_lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant",
+        description="server lr per round: constant, or cosine-annealed from server-lr in round "
+        "1 to ~0 in the last (damps clipped DP-SGD's late-round oscillation; public)",
+    )
     noise_multiplier: float = Field(
         -1.0,
         description="sigma; -1 = calibrate from target-epsilon over the planned steps",

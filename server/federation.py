@@ -205,6 +205,8 @@ def run_federation(grid: Grid, run: RunConfig) -> Path:
         sites_per_round=run.sites_per_round,
         min_sites=run.min_sites,
         server_lr=run.server_lr,
+        lr_schedule=run.server_lr_schedule,
+        num_rounds=run.num_rounds,
         local_steps=run.local_steps,
         target_epsilon=run.target_epsilon,
         delta=run.delta,

@@ -89,7 +89,7 @@ from server.errors import (
     ReplyError,
 )
 from server.ledger import DEFAULT_MECHANISM, UNKNOWN_Q, UNKNOWN_SIGMA, Ledger, LedgerEvent
-from server.optimizer import ServerOptimizer, ServerOptimizerConfig
+from server.optimizer import ServerOptimizer, ServerOptimizerConfig, scheduled_lr
 
 __all__ = [
     "AutoClip",
@@ -356,6 +356,9 @@ class PrismStrategy(Strategy):
             reporting another is rejected.
         dp: whether that mechanism adds noise; a DP reply must report sigma > 0.
         auto_clip: set for a run with ``max-norm = auto`` (see ``AutoClip``).
+        lr_schedule, num_rounds: the server lr of round ``t`` is
+            ``scheduled_lr(server_lr, lr_schedule, t, num_rounds)`` (run-config
+            ``server-lr-schedule``), for every mode and server optimizer.
     """
 
     def __init__(
@@ -383,7 +386,11 @@ class PrismStrategy(Strategy):
         mechanism: str = DEFAULT_MECHANISM,
         dp: bool = True,
         auto_clip: AutoClip | None = None,
+        lr_schedule: str = "constant",
+        num_rounds: int = 1,
     ) -> None:
+        scheduled_lr(server_lr, lr_schedule, 1, num_rounds)  # validates both
+        self.lr_schedule, self.num_rounds = lr_schedule, num_rounds
         self.modules, self.head, self.mode = modules, head, mode
         self.mechanism, self.dp = mechanism, dp
         self.ledger, self.run_id = ledger, run_id
@@ -1114,7 +1121,9 @@ class PrismStrategy(Strategy):
         if not all(torch.isfinite(v).all() for v in means.values()):
             reason = "the aggregated update is not finite"
         else:
-            new = self._apply(means)
+            t = summary.server_round
+            lr = scheduled_lr(self.server_lr, self.lr_schedule, t, self.num_rounds)
+            new = self._apply(means, lr)
             if not all(torch.isfinite(v).all() for v in new.values()):
                 reason = "the retracted adapter is not finite"
             else:
@@ -1148,27 +1157,28 @@ class PrismStrategy(Strategy):
         std = aggregate_noise_std(weights, [s for _, s in self._noise])
         return self.local_lr * math.sqrt(self.local_steps) * std
 
-    def _apply(self, means: dict[str, Tensor]) -> dict[str, Tensor]:
+    def _apply(self, means: dict[str, Tensor], lr: float) -> dict[str, Tensor]:
+        """The next global arrays from this round's means, with server lr ``lr``."""
         if self.mode == "tangent":
-            return self._apply_tangent(means)
+            return self._apply_tangent(means, lr)
         new: dict[str, Tensor] = {}
         for module in self.modules:
             A, B = self._broadcast[key(module, "A")], self._broadcast[key(module, "B")]
             if self.mode == "tangent":
                 dA, dB = means[key(module, "dA")], means[key(module, "dB")]
-                A_new, B_new = retract(A, B, dA, dB, self.server_lr)
+                A_new, B_new = retract(A, B, dA, dB, lr)
             else:
-                A_new = A + self.server_lr * (means[key(module, "A")] - A)
-                B_new = B + self.server_lr * (means[key(module, "B")] - B)
+                A_new = A + lr * (means[key(module, "A")] - A)
+                B_new = B + lr * (means[key(module, "B")] - B)
             new[key(module, "A")] = A_new.to(torch.float32).contiguous()
             new[key(module, "B")] = B_new.to(torch.float32).contiguous()
         for name in self.head:
             value = self._broadcast[HEAD_PREFIX + name]
             delta = means[HEAD_PREFIX + name] - value
-            new[HEAD_PREFIX + name] = (value + self.server_lr * delta).contiguous()
+            new[HEAD_PREFIX + name] = (value + lr * delta).contiguous()
         return new
 
-    def _apply_tangent(self, means: dict[str, Tensor]) -> dict[str, Tensor]:
+    def _apply_tangent(self, means: dict[str, Tensor], lr: float) -> dict[str, Tensor]:
         """The server optimizer's step (``server.optimizer``) from the aggregated tangent update."""
         points = {
             m: Point(self._broadcast[key(m, "A")], self._broadcast[key(m, "B")])
@@ -1178,7 +1188,7 @@ class PrismStrategy(Strategy):
         values = {n: self._broadcast[HEAD_PREFIX + n] for n in self.head}
         deltas = {n: means[HEAD_PREFIX + n] for n in self.head}
         moved, head = self.optimizer.step(
-            points, updates, values, deltas, noise_std=self._aggregate_noise_std()
+            points, updates, values, deltas, noise_std=self._aggregate_noise_std(), lr=lr
         )
         new: dict[str, Tensor] = {}
         for m in self.modules:
@@ -1263,13 +1273,14 @@ class PrismStrategy(Strategy):
     def summary(self) -> None:
         log.info(
             "PrismStrategy(mode=%s, modules=%d, head=%d, sites/round=%d, min-sites=%d, "
-            "server-lr=%s)",
+            "server-lr=%s %s)",
             self.mode,
             len(self.modules),
             len(self.head),
             self.sites_per_round,
             self.min_sites,
             self.server_lr,
+            self.lr_schedule,
         )
 
     def start(  # type: ignore[override]
