@@ -24,6 +24,10 @@ from pydantic import (
 from client.errors import ConfigError
 from prism_core.quantile import clip_range
 
+HEAD_MOMENTUM = 0.9
+"""Heavy-ball coefficient of ``head-optimizer = momentum`` (the sites' trainer and the
+coordinator's bound on an honest head update both read it from here)."""
+
 __all__ = [
     "AUTO_CLIP",
     "RunConfig",
@@ -177,8 +181,10 @@ class RunConfig(_Kebab):
         description="head learning rate; -1 = lr",
         json_schema_extra=_allowed_note("a number > 0, or -1 for lr"),
     )
-    head_optimizer: Literal["adamw", "sgd"] = Field(
-        "sgd", description="head optimizer on its DP gradient: plain sgd or adamw"
+    head_optimizer: Literal["adamw", "sgd", "momentum"] = Field(
+        "sgd",
+        description="head optimizer on its DP gradient: plain sgd, momentum (heavy ball, "
+        "beta 0.9, its velocity kept across the site's rounds) or adamw",
     )
 
     # -- max-norm = auto: a private clip norm per site (Andrew et al. 2021, geometric update;

@@ -12,7 +12,7 @@ from client.protocol import ACCOUNTING, CONFIG, ROUND_NONCE, SERVER_ROUND, UPDAT
 from prism_core.accounting import PrivacyEvent, epsilon
 from prism_core.manifold import project_dense, tangent_displacement, tangent_to_dense
 from server.ledger import Ledger
-from server.strategy import PrismStrategy
+from server.strategy import PrismStrategy, UpdateBound
 
 MODULES = ["layer.0.q", "layer.0.v"]
 SHAPES = {"layer.0.q": (12, 10, 3), "layer.0.v": (12, 10, 3)}
@@ -434,3 +434,29 @@ def test_a_cosine_schedule_scales_the_factor_average_step(tmp_path):
 def test_an_unknown_server_lr_schedule_is_refused(tmp_path):
     with pytest.raises(ValueError, match="server lr schedule 'step'"):
         _strategy(tmp_path, lr_schedule="step", num_rounds=4)
+
+
+def test_a_momentum_head_may_move_ten_times_one_sgd_steps_bound(tmp_path):
+    """Heavy ball with beta 0.9 sums the site's DP gradients with weights 0.9^k: at most
+    1 / (1 - 0.9) = 10 times one step's bound, for the same reported sigma, q and C."""
+    facts = {**_facts("site-0"), "sigma": 1.3, "q": 0.1}
+    bounds = {}
+    for optimizer, momentum in (("sgd", 0.0), ("momentum", 0.9)):
+        strategy, _ = _strategy(
+            tmp_path / optimizer,
+            head=["weight"],
+            max_norm=0.05,
+            expected_batch_size=16,
+            update_bound=UpdateBound(
+                lr=0.01,
+                max_norm=0.05,
+                expected_batch_size=16,
+                head_lr=2.0,
+                head_optimizer=optimizer,
+                head_momentum=momentum,
+            ),
+        )
+        strategy._broadcast = {"head/weight": torch.zeros(2, 8)}
+        bounds[optimizer] = strategy._head_sgd_bound(facts)
+    assert bounds["sgd"] > 0
+    assert bounds["momentum"] == pytest.approx(10.0 * bounds["sgd"], rel=1e-12)
