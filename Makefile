@@ -9,7 +9,7 @@ export TRANSFORMERS_OFFLINE := 1
 export FLWR_TELEMETRY_ENABLED := 0
 export FLWR_DISABLE_UPDATE_CHECK := 1
 
-.PHONY: install demo test lint typecheck pytest test-slow bench-mechanism clean
+.PHONY: install demo test lint typecheck pytest test-slow test-gpu mutation bench-mechanism clean
 .PHONY: bench-server bench-diagnostics bench-utility bench-gpu
 
 $(BIN)/python:
@@ -39,8 +39,21 @@ pytest: $(STAMP)
 
 test: lint typecheck pytest
 
+# Tests marked `slow` (none at present: the crash/resume tests run in `make test`); pytest's
+# exit status 5 ("no tests collected") is not a failure here.
 test-slow: $(STAMP)
-	$(BIN)/pytest -m slow
+	$(BIN)/pytest -m slow || [ $$? -eq 5 ]
+
+# The CUDA tests (tests/gpu): bf16 base, float32 LoRA; they skip, saying so, without a GPU.
+test-gpu: $(STAMP)
+	$(BIN)/pytest -m gpu tests/gpu -rs
+
+# Mutation testing of the privacy-critical modules, each against its own tests (mutmut; not
+# part of `make test` or CI: hours of CPU). MUTATION_ARGS: module names and/or --jobs N.
+MUTATION_ARGS ?=
+
+mutation: $(STAMP)
+	$(BIN)/python tools/mutation.py $(MUTATION_ARGS)
 
 bench-mechanism: $(STAMP)
 	$(BIN)/python bench/mechanism.py

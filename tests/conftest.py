@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+CRASH_SEED_ENV = "PRISM_CRASH_SEED"
+CRASH_SEED = int(os.environ.get(CRASH_SEED_ENV) or time.time_ns() % 1_000_000)
+"""Seed of the crash tests' kill schedules (tests/e2e): ``PRISM_CRASH_SEED`` or the clock."""
 SEEDS = [0, 1, 2]
 SHAPES = [(12, 9, 3), (20, 31, 5), (16, 16, 1), (7, 40, 7)]  # (m, n, r), incl. r = min(m, n)
 
@@ -38,6 +42,35 @@ def ill_conditioned(r: int, seed: int, cond: float, dtype: torch.dtype = torch.f
     V, _ = torch.linalg.qr(torch.randn(r, r, generator=g, dtype=dtype))
     s = torch.logspace(0, torch.log10(torch.tensor(cond)).item(), r, dtype=dtype)
     return U @ torch.diag(s) @ V.T
+
+
+def _replay(nodeid: str) -> str:
+    return f"{CRASH_SEED_ENV}={CRASH_SEED} pytest '{nodeid}'"
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """Every run names the crash tests' kill-schedule seed (see ``crash_seed``)."""
+    return f"crash/resume kill schedules: {CRASH_SEED_ENV}={CRASH_SEED}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    """A failed test that used ``crash_seed`` says how to replay its kill schedule."""
+    report = yield
+    if report.failed and "crash_seed" in getattr(item, "fixturenames", ()):
+        report.sections.append(("crash schedule", f"replay with: {_replay(item.nodeid)}"))
+    return report
+
+
+@pytest.fixture
+def crash_seed(request: pytest.FixtureRequest) -> int:
+    """The seed of this test's kill schedule (which round, pause point, process is killed).
+
+    ``PRISM_CRASH_SEED`` replays a schedule; without it the seed comes from the clock, so each
+    run tries another one. It is printed in the run's header, by the test, and with any failure.
+    """
+    print(f"kill-schedule seed {CRASH_SEED} (replay: {_replay(request.node.nodeid)})")
+    return CRASH_SEED
 
 
 @pytest.fixture

@@ -1,14 +1,17 @@
 """Crash-safe coordinator through real Flower processes: SIGKILL the ServerApp process repeatedly.
 
 A real ``flower-superlink`` and two ``flower-supernode`` processes on loopback; the SuperLink
-runs the ServerApp in its own ``flwr-serverapp`` process. The test picks at least 5 random kill
-points (named pause points, ``client.testhooks``; always including mid-aggregation and
+runs the ServerApp in its own ``flwr-serverapp`` process. The test picks 6 random kill points
+(named pause points, ``client.testhooks``, at a round; always including mid-aggregation and
 mid-ledger-write), SIGKILLs that process at each, starts ``flwr run`` again with the same
 run-dir, and finally checks the run against an uninterrupted run of the same configuration
 (the loopback driver of ``tests/server/resume_driver.py``, same sites, and the sites in their
-reproducible mode with the same secret, ``PRISM_FL_RNG_SECRET``): the same
-ledger events (none lost, none twice), the same epsilon per site, and a bitwise-identical
-global adapter.
+reproducible mode with the same secret, ``PRISM_FL_RNG_SECRET``; it runs while the Flower
+processes do): the same ledger events (none lost, none twice), the same epsilon per site, and
+a bitwise-identical global adapter.
+
+The kill schedule is drawn from the ``crash_seed`` fixture (``tests/conftest.py``): replay one
+with ``PRISM_CRASH_SEED=<seed>``, which every run prints.
 """
 
 from __future__ import annotations
@@ -19,10 +22,8 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import pytest
 from flower_harness import (
     BIN,
     ROOT,
@@ -39,7 +40,7 @@ from flower_harness import (
 from server.checkpoint import load_checkpoint
 from server.ledger import Ledger
 
-ROUNDS, SITES = 3, 2
+ROUNDS, SITES, KILLS = 2, 2, 6
 SECRET = "resume-e2e"  # the sites' reproducible-mode secret
 POINTS = (
     "round-start",
@@ -65,7 +66,7 @@ def _config(model: str, run_dir: Path) -> dict[str, object]:
         "target-epsilon": 2.0,
         "sites-per-round": SITES,
         "min-sites": SITES,
-        "round-timeout": 120.0,
+        "round-timeout": 600.0,  # a ceiling for a loaded machine; no round waits for it
         "run-dir": str(run_dir),
     }
 
@@ -74,7 +75,7 @@ def _flwr_config(config: dict[str, object]) -> str:
     return " ".join(f"{k}='{v}'" if isinstance(v, str) else f"{k}={v}" for k, v in config.items())
 
 
-def _schedule(rng: random.Random, kills: int = 6) -> list[tuple[int, str]]:
+def _schedule(rng: random.Random, kills: int = KILLS) -> list[tuple[int, str]]:
     """``kills`` distinct (round, point) pairs in execution order, incl. the two required."""
     pairs = [(r, p) for r in range(1, ROUNDS + 1) for p in POINTS]
     required = [
@@ -97,32 +98,53 @@ def _outcome(run_dir: Path) -> dict[str, object]:
     return {"round": ckpt.server_round, "arrays": ckpt.arrays, "events": events, "epsilon": eps}
 
 
-@pytest.mark.slow
-def test_serverapp_sigkilled_at_random_points_resumes_bitwise(tiny_bert, tmp_path):
-    seed = int(os.environ.get("PRISM_FL_KILL_SEED", time.time_ns() % 100_000))
-    schedule = _schedule(random.Random(seed))
-    note = f"kill schedule {schedule} (PRISM_FL_KILL_SEED={seed})"
-    print(note)
-
-    # The uninterrupted reference: same sites (partitions) and seeds, loopback transport.
-    reference_dir = tmp_path / "reference"
+def _reference(model: str, run_dir: Path, log: Path) -> subprocess.Popen[bytes]:
+    """Start the uninterrupted reference run: same sites (partitions) and seeds, loopback."""
     driver = ROOT / "tests" / "server" / "resume_driver.py"
     # Sites in reproducible mode (a secret each site process holds; never sent): the only way
     # two runs can be compared bitwise. By default a site's randomness comes from the OS.
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PRISM_FL_RNG_SECRET=SECRET)
     env.pop("PRISM_FL_PAUSE_AT", None)
-    done = subprocess.run(
-        [sys.executable, str(driver), json.dumps(_config(tiny_bert, reference_dir)), str(SITES)],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    with log.open("wb") as out:  # the child keeps its own copy of the file
+        return subprocess.Popen(
+            [sys.executable, str(driver), json.dumps(_config(model, run_dir)), str(SITES)],
+            env=env,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def test_serverapp_sigkilled_at_random_points_resumes_bitwise(tiny_bert, tmp_path, crash_seed):
+    schedule = _schedule(random.Random(crash_seed))
+    note = f"kill schedule {schedule} (PRISM_CRASH_SEED={crash_seed})"
+    print(note)
+    reference_dir, reference_log = tmp_path / "reference", tmp_path / "reference.log"
+    reference = _reference(tiny_bert, reference_dir, reference_log)
+    try:
+        _killed_and_resumed(tiny_bert, tmp_path, schedule, note)
+        reference.wait(timeout=900)
+    finally:
+        if reference.poll() is None:
+            reference.kill()
+            reference.wait()
+    assert reference.returncode == 0, reference_log.read_text(errors="replace")[-5000:]
     expected = _outcome(reference_dir)
 
+    got = _outcome(tmp_path / "run")
+    assert got["round"] == ROUNDS, note
+    assert len(got["events"]) == ROUNDS * SITES, note  # none lost; UNIQUE makes none twice
+    assert got["events"] == expected["events"], note
+    assert got["epsilon"] == expected["epsilon"], note
+    for name, tensor in expected["arrays"].items():  # type: ignore[attr-defined]
+        assert got["arrays"][name].equal(tensor), f"{note}: {name}"  # type: ignore[index]
+
+
+def _killed_and_resumed(
+    model: str, tmp_path: Path, schedule: list[tuple[int, str]], note: str
+) -> None:
+    """Run the federation through real Flower processes, SIGKILLing its ServerApp process at
+    every (round, point) of ``schedule``, then let ``flwr run`` finish it."""
     home, run_dir = tmp_path / "flwr", tmp_path / "run"
     control, pause = tmp_path / "pause-at.txt", tmp_path / "paused.json"
     # Same torch thread count as the reference: multi-threaded GEMMs split their reductions by
@@ -131,7 +153,7 @@ def test_serverapp_sigkilled_at_random_points_resumes_bitwise(tiny_bert, tmp_pat
     port = free_port()
     write_connection(home, "loopback", f"127.0.0.1:{port}")
     link_env = dict(env, PRISM_FL_PAUSE_AT=f"file:{control}", PRISM_FL_PAUSE_FILE=str(pause))
-    config = _flwr_config(_config(tiny_bert, run_dir))
+    config = _flwr_config(_config(model, run_dir))
     with processes(env, tmp_path / "logs") as group:
         group.env = link_env  # only the SuperLink (and the ServerApps it starts) see the hook
         group.start(
@@ -181,14 +203,6 @@ def test_serverapp_sigkilled_at_random_points_resumes_bitwise(tiny_bert, tmp_pat
         log = group.log("flwr-run-final")
         assert final.returncode == 0, note + log[-3000:] + group.log("superlink")[-3000:]
         wait_for(lambda: (run_dir / "summary.json").exists(), 120, "the run's summary")
-
-    got = _outcome(run_dir)
-    assert got["round"] == ROUNDS, note
-    assert len(got["events"]) == ROUNDS * SITES, note  # none lost; UNIQUE makes none twice
-    assert got["events"] == expected["events"], note
-    assert got["epsilon"] == expected["epsilon"], note
-    for name, tensor in expected["arrays"].items():  # type: ignore[attr-defined]
-        assert got["arrays"][name].equal(tensor), f"{note}: {name}"  # type: ignore[index]
 
 
 def _zombie(pid: int) -> bool:

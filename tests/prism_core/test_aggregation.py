@@ -80,3 +80,55 @@ def test_transport_is_the_projection_onto_the_new_tangent_space(seed: int) -> No
     assert torch.allclose(
         tangent_to_dense(A, B, same.dA, same.dB), tangent_to_dense(A, B, dA, dB), atol=1e-10
     )
+
+
+# Boundaries of the inputs (from mutation testing, docs/testing.md): every rule of the
+# docstrings holds at its edge, and a refusal names the value it refused.
+
+
+@pytest.mark.parametrize(
+    ("sigma", "C", "b"),
+    [(-0.1, 1.0, 8.0), (1.0, 0.0, 8.0), (1.0, -1.0, 8.0), (1.0, 1.0, 0.0), (1.0, 1.0, -4.0)],
+)
+def test_site_noise_std_refuses_a_negative_sigma_or_a_non_positive_clip_or_batch(
+    sigma: float, C: float, b: float
+) -> None:
+    with pytest.raises(ValueError, match=rf"sigma={sigma}, C={C}, b={b}"):
+        site_noise_std(noise_multiplier=sigma, max_norm=C, expected_batch_size=b)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_site_noise_std_refuses_non_finite_parameters_and_names_them(bad: float) -> None:
+    with pytest.raises(ValueError, match=rf"finite, got \(1\.0, {bad}, 8\.0\)"):
+        site_noise_std(noise_multiplier=1.0, max_norm=bad, expected_batch_size=8.0)
+
+
+def test_site_noise_std_at_the_edges_of_its_domain() -> None:
+    # sigma = 0 (no noise) is allowed; a fractional expected batch b < 1 is a valid q N
+    assert site_noise_std(noise_multiplier=0.0, max_norm=2.0, expected_batch_size=4.0) == 0.0
+    assert site_noise_std(
+        noise_multiplier=1.5, max_norm=2.0, expected_batch_size=0.5
+    ) == pytest.approx(6.0, rel=1e-15)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), -1e-9])
+def test_a_non_finite_or_negative_noise_std_is_refused(bad: float) -> None:
+    for mode in ("inverse-noise", "uniform", "examples"):
+        with pytest.raises(ValueError, match=rf"finite and >= 0, got \[0\.5, {bad}\]"):
+            aggregation_weights(mode, noise_stds=[0.5, bad], num_examples=[1, 1])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [0, -3, float("inf"), float("nan")])
+def test_examples_weights_refuse_a_count_that_is_not_positive_and_finite(bad: float) -> None:
+    with pytest.raises(ValueError, match=rf"positive, got \[10, {bad}\]"):
+        aggregation_weights("examples", noise_stds=[1.0, 1.0], num_examples=[10, bad])
+
+
+def test_examples_weights_accept_a_site_with_one_example() -> None:
+    weights = aggregation_weights("examples", noise_stds=[1.0, 1.0], num_examples=[1, 3])
+    assert weights == pytest.approx([0.25, 0.75], abs=1e-15)
+
+
+def test_aggregate_noise_std_refuses_mismatched_lengths_and_names_them() -> None:
+    with pytest.raises(ValueError, match="2 weights but 3 noise stds"):
+        aggregate_noise_std([0.5, 0.5], [1.0, 1.0, 1.0])

@@ -1,0 +1,189 @@
+"""A site's policy (client.policy) on its own, without a model: what it refuses, at the edges.
+
+The site-level behaviour (a refusal charges nothing, the reply carries the code) is in
+``test_site.py``; here every rule of ``SitePolicy.refusal``, the reproducible-mode seeds and
+``site_policy``'s defaults are checked at their boundaries (mutation testing, docs/testing.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from pathlib import Path
+
+import pytest
+
+from client.config import RunConfig, SiteConfig, parse_config
+from client.errors import ConfigError
+from client.policy import (
+    RNG_SECRET_ENV,
+    SIMULATION_DELTA,
+    SIMULATION_EPSILON_CAP,
+    SitePolicy,
+    site_policy,
+)
+from client.protocol import REFUSAL_REASONS, RNG_REPRODUCIBLE, RNG_SECURE
+
+SECRET = "policy-test-secret"
+N = 100  # the site's examples: a delta must be below 1/N = 0.01
+
+
+def _policy(**overrides: object) -> SitePolicy:
+    values: dict[str, object] = {
+        "site_id": "site-a",
+        "simulation": False,
+        "epsilon_cap": 3.0,
+        "delta": 1e-3,
+        "state_dir": Path("/state"),
+        "allow_nondp": False,
+        "allow_nonprivate_metrics": False,
+    }
+    return SitePolicy(**{**values, **overrides})  # type: ignore[arg-type]
+
+
+def _run(**values: object) -> RunConfig:
+    return parse_config(RunConfig, values, what="run config")  # type: ignore[no-any-return]
+
+
+def _node(**values: object) -> SiteConfig:
+    return parse_config(SiteConfig, values, what="node config")  # type: ignore[no-any-return]
+
+
+# -- refusal: each rule at its boundary --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("request_", "code"),
+    [
+        ({"target-epsilon": 3.0, "delta": 1e-3}, None),  # exactly the site's values
+        ({"target-epsilon": 3.0000001, "delta": 1e-3}, "epsilon-above-site-cap"),
+        ({"target-epsilon": 3.0, "delta": 1.0001e-3}, "delta-above-site-policy"),
+        ({"target-epsilon": 0.5, "delta": 1e-6}, None),  # stricter than the policy
+    ],
+)
+def test_the_cap_and_delta_are_honoured_up_to_and_including_the_sites_values(request_, code):
+    assert _policy().refusal(_run(**request_), N) == code
+    assert code is None or code in REFUSAL_REASONS
+
+
+def test_delta_must_be_strictly_below_one_over_n():
+    lenient = _policy(delta=0.5)  # the site's own delta would allow it
+    assert lenient.refusal(_run(delta=1.0 / N), N) == "delta-not-below-1/n"
+    assert lenient.refusal(_run(delta=0.99 / N), N) is None
+    assert lenient.refusal(_run(delta=0.99 / N), 102) == "delta-not-below-1/n"  # 1/102 < 0.0099
+
+
+def test_nondp_runs_only_where_the_site_allows_them_and_skip_the_dp_checks():
+    nondp = _run(method="nondp", **{"target-epsilon": 1e6, "delta": 0.9})
+    assert _policy().refusal(nondp, N) == "nondp-not-allowed"
+    # allowed: no DP, so the epsilon and delta requests do not apply
+    assert _policy(allow_nondp=True).refusal(nondp, N) is None
+
+
+def test_nonprivate_metrics_are_refused_first_unless_allowed():
+    asks = {"report-train-loss": True}
+    assert _policy().refusal(_run(**asks), N) == "nonprivate-metrics-not-allowed"
+    assert _policy(allow_nondp=True).refusal(_run(method="nondp", **asks), N) == (
+        "nonprivate-metrics-not-allowed"
+    )
+    allowed = _policy(allow_nonprivate_metrics=True)
+    assert allowed.refusal(_run(**asks), N) is None
+    # allowing metrics allows nothing else
+    assert allowed.refusal(_run(**asks, **{"target-epsilon": 4.0}), N) == "epsilon-above-site-cap"
+    assert allowed.refusal(_run(method="nondp", **asks), N) == "nondp-not-allowed"
+
+
+# -- randomness: the OS by default, seeds from the site's secret in reproducible mode ----------
+
+
+def test_without_a_secret_every_release_draws_from_the_os():
+    policy = _policy()
+    assert policy.rng == RNG_SECURE
+    assert policy.round_seed(1, 0) is None and policy.round_seed(7, 3) is None
+
+
+def test_reproducible_seeds_are_the_documented_hmac_of_site_round_and_position():
+    policy = _policy(rng_secret=SECRET.encode())
+    assert policy.rng == RNG_REPRODUCIBLE
+    seeds = {}
+    for site in ("site-a", "site-b"):
+        for server_round in (1, 2):
+            for attempt in (0, 1):
+                mac = hmac.new(
+                    SECRET.encode(), f"{site}:{server_round}:{attempt}".encode(), hashlib.sha256
+                ).digest()
+                seed = _policy(site_id=site, rng_secret=SECRET.encode()).round_seed(
+                    server_round, attempt
+                )
+                assert seed == int.from_bytes(mac[:8], "little") >> 1
+                assert seed is not None and 0 <= seed < 2**63  # a non-negative int64
+                seeds[(site, server_round, attempt)] = seed
+    assert len(set(seeds.values())) == len(seeds)  # another site, round or charge: other draws
+    other = _policy(rng_secret=b"another secret").round_seed(1, 0)
+    assert other != seeds[("site-a", 1, 0)]
+
+
+def test_the_secret_never_appears_in_the_policys_repr():
+    assert SECRET not in repr(_policy(rng_secret=SECRET.encode()))
+
+
+# -- site_policy: resolving the node config ----------------------------------------------------
+
+
+def test_a_deployed_site_keeps_exactly_what_its_node_config_states(tmp_path):
+    node = _node(
+        **{
+            "site-id": "hospital",
+            "epsilon-cap": 2.5,
+            "delta": 1e-7,
+            "state-dir": str(tmp_path),
+            "allow-nondp": True,
+            "allow-nonprivate-metrics": True,
+        }
+    )
+    policy = site_policy(node, run_dir="/ignored", run_id=5)
+    assert policy.site_id == "hospital" and not policy.simulation
+    assert (policy.epsilon_cap, policy.delta, policy.state_dir) == (2.5, 1e-7, tmp_path)
+    assert policy.allow_nondp and policy.allow_nonprivate_metrics
+    assert policy.rng_secret is None and policy.rng == RNG_SECURE
+
+
+def test_a_simulated_site_gets_the_simulation_defaults_and_its_own_values_win(tmp_path):
+    default = site_policy(_node(**{"partition-id": 2}), run_dir=str(tmp_path))
+    assert default.simulation and default.site_id == "site-2"
+    assert (default.epsilon_cap, default.delta) == (SIMULATION_EPSILON_CAP, SIMULATION_DELTA)
+    assert default.state_dir == tmp_path / "sites" / "site-2"
+    assert not default.allow_nondp and not default.allow_nonprivate_metrics
+    own = site_policy(_node(**{"partition-id": 2, "epsilon-cap": 1.0, "delta": 1e-8}))
+    assert (own.epsilon_cap, own.delta) == (1.0, 1e-8)
+    assert own.state_dir == Path("runs") / "flwr-run-" / "sites" / "site-2"
+    stated = site_policy(_node(**{"partition-id": 2, "state-dir": "/x"}), run_dir="/r")
+    assert stated.state_dir == Path("/x")  # the node config's folder wins over the run-dir
+
+
+def test_a_simulated_site_may_use_a_secret_the_node_config_one_first():
+    node = _node(**{"partition-id": 0})
+    assert site_policy(node, env_secret=SECRET).rng_secret == SECRET.encode()
+    both = _node(**{"partition-id": 0, "rng-secret": "from-node"})
+    assert site_policy(both, env_secret=SECRET).rng_secret == b"from-node"
+    assert site_policy(node, env_secret="").rng_secret is None
+
+
+@pytest.mark.parametrize(
+    ("node", "env", "where"),
+    [
+        ({"partition-id": 0, "require-secure-rng": True}, SECRET, RNG_SECRET_ENV),
+        (
+            {"partition-id": 0, "require-secure-rng": True, "rng-secret": SECRET},
+            "",
+            "node config rng-secret",
+        ),
+    ],
+)
+def test_a_site_that_requires_secure_randomness_refuses_any_secret_and_says_where(node, env, where):
+    with pytest.raises(ConfigError) as info:
+        site_policy(_node(**node), env_secret=env)
+    message = str(info.value)
+    assert f"site 'site-0': {where} asks for reproducible randomness" in message
+    assert f"remove the secret ({where})" in message and "require-secure-rng=false" in message
+    assert SECRET not in message

@@ -1,0 +1,241 @@
+"""Mutation testing of the privacy-critical modules with mutmut, each against its own tests.
+
+``make mutation`` (not part of ``make test``; CI does not run it) calls this script. For every
+module named on the command line (default: all of ``MODULES``, in that order) it makes a fresh
+working copy ``.mutation/<name>/`` of the packages, the tests and ``pyproject.toml``, writes a
+``setup.cfg`` whose ``[mutmut]`` section mutates that one module and selects that module's own
+fast test files, runs ``mutmut run`` there (one worker by default: the machine is shared), and
+prints one summary line per module (mutants, killed, survived, not covered, timeouts, run time).
+The diff of every mutant that was not killed goes to ``.mutation/<name>/survivors.txt``, and the
+numbers to ``.mutation/<name>/summary.json``.
+
+A surviving mutant is either a missing test (write one that asserts a real property) or an
+equivalent mutant (same behaviour as the original); ``EQUIVALENT`` and docs/testing.md,
+"Mutation testing", list the equivalent ones with the reason. Mutants that only change the
+case of a string or wrap it in ``XX`` (error-message text that keeps every word) are counted
+apart as "message text". The script exits 1 when any other mutant survived.
+
+Usage: ``python tools/mutation.py [--jobs N] [NAME ...]`` with NAME from ``MODULES``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / ".mutation"
+MUTMUT = Path(sys.executable).parent / "mutmut"
+PACKAGES = ("prism_core", "client", "server", "deploy")
+COPIED = (*PACKAGES, "bench", "tests", "pyproject.toml")
+NOT_KILLED = ("survived", "no tests", "timeout", "suspicious", "segfault", "skipped")
+
+
+@dataclass(frozen=True)
+class Target:
+    """One module to mutate and the test files that are its own."""
+
+    source: str
+    tests: tuple[str, ...]
+
+
+MODULES: dict[str, Target] = {
+    "mechanism": Target("prism_core/mechanism.py", ("tests/prism_core/test_mechanism.py",)),
+    "accounting": Target("prism_core/accounting.py", ("tests/prism_core/test_accounting.py",)),
+    "policy": Target("client/policy.py", ("tests/client/test_policy.py",)),
+    "site_ledger": Target("client/site_ledger.py", ("tests/client/test_site_ledger.py",)),
+    "aggregation": Target("prism_core/aggregation.py", ("tests/prism_core/test_aggregation.py",)),
+    "strategy": Target(
+        "server/strategy.py",
+        ("tests/server/test_strategy.py", "tests/server/test_hostile_replies.py"),
+    ),
+    "ledger": Target(
+        "server/ledger.py",
+        (
+            "tests/server/test_ledger.py",
+            "tests/server/test_ledger_schema3.py",
+            "tests/server/test_ledger_unconfirmed.py",
+        ),
+    ),
+}
+
+EQUIVALENT: dict[str, dict[str, str]] = {
+    "aggregation": {
+        **{
+            f"prism_core.aggregation.x_aggregate_noise_std__mutmut_{i}": "zip strict after an "
+            "explicit length check"
+            for i in (10, 13, 14)
+        },
+        "prism_core.aggregation.x_aggregation_weights__mutmut_64": "precision 2/s^2 for 1/s^2: "
+        "normalised away, exactly (a power-of-two factor)",
+    },
+}
+"""Per module, surviving mutants that are equivalent (same behaviour), with the reason; the
+same list is in docs/testing.md. Mutmut names mutants by function and position, so a change of
+the module renumbers them: rerun and re-check after editing a module."""
+
+
+def _setup_cfg(target: Target) -> str:
+    def block(values: tuple[str, ...]) -> str:
+        return "".join(f"\n    {v}" for v in values)
+
+    return (
+        "[mutmut]\n"
+        f"source_paths ={block(PACKAGES)}\n"
+        f"only_mutate ={block((target.source,))}\n"
+        f"pytest_add_cli_args_test_selection ={block(target.tests)}\n"
+        "also_copy =\n    bench\n"
+        # torch is not fork-safe after pytest ran: fork each worker from a clean server
+        "process_isolation = forkserver\n"
+        "use_git_change_detection = false\n"
+    )
+
+
+def _prepare(name: str, target: Target) -> Path:
+    """A fresh working copy for one module (any earlier one is removed)."""
+    work = WORK / name
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis")
+    for item in COPIED:
+        source = ROOT / item
+        if source.is_dir():
+            shutil.copytree(source, work / item, ignore=ignore)
+        else:
+            shutil.copy2(source, work / item)
+    (work / "setup.cfg").write_text(_setup_cfg(target))
+    return work
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)  # the mutated copy, never the checkout, must be imported
+    env.update(
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        CUDA_VISIBLE_DEVICES="",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        FLWR_TELEMETRY_ENABLED="0",
+        FLWR_DISABLE_UPDATE_CHECK="1",
+    )
+    return env
+
+
+def _mutmut(work: Path, *args: str, log: Path | None = None) -> str:
+    """Run one mutmut command in ``work``; its output (also written to ``log``)."""
+    done = subprocess.run(
+        [str(MUTMUT), *args],
+        cwd=work,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    output = done.stdout + done.stderr
+    if log is not None:
+        log.write_text(output)
+    if done.returncode != 0:
+        raise SystemExit(f"mutmut {' '.join(args)} failed in {work} ({done.returncode}):\n{output}")
+    return output
+
+
+def _statuses(work: Path) -> dict[str, str]:
+    """Every mutant's status, from ``mutmut results --all true``."""
+    line = re.compile(r"^\s*(\S+): (.+)$")
+    out = _mutmut(work, "results", "--all", "true")
+    return {m[1]: m[2].strip() for m in map(line.match, out.splitlines()) if m}
+
+
+def _changed_lines(diff: str) -> tuple[list[str], list[str]]:
+    lines = diff.splitlines()
+    minus = [x[1:] for x in lines if x.startswith("-") and not x.startswith("---")]
+    plus = [x[1:] for x in lines if x.startswith("+") and not x.startswith("+++")]
+    return minus, plus
+
+
+def is_message_text(diff: str) -> bool:
+    """A mutant that only re-cases a string or wraps it in ``XX`` (an error message keeps
+    every word: the tests assert what a message names, not its letters' case)."""
+    minus, plus = _changed_lines(diff)
+    return (
+        bool(minus)
+        and len(minus) == len(plus)
+        and all(p.replace("XX", "").lower() == m.lower() for m, p in zip(minus, plus, strict=True))
+    )
+
+
+def run_module(name: str, jobs: int) -> dict[str, object]:
+    """Mutate one module against its own tests; its summary (also in ``summary.json``)."""
+    target = MODULES[name]
+    work = _prepare(name, target)
+    print(f"[{name}] mutmut run: {target.source} against {', '.join(target.tests)}", flush=True)
+    start = time.monotonic()
+    _mutmut(work, "run", "--max-children", str(jobs), log=work / "run.log")
+    seconds = time.monotonic() - start
+    statuses = _statuses(work)
+    not_killed = sorted(k for k, v in statuses.items() if v in NOT_KILLED)
+    diffs = {k: _mutmut(work, "show", k) for k in not_killed}
+    message_text = [k for k in not_killed if is_message_text(diffs[k])]
+    equivalent = EQUIVALENT.get(name, {})
+    unexplained = [k for k in not_killed if k not in message_text and k not in equivalent]
+    with (work / "survivors.txt").open("w") as out:
+        for mutant in unexplained:
+            out.write(diffs[mutant] + "\n")
+        for mutant in sorted(equivalent.keys() & set(not_killed)):
+            out.write(f"# equivalent: {equivalent[mutant]}\n{diffs[mutant]}\n")
+        for mutant in message_text:
+            out.write(f"# message text only\n{diffs[mutant]}\n")
+    summary: dict[str, object] = {
+        "module": target.source,
+        "tests": list(target.tests),
+        "mutants": len(statuses),
+        "killed": sum(v == "killed" for v in statuses.values()),
+        "survived": sum(v == "survived" for v in statuses.values()),
+        "no_tests": sum(v == "no tests" for v in statuses.values()),
+        "timeout": sum(v == "timeout" for v in statuses.values()),
+        "other": sorted({v for v in statuses.values()} - {"killed", "survived", "no tests"}),
+        "not_killed": not_killed,
+        "message_text": message_text,
+        "equivalent": sorted(equivalent.keys() & set(not_killed)),
+        "unexplained": unexplained,
+        "seconds": round(seconds),
+    }
+    (work / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(
+        f"[{name}] {summary['mutants']} mutants: {summary['killed']} killed, "
+        f"{summary['survived']} survived, {summary['no_tests']} not covered, "
+        f"{summary['timeout']} timeouts; {len(message_text)} message-text and "
+        f"{len(summary['equivalent'])} equivalent (listed); {len(unexplained)} unexplained; "
+        f"{seconds / 60:.1f} min (survivors: {work / 'survivors.txt'})",
+        flush=True,
+    )
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the named modules one after the other; 1 if any mutant survived unexplained."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("modules", nargs="*", metavar="NAME", help=f"of {', '.join(MODULES)}")
+    parser.add_argument("--jobs", type=int, default=1, help="mutmut workers (default 1)")
+    args = parser.parse_args(argv)
+    if not MUTMUT.exists():
+        parser.error(f"{MUTMUT} not found: install the dev extra (pip install -e '.[dev]')")
+    unknown = [n for n in args.modules if n not in MODULES]
+    if unknown:
+        parser.error(f"unknown module {', '.join(unknown)}; valid: {', '.join(MODULES)}")
+    names = args.modules or list(MODULES)
+    summaries = [run_module(name, args.jobs) for name in names]
+    return 1 if any(s["unexplained"] for s in summaries) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
