@@ -53,7 +53,7 @@ test-gpu: $(STAMP)
 MUTATION_ARGS ?=
 
 mutation: $(STAMP)
-	$(BIN)/python tools/mutation.py $(MUTATION_ARGS)
+	$(BIN)/python tests/mutation.py $(MUTATION_ARGS)
 
 bench-mechanism: $(STAMP)
 	$(BIN)/python bench/mechanism.py

@@ -118,6 +118,7 @@ NONDP_EPSILON = 0.0  # marker in run ids: no privacy
 SETTINGS = (
     "lora-head", "pooling", "pair-encoding", "text-pairs", "head-init", "label-texts",
     "head-lr", "head-max-norm", "head-optimizer", "aggregation", "server-optimizer", "server-lr",
+    "server-lr-schedule",
 )  # fmt: skip
 
 

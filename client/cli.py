@@ -200,7 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
         "default: one joint clip",
     )
     cls.add_argument(
-        "--head-optimizer", choices=["adamw", "sgd"], help="DP head optimizer (default adamw)"
+        "--head-optimizer",
+        choices=["adamw", "sgd", "momentum"],
+        help="DP head optimizer (default adamw; momentum = heavy-ball SGD, beta 0.9)",
     )
     return parser
 

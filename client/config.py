@@ -24,6 +24,10 @@ from pydantic import (
 from client.errors import ConfigError
 from prism_core.quantile import clip_range
 
+HEAD_MOMENTUM = 0.9
+"""Heavy-ball coefficient of ``head-optimizer = momentum`` (the sites' trainer and the
+coordinator's bound on an honest head update both read it from here)."""
+
 __all__ = [
     "AUTO_CLIP",
     "RunConfig",
@@ -101,8 +105,13 @@ class RunConfig(_Kebab):
         "estimates it privately (clip-quantile keys) and charges that to its ledger",
         json_schema_extra=_allowed_note("a finite number > 0, or 'auto'"),
     )
-    lr: float = Field(0.005, gt=0, description="local learning rate (PRISM's LoRA step)")
+    lr: float = Field(0.002, gt=0, description="local learning rate (PRISM's LoRA step)")
     server_lr: float = Field(1.0, gt=0, description="server step on the aggregated update")
+    server_lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant",
+        description="server lr per round: constant, or cosine-annealed from server-lr in round "
+        "1 to ~0 in the last (damps clipped DP-SGD's late-round oscillation; public)",
+    )
     noise_multiplier: float = Field(
         -1.0,
         description="sigma; -1 = calibrate from target-epsilon over the planned steps",
@@ -172,8 +181,10 @@ class RunConfig(_Kebab):
         description="head learning rate; -1 = lr",
         json_schema_extra=_allowed_note("a number > 0, or -1 for lr"),
     )
-    head_optimizer: Literal["adamw", "sgd"] = Field(
-        "sgd", description="head optimizer on its DP gradient: plain sgd or adamw"
+    head_optimizer: Literal["adamw", "sgd", "momentum"] = Field(
+        "sgd",
+        description="head optimizer on its DP gradient: plain sgd, momentum (heavy ball, "
+        "beta 0.9, its velocity kept across the site's rounds) or adamw",
     )
 
     # -- max-norm = auto: a private clip norm per site (Andrew et al. 2021, geometric update;

@@ -46,6 +46,7 @@ from torch.utils.data import Dataset
 from tqdm import tqdm
 
 from client.classifier import fold_text_rows
+from client.config import HEAD_MOMENTUM
 from client.data import IGNORE_INDEX, make_collate, micro_batches, poisson_loader
 from client.errors import ConfigError
 from client.lora import per_example_factor_grads, read_points, write_points_
@@ -138,8 +139,10 @@ class TrainConfig(BaseModel):
     )
     lr: float = Field(5e-3, gt=0, description="learning rate (retraction step for prism)")
     head_lr: float | None = Field(None, gt=0, description="classifier head lr (default: lr)")
-    head_optimizer: Literal["adamw", "sgd"] = Field(
-        "adamw", description="DP head optimizer: adamw, or plain sgd on the DP gradient"
+    head_optimizer: Literal["adamw", "sgd", "momentum"] = Field(
+        "adamw",
+        description="DP head optimizer: adamw, plain sgd on the DP gradient, or momentum "
+        "(heavy-ball SGD, beta client.config.HEAD_MOMENTUM)",
     )
     head_max_norm: float | None = Field(
         None,
@@ -222,8 +225,11 @@ def per_example_loss(model: nn.Module, batch: dict[str, Tensor], task: str) -> T
 
 
 def _head_optimizer(head: Sequence[nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
-    """Plain SGD for the DP head: its step is lr times the DP gradient, nothing adaptive."""
-    return torch.optim.SGD(head, lr=cfg.head_lr or cfg.lr)
+    """SGD for the DP head: its step is lr times the DP gradient (``sgd``), or times the
+    heavy-ball velocity ``v <- beta v + g`` of the DP gradients (``momentum``; the velocity is
+    post-processing of DP releases and persists with the trainer across rounds)."""
+    momentum = HEAD_MOMENTUM if cfg.head_optimizer == "momentum" else 0.0
+    return torch.optim.SGD(head, lr=cfg.head_lr or cfg.lr, momentum=momentum)
 
 
 class _Chained:
@@ -391,7 +397,8 @@ class PrivateTrainer:
             self.module = GradSampleModule(model, batch_first=True, loss_reduction="sum")
             self.module.train()
         head_lr, head = cfg.head_lr or cfg.lr, self.loaded.head_params
-        head_opt = _head_optimizer(head, cfg) if head and cfg.head_optimizer == "sgd" else None
+        sgd_head = head and cfg.head_optimizer in ("sgd", "momentum")
+        head_opt = _head_optimizer(head, cfg) if sgd_head else None
         if cfg.method == "prism":
             self.states: list[AdaptiveState] = [
                 init_state(p.A, p.B) for p in read_points(self.loaded.handles)

@@ -33,7 +33,7 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy.result import Result
 
-from client.config import RunConfig, site_method
+from client.config import HEAD_MOMENTUM, RunConfig, site_method
 from client.data import load_examples
 from client.durable import atomic_write
 from client.evaluate import evaluate
@@ -205,6 +205,8 @@ def run_federation(grid: Grid, run: RunConfig) -> Path:
         sites_per_round=run.sites_per_round,
         min_sites=run.min_sites,
         server_lr=run.server_lr,
+        lr_schedule=run.server_lr_schedule,
+        num_rounds=run.num_rounds,
         local_steps=run.local_steps,
         target_epsilon=run.target_epsilon,
         delta=run.delta,
@@ -224,6 +226,7 @@ def run_federation(grid: Grid, run: RunConfig) -> Path:
             expected_batch_size=run.batch_size,
             head_lr=run.head_learning_rate,
             head_optimizer=run.head_optimizer,
+            head_momentum=HEAD_MOMENTUM if run.head_optimizer == "momentum" else 0.0,
         ),
         # what the sites must report: the mechanism the run's method runs there
         mechanism=MECHANISMS[site_method(run.method)],

@@ -36,17 +36,45 @@ from prism_core.adaptive import (
 from prism_core.manifold import Point, Tangent, retract, transport
 
 __all__ = [
+    "LR_SCHEDULES",
     "SERVER_OPTIMIZERS",
     "STATE_PREFIX",
     "ServerOptimizer",
     "ServerOptimizerConfig",
     "ServerOptimizerKind",
+    "scheduled_lr",
 ]
 
 ServerOptimizerKind = Literal["sgd", "momentum", "adaptive"]
 SERVER_OPTIMIZERS: tuple[str, ...] = ("sgd", "momentum", "adaptive")
+LrSchedule = Literal["constant", "cosine"]
+LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine")
 STATE_PREFIX = "server-optimizer/"
 """Prefix of the optimizer's tensors among the checkpoint's arrays."""
+
+
+def scheduled_lr(lr: float, schedule: str, server_round: int, num_rounds: int) -> float:
+    """The server lr of round ``t`` (1-based) of ``T``: constant, or cosine-annealed.
+
+    ``cosine``: ``eta_t = eta_s (1 + cos(pi (t - 1) / T)) / 2``, from ``eta_s`` in round 1 down to
+    ``eta_s (1 + cos(pi (T - 1) / T)) / 2 > 0`` in round ``T`` (rounds past ``T``, e.g. a
+    resumed run asked for more, keep the last value). Clipped DP-SGD moves every round by about
+    ``lr`` times the mean of clipped per-example gradients, which does not shrink near an
+    optimum the way an unclipped gradient does, so a constant step keeps oscillating in the
+    last rounds; annealing the server step damps that. A function of the round number only
+    (public), applied to the aggregate: post-processing, no privacy cost.
+
+    Raises:
+        ValueError: an unknown schedule, or ``num_rounds < 1``.
+    """
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"server lr schedule {schedule!r}: use one of {LR_SCHEDULES}")
+    if num_rounds < 1:
+        raise ValueError(f"num_rounds={num_rounds!r} must be >= 1")
+    if schedule == "constant":
+        return lr
+    t = min(max(server_round, 1), num_rounds)
+    return lr * 0.5 * (1.0 + math.cos(math.pi * (t - 1) / num_rounds))
 
 
 @dataclass(frozen=True)
@@ -110,6 +138,7 @@ class ServerOptimizer:
         head_deltas: Mapping[str, Tensor],
         *,
         noise_std: float,
+        lr: float | None = None,
     ) -> tuple[dict[str, Point], dict[str, Tensor]]:
         """The next global factors and head values from this round's aggregate.
 
@@ -119,21 +148,25 @@ class ServerOptimizer:
             head_values: per head tensor, its broadcast value.
             head_deltas: per head tensor, the aggregated change.
             noise_std: per-coordinate noise std of the aggregate (sets the adaptive floors).
+            lr: this round's server lr (``scheduled_lr``); default the configured one.
         """
         self.steps += 1
+        eta = self.config.lr if lr is None else lr
         new_points = {
-            m: self._module_step(m, points[m], updates[m], noise_std) for m in self.modules
+            m: self._module_step(m, points[m], updates[m], noise_std, eta) for m in self.modules
         }
         new_head = {
-            n: self._head_step(n, head_values[n], head_deltas[n], noise_std) for n in self.head
+            n: self._head_step(n, head_values[n], head_deltas[n], noise_std, eta) for n in self.head
         }
         for m in self.modules:
             self._at[m] = Point(points[m].A.clone(), points[m].B.clone())
         return new_points, new_head
 
-    def _module_step(self, name: str, point: Point, update: Tangent, noise_std: float) -> Point:
+    def _module_step(
+        self, name: str, point: Point, update: Tangent, noise_std: float, lr: float
+    ) -> Point:
         A, B = point
-        kind, lr = self.config.kind, self.config.lr
+        kind = self.config.kind
         if kind == "sgd":
             return retract(A, B, update.dA, update.dB, lr)
         previous = self._at.get(name)
@@ -156,8 +189,10 @@ class ServerOptimizer:
         )
         return retract(A, B, direction.dA, direction.dB, -lr)
 
-    def _head_step(self, name: str, value: Tensor, delta: Tensor, noise_std: float) -> Tensor:
-        kind, lr = self.config.kind, self.config.lr
+    def _head_step(
+        self, name: str, value: Tensor, delta: Tensor, noise_std: float, lr: float
+    ) -> Tensor:
+        kind = self.config.kind
         if kind == "sgd":
             return value + lr * delta
         if kind == "momentum":

@@ -89,7 +89,7 @@ from server.errors import (
     ReplyError,
 )
 from server.ledger import DEFAULT_MECHANISM, UNKNOWN_Q, UNKNOWN_SIGMA, Ledger, LedgerEvent
-from server.optimizer import ServerOptimizer, ServerOptimizerConfig
+from server.optimizer import ServerOptimizer, ServerOptimizerConfig, scheduled_lr
 
 __all__ = [
     "AutoClip",
@@ -131,6 +131,10 @@ class RoundSummary:
         self.rejected_by_reason[exc.code] = self.rejected_by_reason.get(exc.code, 0) + 1
 
 
+SGD_HEADS = ("sgd", "momentum")
+"""Head optimizers bounded from the reply's DP step (``UpdateBound``)."""
+
+
 @dataclass(frozen=True)
 class UpdateBound:
     """What the coordinator knows of the sites' local optimizer, to bound an honest update.
@@ -140,7 +144,9 @@ class UpdateBound:
     reported ``sigma``/``q`` with false-rejection probability ``failure`` per round. The DP head
     and the factor-space baselines use torch AdamW (betas ``head_betas``, no weight decay);
     ``head_optimizer="sgd"``: the head takes plain SGD steps on its DP gradient, bounded like a
-    DP step from ``max_norm`` (the total clip, >= the head's share) and the reply's sigma/q.
+    DP step from ``max_norm`` (the total clip, >= the head's share) and the reply's sigma/q;
+    ``"momentum"``: heavy-ball steps ``v <- head_momentum v + g``, whose velocity (kept across a
+    site's rounds) is at most ``1 / (1 - head_momentum)`` times that step bound.
     """
 
     lr: float
@@ -150,7 +156,8 @@ class UpdateBound:
     bias_correction: bool = True
     head_lr: float | None = None
     head_betas: tuple[float, float] = (0.9, 0.999)
-    head_optimizer: Literal["adamw", "sgd"] = "adamw"
+    head_optimizer: Literal["adamw", "sgd", "momentum"] = "adamw"
+    head_momentum: float = 0.0
     max_norm: float = 0.0
     expected_batch_size: float = 0.0
     failure: float = 1e-9
@@ -160,7 +167,7 @@ class UpdateBound:
             raise ConfigError(f"optimizer={self.optimizer!r}: use 'adaptive' or 'sgd'")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ConfigError(f"lr={self.lr!r}: the sites' local lr must be finite and > 0")
-        sgd = self.optimizer == "sgd" or self.head_optimizer == "sgd"
+        sgd = self.optimizer == "sgd" or self.head_optimizer in SGD_HEADS
         if sgd and not (self.max_norm > 0 and self.expected_batch_size > 0):
             raise ConfigError(
                 f"optimizer='sgd' (or head_optimizer='sgd') needs max_norm > 0 and "
@@ -169,6 +176,8 @@ class UpdateBound:
             )
         if not 0 < self.failure < 1:
             raise ConfigError(f"failure={self.failure!r}: must be in (0, 1)")
+        if not 0 <= self.head_momentum < 1:
+            raise ConfigError(f"head_momentum={self.head_momentum!r}: must be in [0, 1)")
 
 
 @dataclass(frozen=True)
@@ -356,6 +365,9 @@ class PrismStrategy(Strategy):
             reporting another is rejected.
         dp: whether that mechanism adds noise; a DP reply must report sigma > 0.
         auto_clip: set for a run with ``max-norm = auto`` (see ``AutoClip``).
+        lr_schedule, num_rounds: the server lr of round ``t`` is
+            ``scheduled_lr(server_lr, lr_schedule, t, num_rounds)`` (run-config
+            ``server-lr-schedule``), for every mode and server optimizer.
     """
 
     def __init__(
@@ -383,7 +395,11 @@ class PrismStrategy(Strategy):
         mechanism: str = DEFAULT_MECHANISM,
         dp: bool = True,
         auto_clip: AutoClip | None = None,
+        lr_schedule: str = "constant",
+        num_rounds: int = 1,
     ) -> None:
+        scheduled_lr(server_lr, lr_schedule, 1, num_rounds)  # validates both
+        self.lr_schedule, self.num_rounds = lr_schedule, num_rounds
         self.modules, self.head, self.mode = modules, head, mode
         self.mechanism, self.dp = mechanism, dp
         self.ledger, self.run_id = ledger, run_id
@@ -501,7 +517,7 @@ class PrismStrategy(Strategy):
         b1, b2 = ub.head_betas
         head_gain = adam_gain(beta1=b1, beta2=b2, max_step=horizon(b1, b2))
         head_size = sum(self._broadcast[HEAD_PREFIX + n].numel() for n in self.head)
-        if ub.head_optimizer == "sgd":
+        if ub.head_optimizer in SGD_HEADS:
             head_size = 0  # an SGD head's bound needs the reply's sigma and q (_head_sgd_bound)
         if self.mode == "tangent":
             if ub.optimizer == "sgd":
@@ -547,9 +563,12 @@ class PrismStrategy(Strategy):
 
         One step is ``head_lr (sum_i alpha_i g_i + sigma C xi) / b`` with every example's head
         gradient clipped to at most C (``dp_step_norm_bound`` over the head's coordinates).
+        With momentum ``beta`` the step is ``head_lr v_t``, ``v_t = sum_s beta^(t-s) g_s`` over
+        every DP gradient the site has released in this run at the same sigma, q and C, so
+        ``|v_t| <= G / (1 - beta)`` for the same per-step bound ``G``.
         """
         ub = self.update_bound
-        if ub is None or ub.head_optimizer != "sgd" or not self.head:
+        if ub is None or ub.head_optimizer not in SGD_HEADS or not self.head:
             return 0.0
         step = dp_step_norm_bound(
             max_norm=self._clip_of(facts),
@@ -560,7 +579,8 @@ class PrismStrategy(Strategy):
             failure=ub.failure / self.local_steps,
         )
         head_lr = ub.lr if ub.head_lr is None else ub.head_lr
-        return head_lr * self.local_steps * step
+        velocity = 1.0 / (1.0 - ub.head_momentum) if ub.head_optimizer == "momentum" else 1.0
+        return head_lr * self.local_steps * step * velocity
 
     def _clip_of(self, facts: dict[str, Any]) -> float:
         """The clip C to bound a reply's DP steps with: its ``max-norm`` fact, never above the
@@ -1114,7 +1134,9 @@ class PrismStrategy(Strategy):
         if not all(torch.isfinite(v).all() for v in means.values()):
             reason = "the aggregated update is not finite"
         else:
-            new = self._apply(means)
+            t = summary.server_round
+            lr = scheduled_lr(self.server_lr, self.lr_schedule, t, self.num_rounds)
+            new = self._apply(means, lr)
             if not all(torch.isfinite(v).all() for v in new.values()):
                 reason = "the retracted adapter is not finite"
             else:
@@ -1148,27 +1170,28 @@ class PrismStrategy(Strategy):
         std = aggregate_noise_std(weights, [s for _, s in self._noise])
         return self.local_lr * math.sqrt(self.local_steps) * std
 
-    def _apply(self, means: dict[str, Tensor]) -> dict[str, Tensor]:
+    def _apply(self, means: dict[str, Tensor], lr: float) -> dict[str, Tensor]:
+        """The next global arrays from this round's means, with server lr ``lr``."""
         if self.mode == "tangent":
-            return self._apply_tangent(means)
+            return self._apply_tangent(means, lr)
         new: dict[str, Tensor] = {}
         for module in self.modules:
             A, B = self._broadcast[key(module, "A")], self._broadcast[key(module, "B")]
             if self.mode == "tangent":
                 dA, dB = means[key(module, "dA")], means[key(module, "dB")]
-                A_new, B_new = retract(A, B, dA, dB, self.server_lr)
+                A_new, B_new = retract(A, B, dA, dB, lr)
             else:
-                A_new = A + self.server_lr * (means[key(module, "A")] - A)
-                B_new = B + self.server_lr * (means[key(module, "B")] - B)
+                A_new = A + lr * (means[key(module, "A")] - A)
+                B_new = B + lr * (means[key(module, "B")] - B)
             new[key(module, "A")] = A_new.to(torch.float32).contiguous()
             new[key(module, "B")] = B_new.to(torch.float32).contiguous()
         for name in self.head:
             value = self._broadcast[HEAD_PREFIX + name]
             delta = means[HEAD_PREFIX + name] - value
-            new[HEAD_PREFIX + name] = (value + self.server_lr * delta).contiguous()
+            new[HEAD_PREFIX + name] = (value + lr * delta).contiguous()
         return new
 
-    def _apply_tangent(self, means: dict[str, Tensor]) -> dict[str, Tensor]:
+    def _apply_tangent(self, means: dict[str, Tensor], lr: float) -> dict[str, Tensor]:
         """The server optimizer's step (``server.optimizer``) from the aggregated tangent update."""
         points = {
             m: Point(self._broadcast[key(m, "A")], self._broadcast[key(m, "B")])
@@ -1178,7 +1201,7 @@ class PrismStrategy(Strategy):
         values = {n: self._broadcast[HEAD_PREFIX + n] for n in self.head}
         deltas = {n: means[HEAD_PREFIX + n] for n in self.head}
         moved, head = self.optimizer.step(
-            points, updates, values, deltas, noise_std=self._aggregate_noise_std()
+            points, updates, values, deltas, noise_std=self._aggregate_noise_std(), lr=lr
         )
         new: dict[str, Tensor] = {}
         for m in self.modules:
@@ -1263,13 +1286,14 @@ class PrismStrategy(Strategy):
     def summary(self) -> None:
         log.info(
             "PrismStrategy(mode=%s, modules=%d, head=%d, sites/round=%d, min-sites=%d, "
-            "server-lr=%s)",
+            "server-lr=%s %s)",
             self.mode,
             len(self.modules),
             len(self.head),
             self.sites_per_round,
             self.min_sites,
             self.server_lr,
+            self.lr_schedule,
         )
 
     def start(  # type: ignore[override]

@@ -209,7 +209,7 @@ def test_by_default_only_the_baselines_get_an_lr_grid(utility, tmp_path):
         ["--task", "custom", "--train", str(train), "--eval-data", str(train), "--num-labels",
          "2", "--select-rows", "10", "--out", str(tmp_path / "out")]
     )  # fmt: skip
-    assert args.grid_lr == [0.005]  # PRISM: the product's lr, chosen on public data
+    assert args.grid_lr == [0.002]  # PRISM: the product's lr, chosen on public data
     assert args.method_grid_lr == {
         "fedavg-factors": list(utility.BASELINE_GRID_LR),
         "ffa": list(utility.BASELINE_GRID_LR),

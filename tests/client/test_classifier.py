@@ -245,3 +245,44 @@ def test_head_sgd_optimizer_and_a_bad_share_are_checked(tiny_bert, sst2_rows):
     assert 0 < moved <= 0.5 * 0.5 * trainer.steps_done * 32 / trainer.expected_batch_size
     with pytest.raises(ValueError, match=r"head_max_norm=1\.0 must be < max_norm=1\.0"):
         TrainConfig(noise_multiplier=1.0, max_norm=1.0, head_max_norm=1.0)
+
+
+def test_a_momentum_head_steps_with_the_heavy_ball_velocity_of_its_dp_gradients(
+    tiny_bert, sst2_rows, monkeypatch
+):
+    """head-optimizer = momentum: step t moves the head by -lr v_t with v_t = 0.9 v_(t-1) + g_t,
+    g_t the DP gradient the mechanism released (read where the optimizer receives it); the
+    velocity persists from one ``train`` call (a round) to the next."""
+    lm = load_model(ModelConfig(model=tiny_bert, rank=2))
+    ds = TokenizedDataset(sst2_rows[:32], lm.tokenizer, "seq-cls", max_length=24)
+    config = TrainConfig(
+        noise_multiplier=1.0,
+        max_norm=1.0,
+        head_max_norm=0.5,
+        head_optimizer="momentum",
+        head_lr=0.5,
+        batch_size=8,
+        seed=0,
+        progress=False,
+    )
+    trainer = PrivateTrainer(lm, ds, config)
+    weight = lm.model.head.weight
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # (DP gradient, head before the step)
+    step = torch.optim.SGD.step
+
+    def spy(self, *args, **kwargs):
+        seen.append((weight.grad.detach().clone(), weight.detach().clone()))
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.SGD, "step", spy)
+    trainer.train(2)
+    trainer.train(1)  # the next round: same trainer, same velocity
+    after = weight.detach().clone()
+    assert len(seen) == 3
+    velocity = torch.zeros_like(after)
+    for t, (grad, before) in enumerate(seen):
+        velocity = 0.9 * velocity + grad
+        end = seen[t + 1][1] if t + 1 < len(seen) else after
+        torch.testing.assert_close(end - before, -0.5 * velocity, atol=1e-6, rtol=1e-5)
+    plain = -0.5 * seen[2][0]
+    assert float((after - seen[2][1] - plain).norm()) > 1e-3  # not a plain SGD step

@@ -182,7 +182,7 @@ def test_resume_refuses_a_run_dir_of_another_configuration(tmp_path):
     with pytest.raises(ConfigError) as err:
         run_federation(None, changed)  # type: ignore[arg-type]
     message = str(err.value)
-    assert "lr: 0.005 -> 0.5" in message and "num-rounds: 30 -> 7" in message
+    assert "lr: 0.002 -> 0.5" in message and "num-rounds: 30 -> 7" in message
     assert "run-dir" in message and "model" not in message.split("differing keys:")[1]
     assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before  # nothing touched
 

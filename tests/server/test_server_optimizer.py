@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import math
 from pathlib import Path
 
 import pytest
@@ -9,7 +11,7 @@ import torch
 
 from prism_core.manifold import Point, Tangent
 from server.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from server.optimizer import ServerOptimizer, ServerOptimizerConfig
+from server.optimizer import ServerOptimizer, ServerOptimizerConfig, scheduled_lr
 
 MODULES, HEAD = ["l0.q", "l0.v"], ["classifier.weight"]
 
@@ -127,3 +129,19 @@ def test_a_checkpoint_of_another_kind_is_refused() -> None:
     other = ServerOptimizer(ServerOptimizerConfig(kind="adaptive"), MODULES, HEAD)
     with pytest.raises(ValueError, match="resume with the stored configuration"):
         other.load_state_dict(tensors, meta)
+
+
+def test_the_cosine_schedule_has_its_closed_form_values():
+    """eta_t = eta (1 + cos(pi (t - 1) / T)) / 2: eta in round 1, eta / 2 at t = T / 2 + 1,
+    decreasing, > 0 in round T, and held at that value past T; constant is eta every round."""
+    T, eta = 30, 0.8
+    values = [scheduled_lr(eta, "cosine", t, T) for t in range(1, T + 3)]
+    assert values[0] == pytest.approx(eta, abs=1e-15)
+    assert values[15] == pytest.approx(eta / 2, abs=1e-12)  # t = 16: cos(pi / 2) = 0
+    assert values[T - 1] == pytest.approx(eta * (1 + math.cos(math.pi * 29 / 30)) / 2, abs=1e-15)
+    assert 0 < values[T - 1] < 0.01 * eta
+    assert all(a > b for a, b in itertools.pairwise(values[:T]))
+    assert values[T] == values[T + 1] == values[T - 1]
+    assert {scheduled_lr(eta, "constant", t, T) for t in range(1, T + 1)} == {eta}
+    with pytest.raises(ValueError, match="num_rounds"):
+        scheduled_lr(eta, "cosine", 1, 0)

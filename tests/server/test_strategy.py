@@ -12,7 +12,7 @@ from client.protocol import ACCOUNTING, CONFIG, ROUND_NONCE, SERVER_ROUND, UPDAT
 from prism_core.accounting import PrivacyEvent, epsilon
 from prism_core.manifold import project_dense, tangent_displacement, tangent_to_dense
 from server.ledger import Ledger
-from server.strategy import PrismStrategy
+from server.strategy import PrismStrategy, UpdateBound
 
 MODULES = ["layer.0.q", "layer.0.v"]
 SHAPES = {"layer.0.q": (12, 10, 3), "layer.0.v": (12, 10, 3)}
@@ -262,17 +262,21 @@ def test_exhausted_sites_are_never_selected_again_and_the_run_ends_cleanly(tmp_p
     assert set(result.arrays.keys()) == set(glob)
 
 
-def test_factor_average_mode_is_fedavg_of_factors(tmp_path):
-    glob = _global()
+def _factor_payloads(glob):
+    """Three sites' ends as factor-average replies (what a fedavg-factors site, dp-adamw, runs)."""
     ends = _site_ends(glob, 3, seed=4)
     payloads = []
     for i, end in enumerate(ends):
         arrays = {}
         for module in MODULES:
             arrays[key(module, "A")], arrays[key(module, "B")] = end[module]
-        payloads.append((arrays, _facts(f"s{i}")))
-    for _, facts in payloads:
-        facts["mechanism"] = "factor-gaussian"  # what a fedavg-factors site runs (dp-adamw)
+        payloads.append((arrays, {**_facts(f"s{i}"), "mechanism": "factor-gaussian"}))
+    return ends, payloads
+
+
+def test_factor_average_mode_is_fedavg_of_factors(tmp_path):
+    glob = _global()
+    ends, payloads = _factor_payloads(glob)
     strategy, _ = _strategy(tmp_path, mode="factor-average", mechanism="factor-gaussian")
     new, _ = _round(strategy, glob, payloads)
     new = new.to_torch_state_dict()
@@ -370,3 +374,89 @@ def test_weights_never_come_from_facts_that_do_not_match_the_run(tmp_path, fact,
     _, metrics = _round(strategy, glob, payloads)
     assert metrics["sites-accepted"] == 2
     assert metrics["rejected-facts-mismatch"] == 1
+
+
+def _round_at(strategy, glob, payloads, server_round):
+    requests = list(
+        strategy.configure_train(
+            server_round, ArrayRecord(glob), ConfigRecord(), _Grid([11, 12, 13])
+        )
+    )
+    replies = [_reply(req, *payload) for req, payload in zip(requests, payloads, strict=True)]
+    return strategy.aggregate_train(server_round, replies)
+
+
+@pytest.mark.parametrize(("server_round", "eta"), [(1, 1.0), (3, 0.5)])
+def test_a_cosine_schedule_scales_the_tangent_step_of_the_round(tmp_path, server_round, eta):
+    """Round t of T = 4 with server-lr 1: cos(pi (t - 1) / 4) annealing gives 1 in round 1 and
+    exactly 1/2 in round 3; the new Z is the truncated dense SVD of Z + eta * mean dZ."""
+    glob = _global()
+    payloads = _noisy_payloads(glob, [1.0, 1.0, 1.0])
+    for _, facts in payloads:
+        facts["steps"] = 2
+    strategy, _ = _strategy(tmp_path, aggregation="uniform", lr_schedule="cosine", num_rounds=4)
+    new, metrics = _round_at(strategy, glob, payloads, server_round)
+    assert metrics["applied"] == 1
+    new = new.to_torch_state_dict()
+    for module in MODULES:
+        A, B = glob[key(module, "A")].double(), glob[key(module, "B")].double()
+        mean = [
+            sum(p[0][key(module, part)].double() for p in payloads) / 3 for part in ("dA", "dB")
+        ]
+        want = _best_rank_r(A, B, *mean, eta)
+        got = new[key(module, "A")].double() @ new[key(module, "B")].double().T
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        if eta != 1.0:  # and measurably not the unscheduled step
+            assert float((got - _best_rank_r(A, B, *mean, 1.0)).abs().max()) > 1e-3
+
+
+def test_a_cosine_schedule_scales_the_factor_average_step(tmp_path):
+    """The baselines get the same schedule: round 3 of 4 moves A half way to the sites' mean."""
+    glob = _global()
+    ends, payloads = _factor_payloads(glob)
+    strategy, _ = _strategy(
+        tmp_path,
+        mode="factor-average",
+        mechanism="factor-gaussian",
+        lr_schedule="cosine",
+        num_rounds=4,
+    )
+    new, _ = _round_at(strategy, glob, payloads, 3)
+    new = new.to_torch_state_dict()
+    for module in MODULES:
+        A = glob[key(module, "A")]
+        mean_A = sum(e[module][0] for e in ends) / 3
+        torch.testing.assert_close(
+            new[key(module, "A")], A + 0.5 * (mean_A - A), rtol=1e-6, atol=1e-6
+        )
+
+
+def test_an_unknown_server_lr_schedule_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="server lr schedule 'step'"):
+        _strategy(tmp_path, lr_schedule="step", num_rounds=4)
+
+
+def test_a_momentum_head_may_move_ten_times_one_sgd_steps_bound(tmp_path):
+    """Heavy ball with beta 0.9 sums the site's DP gradients with weights 0.9^k: at most
+    1 / (1 - 0.9) = 10 times one step's bound, for the same reported sigma, q and C."""
+    facts = {**_facts("site-0"), "sigma": 1.3, "q": 0.1}
+    bounds = {}
+    for optimizer, momentum in (("sgd", 0.0), ("momentum", 0.9)):
+        strategy, _ = _strategy(
+            tmp_path / optimizer,
+            head=["weight"],
+            max_norm=0.05,
+            expected_batch_size=16,
+            update_bound=UpdateBound(
+                lr=0.01,
+                max_norm=0.05,
+                expected_batch_size=16,
+                head_lr=2.0,
+                head_optimizer=optimizer,
+                head_momentum=momentum,
+            ),
+        )
+        strategy._broadcast = {"head/weight": torch.zeros(2, 8)}
+        bounds[optimizer] = strategy._head_sgd_bound(facts)
+    assert bounds["sgd"] > 0
+    assert bounds["momentum"] == pytest.approx(10.0 * bounds["sgd"], rel=1e-12)

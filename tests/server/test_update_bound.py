@@ -257,13 +257,22 @@ def test_sgd_bound_follows_the_reported_noise_and_rejects_past_it(tmp_path):
         assert metrics["sites-accepted"] == accepted, strategy.summaries[-1].rejected
 
 
-@pytest.mark.parametrize("method", ["prism", "fedavg-factors"])
+@pytest.mark.parametrize(
+    ("method", "optimizer"), [("prism", "sgd"), ("fedavg-factors", "sgd"), ("prism", "momentum")]
+)
 def test_sgd_head_bound_admits_an_honest_site_and_rejects_a_pushed_head(
-    tiny_bert, tmp_path, method
+    tiny_bert, tmp_path, method, optimizer
 ):
     """A DP head on plain SGD (its own clip share and lr): the honest round passes; the same
-    reply with the head moved 1.5x past ``head_lr tau`` x (one DP step's bound) is rejected."""
-    head = {"lora-head": "train", "head-optimizer": "sgd", "head-lr": 2.0, "head-max-norm": 0.3}
+    reply with the head moved 1.5x past ``head_lr tau`` x (one DP step's bound) is rejected.
+    With heavy-ball momentum 0.9 the velocity (carried from round 1 into round 2) can reach
+    1 / (1 - 0.9) = 10 steps' bound: the same checks against 10x the SGD bound."""
+    head = {
+        "lora-head": "train",
+        "head-optimizer": optimizer,
+        "head-lr": 2.0,
+        "head-max-norm": 0.3,
+    }
     run = _run(tiny_bert, 0, method=method, **head)
     node = parse_config(
         SiteConfig,
@@ -282,7 +291,8 @@ def test_sgd_head_bound_admits_an_honest_site_and_rejects_a_pushed_head(
         max_norm=run.max_norm,
         expected_batch_size=run.batch_size,
         head_lr=run.head_learning_rate,
-        head_optimizer="sgd",
+        head_optimizer=optimizer,
+        head_momentum=0.9 if optimizer == "momentum" else 0.0,
     )
     _, metrics = _one_round(strategy, site, 1)
     assert metrics["sites-accepted"] == 1, strategy.summaries[-1].rejected
@@ -301,7 +311,8 @@ def test_sgd_head_bound_admits_an_honest_site_and_rejects_a_pushed_head(
         dimension=sum(p.numel() for _, p in head_named(site.loaded)),
         failure=1e-9 / run.local_steps,
     )
-    bound = run.head_learning_rate * run.local_steps * step
+    velocity = 10.0 if optimizer == "momentum" else 1.0  # 1 / (1 - beta), beta = 0.9
+    bound = run.head_learning_rate * run.local_steps * step * velocity
     names = [f"head/{n}" for n in strategy.head]
     start = {
         k: broadcast[k] if method != "prism" else torch.zeros_like(broadcast[k]) for k in names

@@ -15,7 +15,7 @@ equivalent mutant (same behaviour as the original); ``EQUIVALENT`` and docs/test
 case of a string or wrap it in ``XX`` (error-message text that keeps every word) are counted
 apart as "message text". The script exits 1 when any other mutant survived.
 
-Usage: ``python tools/mutation.py [--jobs N] [NAME ...]`` with NAME from ``MODULES``.
+Usage: ``python tests/mutation.py [--jobs N] [NAME ...]`` with NAME from ``MODULES``.
 """
 
 from __future__ import annotations
