@@ -187,3 +187,34 @@ def test_a_site_that_requires_secure_randomness_refuses_any_secret_and_says_wher
     assert f"site 'site-0': {where} asks for reproducible randomness" in message
     assert f"remove the secret ({where})" in message and "require-secure-rng=false" in message
     assert SECRET not in message
+
+
+@pytest.mark.parametrize(
+    ("node", "missing"),
+    [
+        ({"site-id": "h"}, "epsilon-cap, delta, state-dir"),
+        ({"site-id": "h", "epsilon-cap": 2.0, "delta": 1e-6}, "state-dir"),
+        ({"site-id": "h", "epsilon-cap": 2.0, "state-dir": "/s"}, "delta"),
+        ({"site-id": "h", "delta": 1e-6, "state-dir": "/s"}, "epsilon-cap"),
+        # a data file makes a site deployed even with a partition id
+        ({"partition-id": 0, "data-path": "/d.jsonl"}, "epsilon-cap, delta, state-dir"),
+    ],
+)
+def test_a_deployed_site_without_its_cap_delta_or_state_dir_does_not_start(node, missing):
+    with pytest.raises(ConfigError) as info:
+        site_policy(_node(**node), run_dir="/run")
+    message = str(info.value)
+    name = node.get("site-id", "site-0")
+    assert f"node config of deployed site '{name}' lacks {missing}: " in message
+    assert "--node-config" in message  # and where to set them
+
+
+def test_a_deployed_site_refuses_a_secret_by_default_and_only_an_explicit_opt_out_allows_it(
+    tmp_path,
+):
+    deployed = {"site-id": "h", "epsilon-cap": 2.0, "delta": 1e-6, "state-dir": str(tmp_path)}
+    with pytest.raises(ConfigError, match="require-secure-rng is true"):
+        site_policy(_node(**deployed), env_secret=SECRET)
+    assert site_policy(_node(**deployed)).rng == RNG_SECURE  # no secret: fine
+    opted_out = site_policy(_node(**deployed, **{"require-secure-rng": False}), env_secret=SECRET)
+    assert opted_out.rng == RNG_REPRODUCIBLE and opted_out.rng_secret == SECRET.encode()

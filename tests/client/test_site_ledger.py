@@ -184,3 +184,54 @@ def test_fsync_dir_is_called_on_create_only(tmp_path, monkeypatch):
     ledger.charge(_entry(1))
     ledger.charge(_entry(2))
     assert seen == [tmp_path]
+
+
+# -- from mutation testing (docs/testing.md): what the site's accounting reads -----------------
+
+
+def test_events_and_epsilon_come_from_every_charged_entry_with_steps(tmp_path):
+    from prism_core.accounting import PrivacyEvent, epsilon
+
+    ledger = SiteLedger(tmp_path)
+    ledger.charge(SiteLedgerEntry(1, "prism-tangent-gaussian", 1.1, 0.05, 5, 1e-5))
+    ledger.charge(SiteLedgerEntry(2, "prism-tangent-gaussian", 0.9, 0.02, 0, 1e-5))  # no steps
+    ledger.charge(SiteLedgerEntry(3, "prism-tangent-gaussian", 2.0, 0.1, 1, 1e-5))
+    # the entries are current right after each charge, without a reload
+    assert [e.server_round for e in ledger.entries()] == [1, 2, 3]
+    expected = [PrivacyEvent(1.1, 0.05, 5), PrivacyEvent(2.0, 0.1, 1)]
+    assert ledger.events() == expected
+    assert ledger.epsilon(1e-5) == pytest.approx(epsilon(expected, 1e-5), rel=1e-12)
+    assert ledger.epsilon(1e-5) > epsilon(expected[:1], 1e-5) > 0  # every event counts
+
+
+def test_reload_sees_a_charge_made_by_another_process_of_the_site(tmp_path):
+    first, other = SiteLedger(tmp_path), SiteLedger(tmp_path)
+    first.charge(_entry(1))
+    other.charge(_entry(2))  # e.g. the next round's ClientApp process
+    assert first.entries() == [_entry(1)]
+    first.reload()
+    assert first.entries() == [_entry(1), _entry(2)]
+
+
+def test_a_blank_line_between_entries_loses_no_entry_after_it(tmp_path):
+    path = tmp_path / SiteLedger.FILE
+    path.write_bytes(_line(_entry(1)) + b"\n" + _line(_entry(2)))
+    assert SiteLedger(tmp_path).entries() == [_entry(1), _entry(2)]
+
+
+def test_a_damaged_line_names_every_problem_and_the_json_type_it_found(tmp_path):
+    path, data = _valid_file(tmp_path)
+    bad = b'{"extra": 1, ' + json.dumps(asdict(_entry(3)) | {"q": 2.0})[1:].encode() + b"\n"
+    _assert_refused_unchanged(tmp_path, path, data + bad, 3, "unknown fields ['extra']")
+    with pytest.raises(ConfigError, match=r"q=2\.0 must be in \(0, 1\]"):
+        SiteLedger(tmp_path)  # a field after the unknown one is still checked
+    _assert_refused_unchanged(tmp_path, path, b'"text"\n' + data, 1, "found str")
+
+
+def test_charging_over_a_torn_line_warns_with_the_file(tmp_path, caplog):
+    path, data = _valid_file(tmp_path)
+    path.write_bytes(data + b'{"delta": 1e-05, "mech')
+    ledger = SiteLedger(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="client.site_ledger"):
+        ledger.charge(_entry(3))
+    assert f"{path}: removing the incomplete last line" in caplog.text
