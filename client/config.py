@@ -27,6 +27,9 @@ from prism_core.quantile import clip_range
 HEAD_MOMENTUM = 0.9
 """Heavy-ball coefficient of ``head-optimizer = momentum`` (the sites' trainer and the
 coordinator's bound on an honest head update both read it from here)."""
+SGD_HEADS = ("sgd", "momentum")
+"""Head optimizers that step by SGD on the head's DP gradient (the trainer's ``torch.optim.SGD``;
+the coordinator bounds them from the reply's DP step)."""
 
 __all__ = [
     "AUTO_CLIP",

@@ -46,7 +46,7 @@ from torch.utils.data import Dataset
 from tqdm import tqdm
 
 from client.classifier import fold_text_rows
-from client.config import HEAD_MOMENTUM
+from client.config import HEAD_MOMENTUM, SGD_HEADS
 from client.data import IGNORE_INDEX, make_collate, micro_batches, poisson_loader
 from client.errors import ConfigError
 from client.lora import per_example_factor_grads, read_points, write_points_
@@ -397,7 +397,7 @@ class PrivateTrainer:
             self.module = GradSampleModule(model, batch_first=True, loss_reduction="sum")
             self.module.train()
         head_lr, head = cfg.head_lr or cfg.lr, self.loaded.head_params
-        sgd_head = head and cfg.head_optimizer in ("sgd", "momentum")
+        sgd_head = head and cfg.head_optimizer in SGD_HEADS
         head_opt = _head_optimizer(head, cfg) if sgd_head else None
         if cfg.method == "prism":
             self.states: list[AdaptiveState] = [

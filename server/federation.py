@@ -33,7 +33,7 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy.result import Result
 
-from client.config import HEAD_MOMENTUM, RunConfig, site_method
+from client.config import RunConfig, site_method
 from client.data import load_examples
 from client.durable import atomic_write
 from client.evaluate import evaluate
@@ -226,7 +226,6 @@ def run_federation(grid: Grid, run: RunConfig) -> Path:
             expected_batch_size=run.batch_size,
             head_lr=run.head_learning_rate,
             head_optimizer=run.head_optimizer,
-            head_momentum=HEAD_MOMENTUM if run.head_optimizer == "momentum" else 0.0,
         ),
         # what the sites must report: the mechanism the run's method runs there
         mechanism=MECHANISMS[site_method(run.method)],

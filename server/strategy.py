@@ -51,6 +51,7 @@ from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.result import Result
 from torch import Tensor
 
+from client.config import HEAD_MOMENTUM, SGD_HEADS
 from client.protocol import (
     ACCOUNTING,
     ACCOUNTING_KEYS,
@@ -78,7 +79,7 @@ from prism_core.bounds import (
     round_update_norm_bound,
     tangent_dimension,
 )
-from prism_core.manifold import Point, Tangent, retract, tangent_norm_sq
+from prism_core.manifold import Point, Tangent, tangent_norm_sq
 from prism_core.mechanism import ADJACENCY
 from prism_core.quantile import QUANTILE_MECHANISM
 from server.errors import (
@@ -131,10 +132,6 @@ class RoundSummary:
         self.rejected_by_reason[exc.code] = self.rejected_by_reason.get(exc.code, 0) + 1
 
 
-SGD_HEADS = ("sgd", "momentum")
-"""Head optimizers bounded from the reply's DP step (``UpdateBound``)."""
-
-
 @dataclass(frozen=True)
 class UpdateBound:
     """What the coordinator knows of the sites' local optimizer, to bound an honest update.
@@ -145,8 +142,9 @@ class UpdateBound:
     and the factor-space baselines use torch AdamW (betas ``head_betas``, no weight decay);
     ``head_optimizer="sgd"``: the head takes plain SGD steps on its DP gradient, bounded like a
     DP step from ``max_norm`` (the total clip, >= the head's share) and the reply's sigma/q;
-    ``"momentum"``: heavy-ball steps ``v <- head_momentum v + g``, whose velocity (kept across a
-    site's rounds) is at most ``1 / (1 - head_momentum)`` times that step bound.
+    ``"momentum"``: heavy-ball steps ``v <- beta v + g`` with the sites' ``beta =
+    client.config.HEAD_MOMENTUM``, whose velocity (kept across a site's rounds) is at most
+    ``1 / (1 - beta)`` times that step bound.
     """
 
     lr: float
@@ -157,7 +155,6 @@ class UpdateBound:
     head_lr: float | None = None
     head_betas: tuple[float, float] = (0.9, 0.999)
     head_optimizer: Literal["adamw", "sgd", "momentum"] = "adamw"
-    head_momentum: float = 0.0
     max_norm: float = 0.0
     expected_batch_size: float = 0.0
     failure: float = 1e-9
@@ -176,8 +173,6 @@ class UpdateBound:
             )
         if not 0 < self.failure < 1:
             raise ConfigError(f"failure={self.failure!r}: must be in (0, 1)")
-        if not 0 <= self.head_momentum < 1:
-            raise ConfigError(f"head_momentum={self.head_momentum!r}: must be in [0, 1)")
 
 
 @dataclass(frozen=True)
@@ -579,7 +574,7 @@ class PrismStrategy(Strategy):
             failure=ub.failure / self.local_steps,
         )
         head_lr = ub.lr if ub.head_lr is None else ub.head_lr
-        velocity = 1.0 / (1.0 - ub.head_momentum) if ub.head_optimizer == "momentum" else 1.0
+        velocity = 1.0 / (1.0 - HEAD_MOMENTUM) if ub.head_optimizer == "momentum" else 1.0
         return head_lr * self.local_steps * step * velocity
 
     def _clip_of(self, facts: dict[str, Any]) -> float:
@@ -1175,14 +1170,10 @@ class PrismStrategy(Strategy):
         if self.mode == "tangent":
             return self._apply_tangent(means, lr)
         new: dict[str, Tensor] = {}
-        for module in self.modules:
+        for module in self.modules:  # factor-average: FedAvg step of A and B
             A, B = self._broadcast[key(module, "A")], self._broadcast[key(module, "B")]
-            if self.mode == "tangent":
-                dA, dB = means[key(module, "dA")], means[key(module, "dB")]
-                A_new, B_new = retract(A, B, dA, dB, lr)
-            else:
-                A_new = A + lr * (means[key(module, "A")] - A)
-                B_new = B + lr * (means[key(module, "B")] - B)
+            A_new = A + lr * (means[key(module, "A")] - A)
+            B_new = B + lr * (means[key(module, "B")] - B)
             new[key(module, "A")] = A_new.to(torch.float32).contiguous()
             new[key(module, "B")] = B_new.to(torch.float32).contiguous()
         for name in self.head:

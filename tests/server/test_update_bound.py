@@ -292,7 +292,6 @@ def test_sgd_head_bound_admits_an_honest_site_and_rejects_a_pushed_head(
         expected_batch_size=run.batch_size,
         head_lr=run.head_learning_rate,
         head_optimizer=optimizer,
-        head_momentum=0.9 if optimizer == "momentum" else 0.0,
     )
     _, metrics = _one_round(strategy, site, 1)
     assert metrics["sites-accepted"] == 1, strategy.summaries[-1].rejected
