@@ -485,7 +485,7 @@ class PrivateTrainer:
             frames = step_frames(points)
         acc, total = None, 0.0
         split = {"euclidean_max_norm": cfg.head_max_norm} if head and cfg.head_max_norm else {}
-        for micro in micro_batches(batch, cfg.micro_batch_size):
+        for micro in micro_batches(batch, cfg.micro_batch_size, by_length=True):
             total += self._backward(micro)
             grads, head_grads = self._example_grads(int(micro["labels"].shape[0]))
             acc = clip(
@@ -560,7 +560,7 @@ class PrivateTrainer:
         total, count = 0.0, 0
         n_head = len(self.loaded.head_params)
         split = {"euclidean_max_norm": cfg.head_max_norm} if n_head and cfg.head_max_norm else {}
-        for micro in micro_batches(batch, cfg.micro_batch_size):
+        for micro in micro_batches(batch, cfg.micro_batch_size, by_length=True):
             total += self._backward(micro)
             n = int(micro["labels"].shape[0])
             count += n
@@ -590,7 +590,7 @@ class PrivateTrainer:
     def _nondp_step(self, batch: dict[str, Tensor]) -> float:
         count = int(batch["labels"].shape[0])
         total = 0.0
-        for micro in micro_batches(batch, self.config.micro_batch_size):
+        for micro in micro_batches(batch, self.config.micro_batch_size, by_length=True):
             losses = per_example_loss(self.module, micro, self.task)
             (losses.sum() / count).backward()
             total += float(losses.detach().sum())
@@ -616,7 +616,7 @@ class PrivateTrainer:
         frames = step_frames(points) if self.config.method == "prism" else None
         count = below = 0
         with self._autocast():
-            for micro in micro_batches(batch, self.config.micro_batch_size):
+            for micro in micro_batches(batch, self.config.micro_batch_size, by_length=True):
                 self._backward(micro)
                 n = int(micro["labels"].shape[0])
                 if frames is not None:  # as clipped_sum

@@ -442,6 +442,41 @@ def test_micro_batches_recombine(bert_tok) -> None:
         next(micro_batches(batch, 0))
 
 
+def test_length_aware_micro_batches_group_rows_by_length(bert_tok) -> None:
+    ds = _seq_cls_dataset(bert_tok, 7)  # token lengths 3, 4, 5, 6, 3, 4, 5 (with specials)
+    batch = make_collate(bert_tok, "seq-cls")([ds[i] for i in range(7)])
+    grouped = list(micro_batches(batch, 3, by_length=True))
+    assert [len(m["labels"]) for m in grouped] == [3, 3, 1]
+    widths = [m["input_ids"].shape[1] for m in grouped]
+    assert widths == [4, 5, 6]  # each trimmed to its own longest row, shortest rows first
+    padded = sum(m["input_ids"].numel() for m in grouped)
+    in_order = sum(m["input_ids"].numel() for m in micro_batches(batch, 3))
+    assert padded == 3 * 4 + 3 * 5 + 6 < in_order == 3 * 5 + 3 * 6 + 5
+    lengths = batch["attention_mask"].sum(dim=1)  # the same rows, each exactly once
+    seen = sorted(
+        (tuple(m["input_ids"][i, : int(m["attention_mask"][i].sum())].tolist()),
+         int(m["labels"][i]))
+        for m in grouped for i in range(len(m["labels"]))
+    )  # fmt: skip
+    want = sorted(
+        (tuple(batch["input_ids"][i, : int(lengths[i])].tolist()), int(batch["labels"][i]))
+        for i in range(7)
+    )
+    assert seen == want
+    one = list(micro_batches(batch, 7, by_length=True))  # one micro-batch: rows keep their order
+    assert torch.equal(one[0]["input_ids"], batch["input_ids"])
+
+
+def test_length_aware_micro_batches_use_the_longer_text_of_a_pair(bert_tok) -> None:
+    mask = torch.zeros(4, 2, 6, dtype=torch.long)
+    for row, (a, b) in enumerate([(6, 1), (2, 2), (1, 5), (3, 1)]):  # longer text: 6, 2, 5, 3
+        mask[row, 0, :a], mask[row, 1, :b] = 1, 1
+    batch = {"attention_mask": mask, "input_ids": mask * 7, "labels": torch.arange(4)}
+    grouped = list(micro_batches(batch, 2, by_length=True))
+    assert [m["labels"].tolist() for m in grouped] == [[1, 3], [2, 0]]
+    assert [m["input_ids"].shape[-1] for m in grouped] == [3, 6]
+
+
 # --------------------------------------------------------------------------------- partitions
 
 

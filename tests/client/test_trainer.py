@@ -114,6 +114,41 @@ def test_adding_one_example_moves_the_clipped_sum_by_at_most_C(tiny_bert, sst2_r
     assert diff_sq.sqrt().item() >= C * 0.99  # and the clipped example does contribute C
 
 
+@pytest.mark.parametrize("C", [1e-3, 10.0])  # every example clipped / none clipped
+def test_length_aware_micro_batches_give_the_same_clipped_sum(C, tiny_bert, sst2_rows, monkeypatch):
+    """Grouping the batch's rows by length (the trainer's default) changes only the order and
+    the padding of the terms: the clipped sum, its count and its clip count are those of the
+    batch split in its own order, within float tolerance."""
+    import client.trainer as trainer_module
+
+    lm = load_model(ModelConfig(model=tiny_bert, rank=4))
+    rows = sst2_rows[:11]
+    lengths = [len(r["text"].split()) for r in rows]
+    assert len(set(lengths)) > 3  # rows of different lengths: the grouping does reorder them
+    trainer = PrivateTrainer(
+        lm,
+        _dataset(lm, sst2_rows[:40]),
+        TrainConfig(noise_multiplier=1.0, max_norm=C, batch_size=8, micro_batch_size=3,
+                    progress=False),
+    )  # fmt: skip
+    points, batch = read_points(lm.handles), _batch(lm, rows)
+    grouped, loss_grouped = trainer.clipped_sum(batch, points)
+    split = trainer_module.micro_batches
+
+    def in_order(batch, size, **kwargs):
+        return split(batch, size, **(kwargs | {"by_length": False}))
+
+    monkeypatch.setattr(trainer_module, "micro_batches", in_order)
+    plain, loss_plain = trainer.clipped_sum(batch, points)
+    assert (grouped.count, grouped.clipped) == (plain.count, plain.clipped) == (11, grouped.clipped)
+    assert loss_grouped == pytest.approx(loss_plain, rel=1e-5)
+    for a, b in zip(grouped.sums, plain.sums, strict=True):
+        for x, y in ((a.dA, b.dA), (a.dB, b.dB)):
+            assert (x - y).norm() <= 1e-5 * y.norm() + 1e-8
+    for x, y in zip(grouped.euclidean, plain.euclidean, strict=True):
+        assert (x - y).norm() <= 1e-5 * y.norm() + 1e-8
+
+
 def test_account_matches_opacus_prv_and_cap_is_never_exceeded(tiny_bert, sst2_rows):
     lm = load_model(ModelConfig(model=tiny_bert, rank=4))
     config = TrainConfig(
