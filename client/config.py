@@ -154,6 +154,12 @@ class RunConfig(_Kebab):
         "adaptive transform with DP-aware floors (prism only)",
     )
     round_timeout: float = Field(3600.0, gt=0, description="seconds to wait for replies")
+    connect_timeout: float = Field(
+        600.0,
+        gt=0,
+        description="seconds the coordinator waits for min-sites sites to connect before a round;"
+        " then it stops with an error (rounds already applied stay checkpointed)",
+    )
 
     # -- seq-cls classifier: pooling, text pairs, the head's public start and its DP training
     # (client.classifier, client.model; the head's clip share and optimizer: client.trainer)

@@ -53,7 +53,7 @@ from client.model import LoadedModel, ModelConfig, load_model
 from client.policy import SitePolicy
 from client.protocol import HEAD_PREFIX, REFUSAL_REASONS, STATUS_OK, STATUS_REFUSED, key
 from client.site_ledger import SiteLedger, SiteLedgerEntry
-from client.synthetic import synthetic_examples
+from client.synthetic import synthetic_examples, synthetic_stream
 from client.testhooks import pause_point
 from client.trainer import MECHANISMS, PrivateTrainer, StepResult, TrainConfig, noise_records
 from prism_core.accounting import (
@@ -112,7 +112,7 @@ def site_examples(run: RunConfig, site: SiteConfig) -> list[dict[str, Any]]:
     if site.partition_id < 0 or site.num_partitions < 1:
         raise ConfigError("node config needs data-path, or partition-id and num-partitions")
     if run.data == "synthetic":
-        seed = run.seed * 1000 + site.partition_id
+        seed = synthetic_stream(run.seed, f"site-{site.partition_id}")
         return synthetic_examples(run.synthetic_examples, seed=seed)
     rows = load_examples(run.data, run.task, num_labels=_num_labels(run))
     if run.partitioner == "iid":

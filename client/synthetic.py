@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 
-__all__ = ["synthetic_examples"]
+__all__ = ["synthetic_examples", "synthetic_stream"]
 
 _SUBJECTS = (
     "the nurse",
@@ -54,14 +54,22 @@ _ENDINGS = (
 )
 
 
+def synthetic_stream(run_seed: int, part: str) -> str:
+    """The seed of one draw of the built-in task in a run: a site's partition (``"site-3"``) or
+    the coordinator's held-out set (``"server-eval"``). A name, not arithmetic: ``seed * 1000 +
+    partition`` collided with the held-out draw at partition 999 and across run seeds."""
+    return f"prism-fl synthetic {run_seed} {part}"
+
+
 def synthetic_examples(
-    n: int, *, seed: int = 0, label_noise: float = 0.05
+    n: int, *, seed: int | str = 0, label_noise: float = 0.05
 ) -> list[dict[str, object]]:
     """``n`` rows ``{"text": str, "label": 0 | 1}`` from a seeded generator.
 
     Args:
         n: number of rows.
-        seed: generator seed; equal seeds give identical rows.
+        seed: generator seed; equal seeds give identical rows. A string names a stream
+            (:func:`synthetic_stream`): distinct names never share rows by arithmetic accident.
         label_noise: probability that a row's label is flipped.
     """
     if n < 1:

@@ -9,6 +9,7 @@ __all__ = [
     "LedgerError",
     "ReplyError",
     "ServerError",
+    "SitesUnavailableError",
 ]
 
 
@@ -34,6 +35,10 @@ class LedgerConflictError(LedgerError):
 
 class ConfigError(ServerError, ValueError):
     """A server setting is invalid or inconsistent."""
+
+
+class SitesUnavailableError(ServerError):
+    """Fewer than ``min-sites`` sites connected within ``connect-timeout``: the run stops."""
 
 
 class ReplyError(ServerError, ValueError):

@@ -41,7 +41,7 @@ from client.exchange import head_named, load_arrays, to_arrays
 from client.export import export_adapter
 from client.model import LoadedModel, load_model
 from client.site import model_config
-from client.synthetic import synthetic_examples
+from client.synthetic import synthetic_examples, synthetic_stream
 from client.testhooks import pause_point
 from client.trainer import MECHANISMS
 from server.checkpoint import (
@@ -83,7 +83,7 @@ def _server_eval(run: RunConfig, loaded: LoadedModel) -> Any:
     if not run.server_eval_data:
         return None
     if run.server_eval_data == "synthetic":  # a held-out draw of the built-in task
-        examples = synthetic_examples(200, seed=run.seed * 1000 + 999)
+        examples = synthetic_examples(200, seed=synthetic_stream(run.seed, "server-eval"))
     else:
         labels = run.num_labels if run.task == "seq-cls" else None
         examples = load_examples(run.server_eval_data, run.task, num_labels=labels)
@@ -194,110 +194,116 @@ def run_federation(grid: Grid, run: RunConfig) -> Path:
     head = [name for name, _ in head_named(loaded)]
     auto_clip = _auto_clip(run)
     ledger = Ledger.open(run_dir / "ledger.sqlite")
-    run_id = run_dir.name
-    ledger.record_run(run_id, config)
-    strategy = PrismStrategy(
-        modules=modules,
-        head=head,
-        mode="tangent" if run.method == "prism" else "factor-average",
-        ledger=ledger,
-        run_id=run_id,
-        sites_per_round=run.sites_per_round,
-        min_sites=run.min_sites,
-        server_lr=run.server_lr,
-        lr_schedule=run.server_lr_schedule,
-        num_rounds=run.num_rounds,
-        local_steps=run.local_steps,
-        target_epsilon=run.target_epsilon,
-        delta=run.delta,
-        aggregation=run.aggregation,
-        # a fixed C every reply must state; with max-norm = auto, AutoClip checks its range
-        max_norm=run.max_norm if isinstance(run.max_norm, float) else None,
-        expected_batch_size=float(run.batch_size),
-        server_optimizer=ServerOptimizerConfig(kind=run.server_optimizer, lr=run.server_lr),
-        local_lr=run.lr,
-        seed=run.seed,
-        # the sites' trainer: PRISM's adaptive transform, AdamW or SGD (head-optimizer) for the
-        # head, AdamW for the baselines
-        update_bound=UpdateBound(
-            lr=run.lr,
-            # max-norm = auto: the largest clip a site's estimate can give (AutoClip.high)
-            max_norm=run.max_norm if isinstance(run.max_norm, float) else run.auto_clip_range[1],
-            expected_batch_size=run.batch_size,
-            head_lr=run.head_learning_rate,
-            head_optimizer=run.head_optimizer,
-        ),
-        # what the sites must report: the mechanism the run's method runs there
-        mechanism=MECHANISMS[site_method(run.method)],
-        dp=run.method != "nondp",
-        auto_clip=auto_clip,
-    )
-
-    first_round, initial_record, previous = 1, ArrayRecord(initial), None
-    if ckpt is not None:
-        strategy.load_state_dict(ckpt.strategy)
-        strategy.optimizer.load_state_dict(ckpt.arrays, ckpt.server_optimizer)
-        first_round = ckpt.server_round + 1
-        initial_record = ArrayRecord(
-            {k: v for k, v in ckpt.arrays.items() if not k.startswith(OPTIMIZER_STATE)}
-        )
-        previous = _previous_result(ckpt)
-        log.info("resuming run %s after round %d (%s)", run_id, ckpt.server_round, run_dir)
-        print(f"prism-fl: resuming {run_dir} at round {first_round}")
-
-    def on_round_end(
-        server_round: int, arrays: ArrayRecord, summary: RoundSummary, result: Result
-    ) -> None:
-        pause_point("before-checkpoint", server_round)
-        optimizer_tensors, optimizer_meta = strategy.optimizer.state_dict()
-        save_checkpoint(
-            run_dir,
-            Checkpoint(
-                server_round=server_round,
-                arrays={**arrays.to_torch_state_dict(), **optimizer_tensors},
-                run_config=config,
-                strategy=strategy.state_dict(),
-                server_optimizer=optimizer_meta,
-                train_metrics={r: dict(m) for r, m in result.train_metrics_clientapp.items()},
-                eval_metrics={r: dict(m) for r, m in result.evaluate_metrics_serverapp.items()},
+    try:
+        run_id = run_dir.name
+        ledger.record_run(run_id, config)
+        strategy = PrismStrategy(
+            modules=modules,
+            head=head,
+            mode="tangent" if run.method == "prism" else "factor-average",
+            ledger=ledger,
+            run_id=run_id,
+            sites_per_round=run.sites_per_round,
+            min_sites=run.min_sites,
+            connect_timeout=run.connect_timeout,
+            server_lr=run.server_lr,
+            lr_schedule=run.server_lr_schedule,
+            num_rounds=run.num_rounds,
+            local_steps=run.local_steps,
+            target_epsilon=run.target_epsilon,
+            delta=run.delta,
+            aggregation=run.aggregation,
+            # a fixed C every reply must state; with max-norm = auto, AutoClip checks its range
+            max_norm=run.max_norm if isinstance(run.max_norm, float) else None,
+            expected_batch_size=float(run.batch_size),
+            server_optimizer=ServerOptimizerConfig(kind=run.server_optimizer, lr=run.server_lr),
+            local_lr=run.lr,
+            seed=run.seed,
+            # the sites' trainer: PRISM's adaptive transform, AdamW or SGD (head-optimizer) for the
+            # head, AdamW for the baselines
+            update_bound=UpdateBound(
+                lr=run.lr,
+                # max-norm = auto: the largest clip a site's estimate can give (AutoClip.high)
+                max_norm=run.max_norm
+                if isinstance(run.max_norm, float)
+                else run.auto_clip_range[1],
+                expected_batch_size=run.batch_size,
+                head_lr=run.head_learning_rate,
+                head_optimizer=run.head_optimizer,
             ),
-        )
-        pause_point("after-checkpoint", server_round)
-        log.info(
-            "round %d: %d accepted, %d refused, %d rejected, applied=%s\n%s",
-            server_round,
-            len(summary.accepted),
-            len(summary.refused),
-            len(summary.rejected),
-            summary.applied,
-            format_round_table(round_rows(ledger, strategy.exhausted)),
+            # what the sites must report: the mechanism the run's method runs there
+            mechanism=MECHANISMS[site_method(run.method)],
+            dp=run.method != "nondp",
+            auto_clip=auto_clip,
         )
 
-    result = strategy.start(
-        grid,
-        initial_record,
-        num_rounds=run.num_rounds,
-        timeout=run.round_timeout,
-        train_config=ConfigRecord({"run-dir": str(run_dir), "run-id": run_id}),
-        evaluate_fn=_server_eval(run, loaded),
-        on_round_end=on_round_end,
-        first_round=first_round,
-        previous=previous,
-    )
-    load_arrays(loaded, result.arrays.to_torch_state_dict())
-    adapter = _export(loaded, run_dir, strategy.summaries)
-    report_files = write_reports(
-        build_report(ledger, planned_steps_per_round=run.local_steps), run_dir
-    )
-    summary = {
-        "run-id": run_id,
-        **adapter,
-        "checkpoint": {"file": CHECKPOINT, "what": RESUME_STATE_NOTE},
-        "rounds": [vars(s) for s in strategy.summaries],
-        "server-eval": {r: dict(m) for r, m in result.evaluate_metrics_serverapp.items()},
-    }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    ledger.close()
+        first_round, initial_record, previous = 1, ArrayRecord(initial), None
+        if ckpt is not None:
+            strategy.load_state_dict(ckpt.strategy)
+            strategy.optimizer.load_state_dict(ckpt.arrays, ckpt.server_optimizer)
+            first_round = ckpt.server_round + 1
+            initial_record = ArrayRecord(
+                {k: v for k, v in ckpt.arrays.items() if not k.startswith(OPTIMIZER_STATE)}
+            )
+            previous = _previous_result(ckpt)
+            log.info("resuming run %s after round %d (%s)", run_id, ckpt.server_round, run_dir)
+            print(f"prism-fl: resuming {run_dir} at round {first_round}")
+
+        def on_round_end(
+            server_round: int, arrays: ArrayRecord, summary: RoundSummary, result: Result
+        ) -> None:
+            pause_point("before-checkpoint", server_round)
+            optimizer_tensors, optimizer_meta = strategy.optimizer.state_dict()
+            save_checkpoint(
+                run_dir,
+                Checkpoint(
+                    server_round=server_round,
+                    arrays={**arrays.to_torch_state_dict(), **optimizer_tensors},
+                    run_config=config,
+                    strategy=strategy.state_dict(),
+                    server_optimizer=optimizer_meta,
+                    train_metrics={r: dict(m) for r, m in result.train_metrics_clientapp.items()},
+                    eval_metrics={r: dict(m) for r, m in result.evaluate_metrics_serverapp.items()},
+                ),
+            )
+            pause_point("after-checkpoint", server_round)
+            log.info(
+                "round %d: %d accepted, %d refused, %d rejected, applied=%s\n%s",
+                server_round,
+                len(summary.accepted),
+                len(summary.refused),
+                len(summary.rejected),
+                summary.applied,
+                format_round_table(round_rows(ledger, strategy.exhausted)),
+            )
+
+        result = strategy.start(
+            grid,
+            initial_record,
+            num_rounds=run.num_rounds,
+            timeout=run.round_timeout,
+            train_config=ConfigRecord({"run-dir": str(run_dir), "run-id": run_id}),
+            evaluate_fn=_server_eval(run, loaded),
+            on_round_end=on_round_end,
+            first_round=first_round,
+            previous=previous,
+        )
+        load_arrays(loaded, result.arrays.to_torch_state_dict())
+        adapter = _export(loaded, run_dir, strategy.summaries)
+        report_files = write_reports(
+            build_report(ledger, planned_steps_per_round=run.local_steps), run_dir
+        )
+        summary = {
+            "run-id": run_id,
+            **adapter,
+            "checkpoint": {"file": CHECKPOINT, "what": RESUME_STATE_NOTE},
+            "rounds": [vars(s) for s in strategy.summaries],
+            "server-eval": {r: dict(m) for r, m in result.evaluate_metrics_serverapp.items()},
+        }
+        text = json.dumps(summary, indent=2, default=str).encode()
+        atomic_write(run_dir / "summary.json", lambda f: f.write(text))
+    finally:  # on an error too: the ledger file is left closed and consistent
+        ledger.close()
     log.info("budget report: %s", report_files.get("html", run_dir / "report.html"))
     print(
         f"prism-fl: budget report in {run_dir / 'report.html'} (ledger {run_dir / 'ledger.sqlite'})"

@@ -88,6 +88,7 @@ from server.errors import (
     LedgerConflictError,
     LedgerError,
     ReplyError,
+    SitesUnavailableError,
 )
 from server.ledger import DEFAULT_MECHANISM, UNKNOWN_Q, UNKNOWN_SIGMA, Ledger, LedgerEvent
 from server.optimizer import ServerOptimizer, ServerOptimizerConfig, scheduled_lr
@@ -386,6 +387,7 @@ class PrismStrategy(Strategy):
         local_lr: float = 1.0,
         seed: int = 0,
         wait_for_nodes: float = 120.0,
+        connect_timeout: float = 600.0,
         update_bound: UpdateBound | None = None,
         mechanism: str = DEFAULT_MECHANISM,
         dp: bool = True,
@@ -409,7 +411,7 @@ class PrismStrategy(Strategy):
         )
         self._noise: list[tuple[float, float]] = []  # (weight, noise std) of this round's updates
         self.rng = random.Random(seed)
-        self.wait_for_nodes = wait_for_nodes
+        self.wait_for_nodes, self.connect_timeout = wait_for_nodes, connect_timeout
         self.node_site: dict[int, str] = {}
         self.site_mechanism: dict[
             str, tuple[float, float, float, float]
@@ -450,13 +452,23 @@ class PrismStrategy(Strategy):
         return ok
 
     def _nodes(self, grid: Grid) -> list[int]:
-        deadline = time.monotonic() + self.wait_for_nodes
+        """The connected nodes: once ``sites_per_round`` are, or ``min_sites`` after
+        ``wait_for_nodes`` seconds; fewer than ``min_sites`` after ``connect_timeout`` stops the
+        run with ``SitesUnavailableError`` (a coordinator must not wait forever)."""
+        start = time.monotonic()
         while True:
             nodes = sorted(grid.get_node_ids())
+            waited = time.monotonic() - start
             if len(nodes) >= self.sites_per_round or (
-                len(nodes) >= self.min_sites and time.monotonic() > deadline
+                len(nodes) >= self.min_sites and waited > self.wait_for_nodes
             ):
                 return nodes
+            if waited > self.connect_timeout:
+                raise SitesUnavailableError(
+                    f"{len(nodes)} of min-sites={self.min_sites} sites connected after "
+                    f"{self.connect_timeout:g} s (connect-timeout): start more sites (SuperNodes) "
+                    "or lower min-sites, then run again: applied rounds resume from the checkpoint."
+                )
             log.info("waiting for sites: %d connected, want %d", len(nodes), self.sites_per_round)
             time.sleep(1.0)
 

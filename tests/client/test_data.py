@@ -568,3 +568,18 @@ def test_label_out_of_range_names_file_line_and_range(tmp_path: Path) -> None:
     with pytest.raises(DataError) as info:  # a federated site checks its file the same way
         site_examples(run, site)
     assert str(info.value).startswith(message)
+
+
+def test_synthetic_streams_of_a_run_never_share_rows() -> None:
+    """Each site's partition and the coordinator's held-out draw of the built-in task are
+    distinct streams: partition 999 is not the held-out set (it was, with seed*1000 + 999), and
+    run seed 1 partition 0 is not run seed 0 partition 1000."""
+    from client.synthetic import synthetic_examples, synthetic_stream
+
+    def rows(seed: str) -> list[tuple[object, object]]:
+        return [(r["text"], r["label"]) for r in synthetic_examples(200, seed=seed)]
+
+    held_out = rows(synthetic_stream(0, "server-eval"))
+    assert rows(synthetic_stream(0, "site-999")) != held_out
+    assert rows(synthetic_stream(1, "site-0")) != rows(synthetic_stream(0, "site-1000"))
+    assert rows(synthetic_stream(0, "site-3")) == rows(synthetic_stream(0, "site-3"))
