@@ -33,13 +33,13 @@ from client.durable import atomic_write
 from client.errors import ConfigError
 from client.trainer import PrivateTrainer
 from prism_core.accounting import PrivacyEvent
-from prism_core.mechanism import NoiseRecord
 from prism_core.quantile import (
     clip_range,
     count_noise_multiplier,
     geometric_clip_update,
     noisy_fraction_below,
 )
+from prism_core.records import NoiseRecord
 
 __all__ = ["ClipEstimate", "ClipPlan", "ClipStore", "StoredClip", "estimate_clip"]
 

@@ -64,8 +64,8 @@ from prism_core.accounting import (
 )
 from prism_core.adaptive import AdaptiveState, realign_state
 from prism_core.manifold import Point, tangent_displacement
-from prism_core.mechanism import ADJACENCY, NoiseRecord
 from prism_core.quantile import QUANTILE_MECHANISM
+from prism_core.records import ADJACENCY, NoiseRecord
 
 __all__ = [
     "RoundReply",

@@ -12,6 +12,6 @@ Pure functions on tensors (no Flower, no I/O):
 """
 
 from prism_core.manifold import Point, Tangent
-from prism_core.mechanism import NoiseRecord
+from prism_core.records import NoiseRecord
 
 __all__ = ["NoiseRecord", "Point", "Tangent"]

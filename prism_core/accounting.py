@@ -19,7 +19,7 @@ from opacus.accountants import PRVAccountant, RDPAccountant
 from opacus.accountants.utils import get_noise_multiplier
 
 from prism_core.errors import AccountingError, PrivacyParameterError
-from prism_core.mechanism import ADJACENCY, NoiseRecord
+from prism_core.records import ADJACENCY, NoiseRecord
 
 __all__ = [
     "EpsilonReport",

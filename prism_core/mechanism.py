@@ -47,6 +47,7 @@ from prism_core.manifold import (
     tangent_norm_sq,
     work_dtype,
 )
+from prism_core.records import ADJACENCY, NoiseRecord
 from prism_core.rng import NoiseSource, standard_normal
 
 __all__ = [
@@ -68,32 +69,6 @@ __all__ = [
     "tangent_noise",
     "validate_noise_parameters",
 ]
-
-ADJACENCY = "add-remove"
-"""Neighbouring relation of every mechanism here: add or remove one example."""
-
-
-@dataclass(frozen=True)
-class NoiseRecord:
-    """What one privatized step ran: the facts an accountant needs, and nothing private.
-
-    Attributes:
-        mechanism: ``"prism-tangent-gaussian"`` or a baseline's name.
-        noise_multiplier: sigma; the noise std on the summed update is ``sigma * max_norm``.
-        max_norm: clip threshold C, the L2 sensitivity of the sum under add/remove adjacency.
-        expected_batch_size: ``b = q * N``, the divisor of signal and noise.
-        sample_rate: Poisson sampling rate q.
-        sampling: how the batch was drawn; only ``"poisson"`` can be accounted as subsampled.
-        adjacency: the neighbouring relation, always ``"add-remove"``.
-    """
-
-    mechanism: str
-    noise_multiplier: float
-    max_norm: float
-    expected_batch_size: float
-    sample_rate: float
-    sampling: str = "poisson"
-    adjacency: str = ADJACENCY
 
 
 @dataclass(frozen=True)

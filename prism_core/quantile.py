@@ -29,7 +29,7 @@ import math
 import torch
 
 from prism_core.errors import PrivacyParameterError
-from prism_core.mechanism import NoiseRecord
+from prism_core.records import NoiseRecord
 from prism_core.rng import NoiseSource, standard_normal
 
 __all__ = [

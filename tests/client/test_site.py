@@ -27,7 +27,7 @@ from client.protocol import (
 from client.site import Site, released_event
 from client.site_ledger import SiteLedger
 from prism_core.accounting import PrivacyEvent, epsilon
-from prism_core.mechanism import NoiseRecord
+from prism_core.records import NoiseRecord
 from prism_core.rng import SecureRNG
 
 SECRET = "test-secret"

@@ -24,7 +24,7 @@ from prism_core.accounting import (
     max_steps,
 )
 from prism_core.errors import AccountingError, PrivacyParameterError
-from prism_core.mechanism import NoiseRecord
+from prism_core.records import NoiseRecord
 
 RDP_ORDERS = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64))
 """Opacus' default RDP orders (``RDPAccountant.DEFAULT_ALPHAS``), written out."""
