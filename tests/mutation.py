@@ -58,7 +58,7 @@ MODULES: dict[str, Target] = {
         ("tests/server/test_strategy.py", "tests/server/test_hostile_replies.py"),
     ),
     "ledger": Target(
-        "server/ledger.py",
+        "server/ledger/*.py",
         (
             "tests/server/test_ledger.py",
             "tests/server/test_ledger_schema3.py",

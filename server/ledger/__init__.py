@@ -1,0 +1,78 @@
+"""The coordinator's durable, append-only privacy ledger (DESIGN.md §3, STYLE.md habit 2).
+
+One SQLite file holds every accounting fact the server configured and the sites reported: per
+site and round, the mechanism, neighbouring relation, sampling method, sigma, q, steps and delta
+(and the site's epsilon cap). Epsilon is never stored: ``Ledger.epsilon`` recomputes it from the
+site's whole history with ``prism_core.accounting`` (PRV, with the RDP cross-check) every time.
+
+File layout (schema version 3):
+
+- ``meta(key, value)``: ``application = "prism-fl-ledger"``, ``schema_version = "3"``,
+  ``created_at`` (and ``migrated_from_<v>_at`` on a migrated file); the SQLite header also carries
+  ``application_id = LEDGER_APPLICATION_ID`` and ``user_version = SCHEMA_VERSION``, so a foreign
+  file is recognised from its first 100 bytes.
+- ``events``: append-only (TRIGGERs abort any UPDATE or DELETE). Each row is a charge, either
+  *confirmed* (``confirmed = 1``: the site's own accounting facts, cross-checked by the
+  coordinator) or *unconfirmed* (``confirmed = 0``: a site that was asked to run a round and gave
+  no valid answer, an error reply, a time-out, facts that do not match the configuration; it may
+  have charged itself, so the coordinator charges it at the site's last confirmed parameters, or
+  with ``params_known = 0`` and sigma 0, i.e. epsilon infinite, when it has none). ``code`` says
+  why a charge is unconfirmed (a coordinator code, never site text); ``rng`` is the site's
+  ``rng`` fact (``os-csprng`` or ``reproducible``; NULL when not known).
+  ``UNIQUE (run_id, round, site_id, mechanism, confirmed)``: at most one confirmed and one
+  unconfirmed row per (run, round, site, mechanism), so a replayed record is never counted twice,
+  and a round can hold a training row and the row of a private clip estimate
+  (``prism_core.quantile.QUANTILE_MECHANISM``) charged in the same round. A confirmed row
+  *supersedes* every unconfirmed row of the same (run, round, site), whatever its mechanism (a
+  valid reply states everything the site charged that round): ``Ledger.events`` (the history
+  every epsilon is computed from) leaves the superseded rows out; ``Ledger.records`` shows all.
+- ``runs(run_id, started_at, config_json)``: one row per federated run, append-only too.
+
+Schema versions 1 (before unconfirmed charges and the rng fact) and 2 (one row per (run, round,
+site, confirmed), before the private clip estimate) are still read: opened for writing they are
+migrated in place, in one transaction (every row kept; a version-1 row as confirmed with rng
+unknown); opened read-only they are read as they are.
+
+Durability: WAL journal, ``synchronous = FULL`` (a committed append survives power loss), every
+write in one ``BEGIN IMMEDIATE`` transaction. A new ledger is built in a temporary file and
+linked into place, so a half-initialised ledger never appears under the real name.
+
+The triggers guard against accidents (a stray ``DELETE``), not against someone with write access
+to the file, who can drop them; the trust model is in the README.
+
+Modules: ``events`` (the event record and its validation), ``schema`` (tables, triggers, row
+conversion, creation, migration), ``checks`` (opening a file read-only first, refusing anything
+that is not a prism-fl ledger), ``store`` (the ``Ledger``), ``budget`` (epsilon maths over a
+history).
+"""
+
+from server.ledger.budget import epsilon_points, epsilon_series
+from server.ledger.events import (
+    DEFAULT_MECHANISM,
+    UNKNOWN_Q,
+    UNKNOWN_SIGMA,
+    LedgerEvent,
+    RunRecord,
+)
+from server.ledger.schema import (
+    APPLICATION,
+    LEDGER_APPLICATION_ID,
+    OLD_SCHEMA_VERSIONS,
+    SCHEMA_VERSION,
+)
+from server.ledger.store import Ledger
+
+__all__ = [
+    "APPLICATION",
+    "DEFAULT_MECHANISM",
+    "LEDGER_APPLICATION_ID",
+    "OLD_SCHEMA_VERSIONS",
+    "SCHEMA_VERSION",
+    "UNKNOWN_Q",
+    "UNKNOWN_SIGMA",
+    "Ledger",
+    "LedgerEvent",
+    "RunRecord",
+    "epsilon_points",
+    "epsilon_series",
+]

@@ -1,0 +1,71 @@
+"""Budget maths over a site's ledger history: epsilon so far, per round, and the cap check.
+
+Pure functions of the events (no SQL): ``server.ledger.Ledger`` reads the history and calls
+them. Epsilon is never stored; every value composes the whole history with
+``prism_core.accounting`` (PRV, with the RDP cross-check).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from prism_core.accounting import EpsilonReport, PrivacyEvent, epsilon, epsilon_report
+from prism_core.errors import AccountingError
+from server.ledger.events import LedgerEvent
+
+__all__ = ["epsilon_points", "epsilon_series", "history_epsilon", "within_cap"]
+
+log = logging.getLogger("server.ledger")
+
+
+def history_epsilon(events: Sequence[LedgerEvent], delta: float) -> EpsilonReport:
+    """Epsilon of one site's whole history at ``delta`` (PRV, RDP cross-check)."""
+    return epsilon_report([e.privacy_event() for e in events], delta)
+
+
+def within_cap(
+    events: Sequence[LedgerEvent],
+    new: PrivacyEvent,
+    *,
+    epsilon_cap: float,
+    delta: float,
+    site_id: str,
+) -> bool:
+    """Does the history plus ``new`` stay within ``epsilon_cap`` at ``delta``?
+
+    A history that cannot be accounted (e.g. non-Poisson sampling) answers False, with a
+    warning: its privacy loss is unknown.
+    """
+    history = [e.privacy_event() for e in events]
+    try:
+        return epsilon([*history, new], delta) <= epsilon_cap
+    except AccountingError as exc:
+        log.warning("ledger: site %s cannot be accounted (%s); not selected", site_id, exc)
+        return False
+
+
+def epsilon_points(events: Sequence[LedgerEvent], delta: float) -> list[tuple[str, int, float]]:
+    """``(run_id, round, PRV epsilon so far)`` after each round that ran steps > 0.
+
+    The events are composed in the given order (one site's history, in ledger order); the
+    consecutive events of one (run, round), e.g. a private clip estimate and the training
+    steps charged in the same round, give one point, after the last of them.
+    """
+    out: list[tuple[str, int, float]] = []
+    history: list[PrivacyEvent] = []
+    ran = False  # the current (run, round) ran steps
+    for index, e in enumerate(events):
+        history.append(e.privacy_event())
+        ran = ran or e.steps > 0
+        following = events[index + 1] if index + 1 < len(events) else None
+        if following is None or (following.run_id, following.round) != (e.run_id, e.round):
+            if ran:
+                out.append((e.run_id, e.round, epsilon(history, delta)))
+            ran = False
+    return out
+
+
+def epsilon_series(events: Sequence[LedgerEvent], delta: float) -> list[tuple[int, float]]:
+    """``(round, PRV epsilon)`` of ``epsilon_points``: after each round that ran steps > 0."""
+    return [(rnd, eps) for _, rnd, eps in epsilon_points(events, delta)]

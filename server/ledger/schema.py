@@ -1,0 +1,285 @@
+"""The ledger file's schema: tables, append-only triggers, row conversion, creation and
+migration of older schema versions (the layout is described in ``server.ledger``)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sqlite3
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Final
+
+from client.durable import fsync_dir
+from server.errors import InvalidEventError, LedgerError
+from server.ledger.events import LedgerEvent, now
+
+__all__ = [
+    "APPLICATION",
+    "BUSY_TIMEOUT_S",
+    "EVENT_COLUMNS",
+    "LEDGER_APPLICATION_ID",
+    "OLD_SCHEMA_VERSIONS",
+    "SCHEMA_VERSION",
+    "TABLES",
+    "TRIGGERS",
+    "columns",
+    "create_ledger",
+    "event_from_row",
+    "event_select",
+    "migrate",
+]
+
+log = logging.getLogger("server.ledger")
+
+APPLICATION: Final = "prism-fl-ledger"
+"""Value of ``meta.application`` in every prism-fl ledger."""
+SCHEMA_VERSION: Final = 3
+"""Schema version written by this module (versions 1 and 2 are still read, and migrated on
+write)."""
+OLD_SCHEMA_VERSIONS: Final = (1, 2)
+"""Older schema versions this module reads (read-only) and migrates (opened for writing)."""
+LEDGER_APPLICATION_ID: Final = 0x50524C47  # "PRLG"
+"""``PRAGMA application_id`` of a prism-fl ledger (bytes 68-71 of the SQLite header)."""
+
+BUSY_TIMEOUT_S: Final = 30.0
+
+_EVENTS_BODY: Final = """
+    id INTEGER PRIMARY KEY,
+    run_id TEXT NOT NULL CHECK (length(run_id) > 0),
+    round INTEGER NOT NULL CHECK (round >= 0),
+    site_id TEXT NOT NULL CHECK (length(site_id) > 0),
+    mechanism TEXT NOT NULL CHECK (length(mechanism) > 0),
+    adjacency TEXT NOT NULL CHECK (length(adjacency) > 0),
+    sampling TEXT NOT NULL CHECK (length(sampling) > 0),
+    sigma REAL NOT NULL CHECK (sigma >= 0),
+    q REAL NOT NULL CHECK (q > 0 AND q <= 1),
+    steps INTEGER NOT NULL CHECK (steps >= 0),
+    delta REAL NOT NULL CHECK (delta > 0 AND delta < 1),
+    epsilon_cap REAL CHECK (epsilon_cap IS NULL OR epsilon_cap > 0),
+    recorded_at TEXT NOT NULL,
+    confirmed INTEGER NOT NULL DEFAULT 1 CHECK (confirmed IN (0, 1)),
+    params_known INTEGER NOT NULL DEFAULT 1 CHECK (params_known IN (0, 1)),
+    rng TEXT CHECK (rng IS NULL OR length(rng) > 0),
+    code TEXT NOT NULL DEFAULT '',
+    CHECK (confirmed = 0 OR (params_known = 1 AND code = '')),
+    CHECK (params_known = 1 OR (sigma = 0 AND q = 1)),
+    UNIQUE (run_id, round, site_id, mechanism, confirmed)""".strip("\n")
+_EVENTS_EXTRAS: Final = """
+CREATE INDEX events_by_site ON events (site_id, id);
+CREATE TRIGGER events_no_update BEFORE UPDATE ON events
+BEGIN SELECT RAISE(ABORT, 'prism-fl ledger: events are append-only, UPDATE refused'); END;
+CREATE TRIGGER events_no_delete BEFORE DELETE ON events
+BEGIN SELECT RAISE(ABORT, 'prism-fl ledger: events are append-only, DELETE refused'); END;
+""".strip()
+_META_NO_UPDATE: Final = """
+CREATE TRIGGER meta_no_update BEFORE UPDATE ON meta
+BEGIN SELECT RAISE(ABORT, 'prism-fl ledger: meta is read-only, UPDATE refused'); END;
+""".strip()
+
+_SCHEMA: Final = f"""
+CREATE TABLE meta (
+    key TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+CREATE TABLE runs (
+    run_id TEXT PRIMARY KEY CHECK (length(run_id) > 0),
+    started_at TEXT NOT NULL,
+    config_json TEXT NOT NULL
+);
+CREATE TABLE events (
+{_EVENTS_BODY}
+);
+{_EVENTS_EXTRAS}
+CREATE TRIGGER runs_no_update BEFORE UPDATE ON runs
+BEGIN SELECT RAISE(ABORT, 'prism-fl ledger: runs are append-only, UPDATE refused'); END;
+CREATE TRIGGER runs_no_delete BEFORE DELETE ON runs
+BEGIN SELECT RAISE(ABORT, 'prism-fl ledger: runs are append-only, DELETE refused'); END;
+{_META_NO_UPDATE}
+CREATE TRIGGER meta_no_delete BEFORE DELETE ON meta
+BEGIN SELECT RAISE(ABORT, 'prism-fl ledger: meta is read-only, DELETE refused'); END;
+PRAGMA application_id = {LEDGER_APPLICATION_ID};
+PRAGMA user_version = {SCHEMA_VERSION};
+"""
+TABLES: Final = frozenset({"meta", "runs", "events"})
+TRIGGERS: Final = frozenset(
+    {
+        "events_no_update",
+        "events_no_delete",
+        "runs_no_update",
+        "runs_no_delete",
+        "meta_no_update",
+        "meta_no_delete",
+    }
+)
+_V1_COLUMNS: Final = (
+    "run_id",
+    "round",
+    "site_id",
+    "mechanism",
+    "adjacency",
+    "sampling",
+    "sigma",
+    "q",
+    "steps",
+    "delta",
+    "epsilon_cap",
+    "recorded_at",
+)
+_V2_DEFAULTS: Final[dict[str, str]] = {
+    "confirmed": "1",
+    "params_known": "1",
+    "rng": "NULL",
+    "code": "''",
+}
+"""Columns added by schema version 2, with the value a version-1 row reads as."""
+EVENT_COLUMNS: Final = (*_V1_COLUMNS, *_V2_DEFAULTS)
+
+
+def event_from_row(row: Sequence[Any]) -> LedgerEvent:
+    """The event of a row of ``EVENT_COLUMNS`` (a version-1 row reads with the defaults)."""
+    values = dict(zip(EVENT_COLUMNS, row, strict=True))
+    for name in ("confirmed", "params_known"):
+        if values[name] not in (0, 1):
+            raise InvalidEventError(f"{name}={values[name]!r} must be 0 or 1")
+    return LedgerEvent(
+        run_id=values["run_id"],
+        round=int(values["round"]),
+        site_id=values["site_id"],
+        sigma=float(values["sigma"]),
+        q=float(values["q"]),
+        steps=int(values["steps"]),
+        delta=float(values["delta"]),
+        epsilon_cap=None if values["epsilon_cap"] is None else float(values["epsilon_cap"]),
+        mechanism=values["mechanism"],
+        adjacency=values["adjacency"],
+        sampling=values["sampling"],
+        recorded_at=values["recorded_at"],
+        confirmed=bool(values["confirmed"]),
+        params_known=bool(values["params_known"]),
+        rng=values["rng"],
+        code=values["code"],
+    )
+
+
+def columns(version: int) -> tuple[str, ...]:
+    """The event columns stored by a schema version (version 3 changed only the UNIQUE key)."""
+    return _V1_COLUMNS if version == 1 else EVENT_COLUMNS
+
+
+def event_select(version: int) -> str:
+    """SQL select list giving ``EVENT_COLUMNS`` of a stored row of ``version`` (with ``id``)."""
+    stored = columns(version)
+    return ", ".join(
+        ["id", *(c if c in stored else f"{_V2_DEFAULTS[c]} AS {c}" for c in EVENT_COLUMNS)]
+    )
+
+
+def create_ledger(path: Path) -> None:
+    """Build an empty ledger in a temporary file and link it to ``path`` (no clobbering)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        conn = sqlite3.connect(tmp, isolation_level=None)
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")
+            conn.execute("PRAGMA synchronous = FULL")
+            conn.execute("BEGIN IMMEDIATE")
+            for statement in statements(_SCHEMA):
+                conn.execute(statement)
+            conn.executemany(
+                "INSERT INTO meta (key, value) VALUES (?, ?)",
+                [
+                    ("application", APPLICATION),
+                    ("schema_version", str(SCHEMA_VERSION)),
+                    ("created_at", now()),
+                ],
+            )
+            conn.execute("COMMIT")
+        finally:
+            conn.close()
+        with tmp.open("rb") as f:
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)  # atomic; fails if another process created the ledger meanwhile
+        except FileExistsError:
+            log.info("ledger %s was created concurrently; using that one", path)
+        fsync_dir(path.parent)
+    except (OSError, sqlite3.Error) as exc:
+        raise LedgerError(f"ledger {path}: cannot create it ({exc}).") from exc
+    finally:
+        for p in (tmp, Path(f"{tmp}-wal"), Path(f"{tmp}-shm")):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+
+
+def statements(script: str) -> list[str]:
+    """Split the schema into statements (triggers contain ``;`` inside BEGIN ... END)."""
+    out: list[str] = []
+    buf = ""
+    for line in script.strip().splitlines():
+        buf += line + "\n"
+        if sqlite3.complete_statement(buf):
+            out.append(buf.strip())
+            buf = ""
+    return out
+
+
+def migrate(conn: sqlite3.Connection, path: Path) -> bool:
+    """Migrate a version-1 or -2 ledger to ``SCHEMA_VERSION`` in place, in ONE transaction.
+
+    The events table is rebuilt with the new UNIQUE key (and, from version 1, the new columns;
+    SQLite cannot change a UNIQUE constraint in place): every row is copied with its id (a
+    version-1 row as a confirmed charge with the rng fact unknown), then the append-only
+    triggers are restored and ``meta`` records the new version and when it was migrated. A crash
+    leaves the file as it was before or as it is after, never between.
+
+    Returns:
+        True if this call migrated the file, False if it already had the current version (another
+        process migrated it meanwhile).
+    """
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        (version,) = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        if version == str(SCHEMA_VERSION):
+            conn.execute("ROLLBACK")
+            return False
+        (before,) = conn.execute("SELECT count(*) FROM events").fetchone()
+        old = ", ".join(("id", *columns(int(version))))
+        for statement in (
+            "DROP TRIGGER events_no_update",
+            "DROP TRIGGER events_no_delete",
+            "DROP TRIGGER meta_no_update",
+            f"CREATE TABLE events_new (\n{_EVENTS_BODY}\n)",
+            f"INSERT INTO events_new ({old}) SELECT {old} FROM events ORDER BY id",
+            "DROP TABLE events",
+            "ALTER TABLE events_new RENAME TO events",
+            *statements(_EVENTS_EXTRAS),
+        ):
+            conn.execute(statement)
+        (after,) = conn.execute("SELECT count(*) FROM events").fetchone()
+        if after != before:
+            raise LedgerError(f"ledger {path}: migration copied {after} of {before} events.")
+        conn.execute(
+            "UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),)
+        )
+        conn.execute(
+            "INSERT INTO meta (key, value) VALUES (?, ?)", (f"migrated_from_{version}_at", now())
+        )
+        conn.execute(_META_NO_UPDATE)
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        conn.execute("COMMIT")
+    except BaseException:
+        with contextlib.suppress(sqlite3.Error):
+            conn.execute("ROLLBACK")
+        raise
+    log.warning(
+        "ledger %s: migrated from schema version %s to %d (%d events kept)",
+        path,
+        version,
+        SCHEMA_VERSION,
+        before,
+    )
+    return True
