@@ -22,7 +22,7 @@ instead builds every reply before aggregating, as Flower's ``Grid.send_and_recei
 returns a list).
 
 Time: wall clock of ``aggregate_train`` minus the time spent building the synthetic replies
-(measured inside the generator), and of the retraction step alone (``PrismStrategy._apply``,
+(measured inside the generator), and of the retraction step alone (``StreamingAggregator.apply``,
 timed by wrapping it on the instance). Bytes: the sum of the serialised sizes
 (``InflatableObject.deflate()``) of every object of the reply message's object tree, which is
 what Flower 1.42 ships (gRPC framing not counted). Run::
@@ -189,16 +189,16 @@ def aggregation_child(sites: int, hold: str) -> dict[str, Any]:
             strategy.configure_train(1, glob, ConfigRecord(), _Grid(range(1, sites + 1)))
         )
         retract_s = 0.0
-        apply = strategy._apply
+        apply = strategy.aggregator.apply
 
-        def timed_apply(means: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        def timed_apply(means: dict[str, torch.Tensor], lr: float) -> dict[str, torch.Tensor]:
             nonlocal retract_s
             t0 = time.perf_counter()
-            out = apply(means)
+            out = apply(means, lr)
             retract_s += time.perf_counter() - t0
             return out
 
-        strategy._apply = timed_apply  # type: ignore[method-assign]
+        strategy.aggregator.apply = timed_apply  # type: ignore[method-assign]
         build_s = 0.0
 
         def replies() -> Iterator[Message]:

@@ -54,7 +54,7 @@ MODULES: dict[str, Target] = {
     "site_ledger": Target("client/site_ledger.py", ("tests/client/test_site_ledger.py",)),
     "aggregation": Target("prism_core/aggregation.py", ("tests/prism_core/test_aggregation.py",)),
     "strategy": Target(
-        "server/strategy.py",
+        "server/strategy/*.py",
         ("tests/server/test_strategy.py", "tests/server/test_hostile_replies.py"),
     ),
     "ledger": Target(

@@ -457,7 +457,7 @@ def _fuzz_two_rounds(data):
             strategy.configure_train(2, ArrayRecord(broadcast), ConfigRecord(), _Grid())
         )
         by_node = {r.metadata.dst_node_id: r for r in requests}
-        bound = strategy._norm_bound
+        bound = strategy.checker.norm_bound
         specs = []
         for node, request in by_node.items():
             kind = data.draw(st.sampled_from(KINDS), label=f"kind {node}")

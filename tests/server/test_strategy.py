@@ -455,7 +455,7 @@ def test_a_momentum_head_may_move_ten_times_one_sgd_steps_bound(tmp_path):
                 head_optimizer=optimizer,
             ),
         )
-        strategy._broadcast = {"head/weight": torch.zeros(2, 8)}
-        bounds[optimizer] = strategy._head_sgd_bound(facts)
+        strategy.checker.broadcast = {"head/weight": torch.zeros(2, 8)}
+        bounds[optimizer] = strategy.checker.head_sgd_bound(facts)
     assert bounds["sgd"] > 0
     assert bounds["momentum"] == pytest.approx(10.0 * bounds["sgd"], rel=1e-12)

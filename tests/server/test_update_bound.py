@@ -132,21 +132,22 @@ def _one_round(strategy, site, server_round):
 def _norm_and_bound(strategy, arrays):
     """The strategy's own norm of a reply and this round's bound, via a rejected probe."""
     tensors = {k: torch.as_tensor(v) for k, v in arrays.items()}
-    strategy._check_norm(tensors, {})  # raises if over the bound
+    strategy.checker.check_norm(tensors, {})  # raises if over the bound
     if strategy.mode == "tangent":
         from prism_core.manifold import tangent_norm_sq
 
         total = 0.0
         for m in strategy.modules:
-            A, B = strategy._broadcast[f"{m}/A"].double(), strategy._broadcast[f"{m}/B"].double()
+            point = strategy.checker.broadcast
+            A, B = point[f"{m}/A"].double(), point[f"{m}/B"].double()
             dA, dB = tensors[f"{m}/dA"].double(), tensors[f"{m}/dB"].double()
             total += float(tangent_norm_sq(A, B, dA, dB))
         for n in strategy.head:
             total += float(tensors[f"head/{n}"].double().square().sum())
-        return total**0.5, strategy._norm_bound
+        return total**0.5, strategy.checker.norm_bound
     ratios = [
-        float((tensors[k].double() - strategy._broadcast[k].double()).norm()) / b
-        for k, b in strategy._factor_bounds.items()
+        float((tensors[k].double() - strategy.checker.broadcast[k].double()).norm()) / b
+        for k, b in strategy.checker.factor_bounds.items()
     ]
     return max(ratios), 1.0
 
@@ -189,9 +190,9 @@ def test_honest_site_updates_pass_with_margin_and_scaled_ones_are_rejected(
     if strategy.mode == "tangent":
         arrays = {k: (v * factor).contiguous() for k, v in reply.arrays.items()}
     else:  # move the factors 1.5x further than the bound allows
+        point = strategy.checker.broadcast
         arrays = {
-            k: (strategy._broadcast[k] + factor * (v - strategy._broadcast[k])).contiguous()
-            for k, v in reply.arrays.items()
+            k: (point[k] + factor * (v - point[k])).contiguous() for k, v in reply.arrays.items()
         }
     content = RecordDict({UPDATE: ArrayRecord(arrays), ACCOUNTING: ConfigRecord(reply.accounting)})
     new, metrics = strategy.aggregate_train(2, [Message(content=content, reply_to=request)])

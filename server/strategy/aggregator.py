@@ -1,0 +1,206 @@
+"""The streaming aggregator: weighted sums of the replies' updates, one reply at a time, then
+the server step (exact tangent mean + the server optimizer's retraction, or FedAvg of factors).
+
+Flower-free: it takes tensors and a reply's CHECKED facts (``server.strategy.replies``), so it can
+be driven by the strategy, a benchmark or a test alike. Memory holds one running sum per tensor,
+whatever the number of sites. Sums are in float64 and in the order the replies are added (the
+strategy adds them in a fixed order: float addition is not associative).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from client.protocol import HEAD_PREFIX, key
+from prism_core.aggregation import Aggregation, aggregate_noise_std, site_noise_std
+from prism_core.manifold import Point, Tangent
+from server.errors import ReplyError
+from server.optimizer import ServerOptimizer, scheduled_lr
+from server.strategy.rounds import RoundSummary
+
+__all__ = ["Mode", "StreamingAggregator"]
+
+Mode = Literal["tangent", "factor-average"]
+"""``tangent``: PRISM's exact tangent mean; ``factor-average``: FedAvg of A and B (baselines)."""
+
+log = logging.getLogger("server.strategy")
+
+_MIN_RANK_RATIO = 1e-6  # s_r / s_1 of a retracted Z = A B.T below this: rank r is lost in float32
+
+
+class StreamingAggregator:
+    """Weighted running sums of one round's updates and the server step that applies them.
+
+    Args:
+        modules, head, mode: the global arrays' LoRA modules and head tensors; ``tangent``
+            (PRISM) or ``factor-average`` (baselines).
+        optimizer: the server optimizer (its state survives rounds and is checkpointed).
+        server_lr, lr_schedule, num_rounds: the server lr of round t (``scheduled_lr``).
+        local_lr, local_steps: the sites' step, to express the aggregate's noise in update units.
+        aggregation: ``inverse-noise``, ``uniform`` or ``examples`` (``prism_core.aggregation``).
+        dp: whether the replies carry DP noise (non-DP: noise std 0, uniform inverse-noise).
+    """
+
+    def __init__(
+        self,
+        *,
+        modules: list[str],
+        head: list[str],
+        mode: Mode,
+        optimizer: ServerOptimizer,
+        server_lr: float,
+        lr_schedule: str,
+        num_rounds: int,
+        local_lr: float,
+        local_steps: int,
+        aggregation: Aggregation,
+        dp: bool,
+    ) -> None:
+        self.modules, self.head, self.mode = modules, head, mode
+        self.optimizer = optimizer
+        self.server_lr, self.lr_schedule, self.num_rounds = server_lr, lr_schedule, num_rounds
+        self.local_lr, self.local_steps = local_lr, local_steps
+        self.aggregation: Aggregation = aggregation
+        self.dp = dp
+        self.broadcast: dict[str, Tensor] = {}
+        self._sums: dict[str, Tensor] = {}
+        self._total = 0.0
+        self._noise: list[tuple[float, float]] = []  # (weight, noise std) of this round's updates
+
+    def begin_round(self, broadcast: dict[str, Tensor]) -> None:
+        """Start a round at the broadcast arrays: empty sums."""
+        self.broadcast = broadcast
+        self._sums, self._total, self._noise = {}, 0.0, []
+
+    def add(self, update: dict[str, Tensor], facts: dict[str, Any], weight: float) -> None:
+        """Add one checked reply's update, with its ``weight(facts)``, to the running sums."""
+        for name, tensor in update.items():
+            value = weight * tensor.double()
+            self._sums[name] = self._sums[name] + value if name in self._sums else value
+        self._total += weight
+        self._noise.append((weight, self.noise_std(facts)))
+
+    @property
+    def total_weight(self) -> float:
+        """The sum of this round's weights so far (0 before any update)."""
+        return self._total
+
+    def finish(self, summary: RoundSummary) -> dict[str, Tensor] | None:
+        """The next global arrays from the weighted mean, or None if the step was discarded
+        (``summary.discarded`` says why)."""
+        means = {k: (v / self._total).float() for k, v in self._sums.items()}
+        return self._apply_checked(means, summary)
+
+    def noise_std(self, facts: dict[str, Any]) -> float:
+        """``sigma C / b`` of a reply from its CHECKED facts (0 for a non-private run)."""
+        if not self.dp:
+            return 0.0
+        return site_noise_std(
+            noise_multiplier=float(facts["sigma"]),
+            max_norm=float(facts["max-norm"]),
+            expected_batch_size=float(facts["expected-batch-size"]),
+        )
+
+    def weight(self, facts: dict[str, Any]) -> float:
+        """The reply's un-normalised weight (the streamed sum is divided by their total).
+
+        ``inverse-noise``: ``(b / (sigma C))^2`` from the reply's facts, which ``RunTerms.check``
+        has matched against the run's C and b (post-processing of public parameters; exact in
+        the tangent space at the broadcast point); ``uniform``: 1; ``examples``: N_k (FedAvg;
+        needs sites that share their shard size). See ``prism_core.aggregation``.
+        """
+        if self.aggregation == "uniform":
+            return 1.0
+        if self.aggregation == "examples":
+            if "num-examples" not in facts:
+                raise ReplyError("aggregation=examples but the reply has no num-examples", "facts")
+            return float(facts["num-examples"])
+        std = self.noise_std(facts)
+        return 1.0 if std == 0 else 1.0 / (std * std)
+
+    def _apply_checked(
+        self, means: dict[str, Tensor], summary: RoundSummary
+    ) -> dict[str, Tensor] | None:
+        """``apply``, guarded: a non-finite mean or result, or lost rank, keeps the old adapter."""
+        reason = ""
+        saved = copy.deepcopy(self.optimizer)  # a discarded step must not move its moments
+        if not all(torch.isfinite(v).all() for v in means.values()):
+            reason = "the aggregated update is not finite"
+        else:
+            t = summary.server_round
+            lr = scheduled_lr(self.server_lr, self.lr_schedule, t, self.num_rounds)
+            new = self.apply(means, lr)
+            if not all(torch.isfinite(v).all() for v in new.values()):
+                reason = "the retracted adapter is not finite"
+            else:
+                for m in self.modules:
+                    A, B = new[key(m, "A")].double(), new[key(m, "B")].double()
+                    RA = torch.linalg.qr(A, mode="r")[1]
+                    RB = torch.linalg.qr(B, mode="r")[1]
+                    sv = torch.linalg.svdvals(RA @ RB.mT)  # singular values of Z = A B.T
+                    if not float(sv[-1]) > _MIN_RANK_RATIO * float(sv[0]):
+                        reason = f"the new {m} lost rank (singular values {sv.tolist()})"
+                        break
+        if reason:
+            self.optimizer = saved
+            summary.discarded = reason
+            log.error("round %d: %s; global adapter unchanged", summary.server_round, reason)
+            return None
+        return new
+
+    def _aggregate_noise_std(self) -> float:
+        """Per-coordinate noise std of this round's weighted mean, in the update's units.
+
+        ``sqrt(sum_k w_k^2 s_k^2) / sum_k w_k`` with ``s_k = sigma_k C_k / b_k`` is the noise of
+        the mean of one DP step per site; a site's update is ``tau`` local steps of size ``lr``,
+        so it is scaled by ``lr sqrt(tau)`` (exact for plain SGD steps, the scale of the noise
+        for the adaptive ones). Sets the adaptive server optimizer's DP-aware floors (eq. 26).
+        """
+        if not self._noise:
+            return 0.0
+        total = math.fsum(w for w, _ in self._noise)
+        weights = [w / total for w, _ in self._noise]
+        std = aggregate_noise_std(weights, [s for _, s in self._noise])
+        return self.local_lr * math.sqrt(self.local_steps) * std
+
+    def apply(self, means: dict[str, Tensor], lr: float) -> dict[str, Tensor]:
+        """The next global arrays from this round's means, with server lr ``lr``."""
+        if self.mode == "tangent":
+            return self._apply_tangent(means, lr)
+        new: dict[str, Tensor] = {}
+        for module in self.modules:  # factor-average: FedAvg step of A and B
+            A, B = self.broadcast[key(module, "A")], self.broadcast[key(module, "B")]
+            A_new = A + lr * (means[key(module, "A")] - A)
+            B_new = B + lr * (means[key(module, "B")] - B)
+            new[key(module, "A")] = A_new.to(torch.float32).contiguous()
+            new[key(module, "B")] = B_new.to(torch.float32).contiguous()
+        for name in self.head:
+            value = self.broadcast[HEAD_PREFIX + name]
+            delta = means[HEAD_PREFIX + name] - value
+            new[HEAD_PREFIX + name] = (value + lr * delta).contiguous()
+        return new
+
+    def _apply_tangent(self, means: dict[str, Tensor], lr: float) -> dict[str, Tensor]:
+        """The server optimizer's step (``server.optimizer``) from the aggregated tangent update."""
+        points = {
+            m: Point(self.broadcast[key(m, "A")], self.broadcast[key(m, "B")]) for m in self.modules
+        }
+        updates = {m: Tangent(means[key(m, "dA")], means[key(m, "dB")]) for m in self.modules}
+        values = {n: self.broadcast[HEAD_PREFIX + n] for n in self.head}
+        deltas = {n: means[HEAD_PREFIX + n] for n in self.head}
+        moved, head = self.optimizer.step(
+            points, updates, values, deltas, noise_std=self._aggregate_noise_std(), lr=lr
+        )
+        new: dict[str, Tensor] = {}
+        for m in self.modules:
+            new[key(m, "A")] = moved[m].A.to(torch.float32).contiguous()
+            new[key(m, "B")] = moved[m].B.to(torch.float32).contiguous()
+        for n in self.head:
+            new[HEAD_PREFIX + n] = head[n].to(torch.float32).contiguous()
+        return new

@@ -1,0 +1,433 @@
+"""The coordinator's Flower strategy: selection, then per reply validation, binding, ledgering
+and streamed aggregation, wired from the parts of this package.
+
+PRISM (``mode="tangent"``): every site of a round starts from the same broadcast point
+``Z_t = A B.T``, so their tangent updates live in one vector space and the weighted mean of the
+lifts IS the weighted mean of the ``dZ_k`` (the map ``(dA, dB) -> dA B.T + A dB.T`` is linear).
+The server then takes ``Retr_r(Z_t + eta_s * mean dZ)`` (QR + 2r x 2r SVD, full rank r kept).
+Baselines (``mode="factor-average"``): FedIT-style FedAvg of ``A`` and ``B`` separately
+(inexact: ``mean(A) mean(B).T != mean(A B.T)``), used with factor-space DP or FFA on the sites.
+
+Every reply is validated before it touches the aggregate; a bad reply is logged, counted per
+reason in the round summary and skipped (``PrismStrategy.aggregate_train``). No NaN or Inf can
+reach the global adapter: the replies, their mean and the retracted result are all checked.
+Every site asked to run a round is charged in the ledger (``server.strategy.charges``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy.result import Result
+
+from client.protocol import (
+    ARRAYS,
+    CONFIG,
+    REFUSAL_REASONS,
+    ROUND_NONCE,
+    SERVER_ROUND,
+    STATUS_REFUSED,
+    UPDATE,
+)
+from prism_core.aggregation import Aggregation
+from server.errors import ReplyError
+from server.ledger import DEFAULT_MECHANISM, Ledger
+from server.optimizer import ServerOptimizer, ServerOptimizerConfig, scheduled_lr
+from server.strategy.aggregator import Mode, StreamingAggregator
+from server.strategy.binding import SiteBinding
+from server.strategy.bounds import AutoClip, UpdateBound, UpdateChecker
+from server.strategy.charges import Charges
+from server.strategy.loop import run_rounds
+from server.strategy.replies import (
+    RunTerms,
+    error_reply,
+    facts_of,
+    unconfirmed_code,
+)
+from server.strategy.rounds import RoundSummary
+from server.strategy.selection import Selection
+
+__all__ = ["PrismStrategy"]
+
+log = logging.getLogger("server.strategy")
+
+
+class PrismStrategy(Strategy):
+    """Round orchestration for PRISM and the factor-averaging baselines.
+
+    Args:
+        modules: LoRA module names (keys ``<module>/A``, ``<module>/B`` of the global arrays).
+        head: names of the DP head tensors (keys ``head/<name>``), possibly empty.
+        mode: ``tangent`` (PRISM) or ``factor-average`` (baselines).
+        ledger: the coordinator's privacy ledger.
+        run_id: this run's id in the ledger.
+        sites_per_round, min_sites, server_lr, aggregation, local_steps, default cap
+        (epsilon, delta) and seed: see ``client.config.RunConfig``.
+        update_bound: the sites' local optimizer settings; when given, a reply whose update
+            norm exceeds what an honest site can produce (``prism_core.bounds``) is rejected.
+        mechanism: the mechanism the run's method runs on each site
+            (``client.trainer.MECHANISMS[client.config.site_method(method)]``); a reply
+            reporting another is rejected.
+        dp: whether that mechanism adds noise; a DP reply must report sigma > 0.
+        auto_clip: set for a run with ``max-norm = auto`` (see ``AutoClip``).
+        lr_schedule, num_rounds: the server lr of round ``t`` is
+            ``scheduled_lr(server_lr, lr_schedule, t, num_rounds)`` (run-config
+            ``server-lr-schedule``), for every mode and server optimizer.
+    """
+
+    def __init__(
+        self,
+        *,
+        modules: list[str],
+        head: list[str],
+        mode: Mode,
+        ledger: Ledger,
+        run_id: str,
+        sites_per_round: int,
+        min_sites: int,
+        server_lr: float,
+        local_steps: int,
+        target_epsilon: float,
+        delta: float,
+        aggregation: Aggregation = "inverse-noise",
+        max_norm: float | None = None,
+        expected_batch_size: float | None = None,
+        server_optimizer: ServerOptimizerConfig | None = None,
+        local_lr: float = 1.0,
+        seed: int = 0,
+        wait_for_nodes: float = 120.0,
+        connect_timeout: float = 600.0,
+        update_bound: UpdateBound | None = None,
+        mechanism: str = DEFAULT_MECHANISM,
+        dp: bool = True,
+        auto_clip: AutoClip | None = None,
+        lr_schedule: str = "constant",
+        num_rounds: int = 1,
+    ) -> None:
+        scheduled_lr(server_lr, lr_schedule, 1, num_rounds)  # validates both
+        self.modules, self.head, self.mode = modules, head, mode
+        self.ledger, self.run_id = ledger, run_id
+        self.sites_per_round, self.min_sites = sites_per_round, min_sites
+        self.server_lr, self.lr_schedule = server_lr, lr_schedule
+        self.local_steps, self.dp = local_steps, dp
+        self.auto_clip = auto_clip
+        self.selection = Selection(
+            ledger=ledger,
+            run_id=run_id,
+            local_steps=local_steps,
+            sites_per_round=sites_per_round,
+            min_sites=min_sites,
+            seed=seed,
+            wait_for_nodes=wait_for_nodes,
+            connect_timeout=connect_timeout,
+        )
+        self.summaries: list[RoundSummary] = []
+        self.binding = SiteBinding()
+        self.terms = RunTerms(
+            mechanism=mechanism,
+            dp=dp,
+            local_steps=local_steps,
+            delta=delta,
+            max_norm=max_norm,
+            expected_batch_size=expected_batch_size,
+            auto_clip=auto_clip,
+        )
+        self.checker = UpdateChecker(
+            modules=modules,
+            head=head,
+            mode=mode,
+            local_steps=local_steps,
+            update_bound=update_bound,
+        )
+        self.aggregator = StreamingAggregator(
+            modules=modules,
+            head=head,
+            mode=mode,
+            optimizer=ServerOptimizer(
+                server_optimizer or ServerOptimizerConfig(kind="sgd", lr=server_lr), modules, head
+            ),
+            server_lr=server_lr,
+            lr_schedule=lr_schedule,
+            num_rounds=num_rounds,
+            local_lr=local_lr,
+            local_steps=local_steps,
+            aggregation=aggregation,
+            dp=dp,
+        )
+        self.charges = Charges(
+            ledger=ledger,
+            run_id=run_id,
+            target_epsilon=target_epsilon,
+            delta=delta,
+            mechanism=mechanism,
+            auto_clip=auto_clip,
+        )
+        self.target_epsilon = target_epsilon
+
+    @property
+    def update_bound(self) -> UpdateBound | None:
+        """The sites' optimizer settings that bound an honest update (``UpdateChecker``)."""
+        return self.checker.update_bound
+
+    @update_bound.setter
+    def update_bound(self, value: UpdateBound | None) -> None:
+        self.checker.update_bound = value
+
+    @property
+    def exhausted(self) -> set[str]:
+        """Sites that refused or whose next round would exceed their cap: never asked again."""
+        return self.selection.exhausted
+
+    @property
+    def optimizer(self) -> ServerOptimizer:
+        """The server optimizer (its state is checkpointed by ``server.federation``)."""
+        return self.aggregator.optimizer
+
+    # -- selection -------------------------------------------------------------------------
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Send the global factors to up to ``sites_per_round`` sites that can still run."""
+        select = self.selection
+        nodes = select.nodes(grid)
+        eligible = [n for n in nodes if select.eligible(self.binding.site_of(n), server_round)]
+        if not eligible:
+            return []
+        chosen = select.choose(eligible)
+        broadcast = {k: v.clone() for k, v in arrays.to_torch_state_dict().items()}
+        self.checker.begin_round(server_round, broadcast)
+        self.aggregator.begin_round(broadcast)
+        config[SERVER_ROUND] = server_round
+        config[ROUND_NONCE] = self.binding.ask(server_round, chosen, nodes)
+        content = RecordDict({ARRAYS: arrays, CONFIG: config})
+        self.summaries.append(RoundSummary(server_round, sent=len(chosen)))
+        return [
+            Message(content=content, message_type="train", dst_node_id=n) for n in sorted(chosen)
+        ]
+
+    # -- aggregation -----------------------------------------------------------------------
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Validate, ledger and stream-aggregate the replies; apply if enough are valid.
+
+        Per reply, in order: an error reply is rejected (shown by its code's fixed text, never
+        its reason); the accounting facts are type- and range-checked (``validate_facts``); the
+        reply must come from a node asked this round, carry this round's number and nonce,
+        match the node's bound site id, and be the site's first reply this round
+        (``SiteBinding.check_origin``); its facts must match what the coordinator configured
+        (``RunTerms.check``: steps, mechanism, sampling, adjacency, rng, sigma, q, delta, a known
+        refusal code, and with ``max-norm = auto`` the reported clip's range and the clip
+        estimate's steps). Only then are they charged to the ledger as CONFIRMED (a private clip
+        estimate as its own row, in the same transaction as the steps), so a reply
+        whose UPDATE is bad (keys, dtype, shape, NaN/Inf, huge entries, a norm beyond the
+        mechanism's bound) is still charged: the site spent that budget. A ledger conflict (a
+        different confirmed record of the same round) rejects the reply, never the round.
+        Refusals charge nothing and end the site's selection.
+
+        Then every node asked this round that gave no valid answer (no reply, an error reply, or
+        only rejected ones before its facts were confirmed) is charged the round's steps as
+        UNCONFIRMED (``Charges.unconfirmed``): it may have charged itself before failing.
+        """
+        summary = self.summaries[-1]
+        seen: set[str] = set()
+        answered: set[int] = set()  # asked nodes whose facts were confirmed or that refused
+        pending: dict[int, tuple[str, int]] = {}  # asked node -> (code, steps) of a rejection
+        replied: set[int] = set()
+        for msg in replies:
+            node = msg.metadata.src_node_id
+            replied.add(node)
+            who = self.binding.site_of(node)
+            steps = self.local_steps  # what an unconfirmed charge of this node counts
+            try:
+                if msg.has_error():
+                    raise error_reply(msg)
+                facts = facts_of(msg)
+                site = self.binding.check_origin(server_round, node, facts)
+                who = site
+                if site in seen:
+                    raise ReplyError(
+                        f"second reply of {site!r} in round {server_round}", "duplicate"
+                    )
+                seen.add(site)
+                steps = max(steps, int(facts["steps"]))  # a site claiming more is charged more
+                self.terms.check(facts)
+                self.charges.confirmed(server_round, facts)
+                answered.add(node)
+                sigma, q = float(facts["sigma"]), float(facts["q"])
+                cap = float(facts.get("epsilon-cap", self.target_epsilon))
+                if sigma > 0 or not self.dp:  # an up-front refusal has no mechanism to keep
+                    self.selection.site_mechanism[site] = (sigma, q, cap, float(facts["delta"]))
+                if facts["status"] == STATUS_REFUSED:
+                    self._refused(server_round, site, str(facts["reason"]), summary)
+                    continue
+                update = self.checker.validate(msg.content.get(UPDATE), facts)
+                weight = self.aggregator.weight(facts)
+            except (ReplyError, KeyError, TypeError, ValueError) as exc:
+                error = exc if isinstance(exc, ReplyError) else ReplyError(repr(exc), "invalid")
+                summary.reject(who, error)
+                log.warning("round %d: rejected reply from %s: %s", server_round, who, error)
+                if error.code == "ledger-conflict":
+                    answered.add(node)  # the round's confirmed record is in the ledger already
+                elif self.binding.sent_to.get(node) == server_round and node not in answered:
+                    code, before = pending.get(node, (unconfirmed_code(error, msg), 0))
+                    pending[node] = (code, max(before, steps))
+                continue
+            self.aggregator.add(update, facts, weight)
+            summary.accepted.append(site)
+        self._charge_unanswered(server_round, answered, pending, replied, summary)
+        if len(summary.accepted) < self.min_sites or self.aggregator.total_weight <= 0:
+            log.warning(
+                "round %d: %d valid updates < min-sites=%d; global adapter unchanged",
+                server_round,
+                len(summary.accepted),
+                self.min_sites,
+            )
+            return None, self._metrics(summary)
+        new = self.aggregator.finish(summary)
+        if new is None:
+            return None, self._metrics(summary)
+        summary.applied = True
+        return ArrayRecord(new), self._metrics(summary)
+
+    def _refused(self, server_round: int, site: str, code: str, summary: RoundSummary) -> None:
+        """A valid refusal (its code checked by ``RunTerms.check``): no charge, no more rounds."""
+        summary.refused.append(site)
+        summary.refusal_codes[site] = code
+        self.selection.exhausted.add(site)
+        log.info(
+            "site %s refused round %d: %s (%s)", site, server_round, code, REFUSAL_REASONS[code]
+        )
+
+    def _charge_unanswered(
+        self,
+        server_round: int,
+        answered: set[int],
+        pending: dict[int, tuple[str, int]],
+        replied: set[int],
+        summary: RoundSummary,
+    ) -> None:
+        """Charge every node asked this round without a valid answer as UNCONFIRMED."""
+        for node in self.binding.asked(server_round):
+            if node in answered:
+                continue
+            who = self.binding.site_of(node)
+            if node not in replied:
+                error = ReplyError("no reply before the round timeout", "no-reply")
+                summary.reject(who, error)
+                log.warning(
+                    "round %d: no reply from %s before the timeout; the round goes on without it",
+                    server_round,
+                    who,
+                )
+            code, steps = pending.get(node, ("no-reply", self.local_steps))
+            self.charges.unconfirmed(server_round, who, code, steps, summary)
+
+    @staticmethod
+    def _metrics(summary: RoundSummary) -> MetricRecord:
+        return MetricRecord(
+            {
+                "sites-sent": summary.sent,
+                "sites-accepted": len(summary.accepted),
+                "sites-refused": len(summary.refused),
+                "replies-rejected": len(summary.rejected),
+                "sites-unconfirmed": len(summary.unconfirmed),
+                "applied": int(summary.applied),
+                **{f"rejected-{code}": n for code, n in sorted(summary.rejected_by_reason.items())},
+            }
+        )
+
+    # -- checkpoint ------------------------------------------------------------------------
+
+    # -- checkpoint ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the strategy carries from one round to the next, as JSON-ready values.
+
+        The server optimizer is plain ``server-lr`` SGD on the retraction today: it has no state,
+        and its slot in the checkpoint (``server.federation``) records just that.
+        """
+        version, internal, gauss = self.selection.rng.getstate()
+        return {
+            "rng": [version, list(internal), gauss],
+            "node-site": {str(n): s for n, s in self.binding.node_site.items()},
+            "site-mechanism": {s: list(m) for s, m in self.selection.site_mechanism.items()},
+            "exhausted": sorted(self.selection.exhausted),
+            "summaries": [vars(x) for x in self.summaries],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned (after a coordinator restart)."""
+        version, internal, gauss = state["rng"]
+        self.selection.rng.setstate((version, tuple(internal), gauss))
+        self.binding.node_site = {int(n): str(s) for n, s in state["node-site"].items()}
+        self.selection.site_mechanism = {
+            s: (float(m[0]), float(m[1]), float(m[2]), float(m[3]))
+            for s, m in state["site-mechanism"].items()
+        }
+        self.selection.exhausted = set(state["exhausted"])
+        self.summaries = [RoundSummary.from_dict(x) for x in state["summaries"]]
+
+    # -- evaluation is server-side only (see server.app); sites are never asked to evaluate ---
+
+    # -- evaluation is server-side only (see server.app); sites are never asked to evaluate ---
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Sites do not evaluate: an evaluation on private data would be an un-noised release."""
+        return []
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        return None
+
+    def summary(self) -> None:
+        log.info(
+            "PrismStrategy(mode=%s, modules=%d, head=%d, sites/round=%d, min-sites=%d, "
+            "server-lr=%s %s)",
+            self.mode,
+            len(self.modules),
+            len(self.head),
+            self.sites_per_round,
+            self.min_sites,
+            self.server_lr,
+            self.lr_schedule,
+        )
+
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Any = None,
+        on_round_end: Any = None,
+        first_round: int = 1,
+        previous: Result | None = None,
+    ) -> Result:
+        """Run rounds until ``num_rounds`` or until no site can continue within its cap
+        (``server.strategy.loop.run_rounds``, which says how a resumed run is passed in)."""
+        self.summary()
+        return run_rounds(
+            self,
+            grid,
+            initial_arrays,
+            num_rounds=num_rounds,
+            timeout=timeout,
+            train_config=ConfigRecord() if train_config is None else train_config,
+            evaluate_fn=evaluate_fn,
+            on_round_end=on_round_end,
+            first_round=first_round,
+            previous=previous,
+        )
