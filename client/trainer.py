@@ -539,11 +539,11 @@ class PrivateTrainer:
         points = read_points(handles)
         frames = step_frames(points)
         released, acc, total = self.release(batch, points, frames=frames)
-        tau = self.noise_multiplier * cfg.max_norm / self.expected_batch_size
+        noise_std = self.noise_multiplier * cfg.max_norm / self.expected_batch_size
         directions: list[Tangent] = []
         for index, (point, update) in enumerate(zip(points, released.tangents, strict=True)):
             direction, self.states[index] = adaptive_direction(
-                point, update, self.states[index], noise_std=tau, config=self.adaptive
+                point, update, self.states[index], noise_std=noise_std, config=self.adaptive
             )
             directions.append(direction)
         write_points_(handles, retract_modules(frames, directions, -cfg.lr))

@@ -2,10 +2,10 @@
 
 Pure post-processing of the DP tangent update: first moments live in factor space, second
 moments in rank space (r x r), and the preconditioner ``(V + lambda I)^{-1/2}`` has a floor
-``lambda`` tied to the known DP noise level ``tau = sigma C / b`` so that it cannot amplify
+``lambda`` tied to the known DP noise level ``s = sigma C / b`` so that it cannot amplify
 the privacy noise without bound (Thm 3.5). State is an explicit frozen dataclass per module.
 
-Defaults follow the released reference: scalar floor ``0.5 tau^2``, ``cond_max = 1e4``,
+Defaults follow the released reference: scalar floor ``0.5 s^2``, ``cond_max = 1e4``,
 minimum-norm re-lift of the final direction, no noise debiasing. The reference's other re-lift,
 of the noisy gradient, is no longer an option: ``prism_core.mechanism.privatize`` already
 releases the minimum-norm lift (App. A.7) of the noisy ``dZ``, the only representative that
@@ -32,11 +32,11 @@ class AdaptiveConfig:
     Attributes:
         beta1: first-moment decay (factor space, eq. 24).
         beta2: second-moment decay (rank space, eq. 24).
-        floor_mode: ``"scalar"``: ``lambda = floor_scale * tau^2`` for both factors (reference);
-            ``"geometry"``: ``lambda_A = floor_scale * tau^2 tr(N^{-1}) / r`` and
-            ``lambda_B = floor_scale * tau^2 tr(M^{-1}) / r`` (eq. 26).
+        floor_mode: ``"scalar"``: ``lambda = floor_scale * s^2`` for both factors (reference);
+            ``"geometry"``: ``lambda_A = floor_scale * s^2 tr(N^{-1}) / r`` and
+            ``lambda_B = floor_scale * s^2 tr(M^{-1}) / r`` (eq. 26).
         floor_scale: multiplier of the DP-aware floor.
-        min_floor: absolute lower bound of lambda (keeps non-DP runs, tau = 0, well posed).
+        min_floor: absolute lower bound of lambda (keeps non-DP runs, s = 0, well posed).
         cond_max: largest allowed condition number of ``V + lambda I``.
         bias_correction: Adam-style ``1 / (1 - beta^t)`` correction of both moments.
         debias_second_moment: subtract the known rank-space noise covariance (App. A.26).
@@ -134,7 +134,7 @@ def adaptive_direction(
         update: the DP tangent update ``(dA_dp, dB_dp)`` of this step as ``privatize``
             releases it: already the minimum-norm lift of the noisy ``dZ``, used as given.
         state: this module's moments.
-        noise_std: ``tau = sigma * C / b``, the per-coordinate std of the DP noise in the update.
+        noise_std: ``s = sigma * C / b``, the per-coordinate std of the DP noise in the update.
         config: hyperparameters.
 
     Returns:
@@ -142,8 +142,8 @@ def adaptive_direction(
 
     Notes:
         Equivariant under orthogonal gauge changes ``(A R, B R)`` (Prop. A.30) when moments
-        transform alongside. ``debias_second_moment`` subtracts ``tau^2 (m - r)/m N^{-1}`` and
-        ``tau^2 M^{-1}`` (App. A.26), the covariance of the sampler's un-relifted noise; the
+        transform alongside. ``debias_second_moment`` subtracts ``s^2 (m - r)/m N^{-1}`` and
+        ``s^2 M^{-1}`` (App. A.26), the covariance of the sampler's un-relifted noise; the
         released update is min-norm re-lifted, so this is an approximation. r x r work is done
         in float32 or better.
     """
@@ -161,17 +161,17 @@ def adaptive_direction(
     c1 = 1 - b1**step if config.bias_correction else 1.0
     c2 = 1 - b2**step if config.bias_correction else 1.0
 
-    tau2 = float(noise_std) ** 2
+    s2 = float(noise_std) ** 2
     N_inv, tr_N_inv = _gram_inv_trace(B)
     M_inv, tr_M_inv = _gram_inv_trace(A)
     if config.floor_mode == "scalar":
-        lam_A = lam_B = config.floor_scale * tau2
+        lam_A = lam_B = config.floor_scale * s2
     else:
-        lam_A = config.floor_scale * tau2 * tr_N_inv / r
-        lam_B = config.floor_scale * tau2 * tr_M_inv / r
+        lam_A = config.floor_scale * s2 * tr_N_inv / r
+        lam_B = config.floor_scale * s2 * tr_M_inv / r
     lam_A, lam_B = max(lam_A, config.min_floor), max(lam_B, config.min_floor)
-    cov_A = tau2 * (m - r) / m * N_inv if config.debias_second_moment else None
-    cov_B = tau2 * M_inv if config.debias_second_moment else None
+    cov_A = s2 * (m - r) / m * N_inv if config.debias_second_moment else None
+    cov_B = s2 * M_inv if config.debias_second_moment else None
 
     U_A = (mA / c1) @ _inv_sqrt_floored(VA / c2, lam_A, config.cond_max, cov_A)
     U_B = (mB / c1) @ _inv_sqrt_floored(VB / c2, lam_B, config.cond_max, cov_B)

@@ -8,8 +8,8 @@ At a point ``Z = A B.T`` (thin QRs ``A = Q_A R_A``, ``B = Q_B R_B``) every tange
   ``(I - Pi_A) U N^{-1/2}`` block of the sampler (eq. 19),
 - ``B-perp``: ``Q_A.T dZ (I - Pi_B)``         (r x (n - r), ``r (n - r)``): noised by ``V``,
 
-``r (m + n - r)`` coordinates in all (Thm 3.1). Correct tangent noise of std ``tau`` puts
-``tau^2`` on every coordinate of every block; a sampler that drops or shrinks one block shows
+``r (m + n - r)`` coordinates in all (Thm 3.1). Correct tangent noise of std ``s`` puts
+``s^2`` on every coordinate of every block; a sampler that drops or shrinks one block shows
 up in that block's energy and hardly in the pooled energy. The audit tests each block (and
 each head tensor) separately with a chi-square test, and says which shortfall it can detect.
 

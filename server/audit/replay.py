@@ -237,7 +237,7 @@ def _sensitivity(rep: _Replayer, base: list[int], probes: list[int]) -> Mechanis
 
 def _noise_checks(rep: _Replayer, sizes: dict[int, list[int]]) -> list[MechanismCheck]:
     s = rep.settings
-    tau = s.noise_multiplier * rep.trainer.config.max_norm / s.expected_batch_size
+    noise_std = s.noise_multiplier * rep.trainer.config.max_norm / s.expected_batch_size
     dims = _block_dimensions(rep.points, rep.trainer.loaded.head_params)
     energy = {n: dict.fromkeys(dims, 0.0) for n in sizes}
     deviation = 0.0
@@ -247,7 +247,7 @@ def _noise_checks(rep: _Replayer, sizes: dict[int, list[int]]) -> list[Mechanism
         for n, indices in sizes.items():
             a, b = rep.release(indices, seeds[0]), rep.release(indices, seeds[1])
             for name, e in _block_energies(rep.points, a, b).items():
-                energy[n][name] += e / (2 * tau**2)  # the difference has variance 2 tau^2
+                energy[n][name] += e / (2 * noise_std**2)  # difference: variance 2 noise_std^2
             if ref is None:
                 ref = (a, b)
                 continue
@@ -280,12 +280,12 @@ def _noise_checks(rep: _Replayer, sizes: dict[int, list[int]]) -> list[Mechanism
             )
             for n, per in energy.items()
         }
-        checks.append(_scale_check(name, tests, tau, s))
+        checks.append(_scale_check(name, tests, noise_std, s))
     return checks
 
 
 def _scale_check(
-    name: str, tests: dict[int, VarianceTest], tau: float, s: ReplaySettings
+    name: str, tests: dict[int, VarianceTest], noise_std: float, s: ReplaySettings
 ) -> MechanismCheck:
     """One block's noise-scale check over every realised size (worst size shown)."""
     first = next(iter(tests.values()))
@@ -302,7 +302,7 @@ def _scale_check(
         passed=all(t.passed for t in tests.values()),
         detail=(
             f"{first.dof} coordinates ({s.seed_pairs} seed pairs), std ratio by "
-            f"realised size {shown}; sigma={s.noise_multiplier}, expected std {tau:.4g}; "
+            f"realised size {shown}; sigma={s.noise_multiplier}, expected std {noise_std:.4g}; "
             f"chi-square at confidence {s.confidence} (Bonferroni over blocks and sizes); "
             f"detects sigma_true <= {first.detectable:.3f} sigma_claimed here with "
             f"probability {POWER}"
