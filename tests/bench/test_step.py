@@ -1,0 +1,105 @@
+"""bench/step.py's pure helpers: option defaults, the token counts and the in-order A/B switch.
+
+No model is loaded and nothing is timed: the timings are the benchmark's job (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from client.config import RunConfig
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "step.py"
+
+
+@pytest.fixture(scope="module")
+def step():
+    spec = importlib.util.spec_from_file_location("bench_step", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while being built
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[spec.name]
+
+
+def batch_of(lengths, width=6):
+    """A collated seq-cls batch, right-padded to ``width``, rows of the given token counts."""
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        mask[row, :n] = 1
+    return {"input_ids": mask * 7, "attention_mask": mask, "labels": torch.zeros(len(lengths))}
+
+
+def test_defaults_keep_todays_packed_run(step):
+    args = step.parse_args([])
+    assert args.data == "packed" and args.methods == ["prism", "dp-adamw", "nondp"]
+    assert step.resolve_workload(args.data) == step.Workload("packed", 64, 64, 64)
+
+
+def test_real_data_takes_the_products_defaults(step):
+    run = RunConfig()
+    for data in ("sst2", "medical_abstracts"):
+        work = step.resolve_workload(data)
+        assert work == step.Workload(data, 128, run.batch_size, run.micro_batch_size)
+    work = step.resolve_workload("sst2", max_length=64, batch=32, micro_batch=16)
+    assert work == step.Workload("sst2", 64, 32, 16)
+
+
+def test_packed_stays_64_tokens(step):
+    assert step.resolve_workload("packed", max_length=64).max_length == 64
+    with pytest.raises(SystemExit, match="exactly 64"):
+        step.resolve_workload("packed", max_length=128)
+
+
+def test_memory_process_flags_rebuild_the_workload(step):
+    work = step.resolve_workload("medical_abstracts", micro_batch=32)
+    args = step.parse_args(work.flags())
+    rebuilt = step.resolve_workload(
+        args.data, max_length=args.max_length, batch=args.batch, micro_batch=args.micro_batch
+    )
+    assert rebuilt == work
+
+
+def test_methods_option(step):
+    args = step.parse_args(["--methods", "prism", "prism-inorder", "prism"])
+    assert args.methods == ["prism", "prism-inorder"]
+    assert step.pairs(args.methods) == [("prism", "prism-inorder")]
+    with pytest.raises(SystemExit):
+        step.parse_args(["--methods", "sgd"])
+
+
+def test_token_counts(step):
+    micro = batch_of([1, 4, 2])
+    assert step.padded_tokens(micro) == 3 * 6  # rows x width, padding included
+    assert step.real_tokens(micro) == 7
+    siamese = {"attention_mask": torch.ones(3, 2, 5, dtype=torch.long)}
+    assert step.padded_tokens(siamese) == 30
+
+
+@pytest.mark.parametrize(("in_order", "padded"), [(False, 2 * 1 + 2 * 4), (True, 2 * 4 + 2 * 4)])
+def test_probe_counts_and_forces_batch_order(step, in_order, padded):
+    """Rows of 1, 4, 1, 4 tokens in micro-batches of 2: by length [1, 1] [4, 4], else [1, 4] x 2."""
+    import client.trainer as trainer_module
+
+    original = trainer_module.micro_batches
+    with step.micro_batch_probe(in_order=in_order) as seen:
+        micros = list(trainer_module.micro_batches(batch_of([1, 4, 1, 4]), 2, by_length=True))
+    assert trainer_module.micro_batches is original
+    assert sum(p for p, _ in seen) == padded and sum(r for _, r in seen) == 10
+    assert sum(int(m["attention_mask"].shape[0]) for m in micros) == 4
+
+
+def test_throughput_and_its_ratio(step):
+    a = step.MethodTimes(cpu=[0.5, 1.0, 1.0], batch=[60, 64, 70])
+    b = step.MethodTimes(cpu=[1.0, 1.0, 2.0], batch=[60, 64, 70])
+    assert a.per_cpu_second() == pytest.approx(194 / 2.5, rel=1e-12)
+    ratio = step.throughput_ratio({"a": a, "b": b}, "a", "b")
+    assert ratio["of_totals"] == pytest.approx(4.0 / 2.5, rel=1e-12)
+    assert ratio["paired"] == pytest.approx(2.0, rel=1e-12)  # per round: 2, 1, 2
