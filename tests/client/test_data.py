@@ -20,6 +20,7 @@ from client.data import (
     dirichlet_partition,
     format_prompt,
     iid_partition,
+    length_groups,
     load_examples,
     make_collate,
     micro_batches,
@@ -446,25 +447,58 @@ def test_length_aware_micro_batches_group_rows_by_length(bert_tok) -> None:
     ds = _seq_cls_dataset(bert_tok, 7)  # token lengths 3, 4, 5, 6, 3, 4, 5 (with specials)
     batch = make_collate(bert_tok, "seq-cls")([ds[i] for i in range(7)])
     grouped = list(micro_batches(batch, 3, by_length=True))
-    assert [len(m["labels"]) for m in grouped] == [3, 3, 1]
+    assert all(len(m["labels"]) <= 3 for m in grouped)
+    lengths = [m["attention_mask"].sum(dim=1).tolist() for m in grouped]
+    flat = [n for group in lengths for n in group]
+    assert flat == sorted(flat) == [3, 3, 4, 4, 5, 5, 6]  # shortest rows first
     widths = [m["input_ids"].shape[1] for m in grouped]
-    assert widths == [4, 5, 6]  # each trimmed to its own longest row, shortest rows first
+    assert widths == [max(group) for group in lengths]  # each trimmed to its own longest row
+    assert [len(g) for g in lengths] == length_groups(flat, 3)
     padded = sum(m["input_ids"].numel() for m in grouped)
     in_order = sum(m["input_ids"].numel() for m in micro_batches(batch, 3))
-    assert padded == 3 * 4 + 3 * 5 + 6 < in_order == 3 * 5 + 3 * 6 + 5
-    lengths = batch["attention_mask"].sum(dim=1)  # the same rows, each exactly once
+    assert padded == 2 * 3 + 2 * 4 + 3 * 6 < in_order == 3 * 5 + 3 * 6 + 5  # [3,3] [4,4] [5,5,6]
+    full = batch["attention_mask"].sum(dim=1)  # the same rows, each exactly once
     seen = sorted(
         (tuple(m["input_ids"][i, : int(m["attention_mask"][i].sum())].tolist()),
          int(m["labels"][i]))
         for m in grouped for i in range(len(m["labels"]))
     )  # fmt: skip
     want = sorted(
-        (tuple(batch["input_ids"][i, : int(lengths[i])].tolist()), int(batch["labels"][i]))
+        (tuple(batch["input_ids"][i, : int(full[i])].tolist()), int(batch["labels"][i]))
         for i in range(7)
     )
     assert seen == want
-    one = list(micro_batches(batch, 7, by_length=True))  # one micro-batch: rows keep their order
-    assert torch.equal(one[0]["input_ids"], batch["input_ids"])
+
+
+def _brute_force_groups(lengths: list[int], cap: int, overhead: float) -> float:
+    """The least cost over every split of the sorted lengths into groups of <= cap rows."""
+    best = math.inf
+    n = len(lengths)
+    for mask in range(1 << (n - 1)):  # bit i set: a cut after row i
+        cost, begin = 0.0, 0
+        for end in [i + 1 for i in range(n - 1) if mask >> i & 1] + [n]:
+            if end - begin > cap:
+                break
+            cost += (end - begin) * lengths[end - 1] + overhead
+            begin = end
+        else:
+            best = min(best, cost)
+    return best
+
+
+@pytest.mark.parametrize("overhead", [0.0, 8.0, 32.0, 500.0])
+def test_length_groups_are_the_cheapest_split(overhead: float) -> None:
+    rng = np.random.default_rng(7)
+    for _ in range(40):
+        n, cap = int(rng.integers(1, 11)), int(rng.integers(1, 6))
+        lengths = sorted(int(x) for x in rng.integers(2, 60, size=n))
+        sizes = length_groups(lengths, cap, overhead)
+        assert sum(sizes) == n and all(1 <= s <= cap for s in sizes)
+        ends = np.cumsum(sizes)
+        cost = sum(s * lengths[e - 1] + overhead for s, e in zip(sizes, ends, strict=True))
+        assert cost == pytest.approx(_brute_force_groups(lengths, cap, overhead), abs=1e-9)
+    assert length_groups([2, 2, 2, 100], 4, 32.0) == [3, 1]  # worth a second pass
+    assert length_groups([10, 10, 11, 12], 4, 32.0) == [4]  # not worth one
 
 
 def test_length_aware_micro_batches_use_the_longer_text_of_a_pair(bert_tok) -> None:
