@@ -113,7 +113,6 @@ class PrismStrategy(Strategy):
         self.modules, self.head, self.mode = modules, head, mode
         self.ledger, self.run_id = ledger, run_id
         self.sites_per_round, self.min_sites = sites_per_round, min_sites
-        self.server_lr, self.lr_schedule = server_lr, lr_schedule
         self.local_steps, self.dp = local_steps, dp
         self.auto_clip = auto_clip
         self.selection = Selection(
@@ -167,7 +166,6 @@ class PrismStrategy(Strategy):
             mechanism=mechanism,
             auto_clip=auto_clip,
         )
-        self.target_epsilon = target_epsilon
 
     @property
     def update_bound(self) -> UpdateBound | None:
@@ -262,7 +260,7 @@ class PrismStrategy(Strategy):
                 self.charges.confirmed(server_round, facts)
                 answered.add(node)
                 sigma, q = float(facts["sigma"]), float(facts["q"])
-                cap = float(facts.get("epsilon-cap", self.target_epsilon))
+                cap = float(facts.get("epsilon-cap", self.charges.target_epsilon))
                 if sigma > 0 or not self.dp:  # an up-front refusal has no mechanism to keep
                     self.selection.site_mechanism[site] = (sigma, q, cap, float(facts["delta"]))
                 if facts["status"] == STATUS_REFUSED:
@@ -399,8 +397,8 @@ class PrismStrategy(Strategy):
             len(self.head),
             self.sites_per_round,
             self.min_sites,
-            self.server_lr,
-            self.lr_schedule,
+            self.aggregator.server_lr,
+            self.aggregator.lr_schedule,
         )
 
     def start(
