@@ -414,7 +414,12 @@ def _check_round(strategy, server_round, broadcast, specs, new, metrics, expecte
         assert set(got) == {key(m, p) for m in MODULES for p in "AB"} | {"head/" + n for n in HEAD}
         for module in MODULES:
             Z = got[key(module, "A")].double() @ got[key(module, "B")].double().T
-            torch.testing.assert_close(Z, want[module], **Z_TOL)
+            # float32 factors: the absolute tolerance is relative to the largest entry of Z
+            # (7-10 float32 ulps of |A||B|.T were seen after the retraction, global seed 65)
+            scale = max(1.0, float(want[module].abs().max()))
+            torch.testing.assert_close(
+                Z, want[module], rtol=Z_TOL["rtol"], atol=Z_TOL["atol"] * scale
+            )
         for name in HEAD:
             torch.testing.assert_close(got["head/" + name], want["head/" + name], **TOL)
     assert metrics["sites-accepted"] == len(accepted)
