@@ -3,13 +3,10 @@ pyproject.toml, run by ``make lint``, keep accounting from importing the mechani
 
 from __future__ import annotations
 
+from prism_core import accounting, mechanism, records
+
 
 def test_the_record_has_one_definition() -> None:
-    import prism_core
-    import prism_core.accounting
-    import prism_core.mechanism
-    from prism_core.records import ADJACENCY, NoiseRecord
-
-    assert prism_core.NoiseRecord is prism_core.mechanism.NoiseRecord is NoiseRecord
-    assert prism_core.mechanism.ADJACENCY is ADJACENCY
-    assert prism_core.accounting.NoiseRecord is NoiseRecord
+    assert mechanism.NoiseRecord is records.NoiseRecord
+    assert accounting.NoiseRecord is records.NoiseRecord
+    assert mechanism.ADJACENCY is records.ADJACENCY
