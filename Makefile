@@ -9,7 +9,7 @@ export TRANSFORMERS_OFFLINE := 1
 export FLWR_TELEMETRY_ENABLED := 0
 export FLWR_DISABLE_UPDATE_CHECK := 1
 
-.PHONY: install demo test lint typecheck pytest test-slow test-gpu mutation bench-mechanism clean
+.PHONY: install demo test lint typecheck pytest test-slow test-gpu test-compose mutation bench-mechanism clean
 .PHONY: bench-server bench-diagnostics bench-utility bench-gpu
 
 $(BIN)/python:
@@ -48,6 +48,23 @@ test-slow: $(STAMP)
 # The CUDA tests (tests/gpu): bf16 base, float32 LoRA; they skip, saying so, without a GPU.
 test-gpu: $(STAMP)
 	$(BIN)/pytest -m gpu tests/gpu -rs
+
+# The compose federation on a REAL Docker Engine (tests/deploy/test_compose_docker.py, marker
+# `docker`; not part of `make test`: CI has no engine). Builds prism-fl:cpu from this checkout
+# first. TORCH_CPU_INDEX: where the image gets the CPU torch wheel (on these machines the local
+# index of `../shared/tools/docker-here.sh up`); PRISM_UID/PRISM_GID: the containers' user
+# (never 0; default 10001).
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+PRISM_UID ?= 10001
+PRISM_GID ?= 10001
+
+test-compose: $(STAMP)
+	@docker info >/dev/null 2>&1 || { echo "make test-compose needs a running Docker Engine" \
+		"with Compose v2 (on these machines: ../shared/tools/docker-here.sh up)" >&2; exit 2; }
+	docker build --network host --build-arg TORCH_CPU_INDEX=$(TORCH_CPU_INDEX) \
+		--build-arg PRISM_UID=$(PRISM_UID) --build-arg PRISM_GID=$(PRISM_GID) \
+		-f deploy/Dockerfile -t prism-fl:cpu .
+	$(BIN)/pytest -m docker tests/deploy/test_compose_docker.py -s
 
 # Mutation testing of the privacy-critical modules, each against its own tests (mutmut; not
 # part of `make test` or CI: hours of CPU). MUTATION_ARGS: module names and/or --jobs N.
