@@ -28,6 +28,19 @@ timed by wrapping it on the instance). Bytes: the sum of the serialised sizes
 what Flower 1.42 ships (gRPC framing not counted). Run::
 
     .venv/bin/python bench/server.py --threads 1 [--sites 1 10 100] [--out FILE.json]
+
+Round loop (``--round-memory K ...``, only this): peak extra RSS of one whole round of the
+coordinator's loop (configure, push, pull, validation, ledger, sums, retraction), for the
+collect-all loop (Flower's ``Grid.send_and_receive`` returns every reply in a list, then
+``aggregate_train``) and the streaming loop (``server.strategy.loop.run_rounds``: push, then
+pull and sum one reply at a time). The grid is Flower's own ``InMemoryGrid`` (the simulation
+engine's) over an in-memory LinkState with K registered SuperNodes; no SuperLink or SuperNode
+process runs: each site builds its reply (public random update of the adapter's shapes) when
+the coordinator pulls its message id, so a reply exists in this process from its pull on, as a
+reply pulled from a SuperLink in another process does. Also reports the most reply
+ArrayRecords alive at once (weak references). Each (K, loop) runs in a fresh subprocess::
+
+    .venv/bin/python bench/server.py --threads 1 --round-memory 1 10 50 [--layers 34] [--out F]
 """
 
 from __future__ import annotations
@@ -37,27 +50,45 @@ import gc
 import json
 import logging
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
+from uuid import uuid4
 
 # This file is named like the repo's `server` package: make the package win the import.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.common.constant import (
+    HEARTBEAT_INTERVAL_INF,
+    NOOP_ACCOUNT_NAME,
+    NOOP_FLWR_AID,
+    SUPERLINK_NODE_ID,
+)
+from flwr.server.superlink.linkstate import LinkStateFactory
+from flwr.server.superlink.linkstate.in_memory_linkstate import RunRecord, Task
+from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME, NOOP_FEDERATION_ID
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+from flwr.supercore.object_store import ObjectStoreFactory
+from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
+from flwr.superlink.federation import NoOpFederationManager
+from flwr.superlink.grid import InMemoryGrid
 from step import environment, load_average
 
-from client.protocol import ACCOUNTING, UPDATE, key
+from client.protocol import ACCOUNTING, CONFIG, ROUND_NONCE, SERVER_ROUND, UPDATE, key
 from prism_core.accounting import PrivacyEvent, epsilon
 from server.ledger import Ledger
 from server.strategy import PrismStrategy
+from server.strategy.loop import run_rounds
+from server.strategy.replies import in_order
 
 LOG = logging.getLogger("bench.server")
 
@@ -120,12 +151,17 @@ def facts(site: str, steps: int = 10) -> dict[str, Any]:
         "delta": 1e-5,
         "epsilon-cap": 8.0,
         "epsilon": 0.5,
+        "max-norm": 1.0,
+        "expected-batch-size": 64.0,
+        "rng": "os-csprng",
     }
 
 
 def reply(request: Message, arrays: dict[str, torch.Tensor], site: str) -> Message:
-    """A site's train reply, built as ``client.app.train`` builds it."""
-    content = RecordDict({UPDATE: ArrayRecord(arrays), ACCOUNTING: ConfigRecord(facts(site))})
+    """A site's train reply, built as ``client.app.train`` builds it (round and nonce echoed)."""
+    config = request.content[CONFIG]
+    stated = {**facts(site), SERVER_ROUND: config[SERVER_ROUND], ROUND_NONCE: config[ROUND_NONCE]}
+    content = RecordDict({UPDATE: ArrayRecord(arrays), ACCOUNTING: ConfigRecord(stated)})
     return Message(content=content, reply_to=request)
 
 
@@ -235,6 +271,147 @@ def aggregation_child(sites: int, hold: str) -> dict[str, Any]:
     }
 
 
+class SitesOnPull(InMemoryGrid):
+    """Flower's ``InMemoryGrid`` (its simulation engine's grid) over an in-memory LinkState with
+    ``sites`` registered SuperNodes. A site answers when the coordinator pulls its message id:
+    the reply is built then (``reply``, public random update of the adapter's shapes), stored in
+    the LinkState as a SuperNode's reply is, and pulled through Flower's code, so it exists in
+    this process only from the pull on, as a reply pulled from a SuperLink process does. Also
+    counts the most pulled reply ArrayRecords alive at once (weak references)."""
+
+    def __init__(self, sites: int, spec: dict[str, tuple]) -> None:
+        factory = LinkStateFactory(
+            FLWR_IN_MEMORY_DB_NAME, NoOpFederationManager(), ObjectStoreFactory()
+        )
+        super().__init__(factory, pull_interval=0.01)
+        state: Any = self.state
+        self.index = {}
+        for i in range(sites):
+            node = state.create_node(
+                NOOP_FLWR_AID, NOOP_ACCOUNT_NAME, secrets.token_bytes(32), HEARTBEAT_INTERVAL_INF
+            )
+            state.acknowledge_node_heartbeat(
+                node_id=node, heartbeat_interval=HEARTBEAT_INTERVAL_INF
+            )
+            self.index[node] = i
+        run = Run.create_empty(run_id=TaskIdentity.run_id)
+        run.primary_task_id, run.federation_id = TaskIdentity.task_id, NOOP_FEDERATION_ID
+        state.run_ids[run.run_id] = RunRecord(run=run)  # as flwr.simulation.run_simulation does
+        state.task_store[run.primary_task_id] = Task(task_id=run.primary_task_id, run_id=run.run_id)
+        self.set_run(run)
+        self.spec = spec
+        self.peak_held = 0
+        self._refs: list[weakref.ref[Any]] = []
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        ids = list(message_ids)
+        state: Any = self.state
+        for mid in ids:
+            request = state.message_ins_store.get(mid)
+            if request is None:
+                continue
+            for ins in state.get_message_ins(node_id=request.metadata.dst_node_id, limit=1):
+                i = self.index[ins.metadata.dst_node_id]
+                answer = reply(ins, site_update(self.spec, i), f"site-{i}")
+                answer.metadata.__dict__["_message_id"] = str(uuid4())
+                state.store_message_res(answer)
+                del answer
+        held = sum(ref() is not None for ref in self._refs)
+        got = list(super().pull_messages(ids))
+        for msg in got:
+            if msg.has_content() and isinstance(msg.content.get(UPDATE), ArrayRecord):
+                self._refs.append(weakref.ref(msg.content[UPDATE]))
+        self.peak_held = max(self.peak_held, held + len(got))
+        return got
+
+
+def round_memory_child(sites: int, path: str) -> dict[str, Any]:
+    """One round of ``sites`` sites through the coordinator's round loop on ``SitesOnPull``:
+    ``stream`` is ``server.strategy.loop.run_rounds`` (replies pulled and summed one at a
+    time); ``collect`` is the loop before it: ``Grid.send_and_receive`` (Flower's, which
+    returns every reply in a list), ``in_order``, then ``aggregate_train``. Peak extra RSS of
+    the round (configure, push, pull, validation, ledger, sums, retraction)."""
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, SUPERLINK_NODE_ID, 1
+    spec = shapes(GEMMA_MODULES, LAYERS, RANK)
+    with tempfile.TemporaryDirectory(prefix="bench-server-") as tmp:
+        strategy = strategy_for(spec, sites, Path(tmp))
+        grid = SitesOnPull(sites, spec)
+        glob = ArrayRecord(global_arrays(spec))
+        gc.collect()
+        reset = _reset_peak()
+        rss0 = _status("VmRSS")
+        t0 = time.perf_counter()
+        if path == "stream":
+            result = run_rounds(
+                strategy, grid, glob, num_rounds=1, timeout=3600.0, train_config=ConfigRecord()
+            )
+            metrics = result.train_metrics_clientapp[1]
+        else:
+            messages = list(strategy.configure_train(1, glob, ConfigRecord(), grid))
+            replies = in_order(grid.send_and_receive(messages, timeout=3600.0))
+            new, metrics = strategy.aggregate_train(1, replies)
+            assert new is not None and metrics is not None
+            del replies
+        total_s = time.perf_counter() - t0
+        peak = _status("VmHWM")
+        assert metrics["sites-accepted"] == sites and metrics["applied"] == 1, dict(metrics)
+        strategy.ledger.close()
+    return {
+        "sites": sites,
+        "path": path,
+        "layers": LAYERS,
+        "reply_mib": sum(m * r + n * r for m, n, r in spec.values()) * 4 / 2**20,
+        "peak_reset": reset,
+        "rss_before_kib": rss0,
+        "peak_kib": peak,
+        "extra_peak_mib": (peak - rss0) / 1024,
+        "round_s": total_s,
+        "peak_replies_held": grid.peak_held,
+    }
+
+
+def run_round_child(sites: int, path: str, threads: int | None, layers: int) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--child-round", str(sites), "--path", path]
+    command += ["--layers", str(layers)] + (["--threads", str(threads)] if threads else [])
+    LOG.info("round loop: %d sites (%s), load %s", sites, path, load_average())
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"child for {sites} sites ({path}) failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def round_memory(args: argparse.Namespace) -> None:
+    """``--round-memory``: the coordinator round loop's peak memory, collect-all vs streaming."""
+    env = environment()
+    env["load_start"] = load_average()
+    runs = [
+        run_round_child(k, path, args.threads, args.layers)
+        for k in args.round_memory
+        for path in ("collect", "stream")
+    ]
+    env["load_end"] = load_average()
+    print(
+        f"CPU: {env['cpu']} ({env['cores']} cores) | torch {env['torch']} | {env['date']} | "
+        f"commit {env['commit']}\n/proc/loadavg: start {env['load_start']}; end "
+        f"{env['load_end']}\nGrid: Flower InMemoryGrid + in-memory LinkState, sites answer "
+        f"when pulled; {args.layers} layers, reply {runs[0]['reply_mib']:.1f} MiB float32\n"
+    )
+    print("| sites | round loop | round s | peak replies held | extra peak RSS MiB |")
+    print("| ---: | --- | ---: | ---: | ---: |")
+    for r in runs:
+        loop = "send_and_receive + aggregate" if r["path"] == "collect" else "streaming (pull 1)"
+        print(
+            f"| {r['sites']} | {loop} | {r['round_s']:.2f} | {r['peak_replies_held']} | "
+            f"{r['extra_peak_mib']:,.0f} |"
+        )
+    if not all(r["peak_reset"] for r in runs):
+        print("\nWARNING: peak RSS could not be reset; extra peak includes set-up.")
+    if args.out is not None:
+        payload = {"environment": env, "args": {k: str(v) for k, v in vars(args).items()}}
+        args.out.write_text(json.dumps({**payload, "round_memory": runs}, indent=2) + "\n")
+        LOG.info("wrote %s", args.out)
+
+
 def run_child(sites: int, hold: str, threads: int | None) -> dict[str, Any]:
     command = [sys.executable, __file__, "--child", str(sites), "--hold", hold]
     command += ["--threads", str(threads)] if threads else []
@@ -309,7 +486,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--accountant-steps", type=int, default=10_000)
     parser.add_argument("--accountant-repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, help="also write the raw results as JSON here")
+    parser.add_argument(
+        "--round-memory",
+        type=int,
+        nargs="+",
+        metavar="K",
+        help="only measure the round loop's peak memory for these site counts, collect-all "
+        "(Grid.send_and_receive) vs streaming (push/pull), through Flower's InMemoryGrid",
+    )
+    parser.add_argument(
+        "--layers", type=int, default=LAYERS, help="decoder layers of the adapter (34: Gemma)"
+    )
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--child-round", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--path", choices=("collect", "stream"), help=argparse.SUPPRESS)
     parser.add_argument("--hold", choices=("one", "all"), default="one", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -322,8 +512,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr, force=True
     )
     logging.getLogger("server").setLevel(logging.WARNING)
+    global LAYERS
+    LAYERS = args.layers
     if args.child is not None:
         print(json.dumps(aggregation_child(args.child, args.hold)))
+        return
+    if args.child_round is not None:
+        print(json.dumps(round_memory_child(args.child_round, args.path)))
+        return
+    if args.round_memory:
+        round_memory(args)
         return
     env = environment()
     env["load_start"] = load_average()

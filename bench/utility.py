@@ -181,7 +181,11 @@ def run_id(spec: dict[str, Any]) -> str:
 
 
 def _local_grid(run_config: dict[str, Any], sites: int) -> Any:
-    """A grid that hands each message to the site's ClientApp function in this process."""
+    """A grid that hands each message to the site's ClientApp function in this process when it
+    is pushed; the coordinator pulls the replies (``Grid.push_messages`` / ``pull_messages``,
+    with a fresh id per message as Flower's ``InMemoryGrid`` gives)."""
+    from uuid import uuid4
+
     from flwr.app import Context, RecordDict
 
     import client.app as client_app
@@ -206,16 +210,22 @@ def _local_grid(run_config: dict[str, Any], sites: int) -> Any:
                 )
                 for node in range(1, sites + 1)
             }
+            self.replies: dict[str, Any] = {}
 
         def get_node_ids(self) -> list[int]:
             return sorted(self.contexts)
 
-        def send_and_receive(self, messages: Any, *, timeout: float | None = None) -> list:
-            replies = []
+        def push_messages(self, messages: Any) -> list[str]:
+            ids = []
             for msg in messages:
+                msg.metadata.__dict__["_message_id"] = str(uuid4())
                 context = self.contexts[msg.metadata.dst_node_id]
-                replies.append(client_app.train(msg, context))
-            return replies
+                self.replies[msg.metadata.message_id] = client_app.train(msg, context)
+                ids.append(msg.metadata.message_id)
+            return ids
+
+        def pull_messages(self, message_ids: Any) -> list:
+            return [self.replies.pop(i) for i in message_ids if i in self.replies]
 
     return LocalGrid()
 

@@ -3,8 +3,9 @@ the server step (exact tangent mean + the server optimizer's retraction, or FedA
 
 Flower-free: it takes tensors and a reply's CHECKED facts (``server.strategy.replies``), so it can
 be driven by the strategy, a benchmark or a test alike. Memory holds one running sum per tensor,
-whatever the number of sites. Sums are in float64 and in the order the replies are added (the
-strategy adds them in a fixed order: float addition is not associative).
+whatever the number of sites. Sums are in float64 and in the order the replies are added: the
+strategy adds them as they arrive (``server.strategy.loop``), so two runs whose replies arrive
+in different orders can differ at float64 rounding (float addition is not associative).
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ The server then takes ``Retr_r(Z_t + eta_s * mean dZ)`` (QR + 2r x 2r SVD, full 
 Baselines (``mode="factor-average"``): FedIT-style FedAvg of ``A`` and ``B`` separately
 (inexact: ``mean(A) mean(B).T != mean(A B.T)``), used with factor-space DP or FFA on the sites.
 
+Replies are consumed one at a time as the round loop pulls them (``server.strategy.loop``) and
+none is kept after it is summed, so coordinator memory does not grow with the number of sites.
 Every reply is validated before it touches the aggregate; a bad reply is logged, counted per
 reason in the round summary and skipped (``PrismStrategy.aggregate_train``). No NaN or Inf can
 reach the global adapter: the replies, their mean and the retracted result are all checked.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -55,6 +58,17 @@ from server.strategy.selection import Selection
 __all__ = ["PrismStrategy"]
 
 log = logging.getLogger("server.strategy")
+
+
+@dataclass
+class _Tally:
+    """What one round's replies so far say about the nodes asked (``aggregate_train``): no
+    reply itself is kept, so the round's memory does not grow with its replies."""
+
+    seen: set[str] = field(default_factory=set)  # sites with a reply past the origin check
+    answered: set[int] = field(default_factory=set)  # nodes whose facts were confirmed/refused
+    pending: dict[int, tuple[str, int]] = field(default_factory=dict)  # node -> (code, steps)
+    replied: set[int] = field(default_factory=set)  # nodes with any reply
 
 
 class PrismStrategy(Strategy):
@@ -216,8 +230,10 @@ class PrismStrategy(Strategy):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Validate, ledger and stream-aggregate the replies; apply if enough are valid.
 
-        Per reply, in order: an error reply is rejected (shown by its code's fixed text, never
-        its reason); the accounting facts are type- and range-checked (``validate_facts``); the
+        Per reply, as they come (``replies`` may be a generator of replies as they arrive; none
+        is kept after it is summed): an error reply is rejected (shown by its code's fixed text,
+        never its reason); the accounting facts are type- and range-checked (``validate_facts``);
+        the
         reply must come from a node asked this round, carry this round's number and nonce,
         match the node's bound site id, and be the site's first reply this round
         (``SiteBinding.check_origin``); its facts must match what the coordinator configured
@@ -235,52 +251,11 @@ class PrismStrategy(Strategy):
         UNCONFIRMED (``Charges.unconfirmed``): it may have charged itself before failing.
         """
         summary = self.summaries[-1]
-        seen: set[str] = set()
-        answered: set[int] = set()  # asked nodes whose facts were confirmed or that refused
-        pending: dict[int, tuple[str, int]] = {}  # asked node -> (code, steps) of a rejection
-        replied: set[int] = set()
+        tally = _Tally()
         for msg in replies:
-            node = msg.metadata.src_node_id
-            replied.add(node)
-            who = self.binding.site_of(node)
-            steps = self.local_steps  # what an unconfirmed charge of this node counts
-            try:
-                if msg.has_error():
-                    raise error_reply(msg)
-                facts = facts_of(msg)
-                site = self.binding.check_origin(server_round, node, facts)
-                who = site
-                if site in seen:
-                    raise ReplyError(
-                        f"second reply of {site!r} in round {server_round}", "duplicate"
-                    )
-                seen.add(site)
-                steps = max(steps, int(facts["steps"]))  # a site claiming more is charged more
-                self.terms.check(facts)
-                self.charges.confirmed(server_round, facts)
-                answered.add(node)
-                sigma, q = float(facts["sigma"]), float(facts["q"])
-                cap = float(facts.get("epsilon-cap", self.charges.target_epsilon))
-                if sigma > 0 or not self.dp:  # an up-front refusal has no mechanism to keep
-                    self.selection.site_mechanism[site] = (sigma, q, cap, float(facts["delta"]))
-                if facts["status"] == STATUS_REFUSED:
-                    self._refused(server_round, site, str(facts["reason"]), summary)
-                    continue
-                update = self.checker.validate(msg.content.get(UPDATE), facts)
-                weight = self.aggregator.weight(facts)
-            except (ReplyError, KeyError, TypeError, ValueError) as exc:
-                error = exc if isinstance(exc, ReplyError) else ReplyError(repr(exc), "invalid")
-                summary.reject(who, error)
-                log.warning("round %d: rejected reply from %s: %s", server_round, who, error)
-                if error.code == "ledger-conflict":
-                    answered.add(node)  # the round's confirmed record is in the ledger already
-                elif self.binding.sent_to.get(node) == server_round and node not in answered:
-                    code, before = pending.get(node, (unconfirmed_code(error, msg), 0))
-                    pending[node] = (code, max(before, steps))
-                continue
-            self.aggregator.add(update, facts, weight)
-            summary.accepted.append(site)
-        self._charge_unanswered(server_round, answered, pending, replied, summary)
+            self._take(server_round, msg, tally, summary)
+            del msg  # the reply is summed: drop it before the next one is pulled
+        self._charge_unanswered(server_round, tally, summary)
         if len(summary.accepted) < self.min_sites or self.aggregator.total_weight <= 0:
             log.warning(
                 "round %d: %d valid updates < min-sites=%d; global adapter unchanged",
@@ -295,6 +270,48 @@ class PrismStrategy(Strategy):
         summary.applied = True
         return ArrayRecord(new), self._metrics(summary)
 
+    def _take(self, server_round: int, msg: Message, tally: _Tally, summary: RoundSummary) -> None:
+        """Check, charge and add one reply (``aggregate_train``); a bad one is logged, counted
+        and skipped. Nothing of the reply is kept once it returns."""
+        node = msg.metadata.src_node_id
+        tally.replied.add(node)
+        who = self.binding.site_of(node)
+        steps = self.local_steps  # what an unconfirmed charge of this node counts
+        try:
+            if msg.has_error():
+                raise error_reply(msg)
+            facts = facts_of(msg)
+            site = self.binding.check_origin(server_round, node, facts)
+            who = site
+            if site in tally.seen:
+                raise ReplyError(f"second reply of {site!r} in round {server_round}", "duplicate")
+            tally.seen.add(site)
+            steps = max(steps, int(facts["steps"]))  # a site claiming more is charged more
+            self.terms.check(facts)
+            self.charges.confirmed(server_round, facts)
+            tally.answered.add(node)
+            sigma, q = float(facts["sigma"]), float(facts["q"])
+            cap = float(facts.get("epsilon-cap", self.charges.target_epsilon))
+            if sigma > 0 or not self.dp:  # an up-front refusal has no mechanism to keep
+                self.selection.site_mechanism[site] = (sigma, q, cap, float(facts["delta"]))
+            if facts["status"] == STATUS_REFUSED:
+                self._refused(server_round, site, str(facts["reason"]), summary)
+                return
+            update = self.checker.validate(msg.content.get(UPDATE), facts)
+            weight = self.aggregator.weight(facts)
+        except (ReplyError, KeyError, TypeError, ValueError) as exc:
+            error = exc if isinstance(exc, ReplyError) else ReplyError(repr(exc), "invalid")
+            summary.reject(who, error)
+            log.warning("round %d: rejected reply from %s: %s", server_round, who, error)
+            if error.code == "ledger-conflict":
+                tally.answered.add(node)  # the round's confirmed record is in the ledger already
+            elif self.binding.sent_to.get(node) == server_round and node not in tally.answered:
+                code, before = tally.pending.get(node, (unconfirmed_code(error, msg), 0))
+                tally.pending[node] = (code, max(before, steps))
+            return
+        self.aggregator.add(update, facts, weight)
+        summary.accepted.append(site)
+
     def _refused(self, server_round: int, site: str, code: str, summary: RoundSummary) -> None:
         """A valid refusal (its code checked by ``RunTerms.check``): no charge, no more rounds."""
         summary.refused.append(site)
@@ -304,20 +321,13 @@ class PrismStrategy(Strategy):
             "site %s refused round %d: %s (%s)", site, server_round, code, REFUSAL_REASONS[code]
         )
 
-    def _charge_unanswered(
-        self,
-        server_round: int,
-        answered: set[int],
-        pending: dict[int, tuple[str, int]],
-        replied: set[int],
-        summary: RoundSummary,
-    ) -> None:
+    def _charge_unanswered(self, server_round: int, tally: _Tally, summary: RoundSummary) -> None:
         """Charge every node asked this round without a valid answer as UNCONFIRMED."""
         for node in self.binding.asked(server_round):
-            if node in answered:
+            if node in tally.answered:
                 continue
             who = self.binding.site_of(node)
-            if node not in replied:
+            if node not in tally.replied:
                 error = ReplyError("no reply before the round timeout", "no-reply")
                 summary.reject(who, error)
                 log.warning(
@@ -325,7 +335,7 @@ class PrismStrategy(Strategy):
                     server_round,
                     who,
                 )
-            code, steps = pending.get(node, ("no-reply", self.local_steps))
+            code, steps = tally.pending.get(node, ("no-reply", self.local_steps))
             self.charges.unconfirmed(server_round, who, code, steps, summary)
 
     @staticmethod

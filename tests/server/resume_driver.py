@@ -2,7 +2,8 @@
 
 Used by ``test_resume.py`` as a subprocess that the test SIGKILLs at a pause point
 (``client.testhooks``). The grid delivers each train message to the real ClientApp
-(``client.app.app``) of an in-process site, in message order, and returns its replies: Flower's
+(``client.app.app``) of an in-process site, in message order, when it is pushed, and the
+coordinator pulls the replies (``sitegrid.LoopbackSites``): Flower's
 transport is left out, everything else (strategy, ledger, checkpoint, sites and their durable
 state) is the real code. Usage: ``python resume_driver.py RUN_CONFIG_JSON NUM_SITES``.
 """
@@ -11,10 +12,10 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterable
 
 from flwr.app import Context, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
+from sitegrid import LoopbackSites
 
 from client.app import app as client_app
 from client.config import RunConfig, parse_config
@@ -22,8 +23,9 @@ from client.logs import setup_logging
 from server.federation import run_federation
 
 
-class LoopbackGrid:
-    """The part of ``flwr.serverapp.Grid`` the strategy uses, with in-process sites."""
+class LoopbackGrid(LoopbackSites):
+    """The part of ``flwr.serverapp.Grid`` the strategy uses, with in-process sites (each
+    answers when its message is pushed; the coordinator pulls the replies)."""
 
     def __init__(self, run_config: dict[str, object], num_sites: int) -> None:
         self.run_config = run_config
@@ -34,21 +36,20 @@ class LoopbackGrid:
     def get_node_ids(self) -> list[int]:
         return list(self.nodes)
 
-    def send_and_receive(self, messages: Iterable[Message], timeout: float) -> list[Message]:
-        replies = []
-        for msg in messages:
-            node = msg.metadata.dst_node_id
-            context = Context(
-                run_id=1,
-                node_id=node,
-                node_config=dict(self.nodes[node]),  # type: ignore[arg-type]
-                state=RecordDict(),
-                run_config=dict(self.run_config),  # type: ignore[arg-type]
-            )
-            TaskIdentity.node_id = node
-            replies.append(client_app(msg, context))
-        TaskIdentity.node_id = 0
-        return replies
+    def answer(self, msg: Message) -> Message:
+        node = msg.metadata.dst_node_id
+        context = Context(
+            run_id=1,
+            node_id=node,
+            node_config=dict(self.nodes[node]),  # type: ignore[arg-type]
+            state=RecordDict(),
+            run_config=dict(self.run_config),  # type: ignore[arg-type]
+        )
+        TaskIdentity.node_id = node
+        try:
+            return client_app(msg, context)
+        finally:
+            TaskIdentity.node_id = 0
 
 
 def main() -> None:

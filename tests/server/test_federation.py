@@ -14,6 +14,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 from safetensors.torch import load_file
+from sitegrid import LoopbackSites
 
 from client.config import RunConfig, parse_config
 from client.export import ADAPTER_WEIGHTS, CLASSIFIER_WEIGHTS
@@ -54,7 +55,7 @@ def _weights(aggregation: str) -> dict[int, float]:
     return {node: w / total for node, w in raw.items()}
 
 
-class _ScriptedGrid:
+class _ScriptedGrid(LoopbackSites):
     """Two sites replying with fixed updates and honest facts; keeps what was broadcast."""
 
     def __init__(self) -> None:
@@ -75,38 +76,35 @@ class _ScriptedGrid:
                 out[f"{module}/d{part}"] = SCALE * torch.randn(value.shape, generator=g)
         return out
 
-    def send_and_receive(self, messages, timeout):
-        replies = []
-        for msg in messages:
-            node = msg.metadata.dst_node_id
-            self.broadcast = msg.content[ARRAYS].to_torch_state_dict()
-            self.updates[node] = self._update(node)
-            config = msg.content[CONFIG]
-            sigma, n, _ = SITES[node]
-            facts = {
-                "site-id": f"site-{node}",
-                "status": "ok",
-                SERVER_ROUND: config[SERVER_ROUND],
-                ROUND_NONCE: config[ROUND_NONCE],
-                "mechanism": "prism-tangent-gaussian",
-                "adjacency": "add-remove",
-                "sampling": "poisson",
-                "sigma": sigma,
-                "q": BATCH / n,
-                "max-norm": C,
-                "expected-batch-size": float(BATCH),
-                "steps": 1,
-                "delta": 1e-5,
-                "epsilon-cap": 8.0,
-                "epsilon": 0.5,
-                "rng": "os-csprng",
-                "num-examples": n,
-            }
-            content = RecordDict(
-                {UPDATE: ArrayRecord(self.updates[node]), ACCOUNTING: ConfigRecord(facts)}
-            )
-            replies.append(Message(content=content, reply_to=msg))
-        return replies
+    def answer(self, msg):
+        node = msg.metadata.dst_node_id
+        self.broadcast = msg.content[ARRAYS].to_torch_state_dict()
+        self.updates[node] = self._update(node)
+        config = msg.content[CONFIG]
+        sigma, n, _ = SITES[node]
+        facts = {
+            "site-id": f"site-{node}",
+            "status": "ok",
+            SERVER_ROUND: config[SERVER_ROUND],
+            ROUND_NONCE: config[ROUND_NONCE],
+            "mechanism": "prism-tangent-gaussian",
+            "adjacency": "add-remove",
+            "sampling": "poisson",
+            "sigma": sigma,
+            "q": BATCH / n,
+            "max-norm": C,
+            "expected-batch-size": float(BATCH),
+            "steps": 1,
+            "delta": 1e-5,
+            "epsilon-cap": 8.0,
+            "epsilon": 0.5,
+            "rng": "os-csprng",
+            "num-examples": n,
+        }
+        content = RecordDict(
+            {UPDATE: ArrayRecord(self.updates[node]), ACCOUNTING: ConfigRecord(facts)}
+        )
+        return Message(content=content, reply_to=msg)
 
 
 def _run(tiny_bert: str, tmp_path, aggregation: str) -> tuple[_ScriptedGrid, dict, dict]:

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from sitegrid import LoopbackSites
 
 from server.checkpoint import load_checkpoint
 from server.errors import ConfigError, LedgerError
@@ -187,7 +188,7 @@ def test_resume_refuses_a_run_dir_of_another_configuration(tmp_path):
     assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before  # nothing touched
 
 
-class _HalfGrid:
+class _HalfGrid(LoopbackSites):
     """Answers for the first node only: the other site never replies (crashed, timed out)."""
 
     def __init__(self, nodes, shapes):
@@ -196,13 +197,14 @@ class _HalfGrid:
     def get_node_ids(self):
         return list(self.nodes)
 
-    def send_and_receive(self, messages, timeout):
+    def answer(self, first):
         import torch
         from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 
         from client.protocol import ACCOUNTING, CONFIG, ROUND_NONCE, SERVER_ROUND, UPDATE
 
-        first = sorted(messages, key=lambda m: m.metadata.dst_node_id)[0]
+        if first.metadata.dst_node_id != min(self.nodes):
+            return None
         facts = {
             "site-id": "alive",
             "status": "ok",
@@ -221,7 +223,7 @@ class _HalfGrid:
         facts.update({SERVER_ROUND: config[SERVER_ROUND], ROUND_NONCE: config[ROUND_NONCE]})
         update = {k: torch.zeros(s) for k, s in self.shapes.items()}
         content = RecordDict({UPDATE: ArrayRecord(update), ACCOUNTING: ConfigRecord(facts)})
-        return [Message(content=content, reply_to=first)]
+        return Message(content=content, reply_to=first)
 
 
 def test_a_site_that_never_replies_is_charged_unconfirmed_and_the_round_goes_on(tmp_path):
@@ -254,7 +256,9 @@ def test_a_site_that_never_replies_is_charged_unconfirmed_and_the_round_goes_on(
             wait_for_nodes=0.0,
         )
         shapes = {key("m", "dA"): (6, 2), key("m", "dB"): (5, 2)}
-        result = strategy.start(_HalfGrid([7, 8], shapes), ArrayRecord(glob), num_rounds=1)
+        result = strategy.start(
+            _HalfGrid([7, 8], shapes), ArrayRecord(glob), num_rounds=1, timeout=0.2
+        )
         (summary,) = strategy.summaries
         assert summary.accepted == ["alive"] and summary.applied
         assert summary.rejected == [("node-8", "no reply before the round timeout")]

@@ -25,6 +25,7 @@ import torch
 from conftest import random_point
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
+from sitegrid import LoopbackSites
 
 from client.protocol import (
     ACCOUNTING,
@@ -63,15 +64,15 @@ def _flower_identity():
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
 
 
-class _Grid:
+class _Grid(LoopbackSites):
     def __init__(self, nodes=NODES, answer=None):
-        self.nodes, self.answer = list(nodes), answer
+        self.nodes, self.site = list(nodes), answer
 
     def get_node_ids(self):
         return list(self.nodes)
 
-    def send_and_receive(self, messages, timeout):
-        return [reply for m in messages if (reply := self.answer(m)) is not None]
+    def answer(self, msg):
+        return self.site(msg)
 
 
 def _global():

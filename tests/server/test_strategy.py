@@ -7,6 +7,7 @@ import torch
 from conftest import random_point
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
+from sitegrid import LoopbackSites
 
 from client.protocol import ACCOUNTING, CONFIG, ROUND_NONCE, SERVER_ROUND, UPDATE, key
 from prism_core.accounting import PrivacyEvent, epsilon
@@ -215,7 +216,7 @@ def test_valid_replies_fewer_than_min_sites_leave_the_adapter_unchanged(tmp_path
     assert metrics["sites-accepted"] == 3 and metrics["applied"] == 1 and new is not None
 
 
-class _ReplyingGrid(_Grid):
+class _ReplyingGrid(LoopbackSites, _Grid):
     """Answers every train message like a site with the given (sigma, q, cap)."""
 
     def __init__(self, nodes, facts_of, update_of):
@@ -223,12 +224,13 @@ class _ReplyingGrid(_Grid):
         self.facts_of, self.update_of = facts_of, update_of
         self.asked: list[list[int]] = []
 
-    def send_and_receive(self, messages, timeout):
+    def push_messages(self, messages):
         messages = list(messages)
         self.asked.append(sorted(m.metadata.dst_node_id for m in messages))
-        return [
-            _reply(m, self.update_of(), self.facts_of(m.metadata.dst_node_id)) for m in messages
-        ]
+        return super().push_messages(messages)
+
+    def answer(self, msg):
+        return _reply(msg, self.update_of(), self.facts_of(msg.metadata.dst_node_id))
 
 
 def _zero_update(glob):
