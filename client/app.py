@@ -23,6 +23,7 @@ from flwr.app import (
 )
 from flwr.clientapp import ClientApp
 
+from client.cache import CACHE_DIR_ENV
 from client.config import RunConfig, SiteConfig, parse_config
 from client.errors import ConfigError, DataError
 from client.logs import setup_logging
@@ -85,6 +86,7 @@ def _train(msg: Message, context: Context) -> Message:
         run_dir=run.run_dir,
         run_id=context.run_id,
         env_secret=os.environ.get(RNG_SECRET_ENV, ""),
+        env_cache_dir=os.environ.get(CACHE_DIR_ENV, ""),
     )
     config = msg.content[CONFIG]
     arrays = msg.content[ARRAYS].to_torch_state_dict()

@@ -418,6 +418,7 @@ def run(values: Mapping[str, Any], sources: Mapping[str, str]) -> int:
     started = time.perf_counter()
     model_cfg, train_cfg, opts = build_configs(values, sources)
 
+    from client.cache import CACHE_DIR_ENV
     from client.data import TokenizedDataset
     from client.evaluate import evaluate
     from client.export import export_adapter, write_metrics
@@ -452,10 +453,17 @@ def run(values: Mapping[str, Any], sources: Mapping[str, str]) -> int:
             "OS CSPRNG (--reproducible seeds them too: for tests and benchmarks only)",
             values["seed"],
         )
-    loaded = load_model(model_cfg, method=train_cfg.method)
+    # PRISM_CACHE_DIR (client.cache): reuse the spectral-residual start and the tokenised data
+    cache = Path(os.environ[CACHE_DIR_ENV]) if os.environ.get(CACHE_DIR_ENV) else None
+    loaded = load_model(model_cfg, method=train_cfg.method, cache_dir=cache)
     max_length = _max_length(loaded, opts.max_length)
     dataset = TokenizedDataset(
-        train, loaded.tokenizer, task, max_length=max_length, pair_encoding=loaded.pair_encoding
+        train,
+        loaded.tokenizer,
+        task,
+        max_length=max_length,
+        pair_encoding=loaded.pair_encoding,
+        cache_dir=cache,
     )
     trainer = PrivateTrainer(loaded, dataset, train_cfg)
     if trainer.is_private and train_cfg.epsilon is not None:

@@ -385,6 +385,12 @@ class SiteConfig(_Kebab):
         description="durable site-local privacy ledger and optimizer state (required when "
         "deployed)",
     )
+    cache_dir: str = Field(
+        "",
+        description="site-local cache of start-up work (the spectral-residual start, the "
+        "tokenised shard, the calibrated sigma; private, mode 0600); default PRISM_CACHE_DIR, "
+        "else <state-dir>/cache when state-dir is set here",
+    )
     allow_nondp: bool = Field(False, description="accept runs with method=nondp (no DP at all)")
     allow_nonprivate_metrics: bool = Field(
         False, description="accept runs that ask for un-noised metrics (report-train-loss)"

@@ -45,6 +45,7 @@ from torch.utils.data import Dataset
 from transformers import PreTrainedTokenizerBase
 
 from client.errors import ConfigError, DataError
+from client.shard_cache import cached_items, shard_key
 
 __all__ = [
     "IGNORE_INDEX",
@@ -461,6 +462,9 @@ class TokenizedDataset(Dataset[dict[str, Any]]):
             tokens included.
         train_on_prompt: ``"causal-lm"`` only: also compute the loss on the prompt tokens.
         pair_encoding: ``"joint"`` or ``"siamese"``, for text pairs (single texts ignore it).
+        cache_dir: the site's own cache folder: the items are read from a verified cache
+            file there when one matches (``client.shard_cache``), else tokenized and stored
+            (mode 0600); None: always tokenized.
 
     Raises:
         ConfigError: Unknown task or pair encoding, ``max_length < 2``, or a causal-lm
@@ -477,6 +481,7 @@ class TokenizedDataset(Dataset[dict[str, Any]]):
         max_length: int,
         train_on_prompt: bool = False,
         pair_encoding: str = "joint",
+        cache_dir: Path | None = None,
     ) -> None:
         _check_task(task)
         if pair_encoding not in PAIR_ENCODINGS:
@@ -487,10 +492,24 @@ class TokenizedDataset(Dataset[dict[str, Any]]):
             raise DataError("No examples to tokenize. Load a non-empty file first.")
         self.task = task
         self.max_length = max_length
-        if task == "seq-cls":
-            self._items = _tokenize_seq_cls(examples, tokenizer, max_length, pair_encoding)
-        else:
-            self._items = _tokenize_causal_lm(examples, tokenizer, max_length, train_on_prompt)
+
+        def tokenize() -> list[dict[str, Any]]:
+            if task == "seq-cls":
+                return _tokenize_seq_cls(examples, tokenizer, max_length, pair_encoding)
+            return _tokenize_causal_lm(examples, tokenizer, max_length, train_on_prompt)
+
+        if cache_dir is None:
+            self._items = tokenize()
+            return
+        key = shard_key(
+            examples,
+            tokenizer,
+            task=task,
+            max_length=max_length,
+            pair_encoding=pair_encoding,
+            train_on_prompt=train_on_prompt,
+        )
+        self._items = cached_items(cache_dir, key, tokenize)
 
     def __len__(self) -> int:
         return len(self._items)

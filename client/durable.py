@@ -50,6 +50,7 @@ def atomic_write(
     write: Callable[[BinaryIO], None],
     *,
     before_replace: Callable[[], None] | None = None,
+    mode: int | None = None,
 ) -> None:
     """Replace ``path`` atomically with what ``write`` writes to a binary file object.
 
@@ -58,9 +59,16 @@ def atomic_write(
         write: writes the new content to the file object it is given.
         before_replace: called after the temporary file is durable and before the rename
             (a test hook for crashes between the two).
+        mode: the file's permission bits (e.g. ``0o600`` for private data), set on the
+            temporary file before anything is written to it; default: the process umask.
     """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
+        if mode is not None:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()  # a stale file of a crashed writer keeps its own mode
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode))
+            os.chmod(tmp, mode)  # exactly ``mode``, whatever the umask
         with tmp.open("wb") as f:
             write(f)
             f.flush()

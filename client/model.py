@@ -30,10 +30,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, PeftModel
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import nn
 from transformers import (
@@ -59,6 +60,7 @@ from client.classifier import (
     zero_shot_head_,
 )
 from client.errors import ConfigError
+from client.init_cache import attach_lora
 from client.lora import LoraHandle, lora_handles, read_points
 from prism_core.manifold import Point
 
@@ -248,13 +250,17 @@ def _orthonormal_init_(handles: list[LoraHandle], scale: float, seed: int) -> No
         h.lora_A.copy_(scale * QB.T)
 
 
-def load_model(config: ModelConfig, *, method: str = "prism") -> LoadedModel:
+def load_model(
+    config: ModelConfig, *, method: str = "prism", cache_dir: Path | None = None
+) -> LoadedModel:
     """Load the base model and tokenizer, attach LoRA (and the classifier), set what trains.
 
     Args:
         config: model settings.
         method: ``prism``, ``dp-adamw``, ``ffa`` or ``nondp``; PRISM refuses ``init="standard"``,
             FFA freezes ``lora_A`` (the down-projection).
+        cache_dir: a site-local folder where the spectral-residual start is cached
+            (``client.init_cache``; the model is bit-for-bit the same); None: computed.
 
     Raises:
         ConfigError: unknown model, zero-init with PRISM, rank too large, no target matched,
@@ -284,7 +290,7 @@ def load_model(config: ModelConfig, *, method: str = "prism") -> LoadedModel:
         lora_dropout=config.dropout,
         init_lora_weights=_peft_init(config),
     )
-    peft_model = get_peft_model(base, lora_config)
+    peft_model = attach_lora(base, lora_config, cache_dir=cache_dir)
     handles = lora_handles(peft_model)
     if config.init == "orthonormal":
         _orthonormal_init_(handles, config.init_scale, config.seed)

@@ -65,6 +65,7 @@ class SitePolicy:
     allow_nondp: bool
     allow_nonprivate_metrics: bool
     rng_secret: bytes | None = field(default=None, repr=False)
+    cache_dir: Path | None = None  # client.cache: from the node config or the site's env only
 
     @property
     def rng(self) -> str:
@@ -112,8 +113,28 @@ def _state_dir(site: SiteConfig, site_id: str, run_dir: str, run_id: int | str) 
     return Path("runs") / f"flwr-run-{run_id}" / "sites" / site_id
 
 
+def _cache_dir(site: SiteConfig, env_cache_dir: str) -> Path | None:
+    """The site's cache folder: node config, else its env, else ``<node state-dir>/cache``.
+
+    Never derived from the run config (``run-dir``) or a message: the coordinator must not
+    choose where a site writes its tokenised data. None: no cache (computed at every start).
+    """
+    if site.cache_dir:
+        return Path(site.cache_dir)
+    if env_cache_dir:
+        return Path(env_cache_dir)
+    if site.state_dir:
+        return Path(site.state_dir) / "cache"
+    return None
+
+
 def site_policy(
-    site: SiteConfig, *, run_dir: str = "", run_id: int | str = "", env_secret: str = ""
+    site: SiteConfig,
+    *,
+    run_dir: str = "",
+    run_id: int | str = "",
+    env_secret: str = "",
+    env_cache_dir: str = "",
 ) -> SitePolicy:
     """Resolve the node config into the site's policy (checked before any charge or training).
 
@@ -124,6 +145,8 @@ def site_policy(
         run_id: Flower's run id, for a simulated site's default state folder without run-dir.
         env_secret: the site process's ``PRISM_FL_RNG_SECRET`` (used when the node config sets
             no ``rng-secret``).
+        env_cache_dir: the site process's ``PRISM_CACHE_DIR`` (``client.cache``; used when the
+            node config sets no ``cache-dir``).
 
     Raises:
         ConfigError: a deployed site without ``epsilon-cap``, ``delta`` or ``state-dir``, or a
@@ -171,4 +194,5 @@ def site_policy(
         allow_nondp=site.allow_nondp,
         allow_nonprivate_metrics=site.allow_nonprivate_metrics,
         rng_secret=secret.encode() if secret else None,
+        cache_dir=_cache_dir(site, env_cache_dir),
     )

@@ -31,17 +31,21 @@ site's reproducible mode (``client.policy``) from a secret only the site holds.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import opacus
 import torch
 from torch import Tensor
 
 from client.broadcast import broadcast_problem
+from client.cache import cached_float
 from client.clip_quantile import ClipEstimate, ClipPlan, ClipStore, StoredClip, estimate_clip
 from client.config import RunConfig, SiteConfig, resolve_model, site_method
 from client.data import TokenizedDataset, dirichlet_partition, iid_partition, load_examples
@@ -99,6 +103,13 @@ def model_config(run: RunConfig) -> ModelConfig:
         device="auto",
         seed=run.seed,
     )
+
+
+@functools.cache
+def _accountant_identity() -> str:
+    """What a calibrated sigma depends on besides its inputs: Opacus and our accounting code."""
+    source = Path(inspect.getfile(calibrate_noise_multiplier)).read_bytes()
+    return f"opacus {opacus.__version__} | {hashlib.sha256(source).hexdigest()}"
 
 
 def _num_labels(run: RunConfig) -> int | None:
@@ -237,13 +248,19 @@ class Site:
                 REFUSAL_REASONS[self.refusal],
             )
             return
-        self.loaded: LoadedModel = load_model(model_config(run), method=self.method)
+        # Start-up work is cached in the site's own cache folder (client.cache; never chosen
+        # by the coordinator): a deployed site starts a fresh process for every message.
+        cache = policy.cache_dir
+        self.loaded: LoadedModel = load_model(
+            model_config(run), method=self.method, cache_dir=cache
+        )
         dataset = TokenizedDataset(
             rows,
             self.loaded.tokenizer,
             run.task,
             max_length=run.max_length,
             pair_encoding=self.loaded.pair_encoding,
+            cache_dir=cache,
         )
         if run.auto_clip and self.method != "nondp":
             self.clip_plan = ClipPlan.from_run(
@@ -278,12 +295,17 @@ class Site:
             return self.run.noise_multiplier
         # No amplification from the server's choice of sites: assume this site runs every round.
         # A private clip estimate runs first: the steps get the budget it leaves.
-        return calibrate_noise_multiplier(
-            target_epsilon=self.epsilon_cap,
-            delta=self.delta,
-            sample_rate=self.sample_rate,
-            steps=self.run.planned_site_steps,
-            history=[self.clip_plan.event()] if self.clip_plan is not None else (),
+        settings: dict[str, Any] = {
+            "target_epsilon": self.epsilon_cap,
+            "delta": self.delta,
+            "sample_rate": self.sample_rate,
+            "steps": self.run.planned_site_steps,
+            "history": [self.clip_plan.event()] if self.clip_plan is not None else [],
+        }
+        return cached_float(
+            self.policy.cache_dir,
+            {"what": "calibrated sigma", **settings, "accountant": _accountant_identity()},
+            lambda: calibrate_noise_multiplier(**settings),
         )
 
     def _initial_clip(self) -> float:
@@ -646,7 +668,13 @@ _SITES: dict[tuple[str, ...], Site] = {}
 def get_site(run: RunConfig, site: SiteConfig, policy: SitePolicy) -> Site:
     """The process-wide ``Site`` for this run config and site policy (models load once)."""
     secret = hashlib.sha256(policy.rng_secret or b"").hexdigest()
-    cache_key = (run.model_dump_json(), site.model_dump_json(), str(policy.state_dir), secret)
+    cache_key = (
+        run.model_dump_json(),
+        site.model_dump_json(),
+        str(policy.state_dir),
+        str(policy.cache_dir),
+        secret,
+    )
     if cache_key not in _SITES:
         _SITES[cache_key] = Site(run, site, policy)
     return _SITES[cache_key]
