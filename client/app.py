@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import cast
 
 from flwr.app import (
     ArrayRecord,
@@ -88,18 +89,20 @@ def _train(msg: Message, context: Context) -> Message:
         env_secret=os.environ.get(RNG_SECRET_ENV, ""),
         env_cache_dir=os.environ.get(CACHE_DIR_ENV, ""),
     )
-    config = msg.content[CONFIG]
-    arrays = msg.content[ARRAYS].to_torch_state_dict()
+    # Flower types a record lookup as any record type, and a config value as any config
+    # value; the coordinator's train message (``client.protocol``) has the arrays in an
+    # ArrayRecord and the round number (an int) in a ConfigRecord.
+    config = cast(ConfigRecord, msg.content[CONFIG])
+    arrays = cast(ArrayRecord, msg.content[ARRAYS]).to_torch_state_dict()
     site = get_site(run, node, policy)
     reply = site.train_round(
-        int(config[SERVER_ROUND]), arrays, run_id=str(config.get("run-id", ""))
+        int(cast(int, config[SERVER_ROUND])), arrays, run_id=str(config.get("run-id", ""))
     )
-    content = RecordDict(
-        {UPDATE: ArrayRecord(reply.arrays), ACCOUNTING: ConfigRecord(reply.accounting)}
-    )
+    accounting = ConfigRecord(reply.accounting)
+    content = RecordDict({UPDATE: ArrayRecord(reply.arrays), ACCOUNTING: accounting})
     if reply.nonprivate:  # run asked AND site allowed; labelled non-private in key and record
-        content[NONPRIVATE] = MetricRecord(reply.nonprivate)
+        content[NONPRIVATE] = MetricRecord({**reply.nonprivate})
     # Freshness: echo this round's nonce (also on a stored reply the site resends), so the
     # coordinator can tell this answer from a replay of an earlier round's.
-    content[ACCOUNTING][ROUND_NONCE] = str(config.get(ROUND_NONCE, ""))
+    accounting[ROUND_NONCE] = str(config.get(ROUND_NONCE, ""))
     return Message(content=content, reply_to=msg)

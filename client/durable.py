@@ -47,7 +47,7 @@ def make_dirs(folder: Path) -> None:
 
 def atomic_write(
     path: Path,
-    write: Callable[[BinaryIO], None],
+    write: Callable[[BinaryIO], object],
     *,
     before_replace: Callable[[], None] | None = None,
     mode: int | None = None,

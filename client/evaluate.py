@@ -249,7 +249,7 @@ def _prompt_ids(loaded: LoadedModel, example: Mapping[str, Any], max_length: int
     tokenizer = loaded.tokenizer
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     prompt = format_prompt(example["instruction"], example.get("input") or "")
-    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    ids: list[int] = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     keep = max(max_length - len(bos), 1)
     return bos + ids[-keep:]
 
@@ -305,7 +305,9 @@ def generate_responses(
         input_ids, attention_mask = _left_pad(
             [_prompt_ids(loaded, ex, max_length) for ex in chunk], pad_id
         )
-        generated = loaded.model.generate(
+        # a causal-lm's model is a PeftModelForCausalLM; nn.Module types its attributes
+        # ``Tensor | Module``
+        generated = loaded.model.generate(  # type: ignore[operator]
             input_ids=input_ids.to(loaded.device),
             attention_mask=attention_mask.to(loaded.device),
             max_new_tokens=max_new_tokens,

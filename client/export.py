@@ -21,10 +21,10 @@ import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
-from peft import PeftModel, get_peft_model_state_dict
+from peft import LoraConfig, PeftModel, get_peft_model_state_dict
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -72,7 +72,7 @@ def export_adapter(loaded: LoadedModel, out_dir: str | Path) -> Path:
         B0 = start.B.to(state[key_a].dtype)
         state[key_a] = torch.cat([state[key_a], B0.T], dim=0).contiguous()  # (2r, n)
         state[key_b] = torch.cat([state[key_b], -A0], dim=1).contiguous()  # (m, 2r)
-    config = copy.deepcopy(model.peft_config["default"])
+    config = copy.deepcopy(_lora_config(model))
     config.r = 2 * config.r
     config.lora_alpha = 2 * config.lora_alpha
     config.init_lora_weights = True
@@ -82,6 +82,12 @@ def export_adapter(loaded: LoadedModel, out_dir: str | Path) -> Path:
     )
     log.info("exported rank-%d adapter (spectral-residual rebase) to %s", config.r, out)
     return out
+
+
+def _lora_config(model: PeftModel) -> LoraConfig:
+    """The ``default`` adapter's config (peft types ``peft_config`` values as ``PeftConfig``;
+    every adapter prism-fl makes or loads is LoRA)."""
+    return cast(LoraConfig, model.peft_config["default"])
 
 
 def _export_classifier(loaded: LoadedModel, out: Path) -> None:
@@ -140,7 +146,8 @@ def load_exported(
         ) from exc
     tokenizer = load_tokenizer(base_name)
     peft_model = PeftModel.from_pretrained(base, str(folder))
-    spec, net = None, peft_model
+    spec: ClassifierSpec | None = None
+    net: nn.Module = peft_model
     if is_classifier:
         spec = ClassifierSpec.load(folder)
         net = PooledClassifier(peft_model, spec, _load_head(folder, spec))
@@ -152,13 +159,14 @@ def load_exported(
         model=base_name,
         task="seq-cls" if is_classifier else "causal-lm",
         num_labels=spec.num_labels if spec is not None else 2,
-        rank=int(peft_model.peft_config["default"].r),
-        alpha=float(peft_model.peft_config["default"].lora_alpha),
-        target_modules=tuple(peft_model.peft_config["default"].target_modules),
+        rank=int(_lora_config(peft_model).r),
+        alpha=float(_lora_config(peft_model).lora_alpha),
+        # peft types it ``list[str] | str | None``; its __post_init__ makes a list a set
+        target_modules=tuple(_lora_config(peft_model).target_modules),  # type: ignore[arg-type]
         pooling=spec.pooling if spec is not None else "auto",
         pair_encoding=spec.pair_encoding if spec is not None else "auto",
         text_pairs=bool(spec and spec.siamese),
-        device=device,  # type: ignore[arg-type]
+        device=device,
     )
     return LoadedModel(net, tokenizer, config, [], [], None, torch_device, spec)
 

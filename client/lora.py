@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from peft.tuners.lora import LoraLayer
@@ -47,11 +48,13 @@ def lora_handles(model: nn.Module, adapter: str = "default") -> list[LoraHandle]
     handles = []
     for name, module in model.named_modules():
         if isinstance(module, LoraLayer) and adapter in module.lora_A:
+            # nn.Module.__getattr__ is typed ``Tensor | Module``; the factor layers' weights
+            # are parameters.
             handles.append(
                 LoraHandle(
                     name=name.removeprefix("_module."),
-                    lora_A=module.lora_A[adapter].weight,
-                    lora_B=module.lora_B[adapter].weight,
+                    lora_A=cast(nn.Parameter, module.lora_A[adapter].weight),
+                    lora_B=cast(nn.Parameter, module.lora_B[adapter].weight),
                     scaling=float(module.scaling[adapter]),
                 )
             )

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from peft import LoraConfig, PeftModel
@@ -192,9 +192,10 @@ def _load_base(config: ModelConfig, device: torch.device) -> PreTrainedModel:
     if device.type == "cuda":
         kwargs["dtype"] = torch.bfloat16  # frozen base in bf16; LoRA factors stay float32
     try:
+        # from_pretrained is untyped (Any); it returns the loaded PreTrainedModel
         if config.task == "seq-cls":
-            return AutoModel.from_pretrained(config.model, **kwargs)
-        return AutoModelForCausalLM.from_pretrained(config.model, **kwargs)
+            return cast(PreTrainedModel, AutoModel.from_pretrained(config.model, **kwargs))
+        return cast(PreTrainedModel, AutoModelForCausalLM.from_pretrained(config.model, **kwargs))
     except OSError as exc:
         raise ConfigError(
             f"cannot load model {config.model!r}: {exc}. Give a local folder or a model already "
@@ -279,16 +280,17 @@ def load_model(
     _check_ranks(base, config)
     spec, head = None, None
     if config.task == "seq-cls":
-        base.to(device)
+        base.to(device)  # type: ignore[arg-type]  # transformers' decorated .to loses its signature
         spec = classifier_spec(config, base)
         head = new_head(config, spec, base, tokenizer, device)  # before LoRA touches the base
     lora_config = LoraConfig(
         task_type="FEATURE_EXTRACTION" if config.task == "seq-cls" else "CAUSAL_LM",
         r=config.rank,
-        lora_alpha=config.alpha,
+        lora_alpha=config.alpha,  # type: ignore[arg-type]  # peft annotates int; used as a float
         target_modules=list(config.target_modules),
         lora_dropout=config.dropout,
-        init_lora_weights=_peft_init(config),
+        # peft's Literal has the placeholder 'pissa_niter_[number of iters]', not 'pissa_niter_<n>'
+        init_lora_weights=_peft_init(config),  # type: ignore[arg-type]
     )
     peft_model = attach_lora(base, lora_config, cache_dir=cache_dir)
     handles = lora_handles(peft_model)

@@ -93,13 +93,13 @@ def model_config(run: RunConfig) -> ModelConfig:
         rank=run.lora_rank,
         alpha=run.lora_alpha,
         target_modules=run.targets,
-        init=run.init,  # type: ignore[arg-type]
+        init=run.init,
         head=run.lora_head,
         pooling=run.pooling,
         pair_encoding=run.pair_encoding,
         text_pairs=run.text_pairs,
         head_init=run.head_init,
-        label_texts=run.label_texts,  # type: ignore[arg-type]  # 'a|b': ModelConfig splits it
+        label_texts=run.label_texts,  # 'a|b': ModelConfig splits it
         device="auto",
         seed=run.seed,
     )
@@ -271,7 +271,7 @@ class Site:
             )
         self.sigma = self._sigma()
         train = TrainConfig(
-            method=self.method,  # type: ignore[arg-type]
+            method=self.method,
             epsilon=self.epsilon_cap if self.method != "nondp" else None,
             delta=self.delta,
             noise_multiplier=self.sigma if self.method != "nondp" else None,

@@ -232,6 +232,12 @@ def _head_optimizer(head: Sequence[nn.Parameter], cfg: TrainConfig) -> torch.opt
     return torch.optim.SGD(head, lr=cfg.head_lr or cfg.lr, momentum=momentum)
 
 
+def _grad_sample(p: Tensor) -> Tensor:
+    """The per-example gradients of ``p`` that Opacus' hooks stored as ``p.grad_sample``."""
+    grad_sample: Tensor = p.grad_sample  # type: ignore[attr-defined]  # set by Opacus at runtime
+    return grad_sample
+
+
 class _Chained:
     """Steps several optimizers as one (LoRA's AdamW and the head's SGD)."""
 
@@ -404,7 +410,7 @@ class PrivateTrainer:
                 init_state(p.A, p.B) for p in read_points(self.loaded.handles)
             ]
             self.adaptive = cfg.adaptive.to_config()
-            self.optimizer = head_opt
+            self.optimizer: torch.optim.Optimizer | _Chained | None = head_opt
             if head and head_opt is None:
                 self.optimizer = torch.optim.AdamW(head, lr=head_lr, weight_decay=cfg.weight_decay)
         else:
@@ -444,7 +450,7 @@ class PrivateTrainer:
         losses = per_example_loss(self.module, micro, self.task)
         with warnings.catch_warnings():  # Opacus' hooks on a frozen-input first layer
             warnings.filterwarnings("ignore", "Full backward hook is firing", UserWarning)
-            losses.sum().backward()
+            losses.sum().backward()  # type: ignore[no-untyped-call]  # unannotated in torch
         return float(losses.detach().sum())
 
     def _clear_grads(self) -> None:
@@ -460,7 +466,7 @@ class PrivateTrainer:
             (fold_text_rows(gA, n), fold_text_rows(gB, n))
             for gA, gB in per_example_factor_grads(self.loaded.handles)
         ]
-        return grads, [p.grad_sample.to(torch.float32) for p in self.loaded.head_params]
+        return grads, [_grad_sample(p).to(torch.float32) for p in self.loaded.head_params]
 
     def clipped_sum(
         self,
@@ -564,7 +570,7 @@ class PrivateTrainer:
             total += self._backward(micro)
             n = int(micro["labels"].shape[0])
             count += n
-            grads = [fold_text_rows(p.grad_sample.to(torch.float32), n) for p in self.params]
+            grads = [fold_text_rows(_grad_sample(p).to(torch.float32), n) for p in self.params]
             lora, head = grads[: len(grads) - n_head], grads[len(grads) - n_head :]
             acc, _ = factor_clip_and_sum(
                 lora, max_norm=cfg.max_norm, previous=acc, euclidean=head, **split
@@ -583,6 +589,7 @@ class PrivateTrainer:
         )
         for p, g in zip(self.params, noisy, strict=True):
             p.grad = g.to(p.dtype)
+        assert self.optimizer is not None  # set by _setup_method for every method but prism
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return total / max(count, 1), record
@@ -592,8 +599,9 @@ class PrivateTrainer:
         total = 0.0
         for micro in micro_batches(batch, self.config.micro_batch_size, by_length=True):
             losses = per_example_loss(self.module, micro, self.task)
-            (losses.sum() / count).backward()
+            (losses.sum() / count).backward()  # type: ignore[no-untyped-call]  # unannotated in torch
             total += float(losses.detach().sum())
+        assert self.optimizer is not None  # set by _setup_method for every method but prism
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return total / max(count, 1)
@@ -630,7 +638,9 @@ class PrivateTrainer:
                     )
                     count, below = count + acc.count, below + acc.count - acc.clipped
                 else:  # as _factor_step
-                    rows = [fold_text_rows(p.grad_sample.to(torch.float32), n) for p in self.params]
+                    rows = [
+                        fold_text_rows(_grad_sample(p).to(torch.float32), n) for p in self.params
+                    ]
                     lora, extra = rows[: len(rows) - len(head)], rows[len(rows) - len(head) :]
                     _, alpha = factor_clip_and_sum(
                         lora, max_norm=max_norm, euclidean=[] if lora_only else extra

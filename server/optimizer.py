@@ -223,9 +223,9 @@ class ServerOptimizer:
         for name, p in self._at.items():
             put("at", name, "A", p.A)
             put("at", name, "B", p.B)
-        for name, t in self._velocity.items():
-            put("velocity", name, "dA", t.dA)
-            put("velocity", name, "dB", t.dB)
+        for name, tangent in self._velocity.items():
+            put("velocity", name, "dA", tangent.dA)
+            put("velocity", name, "dB", tangent.dB)
         for name, s in self._adaptive.items():
             for part in ("mA", "mB", "VA", "VB"):
                 put("adaptive", name, part, getattr(s, part))

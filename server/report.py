@@ -27,10 +27,10 @@ import html
 import io
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from client.protocol import RNG_REPRODUCIBLE, RNG_SECURE
 from prism_core.accounting import (
@@ -147,7 +147,10 @@ def projected_rounds_left(
     return fitting + more_steps // steps_per_round, False
 
 
-def _distinct(values: Sequence[float]) -> list[float]:
+_H = TypeVar("_H", bound=Hashable)
+
+
+def _distinct(values: Sequence[_H]) -> list[_H]:
     return list(dict.fromkeys(values))
 
 

@@ -56,7 +56,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import asdict, dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -219,7 +219,11 @@ def epsilon_lower_bound(
 
 
 def _orthogonal(size: int, g: torch.Generator) -> Tensor:
-    Q, R = torch.linalg.qr(torch.randn(size, size, generator=g, dtype=torch.float64))
+    # torch.linalg.qr is untyped (Any); it returns the named tuple (Q, R) of tensors.
+    Q, R = cast(
+        tuple[Tensor, Tensor],
+        torch.linalg.qr(torch.randn(size, size, generator=g, dtype=torch.float64)),
+    )
     return Q * torch.sign(torch.diagonal(R))
 
 

