@@ -23,7 +23,6 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import BinaryIO
 
 import torch
 from safetensors import safe_open
@@ -77,15 +76,11 @@ def save_tensors(path: Path, tensors: Mapping[str, Tensor], key: str) -> bool:
             make_dirs(path.parent)
             os.chmod(path.parent, 0o700)
         data = safetensors_bytes(cpu, metadata=metadata)
-        atomic_write(path, lambda f: _write_all(f, data), mode=0o600)
+        atomic_write(path, lambda f: f.write(data), mode=0o600)
     except OSError as exc:
         log.warning("cannot write the cache file %s (%s); going on without it", path, exc)
         return False
     return True
-
-
-def _write_all(f: BinaryIO, data: bytes) -> None:
-    f.write(data)
 
 
 def load_tensors(path: Path, key: str) -> dict[str, Tensor] | None:

@@ -233,8 +233,7 @@ class PrismStrategy(Strategy):
         Per reply, as they come (``replies`` may be a generator of replies as they arrive; none
         is kept after it is summed): an error reply is rejected (shown by its code's fixed text,
         never its reason); the accounting facts are type- and range-checked (``validate_facts``);
-        the
-        reply must come from a node asked this round, carry this round's number and nonce,
+        the reply must come from a node asked this round, carry this round's number and nonce,
         match the node's bound site id, and be the site's first reply this round
         (``SiteBinding.check_origin``); its facts must match what the coordinator configured
         (``RunTerms.check``: steps, mechanism, sampling, adjacency, rng, sigma, q, delta, a known
