@@ -9,13 +9,13 @@ from opacus.accountants import PRVAccountant
 from peft import PeftModel
 from pydantic import ValidationError
 from safetensors.torch import load_file
-from transformers import AutoModel
+from transformers import AutoModel, AutoModelForCausalLM
 
 from client.classifier import ClassifierSpec, PooledClassifier
 from client.data import TokenizedDataset, make_collate
 from client.errors import ConfigError
-from client.export import CLASSIFIER_WEIGHTS, export_adapter, load_exported
-from client.lora import per_example_factor_grads, read_points
+from client.export import ADAPTER_WEIGHTS, CLASSIFIER_WEIGHTS, export_adapter, load_exported
+from client.lora import per_example_factor_grads, read_points, write_points_
 from client.model import ModelConfig, load_model
 from client.protocol import RNG_SECURE
 from client.trainer import (
@@ -27,7 +27,7 @@ from client.trainer import (
 )
 from prism_core.accounting import compose_events, events_from_records
 from prism_core.errors import BudgetExceededError
-from prism_core.manifold import lift, tangent_norm_sq, tangent_to_dense
+from prism_core.manifold import Point, lift, tangent_norm_sq, tangent_to_dense
 from prism_core.rng import SecureRNG
 
 SST2 = "seq-cls"
@@ -211,6 +211,46 @@ def test_export_round_trip_reproduces_logits(method, init, tiny_bert, sst2_rows,
     torch.testing.assert_close(again, trained, atol=1e-5, rtol=0)
     torch.testing.assert_close(loaded_again, trained, atol=1e-5, rtol=0)
     assert not torch.allclose(trained, before, atol=1e-4)  # training changed the model
+
+
+def test_causal_lm_spectral_residual_export_is_peft_conversion(tiny_llama, tmp_path):
+    """peft's PiSSA-to-LoRA conversion writes ``[A, -A0] [B, B0].T`` with doubled alpha; on the
+    ORIGINAL base it reproduces the moved model, and the live model keeps only its adapter."""
+    config = ModelConfig(
+        model=tiny_llama, task="causal-lm", rank=2, target_modules=("q_proj", "v_proj")
+    )
+    lm = load_model(config)
+    start = lm.initial_points
+    g = torch.Generator().manual_seed(3)
+    step = [
+        (0.3 * torch.randn(p.A.shape, generator=g), 0.3 * torch.randn(p.B.shape, generator=g))
+        for p in start
+    ]
+    write_points_(
+        lm.handles, [Point(p.A + dA, p.B + dB) for p, (dA, dB) in zip(start, step, strict=True)]
+    )
+    now = read_points(lm.handles)
+    out = export_adapter(lm, tmp_path / "adapter")
+    assert list(lm.peft_model.peft_config) == ["default"]  # peft's initial adapter is gone
+    for h, p, q in zip(lm.handles, now, read_points(lm.handles), strict=True):
+        assert h.lora_A.requires_grad and h.lora_B.requires_grad
+        assert torch.equal(p.A, q.A) and torch.equal(p.B, q.B)
+    saved = load_file(str(out / ADAPTER_WEIGHTS))
+    for h, p0, p in zip(lm.handles, start, now, strict=True):
+        assert torch.equal(saved[f"{h.name}.lora_B.weight"], torch.cat([p.A, -p0.A], dim=1))
+        assert torch.equal(saved[f"{h.name}.lora_A.weight"], torch.cat([p.B, p0.B], dim=1).T)
+    batch = {k: v for k, v in _causal_batch().items() if k != "labels"}
+    lm.model.eval()
+    with torch.no_grad():
+        trained = lm.model(**batch).logits
+        base = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
+        before = base(**batch).logits
+        reloaded = PeftModel.from_pretrained(base, str(out)).eval()  # wraps ``base`` in place
+        assert reloaded.peft_config["default"].r == 4
+        assert reloaded.peft_config["default"].lora_alpha == 2 * config.alpha
+        again = reloaded(**batch).logits
+    torch.testing.assert_close(again, trained, atol=1e-5, rtol=0)
+    assert not torch.allclose(trained, before, atol=1e-4)  # the factors moved the model
 
 
 def test_same_seed_reproduces_the_factors(tiny_bert, sst2_rows):
