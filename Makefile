@@ -32,7 +32,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 
-# mypy as configured in pyproject.toml: strict on prism_core, server and client.
+# mypy as configured in pyproject.toml: strict on prism_core, prism_runtime, server and client.
 typecheck: $(STAMP)
 	$(BIN)/mypy
 

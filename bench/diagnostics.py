@@ -1,10 +1,10 @@
 """Mechanism diagnostics on a real model: gauge sweep, noise energy, aggregation error.
 
-Model: the bundled all-MiniLM-L6-v2 (``client.model.load_model``), LoRA r = 8 (alpha 16) on
+Model: the bundled all-MiniLM-L6-v2 (``prism_runtime.model.load_model``), LoRA r = 8 (alpha 16) on
 query and value with the spectral-residual (full-rank) start, frozen seeded 2-class head.
 Per-example factor gradients are real: Opacus ``GradSampleModule`` over a per-sequence loss
-(``client.trainer.per_example_loss``) on SST-2 training rows, read with
-``client.lora.per_example_factor_grads``.
+(``prism_runtime.trainer.per_example_loss``) on SST-2 training rows, read with
+``prism_runtime.lora.per_example_factor_grads``.
 
 1. **Gauge sweep.** The adapter's factors are replaced by ``(c A, B / c)`` for c in
    {0.25, 0.5, 1, 2, 4}: the same ``Z = A B.T`` and the same model function. At each c, one
@@ -59,10 +59,6 @@ import transformers
 from opacus import GradSampleModule
 from step import environment, load_average
 
-from client.data import TokenizedDataset, dirichlet_partition, load_examples, make_collate
-from client.lora import per_example_factor_grads, read_points, write_points_
-from client.model import LoadedModel, ModelConfig, load_model
-from client.trainer import per_example_loss
 from prism_core.adaptive import AdaptiveConfig, adaptive_direction, init_state
 from prism_core.baselines import factor_dp_gradient, factor_norms_sq
 from prism_core.manifold import Point, lift, retract, tangent_displacement, tangent_norm_sq
@@ -72,6 +68,10 @@ from prism_core.mechanism import (
     per_example_norms_sq,
     tangent_noise,
 )
+from prism_runtime.data import TokenizedDataset, dirichlet_partition, load_examples, make_collate
+from prism_runtime.lora import per_example_factor_grads, read_points, write_points_
+from prism_runtime.model import LoadedModel, ModelConfig, load_model
+from prism_runtime.trainer import per_example_loss
 
 LOG = logging.getLogger("bench.diagnostics")
 GAUGES = (0.25, 0.5, 1.0, 2.0, 4.0)
@@ -557,6 +557,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr, force=True
     )
     logging.getLogger("client").setLevel(logging.WARNING)
+    logging.getLogger("prism_runtime").setLevel(logging.WARNING)
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     warnings.filterwarnings("ignore", category=FutureWarning)

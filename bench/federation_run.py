@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     from flwr.supercore.task_identity import TaskIdentity
 
-    from client.config import RunConfig, parse_config
+    from prism_runtime.config import RunConfig, parse_config
     from server.evaluation import evaluate_run, load_run
     from server.federation import run_federation
 

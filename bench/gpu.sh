@@ -3,7 +3,7 @@
 #
 # Runs bench/step.py on the first CUDA device with MiniLM (the bundled weights) and a
 # config-built BERT-large (24 layers, hidden 1024; random weights: time and memory only, nothing
-# is downloaded). Base weights in bf16, LoRA factors in float32 (client.model on CUDA).
+# is downloaded). Base weights in bf16, LoRA factors in float32 (prism_runtime.model on CUDA).
 # Without a CUDA device it says so and exits with status 3, running nothing.
 #
 #   bench/gpu.sh [OUT_DIR]        (default bench-results/gpu; PYTHON=... to pick the interpreter)

@@ -83,8 +83,8 @@ from flwr.superlink.federation import NoOpFederationManager
 from flwr.superlink.grid import InMemoryGrid
 from step import environment, load_average
 
-from client.protocol import ACCOUNTING, CONFIG, ROUND_NONCE, SERVER_ROUND, UPDATE, key
 from prism_core.accounting import PrivacyEvent, epsilon
+from prism_runtime.protocol import ACCOUNTING, CONFIG, ROUND_NONCE, SERVER_ROUND, UPDATE, key
 from server.ledger import Ledger
 from server.strategy import PrismStrategy
 from server.strategy.loop import run_rounds

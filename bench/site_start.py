@@ -58,15 +58,15 @@ SST2 = Path(os.environ.get("PRISM_SST2", "/work/shared/data/sst2/train.jsonl"))
 
 WRAPPED: tuple[tuple[str, str, str], ...] = (
     ("read rows", "client.site", "site_examples"),
-    ("model load", "client.model", "_load_base"),
-    ("tokenizer load", "client.model", "load_tokenizer"),
-    ("zero-shot head", "client.model", "new_head"),
-    ("lora attach (peft, PiSSA SVD if uncached)", "client.model", "get_peft_model"),
-    ("lora attach, start cache (key; load or PiSSA + store)", "client.model", "attach_lora"),
-    ("tokenise or read shard cache", "client.data.TokenizedDataset", "__init__"),
+    ("model load", "prism_runtime.model", "_load_base"),
+    ("tokenizer load", "prism_runtime.model", "load_tokenizer"),
+    ("zero-shot head", "prism_runtime.model", "new_head"),
+    ("lora attach (peft, PiSSA SVD if uncached)", "prism_runtime.model", "get_peft_model"),
+    ("lora attach, start cache (key; load or PiSSA + store)", "prism_runtime.model", "attach_lora"),
+    ("tokenise or read shard cache", "prism_runtime.data.TokenizedDataset", "__init__"),
     ("ledger open", "client.site_ledger.SiteLedger", "__init__"),
     ("noise calibration", "client.site", "calibrate_noise_multiplier"),
-    ("trainer set-up", "client.trainer.PrivateTrainer", "__init__"),
+    ("trainer set-up", "prism_runtime.trainer.PrivateTrainer", "__init__"),
 )
 """(label, module or module.Class, attribute) of the functions timed inside ``Site()``."""
 
@@ -118,10 +118,10 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             _wrap(times, label, _owner(owner), attr)
         except (ImportError, AttributeError):
             continue
-    from client.config import RunConfig, SiteConfig, parse_config
-    from client.exchange import to_arrays
     from client.policy import site_policy
     from client.site import get_site
+    from prism_runtime.config import RunConfig, SiteConfig, parse_config
+    from prism_runtime.exchange import to_arrays
 
     t1 = time.perf_counter()
     run = parse_config(RunConfig, spec["run"], what="run config")

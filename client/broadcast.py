@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from client.exchange import head_named
-from client.lora import read_points
-from client.model import LoadedModel
-from client.protocol import HEAD_PREFIX, key
+from prism_runtime.exchange import head_named
+from prism_runtime.lora import read_points
+from prism_runtime.model import LoadedModel
+from prism_runtime.protocol import HEAD_PREFIX, key
 
 __all__ = ["RANK_RTOL", "broadcast_problem"]
 

@@ -8,7 +8,7 @@ Example (MiniLM on SST-2, PRISM at epsilon 3)::
 
 Settings come from ``--config FILE`` (a flat YAML or TOML mapping whose keys are the option names,
 kebab-case or snake_case) and from the command line, which wins. Everything is validated by the
-pydantic models ``client.model.ModelConfig`` and ``client.trainer.TrainConfig`` (plus
+pydantic models ``prism_runtime.model.ModelConfig`` and ``prism_runtime.trainer.TrainConfig`` (plus
 ``RunOptions`` here) before any data or model is loaded.
 
 Writes ``<out>/adapter`` (peft format, loads on the original base with
@@ -39,7 +39,7 @@ import annotated_types
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from client.errors import ConfigError, DataError
+from prism_runtime.errors import ConfigError, DataError
 
 __all__ = ["EXIT_CONFIG_ERROR", "EXIT_DATA_ERROR", "EXIT_OK", "RunOptions", "build_parser", "main"]
 
@@ -349,8 +349,8 @@ def build_configs(values: Mapping[str, Any], sources: Mapping[str, str]) -> tupl
     Raises:
         ConfigError: every problem found, one per line.
     """
-    from client.model import ModelConfig
-    from client.trainer import TrainConfig
+    from prism_runtime.model import ModelConfig
+    from prism_runtime.trainer import TrainConfig
 
     merged = dict(values)
     if "init" not in merged:
@@ -376,7 +376,7 @@ def build_configs(values: Mapping[str, Any], sources: Mapping[str, str]) -> tupl
 
 
 def _load_data(path: Path, task: str, limit: int | None, what: str) -> list[dict[str, Any]]:
-    from client.data import load_examples
+    from prism_runtime.data import load_examples
 
     examples = load_examples(path, task)
     if limit is not None and limit < len(examples):
@@ -418,13 +418,13 @@ def run(values: Mapping[str, Any], sources: Mapping[str, str]) -> int:
     started = time.perf_counter()
     model_cfg, train_cfg, opts = build_configs(values, sources)
 
-    from client.cache import CACHE_DIR_ENV
-    from client.data import TokenizedDataset
-    from client.evaluate import evaluate
-    from client.export import export_adapter, write_metrics
-    from client.model import load_model
-    from client.trainer import PrivateTrainer
     from prism_core.accounting import epsilon_report
+    from prism_runtime.cache import CACHE_DIR_ENV
+    from prism_runtime.data import TokenizedDataset
+    from prism_runtime.evaluate import evaluate
+    from prism_runtime.export import export_adapter, write_metrics
+    from prism_runtime.model import load_model
+    from prism_runtime.trainer import PrivateTrainer
 
     task = model_cfg.task
     train = _load_data(opts.data, task, opts.train_limit, "training")
@@ -453,7 +453,8 @@ def run(values: Mapping[str, Any], sources: Mapping[str, str]) -> int:
             "OS CSPRNG (--reproducible seeds them too: for tests and benchmarks only)",
             values["seed"],
         )
-    # PRISM_CACHE_DIR (client.cache): reuse the spectral-residual start and the tokenised data
+    # PRISM_CACHE_DIR (prism_runtime.cache): reuse the spectral-residual start and the
+    # tokenised data
     cache = Path(os.environ[CACHE_DIR_ENV]) if os.environ.get(CACHE_DIR_ENV) else None
     loaded = load_model(model_cfg, method=train_cfg.method, cache_dir=cache)
     max_length = _max_length(loaded, opts.max_length)

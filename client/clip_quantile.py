@@ -28,10 +28,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from client.config import RunConfig
-from client.durable import atomic_write
-from client.errors import ConfigError
-from client.trainer import PrivateTrainer
 from prism_core.accounting import PrivacyEvent
 from prism_core.quantile import (
     clip_range,
@@ -40,6 +36,10 @@ from prism_core.quantile import (
     noisy_fraction_below,
 )
 from prism_core.records import NoiseRecord
+from prism_runtime.config import RunConfig
+from prism_runtime.durable import atomic_write
+from prism_runtime.errors import ConfigError
+from prism_runtime.trainer import PrivateTrainer
 
 __all__ = ["ClipEstimate", "ClipPlan", "ClipStore", "StoredClip", "estimate_clip"]
 
@@ -191,7 +191,7 @@ class ClipStore:
         return stored
 
     def save(self, stored: StoredClip) -> None:
-        """Store ``stored`` atomically (``client.durable.atomic_write``)."""
+        """Store ``stored`` atomically (``prism_runtime.durable.atomic_write``)."""
         obj = {
             "run-id": stored.run_id,
             "round": stored.server_round,

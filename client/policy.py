@@ -1,10 +1,10 @@
 """A site's privacy policy, resolved from its node config: what it allows and where it keeps state.
 
-The node config (``client.config.SiteConfig``) is the site's policy; the run config is a
+The node config (``prism_runtime.config.SiteConfig``) is the site's policy; the run config is a
 REQUEST. ``site_policy`` resolves the node config once (errors here are configuration errors:
 the site cannot run at all), and ``SitePolicy.refusal`` says whether a run's request is allowed
 (a refusal is an answer, never an error: the site replies ``refused`` with a
-``client.protocol.REFUSAL_REASONS`` code and charges nothing).
+``prism_runtime.protocol.REFUSAL_REASONS`` code and charges nothing).
 
 Deployed and simulated sites differ only in defaults:
 
@@ -31,9 +31,9 @@ import hmac
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from client.config import RunConfig, SiteConfig
-from client.errors import ConfigError
-from client.protocol import RNG_REPRODUCIBLE, RNG_SECURE
+from prism_runtime.config import RunConfig, SiteConfig
+from prism_runtime.errors import ConfigError
+from prism_runtime.protocol import RNG_REPRODUCIBLE, RNG_SECURE
 
 __all__ = [
     "RNG_SECRET_ENV",
@@ -65,7 +65,9 @@ class SitePolicy:
     allow_nondp: bool
     allow_nonprivate_metrics: bool
     rng_secret: bytes | None = field(default=None, repr=False)
-    cache_dir: Path | None = None  # client.cache: from the node config or the site's env only
+    cache_dir: Path | None = (
+        None  # prism_runtime.cache: from the node config or the site's env only
+    )
 
     @property
     def rng(self) -> str:
@@ -145,8 +147,8 @@ def site_policy(
         run_id: Flower's run id, for a simulated site's default state folder without run-dir.
         env_secret: the site process's ``PRISM_FL_RNG_SECRET`` (used when the node config sets
             no ``rng-secret``).
-        env_cache_dir: the site process's ``PRISM_CACHE_DIR`` (``client.cache``; used when the
-            node config sets no ``cache-dir``).
+        env_cache_dir: the site process's ``PRISM_CACHE_DIR`` (``prism_runtime.cache``; used
+            when the node config sets no ``cache-dir``).
 
     Raises:
         ConfigError: a deployed site without ``epsilon-cap``, ``delta`` or ``state-dir``, or a

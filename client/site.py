@@ -45,21 +45,9 @@ import torch
 from torch import Tensor
 
 from client.broadcast import broadcast_problem
-from client.cache import cached_float
 from client.clip_quantile import ClipEstimate, ClipPlan, ClipStore, StoredClip, estimate_clip
-from client.config import RunConfig, SiteConfig, resolve_model, site_method
-from client.data import TokenizedDataset, dirichlet_partition, iid_partition, load_examples
-from client.durable import atomic_write, locked
-from client.errors import AccountingMismatchError, ConfigError
-from client.exchange import head_named, load_arrays
-from client.lora import read_points
-from client.model import LoadedModel, ModelConfig, load_model
 from client.policy import SitePolicy
-from client.protocol import HEAD_PREFIX, REFUSAL_REASONS, STATUS_OK, STATUS_REFUSED, key
 from client.site_ledger import SiteLedger, SiteLedgerEntry
-from client.synthetic import synthetic_examples, synthetic_stream
-from client.testhooks import pause_point
-from client.trainer import MECHANISMS, PrivateTrainer, StepResult, TrainConfig, noise_records
 from prism_core.accounting import (
     PrivacyEvent,
     calibrate_noise_multiplier,
@@ -70,39 +58,29 @@ from prism_core.adaptive import AdaptiveState, realign_state
 from prism_core.manifold import Point, tangent_displacement
 from prism_core.quantile import QUANTILE_MECHANISM
 from prism_core.records import ADJACENCY, NoiseRecord
+from prism_runtime.cache import cached_float
+from prism_runtime.config import RunConfig, SiteConfig, site_method
+from prism_runtime.data import TokenizedDataset, dirichlet_partition, iid_partition, load_examples
+from prism_runtime.durable import atomic_write, locked
+from prism_runtime.errors import AccountingMismatchError, ConfigError
+from prism_runtime.exchange import head_named, load_arrays
+from prism_runtime.lora import read_points
+from prism_runtime.model import LoadedModel, load_model, model_config_for
+from prism_runtime.protocol import HEAD_PREFIX, REFUSAL_REASONS, STATUS_OK, STATUS_REFUSED, key
+from prism_runtime.synthetic import synthetic_examples, synthetic_stream
+from prism_runtime.testhooks import pause_point
+from prism_runtime.trainer import MECHANISMS, PrivateTrainer, StepResult, TrainConfig, noise_records
 
 __all__ = [
     "RoundReply",
     "Site",
     "broadcast_digest",
     "get_site",
-    "model_config",
     "released_event",
     "site_examples",
 ]
 
 log = logging.getLogger(__name__)
-
-
-def model_config(run: RunConfig) -> ModelConfig:
-    """The ``ModelConfig`` every participant derives from the run config."""
-    return ModelConfig(
-        model=resolve_model(run.model),
-        task=run.task,
-        num_labels=run.num_labels,
-        rank=run.lora_rank,
-        alpha=run.lora_alpha,
-        target_modules=run.targets,
-        init=run.init,
-        head=run.lora_head,
-        pooling=run.pooling,
-        pair_encoding=run.pair_encoding,
-        text_pairs=run.text_pairs,
-        head_init=run.head_init,
-        label_texts=run.label_texts,  # 'a|b': ModelConfig splits it
-        device="auto",
-        seed=run.seed,
-    )
 
 
 @functools.cache
@@ -248,11 +226,11 @@ class Site:
                 REFUSAL_REASONS[self.refusal],
             )
             return
-        # Start-up work is cached in the site's own cache folder (client.cache; never chosen
+        # Start-up work is cached in the site's own cache folder (prism_runtime.cache; never chosen
         # by the coordinator): a deployed site starts a fresh process for every message.
         cache = policy.cache_dir
         self.loaded: LoadedModel = load_model(
-            model_config(run), method=self.method, cache_dir=cache
+            model_config_for(run), method=self.method, cache_dir=cache
         )
         dataset = TokenizedDataset(
             rows,

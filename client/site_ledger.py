@@ -32,9 +32,9 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from client.durable import fsync_dir, locked, make_dirs
-from client.errors import ConfigError
 from prism_core.accounting import PrivacyEvent, epsilon
+from prism_runtime.durable import fsync_dir, locked, make_dirs
+from prism_runtime.errors import ConfigError
 
 __all__ = ["SiteLedger", "SiteLedgerEntry"]
 

@@ -14,8 +14,8 @@ replaces itself with ``flower-superlink`` / ``flower-supernode``:
 - The SuperLink never installs dependencies at run time
   (``--disable-runtime-dependency-installation``): the image carries them.
 - A site's node config (``PRISM_SITE_ID``, ``PRISM_DATA_PATH``, ``PRISM_EPSILON_CAP``, ...) is
-  validated with ``client.config.SiteConfig`` before the SuperNode starts, and a site is refused
-  without its privacy policy and ledger folder (``PRISM_EPSILON_CAP``, ``PRISM_DELTA``,
+  validated with ``prism_runtime.config.SiteConfig`` before the SuperNode starts, and a site is
+  refused without its privacy policy and ledger folder (``PRISM_EPSILON_CAP``, ``PRISM_DELTA``,
   ``PRISM_STATE_DIR``) or with a reproducible-randomness secret (``PRISM_FL_RNG_SECRET``) while it
   requires secure randomness (the default).
 - Only file paths are printed, never the contents of a key.
@@ -185,8 +185,8 @@ def superlink_args(env: Mapping[str, str], extra: Sequence[str] = ()) -> list[st
 
 def _node_config(env: Mapping[str, str]) -> str:
     """``--node-config`` from the site's environment, validated by ``SiteConfig``."""
-    from client.config import SiteConfig, parse_config
     from client.policy import RNG_SECRET_ENV, site_policy
+    from prism_runtime.config import SiteConfig, parse_config
 
     values: dict[str, object] = {}
     for key, variable in _NODE_ENV.items():

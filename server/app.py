@@ -5,8 +5,8 @@ from __future__ import annotations
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from client.config import RunConfig, parse_config
-from client.logs import setup_logging
+from prism_runtime.config import RunConfig, parse_config
+from prism_runtime.logs import setup_logging
 from server.federation import run_federation
 
 app = ServerApp()

@@ -30,8 +30,8 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 from torch import Tensor
 
-from client.durable import atomic_write
-from client.testhooks import pause_point
+from prism_runtime.durable import atomic_write
+from prism_runtime.testhooks import pause_point
 from server.errors import ConfigError
 
 __all__ = ["CHECKPOINT", "Checkpoint", "config_differences", "load_checkpoint", "save_checkpoint"]

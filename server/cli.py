@@ -210,7 +210,7 @@ def _load_run(args: argparse.Namespace) -> Any:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    from client.errors import ClientError
+    from prism_runtime.errors import ClientError
     from server.evaluation import evaluate_run, write_jsonl
 
     try:
@@ -237,7 +237,7 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 
 def _predict(args: argparse.Namespace) -> int:
-    from client.errors import ClientError
+    from prism_runtime.errors import ClientError
     from server.evaluation import predict_run, write_jsonl
 
     try:

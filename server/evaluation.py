@@ -1,10 +1,10 @@
 """Evaluate or use an exported model the way a user would: ``prism-fl evaluate`` / ``predict``.
 
 A run folder (``prism-fl`` federation or ``prism-train``) holds ``adapter/``: the peft adapter
-for the ORIGINAL base model and, for a classifier, its pooling and head (``client.export``).
+for the ORIGINAL base model and, for a classifier, its pooling and head (``prism_runtime.export``).
 ``load_run`` finds the base model and the token limit the run used, loads the three together
-(``client.export.load_exported``), and the same ``client.evaluate`` code that reported the
-run's held-out metrics scores the rows here, so the numbers agree.
+(``prism_runtime.export.load_exported``), and the same ``prism_runtime.evaluate`` code that
+reported the run's held-out metrics scores the rows here, so the numbers agree.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from client.config import resolve_model
-from client.data import load_examples
-from client.errors import ConfigError
-from client.evaluate import evaluate_rows, predict
-from client.export import ADAPTER_CONFIG, load_exported
-from client.model import LoadedModel
+from prism_runtime.config import resolve_model
+from prism_runtime.data import load_examples
+from prism_runtime.errors import ConfigError
+from prism_runtime.evaluate import evaluate_rows, predict
+from prism_runtime.export import ADAPTER_CONFIG, load_exported
+from prism_runtime.model import LoadedModel
 
 __all__ = ["ExportedRun", "evaluate_run", "load_run", "predict_run", "write_jsonl"]
 

@@ -33,17 +33,16 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy.result import Result
 
-from client.config import RunConfig, site_method
-from client.data import load_examples
-from client.durable import atomic_write
-from client.evaluate import evaluate
-from client.exchange import head_named, load_arrays, to_arrays
-from client.export import export_adapter
-from client.model import LoadedModel, load_model
-from client.site import model_config
-from client.synthetic import synthetic_examples, synthetic_stream
-from client.testhooks import pause_point
-from client.trainer import MECHANISMS
+from prism_runtime.config import RunConfig, site_method
+from prism_runtime.data import load_examples
+from prism_runtime.durable import atomic_write
+from prism_runtime.evaluate import evaluate
+from prism_runtime.exchange import head_named, load_arrays, to_arrays
+from prism_runtime.export import export_adapter
+from prism_runtime.model import LoadedModel, load_model, model_config_for
+from prism_runtime.synthetic import synthetic_examples, synthetic_stream
+from prism_runtime.testhooks import pause_point
+from prism_runtime.trainer import MECHANISMS
 from server.checkpoint import (
     CHECKPOINT,
     Checkpoint,
@@ -188,7 +187,7 @@ def run_federation(grid: Grid, run: RunConfig) -> Path:
                 f"{run_dir / CHECKPOINT} was written by another configuration "
                 f"({'; '.join(differences)}); use another run-dir."
             )
-    loaded = load_model(model_config(run), method=site_method(run.method))
+    loaded = load_model(model_config_for(run), method=site_method(run.method))
     initial = to_arrays(loaded)
     modules = [h.name for h in loaded.handles]
     head = [name for name, _ in head_named(loaded)]

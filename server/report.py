@@ -32,7 +32,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
-from client.protocol import RNG_REPRODUCIBLE, RNG_SECURE
 from prism_core.accounting import (
     PRV_EPS_ERROR,
     PrivacyEvent,
@@ -42,6 +41,7 @@ from prism_core.accounting import (
 )
 from prism_core.errors import AccountingError
 from prism_core.quantile import QUANTILE_MECHANISM
+from prism_runtime.protocol import RNG_REPRODUCIBLE, RNG_SECURE
 from server.errors import ConfigError
 from server.ledger import Ledger, LedgerEvent, epsilon_points
 

@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / ".mutation"
 MUTMUT = Path(sys.executable).parent / "mutmut"
-PACKAGES = ("prism_core", "client", "server", "deploy")
+PACKAGES = ("prism_core", "prism_runtime", "client", "server", "deploy")
 COPIED = (*PACKAGES, "bench", "tests", "pyproject.toml")
 NOT_KILLED = ("survived", "no tests", "timeout", "suspicious", "segfault", "skipped")
 

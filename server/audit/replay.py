@@ -1,6 +1,6 @@
 """Audit part (b): record/replay checks of ONE real PRISM step (sensitivity, noise scale).
 
-The step runs through ``client.trainer.PrivateTrainer.release``, the code path of training:
+The step runs through ``prism_runtime.trainer.PrivateTrainer.release``, the code path of training:
 Opacus ``GradSampleModule`` per-example gradients of a per-sequence loss, micro-batching, lift,
 global clip, tangent noise, division by the expected batch size. The model is a small BERT
 built from a config (2 layers, hidden 32, no dropout, LoRA r=4 on query/value plus the DP
@@ -41,13 +41,13 @@ import torch
 from torch import Tensor
 from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
-from client.data import TokenizedDataset, make_collate
-from client.lora import read_points
-from client.model import LoadedModel, ModelConfig, load_model
-from client.synthetic import synthetic_examples
-from client.trainer import PrivateTrainer, TrainConfig
 from prism_core.manifold import Point, tangent_norm_sq
 from prism_core.mechanism import PrivateStep
+from prism_runtime.data import TokenizedDataset, make_collate
+from prism_runtime.lora import read_points
+from prism_runtime.model import LoadedModel, ModelConfig, load_model
+from prism_runtime.synthetic import synthetic_examples
+from prism_runtime.trainer import PrivateTrainer, TrainConfig
 from server.audit.blocks import BLOCKS, POWER, VarianceTest, tangent_block_energies, variance_test
 from server.audit.mechanisms import CORRECT, Mechanism
 

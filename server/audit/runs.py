@@ -7,7 +7,7 @@ what the run was asked to do and what the sites said they did, and fails the aud
 - run config ``method = nondp``: no noise at all;
 - run config ``report-train-loss = true``: sites send their un-noised training loss;
 - run config ``noise-multiplier = 0``: no noise;
-- a fact ``rng = reproducible`` (``client.protocol.RNG_REPRODUCIBLE``): the site's sampling,
+- a fact ``rng = reproducible`` (``prism_runtime.protocol.RNG_REPRODUCIBLE``): the site's sampling,
   dropout and noise came from a seed, not the OS CSPRNG, so they are not private against whoever
   can learn or replay that seed;
 - a fact ``mechanism = none`` or ``sigma = 0`` for steps that ran: a non-private step.
@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from client.protocol import RNG, RNG_REPRODUCIBLE
+from prism_runtime.protocol import RNG, RNG_REPRODUCIBLE
 from server.ledger import Ledger
 
 __all__ = [

@@ -12,9 +12,9 @@ from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from typing import Any, Final
 
-from client.protocol import RNG_MODES
 from prism_core.accounting import PrivacyEvent
 from prism_core.records import ADJACENCY
+from prism_runtime.protocol import RNG_MODES
 from server.errors import InvalidEventError
 
 __all__ = [
@@ -57,7 +57,7 @@ class LedgerEvent:
             coordinator records because the site was asked and gave no valid answer.
         params_known: False only for an unconfirmed charge of a site with no confirmed
             parameters: it is accounted with ``UNKNOWN_SIGMA``/``UNKNOWN_Q`` (epsilon inf).
-        rng: the site's ``rng`` fact (``client.protocol.RNG_MODES``), None when not known.
+        rng: the site's ``rng`` fact (``prism_runtime.protocol.RNG_MODES``), None when not known.
         code: why a charge is unconfirmed (the coordinator's code, e.g. ``no-reply``); empty
             for a confirmed one.
 

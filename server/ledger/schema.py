@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from client.durable import fsync_dir
+from prism_runtime.durable import fsync_dir
 from server.errors import InvalidEventError, LedgerError
 from server.ledger.events import LedgerEvent, now
 

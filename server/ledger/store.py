@@ -16,9 +16,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from client.testhooks import pause_point
 from prism_core.accounting import EpsilonReport, PrivacyEvent
 from prism_core.quantile import QUANTILE_MECHANISM
+from prism_runtime.testhooks import pause_point
 from server.errors import InvalidEventError, LedgerConflictError, LedgerError
 from server.ledger.budget import epsilon_series, history_epsilon, within_cap
 from server.ledger.checks import connect

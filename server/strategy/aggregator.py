@@ -18,9 +18,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from client.protocol import HEAD_PREFIX, key
 from prism_core.aggregation import Aggregation, aggregate_noise_std, site_noise_std
 from prism_core.manifold import Point, Tangent
+from prism_runtime.protocol import HEAD_PREFIX, key
 from server.errors import ReplyError
 from server.optimizer import ServerOptimizer, scheduled_lr
 from server.strategy.rounds import RoundSummary

@@ -11,7 +11,7 @@ import logging
 import secrets
 from typing import Any
 
-from client.protocol import ROUND_NONCE, SERVER_ROUND
+from prism_runtime.protocol import ROUND_NONCE, SERVER_ROUND
 from server.errors import ReplyError
 
 __all__ = ["SiteBinding"]

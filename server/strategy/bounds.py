@@ -15,8 +15,6 @@ import torch
 from flwr.app import ArrayRecord
 from torch import Tensor
 
-from client.config import HEAD_MOMENTUM, SGD_HEADS
-from client.protocol import HEAD_PREFIX, key
 from prism_core.bounds import (
     FLOAT32_SLACK,
     adam_gain,
@@ -26,6 +24,8 @@ from prism_core.bounds import (
     tangent_dimension,
 )
 from prism_core.manifold import Point, tangent_norm_sq
+from prism_runtime.config import HEAD_MOMENTUM, SGD_HEADS
+from prism_runtime.protocol import HEAD_PREFIX, key
 from server.errors import ConfigError, ReplyError
 from server.strategy.aggregator import Mode
 
@@ -45,7 +45,7 @@ class UpdateBound:
     ``head_optimizer="sgd"``: the head takes plain SGD steps on its DP gradient, bounded like a
     DP step from ``max_norm`` (the total clip, >= the head's share) and the reply's sigma/q;
     ``"momentum"``: heavy-ball steps ``v <- beta v + g`` with the sites' ``beta =
-    client.config.HEAD_MOMENTUM``, whose velocity (kept across a site's rounds) is at most
+    prism_runtime.config.HEAD_MOMENTUM``, whose velocity (kept across a site's rounds) is at most
     ``1 / (1 - beta)`` times that step bound.
     """
 

@@ -14,8 +14,8 @@ import logging
 from dataclasses import replace
 from typing import Any
 
-from client.protocol import RNG
 from prism_core.quantile import QUANTILE_MECHANISM
+from prism_runtime.protocol import RNG
 from server.errors import InvalidEventError, LedgerConflictError, LedgerError, ReplyError
 from server.ledger import UNKNOWN_Q, UNKNOWN_SIGMA, Ledger, LedgerEvent
 from server.strategy.bounds import AutoClip

@@ -28,7 +28,8 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.result import Result
 
-from client.protocol import (
+from prism_core.aggregation import Aggregation
+from prism_runtime.protocol import (
     ARRAYS,
     CONFIG,
     REFUSAL_REASONS,
@@ -37,7 +38,6 @@ from client.protocol import (
     STATUS_REFUSED,
     UPDATE,
 )
-from prism_core.aggregation import Aggregation
 from server.errors import ReplyError
 from server.ledger import DEFAULT_MECHANISM, Ledger
 from server.optimizer import ServerOptimizer, ServerOptimizerConfig, scheduled_lr
@@ -81,12 +81,12 @@ class PrismStrategy(Strategy):
         ledger: the coordinator's privacy ledger.
         run_id: this run's id in the ledger.
         sites_per_round, min_sites, server_lr, aggregation, local_steps, default cap
-        (epsilon, delta) and seed: see ``client.config.RunConfig``.
+        (epsilon, delta) and seed: see ``prism_runtime.config.RunConfig``.
         update_bound: the sites' local optimizer settings; when given, a reply whose update
             norm exceeds what an honest site can produce (``prism_core.bounds``) is rejected.
         mechanism: the mechanism the run's method runs on each site
-            (``client.trainer.MECHANISMS[client.config.site_method(method)]``); a reply
-            reporting another is rejected.
+            (``prism_runtime.trainer.MECHANISMS[prism_runtime.config.site_method(method)]``);
+            a reply reporting another is rejected.
         dp: whether that mechanism adds noise; a DP reply must report sigma > 0.
         auto_clip: set for a run with ``max-norm = auto`` (see ``AutoClip``).
         lr_schedule, num_rounds: the server lr of round ``t`` is

@@ -34,7 +34,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy.result import Result
 
-from client.testhooks import pause_point
+from prism_runtime.testhooks import pause_point
 from server.strategy.replies import in_order
 
 __all__ = ["POLL_INTERVAL_S", "PULL_BATCH", "run_rounds", "stream_replies"]
@@ -127,7 +127,7 @@ def stream_replies(
     it pulls every pending id once more, so a reply that reached the grid before the deadline
     is aggregated even if the consumer was still busy with earlier ones then. Replies still
     missing after it are logged and never pulled: a later reply is ignored (the strategy charges
-    the site as unconfirmed). The ``mid-aggregation`` test pause point (``client.testhooks``)
+    the site as unconfirmed). The ``mid-aggregation`` test pause point (``prism_runtime.testhooks``)
     sits after the first reply, before the second is yielded.
 
     The generator pushes on its first ``next``; the clock starts then.

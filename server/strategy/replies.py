@@ -2,8 +2,9 @@
 fixed text of an error reply, and the facts' match with what the run configured.
 
 Nothing a site writes as free text is logged or stored: an error reply is shown by its
-``Error.code`` and that code's fixed text (``client.protocol.SITE_ERROR_CODES``), a refusal by
-its reason code (``client.protocol.REFUSAL_REASONS``); ``Error.reason`` is never read.
+``Error.code`` and that code's fixed text (``prism_runtime.protocol.SITE_ERROR_CODES``), a
+refusal by its reason code (``prism_runtime.protocol.REFUSAL_REASONS``); ``Error.reason`` is
+never read.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from typing import Any
 from flwr.app import ConfigRecord, Message
 from flwr.common.constant import ErrorCode
 
-from client.protocol import (
+from prism_core.bounds import FLOAT32_SLACK
+from prism_core.records import ADJACENCY
+from prism_runtime.protocol import (
     ACCOUNTING,
     ACCOUNTING_KEYS,
     REFUSAL_REASONS,
@@ -28,8 +31,6 @@ from client.protocol import (
     STATUS_OK,
     STATUS_REFUSED,
 )
-from prism_core.bounds import FLOAT32_SLACK
-from prism_core.records import ADJACENCY
 from server.errors import ReplyError
 from server.strategy.bounds import AutoClip
 
@@ -91,7 +92,7 @@ def validate_facts(facts: dict[str, Any]) -> dict[str, Any]:
     """Check a reply's accounting facts; return them typed. Raises ``ReplyError``.
 
     Required: ``site-id``, ``status``, ``sigma``, ``q``, ``steps``; every other key must be one
-    of ``client.protocol.ACCOUNTING_KEYS`` with the right type; values must be in range.
+    of ``prism_runtime.protocol.ACCOUNTING_KEYS`` with the right type; values must be in range.
     """
     unknown = sorted(set(facts) - set(ACCOUNTING_KEYS))
     if unknown:
@@ -146,8 +147,8 @@ def _check_quantile_facts(facts: dict[str, Any]) -> None:
 def error_reply_text(code: object) -> str:
     """The fixed text shown for a site's error reply with ``Error.code`` ``code``.
 
-    A code of ``client.protocol.SITE_ERROR_CODES`` gets its text; one of Flower's own error codes
-    (a ClientApp that crashed or raised, a node gone) its Flower name; any other code is
+    A code of ``prism_runtime.protocol.SITE_ERROR_CODES`` gets its text; one of Flower's own
+    error codes (a ClientApp that crashed or raised, a node gone) its Flower name; any other code is
     "unknown site error code N". The site's ``Error.reason`` is never used: it is free text.
     """
     if not isinstance(code, int) or isinstance(code, bool):
@@ -226,14 +227,15 @@ class RunTerms:
 
         ``facts-mismatch``: steps other than the round's (0 for a refusal), another mechanism,
         sampling other than Poisson, adjacency other than add/remove, an ``rng`` not in
-        ``client.protocol.RNG_MODES``, sigma 0 for a DP method, delta above the run's, or one
+        ``prism_runtime.protocol.RNG_MODES``, sigma 0 for a DP method, delta above the run's, or one
         of these facts missing. ``refusal-reason``: a refusal whose reason is not one of
-        ``client.protocol.REFUSAL_REASONS`` (a malformed refusal). No site text is echoed.
+        ``prism_runtime.protocol.REFUSAL_REASONS`` (a malformed refusal). No site text is echoed.
         """
         refused = facts["status"] == STATUS_REFUSED
         if refused and facts.get("reason") not in REFUSAL_REASONS:
             raise ReplyError(
-                "refused reply without a known reason code (client.protocol.REFUSAL_REASONS)",
+                "refused reply without a known reason code "
+                "(prism_runtime.protocol.REFUSAL_REASONS)",
                 "refusal-reason",
             )
         wanted: dict[str, object] = {

@@ -27,7 +27,7 @@ class Selection:
 
     Args:
         ledger, run_id: the coordinator's ledger and this run's id in it.
-        local_steps, sites_per_round, min_sites, seed: see ``client.config.RunConfig``.
+        local_steps, sites_per_round, min_sites, seed: see ``prism_runtime.config.RunConfig``.
         wait_for_nodes: seconds to wait for ``sites_per_round`` sites before going on with
             ``min_sites``.
         connect_timeout: seconds after which fewer than ``min_sites`` connected sites stop the

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from client.config import RunConfig
+from prism_runtime.config import RunConfig
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "step.py"
 
@@ -86,7 +86,7 @@ def test_token_counts(step):
 @pytest.mark.parametrize(("in_order", "padded"), [(False, 2 * 1 + 2 * 4), (True, 2 * 4 + 2 * 4)])
 def test_probe_counts_and_forces_batch_order(step, in_order, padded):
     """Rows of 1, 4, 1, 4 tokens in micro-batches of 2: by length [1, 1] [4, 4], else [1, 4] x 2."""
-    import client.trainer as trainer_module
+    import prism_runtime.trainer as trainer_module
 
     original = trainer_module.micro_batches
     with step.micro_batch_probe(in_order=in_order) as seen:

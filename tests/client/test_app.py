@@ -10,10 +10,10 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from client.app import app
-from client.config import RunConfig, parse_config
-from client.exchange import to_arrays
-from client.model import load_model
-from client.protocol import (
+from prism_runtime.config import RunConfig, parse_config
+from prism_runtime.exchange import to_arrays
+from prism_runtime.model import load_model, model_config_for
+from prism_runtime.protocol import (
     ACCOUNTING,
     ARRAYS,
     CONFIG,
@@ -23,7 +23,6 @@ from client.protocol import (
     STATUS_OK,
     STATUS_REFUSED,
 )
-from client.site import model_config
 
 PRIVATE = "Jane-Roe-1984-diagnosis"  # a cell value that must never leave the site
 
@@ -85,7 +84,7 @@ def _call(msg, run_config, node_config):
 
 def _arrays(run_config):
     run = parse_config(RunConfig, run_config, what="run config")
-    return to_arrays(load_model(model_config(run), method="prism"))
+    return to_arrays(load_model(model_config_for(run), method="prism"))
 
 
 def _assert_coded(reply, code):

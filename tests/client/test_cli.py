@@ -1,4 +1,4 @@
-"""End-to-end tests of ``prism-train`` (client.cli) and of client.evaluate on a tiny BERT."""
+"""End-to-end tests of ``prism-train`` (client.cli) and of prism_runtime.evaluate on a tiny BERT."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from client.cli import EXIT_CONFIG_ERROR, EXIT_DATA_ERROR, EXIT_OK, main
-from client.evaluate import extract_last_number, numeric_match
+from prism_runtime.evaluate import extract_last_number, numeric_match
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -77,8 +77,8 @@ def test_prism_end_to_end(tiny_bert: str, sst2: tuple[Path, Path], tmp_path: Pat
     from safetensors.torch import load_file
     from transformers import AutoModel, AutoTokenizer
 
-    from client.classifier import ClassifierSpec, PooledClassifier
-    from client.export import CLASSIFIER_WEIGHTS
+    from prism_runtime.classifier import ClassifierSpec, PooledClassifier
+    from prism_runtime.export import CLASSIFIER_WEIGHTS
 
     out = tmp_path / "run"
     args = [*_base_args(tiny_bert, sst2, out), "--task", "seq-cls", "--method", "prism"]
@@ -337,9 +337,9 @@ def test_causal_lm_end_to_end(tiny_llama: Path, mawps: Path, tmp_path: Path) -> 
     assert metrics["eval"]["examples"] == 3
     assert 0 < metrics["epsilon"] <= 3
     # the reported exact match is that of the EXPORTED adapter's greedy answers to the 3 rows
-    from client.data import load_examples
-    from client.evaluate import generate_responses
-    from client.export import load_exported
+    from prism_runtime.data import load_examples
+    from prism_runtime.evaluate import generate_responses
+    from prism_runtime.export import load_exported
 
     exported = load_exported(out / "adapter", model=str(tiny_llama))
     rows = load_examples(mawps, "causal-lm")[:3]
@@ -351,9 +351,9 @@ def test_causal_lm_end_to_end(tiny_llama: Path, mawps: Path, tmp_path: Path) -> 
 
 def test_batched_generation_matches_one_at_a_time(tiny_llama: Path, mawps: Path) -> None:
     """Left padding must not change a greedy response (prompts of different lengths)."""
-    from client.data import load_examples
-    from client.evaluate import generate_responses
-    from client.model import ModelConfig, load_model
+    from prism_runtime.data import load_examples
+    from prism_runtime.evaluate import generate_responses
+    from prism_runtime.model import ModelConfig, load_model
 
     config = ModelConfig(
         model=str(tiny_llama), task="causal-lm", rank=2, target_modules=("q_proj", "v_proj")

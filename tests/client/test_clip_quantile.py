@@ -9,15 +9,15 @@ import pytest
 import torch
 
 from client.clip_quantile import ClipPlan, ClipStore, estimate_clip
-from client.config import RunConfig, SiteConfig, parse_config
-from client.errors import ConfigError
-from client.exchange import to_arrays
 from client.policy import site_policy
-from client.protocol import ACCOUNTING_KEYS, STATUS_OK, STATUS_REFUSED
 from client.site import Site
 from client.site_ledger import SiteLedger
 from prism_core.accounting import PrivacyEvent, calibrate_noise_multiplier, epsilon
 from prism_core.quantile import QUANTILE_MECHANISM
+from prism_runtime.config import RunConfig, SiteConfig, parse_config
+from prism_runtime.errors import ConfigError
+from prism_runtime.exchange import to_arrays
+from prism_runtime.protocol import ACCOUNTING_KEYS, STATUS_OK, STATUS_REFUSED
 
 QUANTILE_FACTS = ("quantile-sigma", "quantile-q", "quantile-steps")
 BATCH, EXAMPLES, K = 16, 64, 3

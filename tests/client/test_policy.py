@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from client.config import RunConfig, SiteConfig, parse_config
-from client.errors import ConfigError
 from client.policy import (
     RNG_SECRET_ENV,
     SIMULATION_DELTA,
@@ -22,7 +20,9 @@ from client.policy import (
     SitePolicy,
     site_policy,
 )
-from client.protocol import REFUSAL_REASONS, RNG_REPRODUCIBLE, RNG_SECURE
+from prism_runtime.config import RunConfig, SiteConfig, parse_config
+from prism_runtime.errors import ConfigError
+from prism_runtime.protocol import REFUSAL_REASONS, RNG_REPRODUCIBLE, RNG_SECURE
 
 SECRET = "policy-test-secret"
 N = 100  # the site's examples: a delta must be below 1/N = 0.01

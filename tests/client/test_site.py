@@ -8,13 +8,18 @@ import math
 import pytest
 import torch
 
-import client.trainer
 import prism_core.mechanism
-from client.config import RunConfig, SiteConfig, parse_config
-from client.errors import AccountingMismatchError, ConfigError
-from client.exchange import to_arrays
+import prism_runtime.trainer
 from client.policy import SIMULATION_DELTA, SIMULATION_EPSILON_CAP, site_policy
-from client.protocol import (
+from client.site import Site, released_event
+from client.site_ledger import SiteLedger
+from prism_core.accounting import PrivacyEvent, epsilon
+from prism_core.records import NoiseRecord
+from prism_core.rng import SecureRNG
+from prism_runtime.config import RunConfig, SiteConfig, parse_config
+from prism_runtime.errors import AccountingMismatchError, ConfigError
+from prism_runtime.exchange import to_arrays
+from prism_runtime.protocol import (
     ACCOUNTING_KEYS,
     HEAD_PREFIX,
     REFUSAL_REASONS,
@@ -24,11 +29,6 @@ from client.protocol import (
     STATUS_REFUSED,
     key,
 )
-from client.site import Site, released_event
-from client.site_ledger import SiteLedger
-from prism_core.accounting import PrivacyEvent, epsilon
-from prism_core.records import NoiseRecord
-from prism_core.rng import SecureRNG
 
 SECRET = "test-secret"
 
@@ -386,7 +386,7 @@ class _Draws:
 
     def __init__(self, monkeypatch):
         self.noise, self.batches = [], []
-        draw, split = prism_core.mechanism.standard_normal, client.trainer.micro_batches
+        draw, split = prism_core.mechanism.standard_normal, prism_runtime.trainer.micro_batches
 
         def recording_draw(*args, **kwargs):
             out = draw(*args, **kwargs)
@@ -398,7 +398,7 @@ class _Draws:
             return split(batch, *args, **kwargs)
 
         monkeypatch.setattr(prism_core.mechanism, "standard_normal", recording_draw)
-        monkeypatch.setattr(client.trainer, "micro_batches", recording_split)
+        monkeypatch.setattr(prism_runtime.trainer, "micro_batches", recording_split)
 
     def take(self):
         noise, batches = torch.cat(self.noise), list(self.batches)

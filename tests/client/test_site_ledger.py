@@ -11,8 +11,8 @@ from dataclasses import asdict
 import pytest
 
 import client.site_ledger as site_ledger_module
-from client.errors import ConfigError
 from client.site_ledger import SiteLedger, SiteLedgerEntry
+from prism_runtime.errors import ConfigError
 
 
 def _entry(round_: int, steps: int = 5) -> SiteLedgerEntry:

@@ -277,7 +277,14 @@ def test_dockerfile_copies_existing_files_and_pins_the_project_torch():
             assert list(ROOT.glob(source.rstrip("/"))), f"COPY source {source} is missing"
     # everything the image needs to run is copied (the packages pyproject installs) ...
     copied = {s.rstrip("/") for parts in copies for s in parts[:-1]}
-    assert {"pyproject.toml", "prism_core", "client", "server", "deploy/*.py"} <= copied
+    assert {
+        "pyproject.toml",
+        "prism_core",
+        "prism_runtime",
+        "client",
+        "server",
+        "deploy/*.py",
+    } <= copied
     # ... and the build context lets exactly those in: never keys, data, .env files or runs
     rules = [r for r in (ROOT / ".dockerignore").read_text().splitlines() if r and r[0] != "#"]
     assert rules[0] == "**"

@@ -21,9 +21,9 @@ from flower_harness import (
 from peft import PeftModel
 from transformers import AutoModel
 
-from client.export import load_exported
 from prism_core.accounting import PrivacyEvent, epsilon
 from prism_core.quantile import QUANTILE_MECHANISM
+from prism_runtime.export import load_exported
 from server.cli import main as prism_fl
 from server.demo import stop_local_superlinks
 from server.ledger import Ledger

@@ -1,7 +1,7 @@
 """The trainer and the export on CUDA: frozen base in bf16, LoRA factors and head in float32.
 
-``client.model.load_model`` with ``device="cuda"`` loads the base with ``dtype=bfloat16`` and
-casts every LoRA factor to float32; ``client.trainer.PrivateTrainer`` runs its forward and
+``prism_runtime.model.load_model`` with ``device="cuda"`` loads the base with ``dtype=bfloat16`` and
+casts every LoRA factor to float32; ``prism_runtime.trainer.PrivateTrainer`` runs its forward and
 backward under bf16 autocast. These tests run that path on a tiny config-built BERT classifier
 (``tests/conftest.py``) and check the privacy clip, one PRISM step and the export. Marked
 ``gpu`` (``make test-gpu``); skipped, with the reason, where torch sees no CUDA device.
@@ -15,14 +15,14 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModel
 
-from client.classifier import ClassifierSpec, PooledClassifier
-from client.data import TokenizedDataset, make_collate
-from client.export import CLASSIFIER_WEIGHTS, export_adapter
-from client.lora import read_points
-from client.model import LoadedModel, ModelConfig, load_model
-from client.synthetic import synthetic_examples
-from client.trainer import PrivateTrainer, TrainConfig
 from prism_core.manifold import tangent_norm_sq
+from prism_runtime.classifier import ClassifierSpec, PooledClassifier
+from prism_runtime.data import TokenizedDataset, make_collate
+from prism_runtime.export import CLASSIFIER_WEIGHTS, export_adapter
+from prism_runtime.lora import read_points
+from prism_runtime.model import LoadedModel, ModelConfig, load_model
+from prism_runtime.synthetic import synthetic_examples
+from prism_runtime.trainer import PrivateTrainer, TrainConfig
 
 pytestmark = [
     pytest.mark.gpu,

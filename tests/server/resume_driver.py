@@ -1,7 +1,7 @@
 """Run ``server.federation.run_federation`` in this process with sites on a loopback grid.
 
 Used by ``test_resume.py`` as a subprocess that the test SIGKILLs at a pause point
-(``client.testhooks``). The grid delivers each train message to the real ClientApp
+(``prism_runtime.testhooks``). The grid delivers each train message to the real ClientApp
 (``client.app.app``) of an in-process site, in message order, when it is pushed, and the
 coordinator pulls the replies (``sitegrid.LoopbackSites``): Flower's
 transport is left out, everything else (strategy, ledger, checkpoint, sites and their durable
@@ -18,8 +18,8 @@ from flwr.supercore.task_identity import TaskIdentity
 from sitegrid import LoopbackSites
 
 from client.app import app as client_app
-from client.config import RunConfig, parse_config
-from client.logs import setup_logging
+from prism_runtime.config import RunConfig, parse_config
+from prism_runtime.logs import setup_logging
 from server.federation import run_federation
 
 

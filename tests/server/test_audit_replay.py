@@ -111,10 +111,10 @@ def test_per_module_clipping_is_caught_by_the_joint_sensitivity(model_dir):
 
 
 def test_the_audited_release_is_the_one_every_training_step_uses(model_dir, monkeypatch):
-    from client.data import TokenizedDataset
-    from client.model import ModelConfig, load_model
-    from client.synthetic import synthetic_examples
-    from client.trainer import PrivateTrainer, TrainConfig
+    from prism_runtime.data import TokenizedDataset
+    from prism_runtime.model import ModelConfig, load_model
+    from prism_runtime.synthetic import synthetic_examples
+    from prism_runtime.trainer import PrivateTrainer, TrainConfig
 
     calls = []
     original = PrivateTrainer.release

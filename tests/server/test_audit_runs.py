@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from client.config import RunConfig
-from client.protocol import RNG, RNG_REPRODUCIBLE, RNG_SECURE
+from prism_runtime.config import RunConfig
+from prism_runtime.protocol import RNG, RNG_REPRODUCIBLE, RNG_SECURE
 from server.audit.runs import check_run, config_findings, fact_findings
 from server.ledger import Ledger, LedgerEvent
 

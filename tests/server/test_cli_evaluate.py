@@ -15,7 +15,7 @@ from transformers import AutoModel
 
 from client.cli import EXIT_OK
 from client.cli import main as prism_train
-from client.export import ADAPTER_WEIGHTS
+from prism_runtime.export import ADAPTER_WEIGHTS
 from server.cli import EXIT_USAGE
 from server.cli import main as prism_fl
 
@@ -125,11 +125,11 @@ def test_evaluate_and_predict_refuse_bad_input_with_a_clear_message(tiny_bert, t
 
 def test_evaluate_scores_a_causal_lm_by_exact_match_like_client_evaluate(tiny_llama, tmp_path):
     """A causal-lm export (no classifier files) is evaluated by greedy generation: the same
-    exact match and responses as ``client.evaluate`` on the model that was exported."""
-    from client.data import load_examples
-    from client.evaluate import evaluate_rows
-    from client.export import export_adapter
-    from client.model import ModelConfig, load_model
+    exact match and responses as ``prism_runtime.evaluate`` on the model that was exported."""
+    from prism_runtime.data import load_examples
+    from prism_runtime.evaluate import evaluate_rows
+    from prism_runtime.export import export_adapter
+    from prism_runtime.model import ModelConfig, load_model
 
     config = ModelConfig(
         model=tiny_llama, task="causal-lm", rank=2, target_modules=("q_proj", "v_proj")

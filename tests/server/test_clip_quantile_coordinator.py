@@ -17,14 +17,22 @@ from conftest import random_point
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
-from client.config import RunConfig, SiteConfig, parse_config
-from client.exchange import head_named, to_arrays
 from client.policy import site_policy
-from client.protocol import ACCOUNTING, ARRAYS, CONFIG, ROUND_NONCE, SERVER_ROUND, UPDATE, key
 from client.site import Site
 from client.site_ledger import SiteLedger
 from prism_core.accounting import PrivacyEvent, epsilon
 from prism_core.quantile import QUANTILE_MECHANISM
+from prism_runtime.config import RunConfig, SiteConfig, parse_config
+from prism_runtime.exchange import head_named, to_arrays
+from prism_runtime.protocol import (
+    ACCOUNTING,
+    ARRAYS,
+    CONFIG,
+    ROUND_NONCE,
+    SERVER_ROUND,
+    UPDATE,
+    key,
+)
 from server.audit.accountants import check_ledger
 from server.federation import _auto_clip
 from server.ledger import Ledger

@@ -17,7 +17,7 @@ import pytest
 from flwr.supercore.task_identity import TaskIdentity
 from resume_driver import LoopbackGrid
 
-from client.config import RunConfig, parse_config
+from prism_runtime.config import RunConfig, parse_config
 from server.errors import SitesUnavailableError
 from server.federation import run_federation
 
@@ -74,7 +74,7 @@ def test_too_few_sites_stop_the_run_with_a_clear_error_and_a_closed_ledger(tiny_
 
 
 def test_connect_timeout_must_be_positive(tiny_bert, tmp_path):
-    from client.errors import ConfigError
+    from prism_runtime.errors import ConfigError
 
     values = _values(tiny_bert, tmp_path / "run") | {"connect-timeout": 0}
     with pytest.raises(ConfigError, match="connect-timeout"):

@@ -16,9 +16,9 @@ from flwr.supercore.task_identity import TaskIdentity
 from safetensors.torch import load_file
 from sitegrid import LoopbackSites
 
-from client.config import RunConfig, parse_config
-from client.export import ADAPTER_WEIGHTS, CLASSIFIER_WEIGHTS
-from client.protocol import (
+from prism_runtime.config import RunConfig, parse_config
+from prism_runtime.export import ADAPTER_WEIGHTS, CLASSIFIER_WEIGHTS
+from prism_runtime.protocol import (
     ACCOUNTING,
     ARRAYS,
     CONFIG,
@@ -139,7 +139,7 @@ def _best_rank_r(Y: torch.Tensor, r: int) -> torch.Tensor:
 
 def _expected(grid: _ScriptedGrid, aggregation: str) -> dict[str, torch.Tensor]:
     """Per module ``Z_1 - Z_0`` (what the exported rank-2r adapter adds to the ORIGINAL base,
-    see ``client.export``) and per head tensor its new value, in float64."""
+    see ``prism_runtime.export``) and per head tensor its new value, in float64."""
     w = _weights(aggregation)
     out = {}
     for name, value in grid.broadcast.items():

@@ -28,7 +28,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from client.protocol import (
+from prism_runtime.protocol import (
     ACCOUNTING,
     CONFIG,
     REFUSAL_REASONS,

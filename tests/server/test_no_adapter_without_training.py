@@ -20,8 +20,8 @@ import pytest
 from flwr.supercore.task_identity import TaskIdentity
 from resume_driver import LoopbackGrid
 
-from client.config import RunConfig, parse_config
 from client.policy import SIMULATION_EPSILON_CAP
+from prism_runtime.config import RunConfig, parse_config
 from server.federation import run_federation
 
 SITES = 2

@@ -169,7 +169,7 @@ def test_sigkilled_coordinator_resumes_to_the_uninterrupted_result(tiny_bert, tm
 
 
 def test_resume_refuses_a_run_dir_of_another_configuration(tmp_path):
-    from client.config import RunConfig, parse_config
+    from prism_runtime.config import RunConfig, parse_config
     from server.federation import run_federation
 
     run_dir = tmp_path / "run"
@@ -201,7 +201,7 @@ class _HalfGrid(LoopbackSites):
         import torch
         from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 
-        from client.protocol import ACCOUNTING, CONFIG, ROUND_NONCE, SERVER_ROUND, UPDATE
+        from prism_runtime.protocol import ACCOUNTING, CONFIG, ROUND_NONCE, SERVER_ROUND, UPDATE
 
         if first.metadata.dst_node_id != min(self.nodes):
             return None
@@ -231,7 +231,7 @@ def test_a_site_that_never_replies_is_charged_unconfirmed_and_the_round_goes_on(
     from flwr.app import ArrayRecord
     from flwr.supercore.task_identity import TaskIdentity
 
-    from client.protocol import key
+    from prism_runtime.protocol import key
     from server.strategy import PrismStrategy
 
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1

@@ -27,7 +27,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Error, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 from sitegrid import LoopbackSites
 
-from client.protocol import (
+from prism_core.accounting import PrivacyEvent, epsilon
+from prism_runtime.protocol import (
     ACCOUNTING,
     CONFIG,
     REFUSAL_REASONS,
@@ -37,7 +38,6 @@ from client.protocol import (
     UPDATE,
     key,
 )
-from prism_core.accounting import PrivacyEvent, epsilon
 from server.checkpoint import Checkpoint, save_checkpoint
 from server.cli import main
 from server.ledger import Ledger

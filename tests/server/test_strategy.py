@@ -9,9 +9,9 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 from sitegrid import LoopbackSites
 
-from client.protocol import ACCOUNTING, CONFIG, ROUND_NONCE, SERVER_ROUND, UPDATE, key
 from prism_core.accounting import PrivacyEvent, epsilon
 from prism_core.manifold import project_dense, tangent_displacement, tangent_to_dense
+from prism_runtime.protocol import ACCOUNTING, CONFIG, ROUND_NONCE, SERVER_ROUND, UPDATE, key
 from server.ledger import Ledger
 from server.strategy import PrismStrategy, UpdateBound
 

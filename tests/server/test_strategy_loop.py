@@ -12,7 +12,7 @@ from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.task_identity import TaskIdentity
 from sitegrid import Arrival, FlowerSites
 
-from client.protocol import ACCOUNTING, CONFIG, ROUND_NONCE, SERVER_ROUND, UPDATE, key
+from prism_runtime.protocol import ACCOUNTING, CONFIG, ROUND_NONCE, SERVER_ROUND, UPDATE, key
 from server.ledger import Ledger
 from server.strategy import PrismStrategy
 from server.strategy.loop import run_rounds, stream_replies

@@ -14,12 +14,12 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
-from client.config import RunConfig, SiteConfig, parse_config, site_method
-from client.exchange import head_named, to_arrays
 from client.policy import site_policy
-from client.protocol import ACCOUNTING, CONFIG, ROUND_NONCE, SERVER_ROUND, UPDATE
 from client.site import Site
-from client.trainer import MECHANISMS
+from prism_runtime.config import RunConfig, SiteConfig, parse_config, site_method
+from prism_runtime.exchange import head_named, to_arrays
+from prism_runtime.protocol import ACCOUNTING, CONFIG, ROUND_NONCE, SERVER_ROUND, UPDATE
+from prism_runtime.trainer import MECHANISMS
 from server.ledger import Ledger
 from server.strategy import PrismStrategy, UpdateBound
 

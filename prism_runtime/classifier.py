@@ -49,7 +49,7 @@ from transformers import PreTrainedTokenizerBase
 from transformers.modeling_outputs import SequenceClassifierOutput
 from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
-from client.errors import ConfigError
+from prism_runtime.errors import ConfigError
 
 __all__ = [
     "PAIR_COSINE_THRESHOLD",
@@ -315,7 +315,7 @@ class PooledClassifier(nn.Module):
     """``encoder`` (a peft-wrapped base model) + pooling + one linear head.
 
     ``forward(**batch)`` returns an object with ``.logits`` (B, K), like a Hugging Face
-    classifier, so ``client.trainer.per_example_loss`` and Opacus' ``GradSampleModule`` work
+    classifier, so ``prism_runtime.trainer.per_example_loss`` and Opacus' ``GradSampleModule`` work
     on it unchanged. A siamese batch has ``input_ids`` (B, 2, L); otherwise (B, L).
     """
 

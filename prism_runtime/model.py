@@ -9,20 +9,20 @@ degenerate):
 
 - ``spectral-residual`` (default): the top-r SVD of each frozen weight moves into the adapter,
   ``W0 <- W0 - s U_r S_r V_r.T`` with balanced factors; this is peft's PiSSA initialisation.
-  The exported adapter is rebased onto the original weights (``client.export``).
+  The exported adapter is rebased onto the original weights (``prism_runtime.export``).
 - ``orthonormal``: balanced random orthonormal factors scaled by ``init_scale``; the base is
   unchanged.
 - ``standard``: peft's default (``lora_B = 0``), for the baselines only; refused for PRISM.
 
 Classification (``seq-cls``): the base is loaded as a plain encoder (``AutoModel``), LoRA is
-attached with peft, and ``client.classifier.PooledClassifier`` pools the token states the way
+attached with peft, and ``prism_runtime.classifier.PooledClassifier`` pools the token states the way
 the model was trained (``pooling``, default ``auto``: the model's own sentence-transformers
 pooling) and applies one linear head; text pairs are encoded jointly or siamese
 (``pair_encoding``). The head starts from public knowledge (``head_init="zero-shot"``: the
 frozen model's embeddings of public ``label_texts``, computed before any private data is read)
 or from a seeded random draw. With ``head="train"`` (default) it is trained INSIDE the DP
 mechanism: its per-example gradients join the global clip (jointly, or with their own share of
-it, ``client.trainer.TrainConfig.head_max_norm``) and get the same noise. With
+it, ``prism_runtime.trainer.TrainConfig.head_max_norm``) and get the same noise. With
 ``head="frozen"`` it keeps its initialisation. It is never trained outside DP.
 """
 
@@ -45,7 +45,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from client.classifier import (
+from prism_core.manifold import Point
+from prism_runtime.classifier import (
     PAIR_COSINE_THRESHOLD,
     ClassifierSpec,
     HeadInit,
@@ -59,10 +60,10 @@ from client.classifier import (
     resolve_pooling,
     zero_shot_head_,
 )
-from client.errors import ConfigError
-from client.init_cache import attach_lora
-from client.lora import LoraHandle, lora_handles, read_points
-from prism_core.manifold import Point
+from prism_runtime.config import RunConfig, resolve_model
+from prism_runtime.errors import ConfigError
+from prism_runtime.init_cache import attach_lora
+from prism_runtime.lora import LoraHandle, lora_handles, read_points
 
 __all__ = [
     "LoadedModel",
@@ -261,7 +262,7 @@ def load_model(
         method: ``prism``, ``dp-adamw``, ``ffa`` or ``nondp``; PRISM refuses ``init="standard"``,
             FFA freezes ``lora_A`` (the down-projection).
         cache_dir: a site-local folder where the spectral-residual start is cached
-            (``client.init_cache``; the model is bit-for-bit the same); None: computed.
+            (``prism_runtime.init_cache``; the model is bit-for-bit the same); None: computed.
 
     Raises:
         ConfigError: unknown model, zero-init with PRISM, rank too large, no target matched,
@@ -407,3 +408,24 @@ def _check_trainable(model: nn.Module, handles: list[LoraHandle], head: list[nn.
     stray = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in allowed]
     if stray:
         raise ConfigError(f"parameters trainable outside the DP mechanism: {stray[:5]}")
+
+
+def model_config_for(run: RunConfig) -> ModelConfig:
+    """The ``ModelConfig`` every participant derives from the run config."""
+    return ModelConfig(
+        model=resolve_model(run.model),
+        task=run.task,
+        num_labels=run.num_labels,
+        rank=run.lora_rank,
+        alpha=run.lora_alpha,
+        target_modules=run.targets,
+        init=run.init,
+        head=run.lora_head,
+        pooling=run.pooling,
+        pair_encoding=run.pair_encoding,
+        text_pairs=run.text_pairs,
+        head_init=run.head_init,
+        label_texts=run.label_texts,  # 'a|b': ModelConfig splits it
+        device="auto",
+        seed=run.seed,
+    )

@@ -1,4 +1,4 @@
-"""Cached start-up work of a site (client.cache, client.init_cache, client.shard_cache).
+"""Cached start-up work of a site (prism_runtime: cache, init_cache, shard_cache).
 
 A cache hit must give exactly what a fresh computation gives (every tensor equal, bit for bit),
 a bad cache file must be detected and recomputed (never trusted, never a crash), every input
@@ -15,14 +15,14 @@ import torch
 from peft import LoraConfig
 from transformers import AutoModel
 
-from client.cache import cached_float, load_tensors, save_tensors
-from client.config import SiteConfig, parse_config
-from client.data import TokenizedDataset
-from client.init_cache import start_key
-from client.model import ModelConfig, load_model, load_tokenizer
 from client.policy import site_policy
-from client.shard_cache import shard_key
-from client.synthetic import synthetic_examples
+from prism_runtime.cache import cached_float, load_tensors, save_tensors
+from prism_runtime.config import SiteConfig, parse_config
+from prism_runtime.data import TokenizedDataset
+from prism_runtime.init_cache import start_key
+from prism_runtime.model import ModelConfig, load_model, load_tokenizer
+from prism_runtime.shard_cache import shard_key
+from prism_runtime.synthetic import synthetic_examples
 
 PAIRS = [
     {"text_a": "a cat sat on the mat", "text_b": "the mat had a cat", "label": 1},
@@ -72,7 +72,7 @@ def test_a_cached_start_is_bit_identical_to_peft_pissa(tiny_bert, fresh, tmp_pat
     cache = tmp_path / "cache"
     first = load_model(_config(tiny_bert), cache_dir=cache)  # computes and stores
     assert len(_start_files(cache)) == 1
-    caplog.set_level(logging.INFO, logger="client.init_cache")
+    caplog.set_level(logging.INFO, logger="prism_runtime.init_cache")
     hit = load_model(_config(tiny_bert), cache_dir=cache)
     assert any("read from" in r.getMessage() for r in caplog.records)
     _assert_bit_identical(first, fresh)
@@ -227,7 +227,7 @@ def test_a_cached_shard_equals_fresh_tokenisation(
     fresh = TokenizedDataset(examples, tokenizer, task, **kwargs)
     cache = tmp_path / "cache"
     stored = TokenizedDataset(examples, tokenizer, task, cache_dir=cache, **kwargs)
-    caplog.set_level(logging.INFO, logger="client.shard_cache")
+    caplog.set_level(logging.INFO, logger="prism_runtime.shard_cache")
     hit = TokenizedDataset(examples, tokenizer, task, cache_dir=cache, **kwargs)
     assert any("read from" in r.getMessage() for r in caplog.records)
     for other in (stored, hit):

@@ -11,8 +11,8 @@ _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def setup_logging(level: int = logging.INFO) -> None:
-    """Attach one stderr handler to the ``client``, ``server`` and ``prism_core`` loggers."""
-    for name in ("client", "server", "prism_core"):
+    """Attach one stderr handler to each of our packages' loggers."""
+    for name in ("client", "server", "prism_runtime", "prism_core"):
         logger = logging.getLogger(name)
         if not any(getattr(h, "_prism_fl", False) for h in logger.handlers):
             handler = logging.StreamHandler(sys.stderr)

@@ -11,24 +11,24 @@ from pydantic import ValidationError
 from safetensors.torch import load_file
 from transformers import AutoModel, AutoModelForCausalLM
 
-from client.classifier import ClassifierSpec, PooledClassifier
-from client.data import TokenizedDataset, make_collate
-from client.errors import ConfigError
-from client.export import ADAPTER_WEIGHTS, CLASSIFIER_WEIGHTS, export_adapter, load_exported
-from client.lora import per_example_factor_grads, read_points, write_points_
-from client.model import ModelConfig, load_model
-from client.protocol import RNG_SECURE
-from client.trainer import (
+from prism_core.accounting import compose_events, events_from_records
+from prism_core.errors import BudgetExceededError
+from prism_core.manifold import Point, lift, tangent_norm_sq, tangent_to_dense
+from prism_core.rng import SecureRNG
+from prism_runtime.classifier import ClassifierSpec, PooledClassifier
+from prism_runtime.data import TokenizedDataset, make_collate
+from prism_runtime.errors import ConfigError
+from prism_runtime.export import ADAPTER_WEIGHTS, CLASSIFIER_WEIGHTS, export_adapter, load_exported
+from prism_runtime.lora import per_example_factor_grads, read_points, write_points_
+from prism_runtime.model import ModelConfig, load_model
+from prism_runtime.protocol import RNG_SECURE
+from prism_runtime.trainer import (
     MECHANISMS,
     PrivateTrainer,
     TrainConfig,
     noise_records,
     per_example_loss,
 )
-from prism_core.accounting import compose_events, events_from_records
-from prism_core.errors import BudgetExceededError
-from prism_core.manifold import Point, lift, tangent_norm_sq, tangent_to_dense
-from prism_core.rng import SecureRNG
 
 SST2 = "seq-cls"
 
@@ -119,7 +119,7 @@ def test_length_aware_micro_batches_give_the_same_clipped_sum(C, tiny_bert, sst2
     """Grouping the batch's rows by length (the trainer's default) changes only the order and
     the padding of the terms: the clipped sum, its count and its clip count are those of the
     batch split in its own order, within float tolerance."""
-    import client.trainer as trainer_module
+    import prism_runtime.trainer as trainer_module
 
     lm = load_model(ModelConfig(model=tiny_bert, rank=4))
     rows = sst2_rows[:11]

@@ -10,7 +10,7 @@ per-example gradients. Then, by ``method``:
   frames computed once per step; once per step: tangent noise, divide by the expected batch
   size, DP-aware adaptive transform, retract. The head steps with AdamW or plain SGD
   (``head_optimizer``). Siamese text pairs: the encoder's per-text gradient rows are folded
-  into one per example (``client.classifier.fold_text_rows``) before the clip.
+  into one per example (``prism_runtime.classifier.fold_text_rows``) before the clip.
 - ``dp-adamw``: factor-space clip of the concatenated ``(gA, gB)`` (+ head), iid noise, AdamW.
 - ``ffa``: as ``dp-adamw`` with peft's ``lora_A`` frozen (FFA-LoRA).
 - ``nondp``: plain LoRA with AdamW on the mean per-sequence loss (no clipping, no noise).
@@ -45,13 +45,6 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
-from client.classifier import fold_text_rows
-from client.config import HEAD_MOMENTUM, SGD_HEADS
-from client.data import IGNORE_INDEX, make_collate, micro_batches, poisson_loader
-from client.errors import ConfigError
-from client.lora import per_example_factor_grads, read_points, write_points_
-from client.model import LoadedModel
-from client.protocol import RNG_REPRODUCIBLE, RNG_SECURE
 from prism_core.accounting import (
     PrivacyEvent,
     calibrate_noise_multiplier,
@@ -75,6 +68,13 @@ from prism_core.mechanism import (
     step_frames,
 )
 from prism_core.rng import NoiseSource, SecureRNG
+from prism_runtime.classifier import fold_text_rows
+from prism_runtime.config import HEAD_MOMENTUM, SGD_HEADS
+from prism_runtime.data import IGNORE_INDEX, make_collate, micro_batches, poisson_loader
+from prism_runtime.errors import ConfigError
+from prism_runtime.lora import per_example_factor_grads, read_points, write_points_
+from prism_runtime.model import LoadedModel
+from prism_runtime.protocol import RNG_REPRODUCIBLE, RNG_SECURE
 
 __all__ = [
     "MECHANISMS",
@@ -142,7 +142,7 @@ class TrainConfig(BaseModel):
     head_optimizer: Literal["adamw", "sgd", "momentum"] = Field(
         "adamw",
         description="DP head optimizer: adamw, plain sgd on the DP gradient, or momentum "
-        "(heavy-ball SGD, beta client.config.HEAD_MOMENTUM)",
+        "(heavy-ball SGD, beta prism_runtime.config.HEAD_MOMENTUM)",
     )
     head_max_norm: float | None = Field(
         None,
@@ -257,8 +257,8 @@ class PrivateTrainer:
     """Runs private local steps on one site's dataset with a persistent privacy history.
 
     Args:
-        loaded: the model from ``client.model.load_model`` (same ``method``).
-        dataset: the site's tokenized training set (``client.data.TokenizedDataset``).
+        loaded: the model from ``prism_runtime.model.load_model`` (same ``method``).
+        dataset: the site's tokenized training set (``prism_runtime.data.TokenizedDataset``).
         config: training settings.
         history: privacy events this site already spent (e.g. earlier federated rounds).
     """

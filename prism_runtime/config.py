@@ -21,8 +21,8 @@ from pydantic import (
     model_validator,
 )
 
-from client.errors import ConfigError
 from prism_core.quantile import clip_range
+from prism_runtime.errors import ConfigError
 
 HEAD_MOMENTUM = 0.9
 """Heavy-ball coefficient of ``head-optimizer = momentum`` (the sites' trainer and the
@@ -162,7 +162,8 @@ class RunConfig(_Kebab):
     )
 
     # -- seq-cls classifier: pooling, text pairs, the head's public start and its DP training
-    # (client.classifier, client.model; the head's clip share and optimizer: client.trainer)
+    # (prism_runtime.classifier, prism_runtime.model; the head's clip share and optimizer:
+    # prism_runtime.trainer)
     pooling: Literal["auto", "mean", "cls", "max", "last", "pooler"] = Field(
         "auto", description="sentence vector: auto = the model's own (sentence-transformers)"
     )

@@ -1,7 +1,7 @@
-"""The site's tokenised shard, cached in its own cache folder (``client.cache``).
+"""The site's tokenised shard, cached in its own cache folder (``prism_runtime.cache``).
 
-A deployed site starts a fresh ClientApp process for every message; tokenising its whole shard
-each time is repeated work. ``cached_items`` stores the items of ``client.data.TokenizedDataset``
+A deployed site starts a fresh ClientApp process for every message; tokenising its whole shard each
+time is repeated work. ``cached_items`` stores the items of ``prism_runtime.data.TokenizedDataset``
 once (mode 0600: it is the site's private data, in token form) and reads them back in later
 processes, equal item for item (keys, dtypes, shapes, values, Python ``int`` labels).
 
@@ -26,7 +26,7 @@ import transformers
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from client.cache import key_of, load_tensors, save_tensors
+from prism_runtime.cache import key_of, load_tensors, save_tensors
 
 __all__ = ["cached_items", "decode_items", "encode_items", "shard_key"]
 

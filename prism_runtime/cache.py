@@ -3,7 +3,7 @@ process for every message, so work done at start is otherwise repeated every rou
 
 A cache file is one safetensors file whose metadata holds the format, the full KEY (a SHA-256
 over everything the content depends on) and a DIGEST of the tensors (names, dtypes, shapes and
-bytes). It is written atomically (``client.durable.atomic_write``: temporary file, fsync,
+bytes). It is written atomically (``prism_runtime.durable.atomic_write``: temporary file, fsync,
 rename), readable by the site's user only (mode ``0600``, folder ``0700``: a tokenised shard is
 private data). On load, a file that cannot be parsed (truncated, not safetensors), holds another
 key or format, or whose tensors do not match their digest is logged and ignored: the caller
@@ -29,7 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 from torch import Tensor
 
-from client.durable import atomic_write, make_dirs
+from prism_runtime.durable import atomic_write, make_dirs
 
 __all__ = [
     "CACHE_DIR_ENV",

@@ -6,13 +6,13 @@ weight was changed to ``W0 - s A0 B0.T``, where ``A0 B0.T`` is the adapter as pe
 ``PeftModel.save_pretrained(..., path_initial_model_for_weight_conversion=...)``: the initial
 adapter is written to a temporary folder and peft saves the rank-2r adapter
 ``lora_A = [lora_A; lora_A0]``, ``lora_B = [lora_B, -lora_B0]`` (``[A, -A0] [B, B0].T`` in
-PRISM's notation, ``client.lora``) with doubled ``lora_alpha``, so ``s`` is unchanged and the
+PRISM's notation, ``prism_runtime.lora``) with doubled ``lora_alpha``, so ``s`` is unchanged and the
 original base gives ``W0 + s (A B.T - A0 B0.T)``, the trained weight, up to float rounding (on
 tiny float32 BERT and Llama the logits agree within 3e-7). With the other
 initialisations the base is untouched and the adapter is saved as is.
 
 A classifier (``seq-cls``) is the peft adapter on the base ENCODER (``AutoModel``) plus the
-pooling and head of ``client.classifier``: ``classifier.json`` (pooling, normalisation, pair
+pooling and head of ``prism_runtime.classifier``: ``classifier.json`` (pooling, normalisation, pair
 encoding, head shape and how it started) and ``classifier.safetensors`` (head ``weight`` and
 ``bias``) are written next to the adapter. ``load_exported`` puts the three back together;
 ``PeftModel.from_pretrained(AutoModel.from_pretrained(base), out_dir)`` alone gives the adapted
@@ -36,11 +36,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM
 
-from client.classifier import SPEC_FILE, ClassifierSpec, PooledClassifier
-from client.errors import ConfigError
-from client.lora import LoraHandle
-from client.model import LoadedModel, ModelConfig, load_tokenizer, resolve_device
 from prism_core.manifold import Point
+from prism_runtime.classifier import SPEC_FILE, ClassifierSpec, PooledClassifier
+from prism_runtime.errors import ConfigError
+from prism_runtime.lora import LoraHandle
+from prism_runtime.model import LoadedModel, ModelConfig, load_tokenizer, resolve_device
 
 __all__ = [
     "ADAPTER_CONFIG",
@@ -149,7 +149,7 @@ def load_exported(
         device: ``auto``, ``cpu`` or ``cuda``.
 
     Returns:
-        A ``LoadedModel`` in eval mode for ``client.evaluate`` (nothing trainable).
+        A ``LoadedModel`` in eval mode for ``prism_runtime.evaluate`` (nothing trainable).
 
     Raises:
         ConfigError: missing or malformed files, or a base model that cannot be loaded.

@@ -1,4 +1,4 @@
-"""The spectral-residual (PiSSA) start, cached per base model (``client.cache``).
+"""The spectral-residual (PiSSA) start, cached per base model (``prism_runtime.cache``).
 
 peft's PiSSA initialisation (``init_lora_weights="pissa"``) takes a full SVD of every target
 weight and writes ``lora_A``, ``lora_B`` and the residual base weight ``W0 - s B A``. It is a
@@ -6,7 +6,7 @@ deterministic function of the PUBLIC base weights and the LoRA settings, yet a d
 repeated it in every ClientApp process, i.e. every round. ``attach_lora`` stores the three
 tensors of every LoRA layer once and, in later processes, attaches the adapter with
 ``init_lora_weights=False`` (no SVD) and writes the stored tensors back: the model is BIT-FOR-BIT
-the one peft builds (``tests/client/test_start_cache.py``), so the exported adapter stays exact.
+the one peft builds (``tests/runtime/test_start_cache.py``), so the exported adapter stays exact.
 
 The key covers everything the result depends on: the targeted base weights themselves (names,
 dtypes, shapes, bytes: a changed checkpoint is a new key), the device type the SVD ran on, the
@@ -29,7 +29,7 @@ from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import check_target_module_exists
 from torch import Tensor, nn
 
-from client.cache import key_of, load_tensors, save_tensors, tensor_digest
+from prism_runtime.cache import key_of, load_tensors, save_tensors, tensor_digest
 
 __all__ = ["CACHED_INIT", "attach_lora", "start_key"]
 
@@ -120,7 +120,7 @@ def attach_lora(base: nn.Module, config: LoraConfig, *, cache_dir: Path | None) 
     """``get_peft_model(base, config)``, with the PiSSA start read from ``cache_dir`` if stored.
 
     Without a ``cache_dir``, or with another init than exact PiSSA, this is
-    ``get_peft_model``. Otherwise a trusted cache file (``client.cache.load_tensors``) that
+    ``get_peft_model``. Otherwise a trusted cache file (``prism_runtime.cache.load_tensors``) that
     fits the model's LoRA layers is written into an adapter attached without initialisation;
     anything else (missing, corrupt, other key, other shapes) is computed by peft and stored.
     """

@@ -1,15 +1,15 @@
-"""Global adapter <-> message arrays (keys of ``client.protocol``), for sites and coordinator."""
+"""Global adapter <-> message arrays (keys of ``prism_runtime.protocol``), for both sides."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
 
-from client.errors import ConfigError
-from client.lora import read_points, write_points_
-from client.model import LoadedModel
-from client.protocol import HEAD_PREFIX, key
 from prism_core.manifold import Point
+from prism_runtime.errors import ConfigError
+from prism_runtime.lora import read_points, write_points_
+from prism_runtime.model import LoadedModel
+from prism_runtime.protocol import HEAD_PREFIX, key
 
 __all__ = ["head_named", "load_arrays", "to_arrays"]
 

@@ -4,9 +4,9 @@ Evaluation data is public or held out by the site; nothing computed here touches
 training set, so its metrics may be reported.
 
 - ``seq-cls``: argmax of the logits against the label, and the mean per-example cross-entropy
-  (the same per-sequence loss the trainer clips, ``client.trainer.per_example_loss``). The
+  (the same per-sequence loss the trainer clips, ``prism_runtime.trainer.per_example_loss``). The
   logits come from ``loaded.model``, the same pooling, pair encoding (joint or siamese) and
-  head the trainer used (``client.classifier``).
+  head the trainer used (``prism_runtime.classifier``).
 - ``causal-lm``: greedy generation from ``[bos] + format_prompt(instruction, input)`` (the prompt
   the model was trained on), then the LAST number in the generated text is compared with the
   example's ``answer`` (or, without one, with the last number of its ``output``) to an absolute
@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from client.data import TokenizedDataset, format_prompt, make_collate
-from client.errors import ConfigError
-from client.model import LoadedModel
+from prism_runtime.data import TokenizedDataset, format_prompt, make_collate
+from prism_runtime.errors import ConfigError
+from prism_runtime.model import LoadedModel
 
 __all__ = [
     "NUMERIC_TOLERANCE",
@@ -88,9 +88,9 @@ def evaluate(
     train/eval mode afterwards.
 
     Args:
-        loaded: The model from ``client.model.load_model`` (possibly trained) or
-            ``client.export.load_exported``.
-        examples: Output of ``client.data.load_examples`` for the model's task.
+        loaded: The model from ``prism_runtime.model.load_model`` (possibly trained) or
+            ``prism_runtime.export.load_exported``.
+        examples: Output of ``prism_runtime.data.load_examples`` for the model's task.
         max_length: Token limit per example (seq-cls; per text of a siamese pair) or per prompt
             (causal-lm; longer prompts keep their last tokens, which hold the response marker).
         batch_size: Examples per forward pass or per generation batch.
@@ -290,7 +290,7 @@ def generate_responses(
     Call under ``torch.no_grad()`` with the model in eval mode (``evaluate`` does).
 
     Args:
-        loaded: A causal-lm model from ``client.model.load_model``.
+        loaded: A causal-lm model from ``prism_runtime.model.load_model``.
         examples: Records with ``instruction`` and optional ``input``.
         max_length: Longest prompt in tokens; longer prompts keep their last tokens.
         batch_size: Prompts per ``generate`` call.

@@ -44,8 +44,8 @@ from torch import Tensor
 from torch.utils.data import Dataset
 from transformers import PreTrainedTokenizerBase
 
-from client.errors import ConfigError, DataError
-from client.shard_cache import cached_items, shard_key
+from prism_runtime.errors import ConfigError, DataError
+from prism_runtime.shard_cache import cached_items, shard_key
 
 __all__ = [
     "IGNORE_INDEX",
@@ -72,7 +72,7 @@ TASKS = ("seq-cls", "causal-lm")
 """Task names accepted by every function of this module."""
 
 PAIR_ENCODINGS = ("joint", "siamese")
-"""How ``TokenizedDataset`` tokenizes text pairs (see ``client.classifier``)."""
+"""How ``TokenizedDataset`` tokenizes text pairs (see ``prism_runtime.classifier``)."""
 
 IGNORE_INDEX = -100
 """Label value ignored by the loss (PyTorch's ``cross_entropy`` default ``ignore_index``)."""
@@ -445,8 +445,8 @@ class TokenizedDataset(Dataset[dict[str, Any]]):
     ``train_on_prompt``).
 
     Text pairs are tokenized as one sequence ``[CLS] a [SEP] b [SEP]`` (``pair_encoding=
-    "joint"``, default) or, for a siamese classifier (``client.classifier``), each text on its
-    own (``"siamese"``): then ``input_ids``/``attention_mask``/``token_type_ids`` are (2, L)
+    "joint"``, default) or, for a siamese classifier (``prism_runtime.classifier``), each text on
+    its own (``"siamese"``): then ``input_ids``/``attention_mask``/``token_type_ids`` are (2, L)
     tensors, the two texts right-padded to the longer one, each truncated to ``max_length``.
 
     For ``"causal-lm"`` the sequence is ``[bos] + prompt + output + [eos]`` (``bos`` only if the
@@ -463,7 +463,7 @@ class TokenizedDataset(Dataset[dict[str, Any]]):
         train_on_prompt: ``"causal-lm"`` only: also compute the loss on the prompt tokens.
         pair_encoding: ``"joint"`` or ``"siamese"``, for text pairs (single texts ignore it).
         cache_dir: the site's own cache folder: the items are read from a verified cache
-            file there when one matches (``client.shard_cache``), else tokenized and stored
+            file there when one matches (``prism_runtime.shard_cache``), else tokenized and stored
             (mode 0600); None: always tokenized.
 
     Raises:

@@ -13,8 +13,8 @@ import annotated_types
 import pytest
 from pydantic import BaseModel
 
-from client.config import RunConfig, SiteConfig, parse_config
-from client.errors import ConfigError
+from prism_runtime.config import RunConfig, SiteConfig, parse_config
+from prism_runtime.errors import ConfigError
 
 _SYMBOL = {
     annotated_types.Gt: ("gt", ">"),
