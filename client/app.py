@@ -31,6 +31,7 @@ from prism_core.errors import PrivacyParameterError
 from prism_runtime.cache import CACHE_DIR_ENV
 from prism_runtime.config import RunConfig, SiteConfig, parse_config
 from prism_runtime.errors import ConfigError, DataError
+from prism_runtime.faults import faults_from_env
 from prism_runtime.logs import setup_logging
 from prism_runtime.protocol import (
     ACCOUNTING,
@@ -95,7 +96,8 @@ def _train(msg: Message, context: Context) -> Message:
     # ArrayRecord and the round number (an int) in a ConfigRecord.
     config = cast(ConfigRecord, msg.content[CONFIG])
     arrays = cast(ArrayRecord, msg.content[ARRAYS]).to_torch_state_dict()
-    site = get_site(run, node, policy)
+    # the one place the site builds its crash-test fault object (a no-op unless a test set it)
+    site = get_site(run, node, policy, faults=faults_from_env())
     reply = site.train_round(
         int(cast(int, config[SERVER_ROUND])), arrays, run_id=str(config.get("run-id", ""))
     )

@@ -64,11 +64,11 @@ from prism_runtime.data import TokenizedDataset, dirichlet_partition, iid_partit
 from prism_runtime.durable import atomic_write, locked
 from prism_runtime.errors import AccountingMismatchError, ConfigError
 from prism_runtime.exchange import head_named, load_arrays
+from prism_runtime.faults import NO_FAULTS, Faults
 from prism_runtime.lora import read_points
 from prism_runtime.model import LoadedModel, load_model, model_config_for
 from prism_runtime.protocol import HEAD_PREFIX, REFUSAL_REASONS, STATUS_OK, STATUS_REFUSED, key
 from prism_runtime.synthetic import synthetic_examples, synthetic_stream
-from prism_runtime.testhooks import pause_point
 from prism_runtime.trainer import MECHANISMS, PrivateTrainer, StepResult, TrainConfig, noise_records
 
 __all__ = [
@@ -188,14 +188,24 @@ class Site:
         run: the run config (the coordinator's REQUEST).
         site: the node config (the site's own settings).
         policy: ``client.policy.site_policy(site, ...)``.
+        faults: crash points for tests (``site-training``: charged, training not finished);
+            production passes none.
 
     Raises:
         ConfigError: the data or settings cannot be used (e.g. a batch larger than the data).
         DataError: the site's data cannot be read.
     """
 
-    def __init__(self, run: RunConfig, site: SiteConfig, policy: SitePolicy) -> None:
+    def __init__(
+        self,
+        run: RunConfig,
+        site: SiteConfig,
+        policy: SitePolicy,
+        *,
+        faults: Faults = NO_FAULTS,
+    ) -> None:
         self.run, self.site, self.policy, self.site_id = run, site, policy, policy.site_id
+        self.faults = faults
         self.state_dir = policy.state_dir
         self.method = site_method(run.method)
         rows = site_examples(run, site)
@@ -532,7 +542,7 @@ class Site:
         history = self.ledger.events()
         attempt = len(self.ledger.entries())  # this charge's position in the site's own ledger
         self.ledger.charge(planned)
-        pause_point("site-training", server_round)
+        self.faults.reach("site-training", server_round)
         start = load_arrays(self.loaded, arrays)
         self._restore_adaptive(start)
         self.trainer.begin_round(history, planned.steps)
@@ -643,8 +653,11 @@ class Site:
 _SITES: dict[tuple[str, ...], Site] = {}
 
 
-def get_site(run: RunConfig, site: SiteConfig, policy: SitePolicy) -> Site:
-    """The process-wide ``Site`` for this run config and site policy (models load once)."""
+def get_site(
+    run: RunConfig, site: SiteConfig, policy: SitePolicy, *, faults: Faults = NO_FAULTS
+) -> Site:
+    """The process-wide ``Site`` for this run config and site policy (models load once);
+    ``faults`` applies to a ``Site`` made by this call."""
     secret = hashlib.sha256(policy.rng_secret or b"").hexdigest()
     cache_key = (
         run.model_dump_json(),
@@ -654,5 +667,5 @@ def get_site(run: RunConfig, site: SiteConfig, policy: SitePolicy) -> Site:
         secret,
     )
     if cache_key not in _SITES:
-        _SITES[cache_key] = Site(run, site, policy)
+        _SITES[cache_key] = Site(run, site, policy, faults=faults)
     return _SITES[cache_key]

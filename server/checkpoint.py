@@ -31,7 +31,7 @@ from safetensors.torch import save as save_tensors
 from torch import Tensor
 
 from prism_runtime.durable import atomic_write
-from prism_runtime.testhooks import pause_point
+from prism_runtime.faults import NO_FAULTS, Faults
 from server.errors import ConfigError
 
 __all__ = ["CHECKPOINT", "Checkpoint", "config_differences", "load_checkpoint", "save_checkpoint"]
@@ -56,8 +56,11 @@ class Checkpoint:
     eval_metrics: dict[int, dict[str, Any]] = field(default_factory=dict)
 
 
-def save_checkpoint(run_dir: Path, ckpt: Checkpoint) -> Path:
-    """Atomically replace ``run_dir/checkpoint.safetensors`` with ``ckpt``."""
+def save_checkpoint(run_dir: Path, ckpt: Checkpoint, *, faults: Faults = NO_FAULTS) -> Path:
+    """Atomically replace ``run_dir/checkpoint.safetensors`` with ``ckpt``.
+
+    ``faults``: the ``mid-checkpoint`` crash point for tests (new file durable, not renamed).
+    """
     state = {
         "round": ckpt.server_round,
         "run-config": ckpt.run_config,
@@ -72,7 +75,7 @@ def save_checkpoint(run_dir: Path, ckpt: Checkpoint) -> Path:
     atomic_write(
         path,
         lambda f: f.write(data),
-        before_replace=lambda: pause_point("mid-checkpoint", ckpt.server_round),
+        before_replace=lambda: faults.reach("mid-checkpoint", ckpt.server_round),
     )
     return path
 

@@ -39,9 +39,9 @@ from prism_runtime.durable import atomic_write
 from prism_runtime.evaluate import evaluate
 from prism_runtime.exchange import head_named, load_arrays, to_arrays
 from prism_runtime.export import export_adapter
+from prism_runtime.faults import NO_FAULTS, Faults
 from prism_runtime.model import LoadedModel, load_model, model_config_for
 from prism_runtime.synthetic import synthetic_examples, synthetic_stream
-from prism_runtime.testhooks import pause_point
 from prism_runtime.trainer import MECHANISMS
 from server.checkpoint import (
     CHECKPOINT,
@@ -174,8 +174,12 @@ def _export(loaded: LoadedModel, run_dir: Path, summaries: list[RoundSummary]) -
     return {**entries, "adapter": ADAPTER_DIR}
 
 
-def run_federation(grid: Grid, run: RunConfig) -> Path:
-    """Run the whole federation for ``run`` on ``grid`` (resuming a checkpointed run folder)."""
+def run_federation(grid: Grid, run: RunConfig, *, faults: Faults = NO_FAULTS) -> Path:
+    """Run the whole federation for ``run`` on ``grid`` (resuming a checkpointed run folder).
+
+    ``faults``: crash points for tests (``prism_runtime.faults``), passed to the round loop,
+    the ledger and the checkpoint; production passes none.
+    """
     run_dir = make_run_dir(run)
     config = run.model_dump(by_alias=True)
     _check_same_config(run_dir, config)
@@ -192,7 +196,7 @@ def run_federation(grid: Grid, run: RunConfig) -> Path:
     modules = [h.name for h in loaded.handles]
     head = [name for name, _ in head_named(loaded)]
     auto_clip = _auto_clip(run)
-    ledger = Ledger.open(run_dir / "ledger.sqlite")
+    ledger = Ledger.open(run_dir / "ledger.sqlite", faults=faults)
     try:
         run_id = run_dir.name
         ledger.record_run(run_id, config)
@@ -251,7 +255,7 @@ def run_federation(grid: Grid, run: RunConfig) -> Path:
         def on_round_end(
             server_round: int, arrays: ArrayRecord, summary: RoundSummary, result: Result
         ) -> None:
-            pause_point("before-checkpoint", server_round)
+            faults.reach("before-checkpoint", server_round)
             optimizer_tensors, optimizer_meta = strategy.optimizer.state_dict()
             save_checkpoint(
                 run_dir,
@@ -264,8 +268,9 @@ def run_federation(grid: Grid, run: RunConfig) -> Path:
                     train_metrics={r: dict(m) for r, m in result.train_metrics_clientapp.items()},
                     eval_metrics={r: dict(m) for r, m in result.evaluate_metrics_serverapp.items()},
                 ),
+                faults=faults,
             )
-            pause_point("after-checkpoint", server_round)
+            faults.reach("after-checkpoint", server_round)
             log.info(
                 "round %d: %d accepted, %d refused, %d rejected, applied=%s\n%s",
                 server_round,
@@ -286,6 +291,7 @@ def run_federation(grid: Grid, run: RunConfig) -> Path:
             on_round_end=on_round_end,
             first_round=first_round,
             previous=previous,
+            faults=faults,
         )
         load_arrays(loaded, result.arrays.to_torch_state_dict())
         adapter = _export(loaded, run_dir, strategy.summaries)

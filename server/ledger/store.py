@@ -18,7 +18,7 @@ from typing import Any, Self
 
 from prism_core.accounting import EpsilonReport, PrivacyEvent
 from prism_core.quantile import QUANTILE_MECHANISM
-from prism_runtime.testhooks import pause_point
+from prism_runtime.faults import NO_FAULTS, Faults
 from server.errors import InvalidEventError, LedgerConflictError, LedgerError
 from server.ledger.budget import epsilon_series, history_epsilon, within_cap
 from server.ledger.checks import connect
@@ -48,8 +48,10 @@ class Ledger:
         *,
         read_only: bool,
         version: int = SCHEMA_VERSION,
+        faults: Faults = NO_FAULTS,
     ) -> None:
         self._conn = conn
+        self._faults = faults
         self._path = path
         self._read_only = read_only
         self._version = version
@@ -60,7 +62,12 @@ class Ledger:
 
     @classmethod
     def open(
-        cls, path: str | os.PathLike[str], *, create: bool = True, read_only: bool = False
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        create: bool = True,
+        read_only: bool = False,
+        faults: Faults = NO_FAULTS,
     ) -> Self:
         """Open the ledger at ``path``, creating an empty one if it is missing and ``create``.
 
@@ -76,6 +83,7 @@ class Ledger:
             read_only: open without write access (for reports); appends raise LedgerError.
                 SQLite may leave ``-wal``/``-shm`` files beside the ledger: it needs them to
                 read a WAL database while a server may be writing it.
+            faults: the ``ledger-write`` crash point for tests (inside a write transaction).
 
         Raises:
             LedgerError: missing file with ``create=False`` (or ``read_only``); an empty,
@@ -84,7 +92,7 @@ class Ledger:
         """
         p = Path(path)
         conn, version = connect(p, create=create, read_only=read_only)
-        return cls(conn, p, read_only=read_only, version=version)
+        return cls(conn, p, read_only=read_only, version=version, faults=faults)
 
     @property
     def path(self) -> Path:
@@ -182,7 +190,7 @@ class Ledger:
         except sqlite3.IntegrityError as exc:
             raise InvalidEventError(f"ledger {self._path}: event refused ({exc}).") from exc
         if cur.rowcount == 1:
-            pause_point("ledger-write", event.round)  # crash tests: inside the transaction
+            self._faults.reach("ledger-write", event.round)  # inside the transaction
             superseded = self._stored(conn, event, confirmed=False, any_mechanism=True)
             if event.confirmed and superseded is not None:
                 log.info("ledger: %s confirmed; its unconfirmed charge is superseded", who)

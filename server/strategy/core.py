@@ -29,6 +29,7 @@ from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.result import Result
 
 from prism_core.aggregation import Aggregation
+from prism_runtime.faults import NO_FAULTS, Faults
 from prism_runtime.protocol import (
     ARRAYS,
     CONFIG,
@@ -422,9 +423,11 @@ class PrismStrategy(Strategy):
         on_round_end: Any = None,
         first_round: int = 1,
         previous: Result | None = None,
+        faults: Faults = NO_FAULTS,
     ) -> Result:
         """Run rounds until ``num_rounds`` or until no site can continue within its cap
-        (``server.strategy.loop.run_rounds``, which says how a resumed run is passed in)."""
+        (``server.strategy.loop.run_rounds``, which says how a resumed run is passed in;
+        ``faults``: its crash points for tests)."""
         self.summary()
         return run_rounds(
             self,
@@ -437,4 +440,5 @@ class PrismStrategy(Strategy):
             on_round_end=on_round_end,
             first_round=first_round,
             previous=previous,
+            faults=faults,
         )

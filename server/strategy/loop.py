@@ -34,7 +34,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy.result import Result
 
-from prism_runtime.testhooks import pause_point
+from prism_runtime.faults import NO_FAULTS, Faults
 from server.strategy.replies import in_order
 
 __all__ = ["POLL_INTERVAL_S", "PULL_BATCH", "run_rounds", "stream_replies"]
@@ -61,6 +61,7 @@ def run_rounds(
     previous: Result | None = None,
     pull_batch: int = PULL_BATCH,
     poll_interval: float = POLL_INTERVAL_S,
+    faults: Faults = NO_FAULTS,
 ) -> Result:
     """The round loop of ``PrismStrategy.start``: configure, send, aggregate the replies as
     they arrive (``stream_replies``), evaluate on the coordinator, call ``on_round_end``.
@@ -69,7 +70,8 @@ def run_rounds(
     global arrays as ``initial_arrays`` and the metrics so far as ``previous``; the strategy
     state comes from ``load_state_dict``. ``on_round_end(round, arrays, summary, result)``
     runs after each round (the coordinator checkpoints there). ``pull_batch`` and
-    ``poll_interval``: see ``stream_replies``.
+    ``poll_interval``: see ``stream_replies``. ``faults``: crash points for tests
+    (``round-start``, and ``mid-aggregation`` in ``stream_replies``).
     """
     result = Result() if previous is None else previous
     result.arrays = initial_arrays
@@ -83,7 +85,7 @@ def run_rounds(
         if not messages:
             log.info("round %d: no site can continue within its cap; ending the run", server_round)
             break
-        pause_point("round-start", server_round)
+        faults.reach("round-start", server_round)
         replies = stream_replies(
             grid,
             messages,
@@ -91,6 +93,7 @@ def run_rounds(
             pull_batch=pull_batch,
             poll_interval=poll_interval,
             server_round=server_round,
+            faults=faults,
         )
         del messages  # the grid has them; the broadcast arrays live on in ``arrays``
         new_arrays, metrics = strategy.aggregate_train(server_round, replies)
@@ -115,6 +118,7 @@ def stream_replies(
     pull_batch: int = PULL_BATCH,
     poll_interval: float = POLL_INTERVAL_S,
     server_round: int = 0,
+    faults: Faults = NO_FAULTS,
 ) -> Iterator[Message]:
     """Push ``messages`` and yield their replies as they arrive, until all arrived or
     ``timeout`` seconds after the push (None: no limit), like ``Grid.send_and_receive``.
@@ -127,8 +131,8 @@ def stream_replies(
     it pulls every pending id once more, so a reply that reached the grid before the deadline
     is aggregated even if the consumer was still busy with earlier ones then. Replies still
     missing after it are logged and never pulled: a later reply is ignored (the strategy charges
-    the site as unconfirmed). The ``mid-aggregation`` test pause point (``prism_runtime.testhooks``)
-    sits after the first reply, before the second is yielded.
+    the site as unconfirmed). The ``mid-aggregation`` crash point of ``faults``
+    (``prism_runtime.faults``) sits after the first reply, before the second is yielded.
 
     The generator pushes on its first ``next``; the clock starts then.
     """
@@ -151,7 +155,7 @@ def stream_replies(
                     waiting.discard(msg.metadata.reply_to_message_id)
                     arrived += 1
                 if yielded == 1:
-                    pause_point("mid-aggregation", server_round)
+                    faults.reach("mid-aggregation", server_round)
                 yielded += 1
                 yield msg
                 del msg  # the consumer is done with it: hold nothing while pulling the next

@@ -2,7 +2,7 @@
 
 A real ``flower-superlink`` and two ``flower-supernode`` processes on loopback; the SuperLink
 runs the ServerApp in its own ``flwr-serverapp`` process. The test picks 6 random kill points
-(named pause points, ``prism_runtime.testhooks``, at a round; always including mid-aggregation and
+(named pause points, ``prism_runtime.faults``, at a round; always including mid-aggregation and
 mid-ledger-write), SIGKILLs that process at each, starts ``flwr run`` again with the same
 run-dir, and finally checks the run against an uninterrupted run of the same configuration
 (the loopback driver of ``tests/server/resume_driver.py``, same sites, and the sites in their

@@ -1,7 +1,7 @@
 """Run ``server.federation.run_federation`` in this process with sites on a loopback grid.
 
 Used by ``test_resume.py`` as a subprocess that the test SIGKILLs at a pause point
-(``prism_runtime.testhooks``). The grid delivers each train message to the real ClientApp
+(``prism_runtime.faults``). The grid delivers each train message to the real ClientApp
 (``client.app.app``) of an in-process site, in message order, when it is pushed, and the
 coordinator pulls the replies (``sitegrid.LoopbackSites``): Flower's
 transport is left out, everything else (strategy, ledger, checkpoint, sites and their durable
@@ -19,6 +19,7 @@ from sitegrid import LoopbackSites
 
 from client.app import app as client_app
 from prism_runtime.config import RunConfig, parse_config
+from prism_runtime.faults import faults_from_env
 from prism_runtime.logs import setup_logging
 from server.federation import run_federation
 
@@ -57,7 +58,8 @@ def main() -> None:
     values = json.loads(sys.argv[1])
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
     run = parse_config(RunConfig, values, what="run config")
-    run_federation(LoopbackGrid(values, int(sys.argv[2])), run)  # type: ignore[arg-type]
+    grid = LoopbackGrid(values, int(sys.argv[2]))
+    run_federation(grid, run, faults=faults_from_env())  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":
