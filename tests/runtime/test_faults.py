@@ -26,7 +26,7 @@ class SimulatedCrashError(Exception):
 
 
 class StopAt(Faults):
-    """Records every crash point reached; raises ``SimulatedCrashError`` at ``point`` of ``server_round``."""
+    """Records every crash point reached; raises ``SimulatedCrashError`` at one (point, round)."""
 
     def __init__(self, point: str, server_round: int) -> None:
         self.at = (point, server_round)
