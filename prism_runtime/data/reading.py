@@ -1,0 +1,376 @@
+"""Reading and validating a site's examples (JSON Lines, CSV, a ``datasets`` folder) for
+the two tasks, and the constants every part of ``prism_runtime.data`` shares."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import numbers
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from os import PathLike
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+from transformers import PreTrainedTokenizerBase
+
+from prism_runtime.errors import ConfigError, DataError
+
+logger = logging.getLogger(__name__)
+
+TASKS = ("seq-cls", "causal-lm")
+"""Task names accepted by every function of this module."""
+
+PAIR_ENCODINGS = ("joint", "siamese")
+"""How ``TokenizedDataset`` tokenizes text pairs (see ``prism_runtime.classifier``)."""
+
+IGNORE_INDEX = -100
+"""Label value ignored by the loss (PyTorch's ``cross_entropy`` default ``ignore_index``)."""
+
+PROMPT_WITH_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further "
+    "context. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+"""Alpaca prompt used when an example has a non-empty ``input``."""
+
+PROMPT_NO_INPUT = (
+    "Below is an instruction that describes a task. Write a response that appropriately "
+    "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n"
+)
+"""Alpaca prompt used when an example has no ``input``."""
+
+Example = dict[str, Any]
+Collate = Callable[[Sequence[Mapping[str, Any]]], dict[str, Tensor]]
+
+_JSONL_SUFFIXES = frozenset({".jsonl", ".ndjson", ".json"})
+_CSV_SUFFIXES = frozenset({".csv"})
+_CSV_INT = re.compile(r"\s*\+?\d+\s*")
+
+
+@dataclass(frozen=True)
+class _Row:
+    """One raw record and where it came from, for error messages."""
+
+    source: Path
+    where: str  # "line 3" (JSONL, CSV) or "row 3" (datasets folder), 1-based
+    values: Mapping[str, Any]
+    from_csv: bool
+
+
+def _row_error(row: _Row, what: str, fix: str) -> DataError:
+    return DataError(f"{row.source}, {row.where}: {what}. {fix}")
+
+
+def _kind(value: Any) -> str:
+    """What a bad cell holds, WITHOUT its content (an error text must not quote the data)."""
+    if isinstance(value, str):
+        return f"text ({len(value)} characters)"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, numbers.Integral):
+        return "a negative integer" if int(value) < 0 else "an integer"
+    if isinstance(value, numbers.Real):
+        return "a non-integer number"
+    return f"a JSON {type(value).__name__}"
+
+
+def load_examples(
+    path: str | PathLike[str],
+    task: str,
+    *,
+    text_fields: Sequence[str] | None = None,
+    num_labels: int | None = None,
+    with_labels: bool = True,
+) -> list[Example]:
+    """Read and validate the examples of one site.
+
+    Args:
+        path: A ``.jsonl``/``.ndjson``/``.json`` file (one JSON object per line, blank lines
+            skipped), a ``.csv`` file with a header row, or a folder written by
+            ``datasets.Dataset.save_to_disk``.
+        task: ``"seq-cls"`` or ``"causal-lm"``.
+        text_fields: Only for ``"seq-cls"``: the name of the text field, or the two names of a
+            text pair, e.g. ``("question1", "question2")``. By default ``("text_a", "text_b")``
+            when the first record has ``text_a``, else ``("text",)``.
+        num_labels: Only for ``"seq-cls"``: the number of classes K; a label outside 0..K-1 is
+            a ``DataError`` naming its file and line.
+        with_labels: ``False`` for rows to predict: ``seq-cls`` rows need no ``label`` (one
+            that is present is ignored) and ``causal-lm`` rows no ``output``/``answer``.
+
+    Returns:
+        One dict per example. ``"seq-cls"``: ``{"text", "label"}`` or
+        ``{"text_a", "text_b", "label"}`` (label an ``int``). ``"causal-lm"``:
+        ``{"instruction", "input", "output", "answer"}`` where ``output`` is the training target
+        (the ``answer`` when ``output`` is empty) and ``answer`` is a string or ``None``.
+
+    Raises:
+        DataError: The path does not exist, has an unsupported type, holds no examples, or a
+            record is invalid (the message names the file and its 1-based line or row).
+        ConfigError: Unknown ``task`` or invalid ``text_fields``.
+    """
+    check_task(task)
+    fields = _check_text_fields(task, text_fields)
+    source = Path(path)
+    examples: list[Example] = []
+    for row in _read_rows(source):
+        if task == "seq-cls":
+            if fields is None:
+                fields = _detect_text_fields(row)
+            example = _parse_seq_cls(row, fields, with_labels)
+            if with_labels and num_labels is not None and int(example["label"]) >= num_labels:
+                raise _row_error(
+                    row,
+                    f"label {example['label']} is out of range for num-labels={num_labels} "
+                    f"(allowed: 0..{num_labels - 1})",
+                    "Fix the label, or raise num-labels to the number of classes.",
+                )
+            examples.append(example)
+        else:
+            examples.append(_parse_causal_lm(row, with_labels))
+    if not examples:
+        raise DataError(
+            f"{source}: the file has no examples (it is empty, blank, or only has a header). "
+            "Add at least one example."
+        )
+    logger.info("Loaded %d %s examples from %s", len(examples), task, source)
+    return examples
+
+
+def check_task(task: str) -> None:
+    """Raise ConfigError unless ``task`` is one of ``TASKS``."""
+    if task not in TASKS:
+        raise ConfigError(f"Unknown task {task!r}. Use one of {list(TASKS)}.")
+
+
+def _check_text_fields(task: str, text_fields: Sequence[str] | None) -> tuple[str, ...] | None:
+    if text_fields is None:
+        return None
+    if task != "seq-cls":
+        raise ConfigError(
+            f"text_fields is only used by the 'seq-cls' task, got it for {task!r}. Remove it."
+        )
+    fields = (text_fields,) if isinstance(text_fields, str) else tuple(text_fields)
+    if len(fields) not in (1, 2) or not all(isinstance(f, str) and f for f in fields):
+        raise ConfigError(
+            f"text_fields must name one text field or two (a pair), got {text_fields!r}."
+        )
+    return fields
+
+
+def _read_rows(source: Path) -> Iterator[_Row]:
+    if source.is_dir():
+        return _read_dataset_folder(source)
+    if not source.exists():
+        raise DataError(
+            f"{source}: no such file or folder. Check the path "
+            f"(relative paths are resolved from {Path.cwd()})."
+        )
+    suffix = source.suffix.lower()
+    if suffix in _JSONL_SUFFIXES:
+        return _read_jsonl(source)
+    if suffix in _CSV_SUFFIXES:
+        return _read_csv(source)
+    raise DataError(
+        f"{source}: unsupported file type {suffix or '(no suffix)'!r}. Use JSON Lines (.jsonl), "
+        "CSV with a header row (.csv), or a folder written by Dataset.save_to_disk."
+    )
+
+
+def _open_text(source: Path) -> Any:
+    # utf-8-sig drops a byte-order mark written by some spreadsheet exports.
+    return source.open(encoding="utf-8-sig", newline="")
+
+
+def _read_jsonl(source: Path) -> Iterator[_Row]:
+    with _open_text(source) as handle:
+        for line_no, line in enumerate(_decoded_lines(source, handle), start=1):
+            if not line.strip():
+                continue
+            where = f"line {line_no}"
+            try:
+                values = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(
+                    f"{source}, {where}: invalid JSON ({err.msg} at column {err.colno}). "
+                    "Write exactly one JSON object per line (JSON Lines)."
+                ) from err
+            if not isinstance(values, dict):
+                raise DataError(
+                    f"{source}, {where}: expected a JSON object, found "
+                    f"{type(values).__name__}. Write exactly one JSON object per line."
+                )
+            yield _Row(source, where, values, from_csv=False)
+
+
+def _decoded_lines(source: Path, handle: Any) -> Iterator[str]:
+    line_no = 0
+    try:
+        for line_no, line in enumerate(handle, start=1):  # noqa: B007 (used in the handler)
+            yield line
+    except UnicodeDecodeError as err:
+        raise DataError(
+            f"{source}, line {line_no + 1}: the file is not valid UTF-8 ({err.reason}). "
+            "Save it as UTF-8."
+        ) from err
+
+
+def _read_csv(source: Path) -> Iterator[_Row]:
+    with _open_text(source) as handle:
+        reader = csv.DictReader(_decoded_lines(source, handle))
+        try:
+            for record in reader:
+                # Extra cells land under the key None; they are unknown fields and are dropped.
+                values = {k: v for k, v in record.items() if k is not None}
+                yield _Row(source, f"line {reader.line_num}", values, from_csv=True)
+        except csv.Error as err:
+            raise DataError(
+                f"{source}, line {reader.line_num}: malformed CSV ({err}). "
+                "Check the quoting of that row."
+            ) from err
+
+
+def _read_dataset_folder(source: Path) -> Iterator[_Row]:
+    import datasets  # heavy import, only needed for this input type
+
+    try:
+        loaded = datasets.load_from_disk(str(source))
+    except FileNotFoundError as err:
+        raise DataError(
+            f"{source}: this folder is not a dataset written by Dataset.save_to_disk ({err}). "
+            "Pass a .jsonl or .csv file, or a save_to_disk folder."
+        ) from err
+    if isinstance(loaded, datasets.DatasetDict):
+        splits = list(loaded)
+        raise DataError(
+            f"{source}: this folder holds a DatasetDict with splits {splits}, not one split. "
+            f"Pass the folder of one split instead, e.g. {source / splits[0]}."
+            if splits
+            else f"{source}: this folder holds an empty DatasetDict. Save one split instead."
+        )
+    for row_no, values in enumerate(loaded, start=1):
+        yield _Row(source, f"row {row_no}", values, from_csv=False)
+
+
+def _detect_text_fields(row: _Row) -> tuple[str, ...]:
+    if "text_a" in row.values or "text_b" in row.values:
+        return ("text_a", "text_b")
+    if "text" in row.values:
+        return ("text",)
+    raise _row_error(
+        row,
+        f"no text field: expected 'text' or the pair 'text_a' and 'text_b', found fields "
+        f"{sorted(map(str, row.values))}",
+        "Rename the text column(s), or pass text_fields=(...) naming them.",
+    )
+
+
+def _parse_seq_cls(row: _Row, fields: tuple[str, ...], with_labels: bool = True) -> Example:
+    names = ("text",) if len(fields) == 1 else ("text_a", "text_b")
+    example: Example = {
+        name: _required_text(row, field) for name, field in zip(names, fields, strict=True)
+    }
+    if with_labels:
+        example["label"] = _label(row)
+    return example
+
+
+def _parse_causal_lm(row: _Row, with_labels: bool = True) -> Example:
+    instruction = _required_text(row, "instruction")
+    input_text = _optional_text(row, "input") or ""
+    output = _optional_text(row, "output")
+    answer = _optional_answer(row)
+    if not with_labels:  # a prompt to answer: the response, if any, is not needed
+        return {
+            "instruction": instruction,
+            "input": input_text,
+            "output": output or "",
+            "answer": answer,
+        }
+    if output is None and answer is None:
+        raise _row_error(
+            row, "missing field 'output'", "Add the expected response as a string 'output'."
+        )
+    target = output if output and output.strip() else answer
+    if target is None or not target.strip():
+        raise _row_error(
+            row,
+            "empty response: 'output' is empty and there is no non-empty 'answer'",
+            "Give every example a non-empty 'output' (or 'answer').",
+        )
+    return {"instruction": instruction, "input": input_text, "output": target, "answer": answer}
+
+
+def _required_text(row: _Row, field: str) -> str:
+    value = row.values.get(field)
+    if value is None:
+        raise _row_error(
+            row, f"missing field '{field}'", f"Add a non-empty string '{field}' to every example."
+        )
+    text = _optional_text(row, field)
+    if text is None or not text.strip():
+        raise _row_error(
+            row, f"field '{field}' is empty", f"Give every example a non-empty '{field}'."
+        )
+    return text
+
+
+def _optional_text(row: _Row, field: str) -> str | None:
+    value = row.values.get(field)
+    if value is None or isinstance(value, str):
+        return value
+    raise _row_error(
+        row,
+        f"field '{field}' must be a string, found {_kind(value)}",
+        f"Write '{field}' as a JSON string.",
+    )
+
+
+def _optional_answer(row: _Row) -> str | None:
+    value = row.values.get("answer")
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return str(value)
+    raise _row_error(
+        row,
+        f"field 'answer' must be a string or a number, found {_kind(value)}",
+        "Write 'answer' as a string.",
+    )
+
+
+def _label(row: _Row) -> int:
+    value = row.values.get("label")
+    if value is None:
+        raise _row_error(
+            row, "missing field 'label'", "Add an integer class label 'label' (0..K-1)."
+        )
+    if row.from_csv and isinstance(value, str) and _CSV_INT.fullmatch(value):
+        return int(value)
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 0:
+        return int(value)
+    raise _row_error(
+        row,
+        f"label must be an integer >= 0, found {_kind(value)}",
+        "Write class labels as integers 0..K-1 (map names such as 'pos' to ids first).",
+    )
+
+
+def uses_token_type_ids(tokenizer: PreTrainedTokenizerBase, task: str) -> bool:
+    """Whether items and batches carry ``token_type_ids``: one rule for dataset and collate."""
+    return task == "seq-cls" and "token_type_ids" in tokenizer.model_input_names
+
+
+def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The id that pads ``input_ids``: the pad token, else the eos token."""
+    if tokenizer.pad_token_id is not None:
+        return int(tokenizer.pad_token_id)
+    if tokenizer.eos_token_id is not None:
+        logger.info("Tokenizer has no pad token; padding input_ids with the eos id.")
+        return int(tokenizer.eos_token_id)
+    raise ConfigError(
+        "The tokenizer has neither a pad nor an eos token. Set tokenizer.pad_token first."
+    )
