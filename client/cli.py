@@ -39,7 +39,22 @@ import annotated_types
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from prism_runtime.config import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_DELTA,
+    DEFAULT_HEAD_LR,
+    DEFAULT_HEAD_OPTIMIZER,
+    DEFAULT_LORA_ALPHA,
+    DEFAULT_LORA_RANK,
+    DEFAULT_LORA_TARGETS,
+    DEFAULT_LR,
+    DEFAULT_MAX_LENGTH,
+    DEFAULT_MAX_NORM,
+    DEFAULT_MICRO_BATCH_SIZE,
+    HEAD_MOMENTUM,
+)
 from prism_runtime.errors import ConfigError, DataError
+from prism_runtime.train_config import DEFAULT_HEAD_SHARE
 
 __all__ = ["EXIT_CONFIG_ERROR", "EXIT_DATA_ERROR", "EXIT_OK", "RunOptions", "build_parser", "main"]
 
@@ -52,7 +67,8 @@ EXIT_CONFIG_ERROR = 2
 PROG = "prism-train"
 DEFAULT_INIT = {"prism": "spectral-residual"}  # the baselines start from peft's standard init
 BASELINE_INIT = "standard"
-DEFAULT_MAX_LENGTH = 128
+JOINT_CLIP = -1
+"""``--head-max-norm -1``: one joint clip of LoRA and head (the run config's convention)."""
 
 # Option (snake_case, as in the config file) -> field of ModelConfig / TrainConfig.
 MODEL_FIELDS = {
@@ -95,7 +111,9 @@ class RunOptions(BaseModel):
     data: Path = Field(description="training data of this site (.jsonl, .csv, save_to_disk)")
     eval_data: Path | None = Field(None, description="held-out evaluation data")
     max_length: int | None = Field(
-        None, ge=2, description="tokens per example (default: 128, capped by the model's limit)"
+        None,
+        ge=2,
+        description=f"tokens per example (default: {DEFAULT_MAX_LENGTH}, capped by the model)",
     )
     train_limit: int | None = Field(None, ge=1, description="use only the first N training rows")
     eval_limit: int | None = Field(None, ge=1, description="use only the first N evaluation rows")
@@ -127,16 +145,24 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--eval-data", metavar="FILE", help="held-out evaluation data")
     io.add_argument("--task", choices=["seq-cls", "causal-lm"], help="default seq-cls")
     io.add_argument("--num-labels", type=int, help="classes (seq-cls; default: max label + 1)")
-    io.add_argument("--max-length", type=int, help="tokens per example (default 128)")
+    io.add_argument(
+        "--max-length", type=int, help=f"tokens per example (default {DEFAULT_MAX_LENGTH})"
+    )
     io.add_argument("--train-limit", type=int, metavar="N", help="use the first N training rows")
     io.add_argument("--eval-limit", type=int, metavar="N", help="use the first N evaluation rows")
     io.add_argument("--out", metavar="DIR", help="output folder (default runs/<method>-<time>)")
     dp = parser.add_argument_group("privacy")
     dp.add_argument("--method", choices=["prism", "dp-adamw", "ffa", "nondp"], help="default prism")
     dp.add_argument("--epsilon", type=float, help="target epsilon; calibrates sigma")
-    dp.add_argument("--delta", type=float, help="delta (default 1e-5; keep it << 1/N)")
+    dp.add_argument(
+        "--delta", type=float, help=f"delta (default {DEFAULT_DELTA:g}; keep it << 1/N)"
+    )
     dp.add_argument("--noise-multiplier", type=float, help="sigma (instead of calibrating it)")
-    dp.add_argument("--max-norm", type=float, help="clip C (default 0.3)")
+    dp.add_argument(
+        "--max-norm",
+        type=float,
+        help=f"total clip C, LoRA and head together (default {DEFAULT_MAX_NORM})",
+    )
     dp.add_argument(
         "--reproducible",
         action="store_true",
@@ -145,10 +171,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     opt = parser.add_argument_group("optimisation")
     opt.add_argument("--steps", type=int, help="logical steps (default 100)")
-    opt.add_argument("--batch-size", type=int, help="EXPECTED Poisson batch size (default 64)")
-    opt.add_argument("--micro-batch-size", type=int, help="examples per forward (default 32)")
-    opt.add_argument("--lr", type=float, help="learning rate (default 5e-3)")
-    opt.add_argument("--head-lr", type=float, help="seq-cls head learning rate (default: --lr)")
+    opt.add_argument(
+        "--batch-size",
+        type=int,
+        help=f"EXPECTED Poisson batch size (default {DEFAULT_BATCH_SIZE})",
+    )
+    opt.add_argument(
+        "--micro-batch-size",
+        type=int,
+        help=f"examples per forward (default {DEFAULT_MICRO_BATCH_SIZE})",
+    )
+    opt.add_argument("--lr", type=float, help=f"learning rate (default {DEFAULT_LR})")
+    opt.add_argument(
+        "--head-lr", type=float, help=f"seq-cls head learning rate (default {DEFAULT_HEAD_LR})"
+    )
     opt.add_argument(
         "--seed",
         type=int,
@@ -157,9 +193,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     opt.add_argument("--no-progress", action="store_true", help="no progress bar")
     lora = parser.add_argument_group("LoRA")
-    lora.add_argument("--rank", type=int, help="LoRA rank r (default 8)")
-    lora.add_argument("--alpha", type=float, help="LoRA alpha, scaling alpha / r (default 16)")
-    lora.add_argument("--target-modules", help="comma list of module names (default query,value)")
+    lora.add_argument("--rank", type=int, help=f"LoRA rank r (default {DEFAULT_LORA_RANK})")
+    lora.add_argument(
+        "--alpha",
+        type=float,
+        help=f"LoRA alpha, scaling alpha / r (default {DEFAULT_LORA_ALPHA:g})",
+    )
+    lora.add_argument(
+        "--target-modules",
+        help=f"comma list of module names (default {','.join(DEFAULT_LORA_TARGETS)})",
+    )
     lora.add_argument(
         "--init",
         choices=["spectral-residual", "orthonormal", "standard"],
@@ -197,12 +240,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--head-max-norm",
         type=float,
         help="the head's share of the clip C (< --max-norm; LoRA gets sqrt(C^2 - share^2)); "
-        "default: one joint clip",
+        f"default {DEFAULT_HEAD_SHARE:g} x --max-norm; -1: one joint clip",
     )
     cls.add_argument(
         "--head-optimizer",
         choices=["adamw", "sgd", "momentum"],
-        help="DP head optimizer (default adamw; momentum = heavy-ball SGD, beta 0.9)",
+        help=f"DP head optimizer (default {DEFAULT_HEAD_OPTIMIZER}; momentum = heavy-ball SGD, "
+        f"beta {HEAD_MOMENTUM})",
     )
     return parser
 
@@ -353,6 +397,8 @@ def build_configs(values: Mapping[str, Any], sources: Mapping[str, str]) -> tupl
     from prism_runtime.trainer import TrainConfig
 
     merged = dict(values)
+    if merged.get("head_max_norm") == JOINT_CLIP:  # as the run config's head-max-norm = -1
+        merged["head_max_norm"] = None
     if "init" not in merged:
         merged["init"] = DEFAULT_INIT.get(str(merged.get("method", "prism")), BASELINE_INIT)
     problems: list[str] = []
@@ -395,7 +441,7 @@ def _check_labels(examples: Sequence[Mapping[str, Any]], num_labels: int, source
 
 
 def _max_length(loaded: Any, given: int | None) -> int:
-    """``given`` if the model's position embeddings allow it; default 128 capped by the model."""
+    """``given`` if the model's position embeddings allow it; else the default, capped by it."""
     limit = getattr(loaded.model.config, "max_position_embeddings", None)
     if not isinstance(limit, int):
         return given or DEFAULT_MAX_LENGTH

@@ -69,7 +69,13 @@ from prism_runtime.lora import read_points
 from prism_runtime.model import LoadedModel, load_model, model_config_for
 from prism_runtime.protocol import HEAD_PREFIX, REFUSAL_REASONS, STATUS_OK, STATUS_REFUSED, key
 from prism_runtime.synthetic import synthetic_examples, synthetic_stream
-from prism_runtime.trainer import MECHANISMS, PrivateTrainer, StepResult, TrainConfig, noise_records
+from prism_runtime.trainer import (
+    MECHANISMS,
+    PrivateTrainer,
+    StepResult,
+    noise_records,
+    site_train_config,
+)
 
 __all__ = [
     "RoundReply",
@@ -258,20 +264,13 @@ class Site:
                 trains_head=bool(self.loaded.head_params),
             )
         self.sigma = self._sigma()
-        train = TrainConfig(
+        train = site_train_config(
+            run,
             method=self.method,
-            epsilon=self.epsilon_cap if self.method != "nondp" else None,
-            delta=self.delta,
-            noise_multiplier=self.sigma if self.method != "nondp" else None,
-            steps=run.local_steps,
-            batch_size=run.batch_size,
-            micro_batch_size=run.micro_batch_size,
             max_norm=self._initial_clip(),
-            lr=run.lr,
-            head_lr=run.head_learning_rate,
-            head_optimizer=run.head_optimizer,
-            head_max_norm=run.head_clip,
-            progress=False,
+            epsilon=self.epsilon_cap,
+            delta=self.delta,
+            noise_multiplier=self.sigma,
         )
         self.trainer = PrivateTrainer(self.loaded, dataset, train, history=self.ledger.events())
         self.sample_rate = self.trainer.sample_rate

@@ -31,6 +31,33 @@ SGD_HEADS = ("sgd", "momentum")
 """Head optimizers that step by SGD on the head's DP gradient (the trainer's ``torch.optim.SGD``;
 the coordinator bounds them from the reply's DP step)."""
 
+# -- The one set of training defaults. Chosen on public data only (docs/benchmarks.md, "Defaults
+# chosen on public data"); the run config (RunConfig), a site's trainer (TrainConfig: what a site
+# runs when a setting is not given) and ``prism-train`` all read them from here.
+DEFAULT_LORA_RANK = 8
+DEFAULT_LORA_ALPHA = 16.0
+"""LoRA scaling s = alpha / r."""
+DEFAULT_LORA_TARGETS = ("query", "value")
+"""Module names LoRA attaches to (BERT-style attention)."""
+DEFAULT_BATCH_SIZE = 128
+"""Expected Poisson batch b = q N per local step."""
+DEFAULT_MICRO_BATCH_SIZE = 64
+"""Examples per forward/backward pass (memory only; never changes the result beyond float)."""
+DEFAULT_MAX_NORM = 1.0
+"""Total clip C (the sensitivity), LoRA and head together."""
+DEFAULT_LR = 0.002
+"""PRISM's LoRA step (the baselines' AdamW lr where a run does not set one)."""
+DEFAULT_HEAD_LR = 5.0
+"""The DP head's SGD lr."""
+DEFAULT_HEAD_OPTIMIZER: Literal["sgd"] = "sgd"
+"""Plain SGD on the head's DP gradient."""
+DEFAULT_HEAD_MAX_NORM = 0.9
+"""The head's share C_head of the clip; LoRA gets sqrt(C^2 - C_head^2)."""
+DEFAULT_DELTA = 1e-5
+"""delta of the (epsilon, delta) guarantee (keep it well below 1 / N)."""
+DEFAULT_MAX_LENGTH = 64
+"""Tokens per text (capped by the model's position embeddings)."""
+
 __all__ = [
     "AUTO_CLIP",
     "RunConfig",
@@ -83,10 +110,10 @@ class RunConfig(_Kebab):
     model: str = Field(MINILM, description="HF model folder/name; 'minilm' = the bundled MiniLM")
     task: Literal["seq-cls", "causal-lm"] = "seq-cls"
     num_labels: int = Field(2, ge=2)
-    lora_rank: int = Field(8, ge=1)
-    lora_alpha: float = Field(16.0, gt=0)
+    lora_rank: int = Field(DEFAULT_LORA_RANK, ge=1)
+    lora_alpha: float = Field(DEFAULT_LORA_ALPHA, gt=0)
     lora_targets: str = Field(
-        "query,value",
+        ",".join(DEFAULT_LORA_TARGETS),
         min_length=1,
         description="comma-separated names",
         json_schema_extra=_allowed_note("comma-separated module names, at least one"),
@@ -100,15 +127,17 @@ class RunConfig(_Kebab):
     sites_per_round: int = Field(3, ge=1)
     min_sites: int = Field(1, ge=1, description="fewest valid replies that update the model")
     local_steps: int = Field(1, ge=1, description="tau: private steps per site per round")
-    batch_size: int = Field(128, ge=1, description="expected Poisson batch per local step")
-    micro_batch_size: int = Field(64, ge=1)
+    batch_size: int = Field(
+        DEFAULT_BATCH_SIZE, ge=1, description="expected Poisson batch per local step"
+    )
+    micro_batch_size: int = Field(DEFAULT_MICRO_BATCH_SIZE, ge=1)
     max_norm: float | Literal["auto"] = Field(
-        1.0,
+        DEFAULT_MAX_NORM,
         description="clip C: the total sensitivity (LoRA + head), or 'auto': each site "
         "estimates it privately (clip-quantile keys) and charges that to its ledger",
         json_schema_extra=_allowed_note("a finite number > 0, or 'auto'"),
     )
-    lr: float = Field(0.002, gt=0, description="local learning rate (PRISM's LoRA step)")
+    lr: float = Field(DEFAULT_LR, gt=0, description="local learning rate (PRISM's LoRA step)")
     server_lr: float = Field(1.0, gt=0, description="server step on the aggregated update")
     server_lr_schedule: Literal["constant", "cosine"] = Field(
         "constant",
@@ -124,13 +153,16 @@ class RunConfig(_Kebab):
         3.0, gt=0, description="epsilon the run ASKS each site for; a site refuses above its cap"
     )
     delta: float = Field(
-        1e-5, gt=0, lt=1, description="delta the run asks for; a site refuses above its own"
+        DEFAULT_DELTA,
+        gt=0,
+        lt=1,
+        description="delta the run asks for; a site refuses above its own",
     )
     data: str = Field("synthetic", description="'synthetic' or a JSONL/CSV file to partition")
     partitioner: Literal["iid", "dirichlet"] = "iid"
     dirichlet_alpha: float = Field(0.5, gt=0)
     synthetic_examples: int = Field(720, ge=8, description="rows per site of the built-in task")
-    max_length: int = Field(64, ge=8)
+    max_length: int = Field(DEFAULT_MAX_LENGTH, ge=8)
     seed: int = Field(
         0,
         description="seeds PUBLIC choices only: the simulation partition, synthetic data, the "
@@ -182,17 +214,17 @@ class RunConfig(_Kebab):
         " never derived from private data: every site receives them",
     )
     head_max_norm: float = Field(
-        0.9,
+        DEFAULT_HEAD_MAX_NORM,
         description="the head's share C_head < max-norm of the clip; -1 = one joint clip",
         json_schema_extra=_allowed_note("a number > 0 and < max-norm, or -1 for a joint clip"),
     )
     head_lr: float = Field(
-        5.0,
+        DEFAULT_HEAD_LR,
         description="head learning rate; -1 = lr",
         json_schema_extra=_allowed_note("a number > 0, or -1 for lr"),
     )
     head_optimizer: Literal["adamw", "sgd", "momentum"] = Field(
-        "sgd",
+        DEFAULT_HEAD_OPTIMIZER,
         description="head optimizer on its DP gradient: plain sgd, momentum (heavy ball, "
         "beta 0.9, its velocity kept across the site's rounds) or adamw",
     )

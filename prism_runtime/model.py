@@ -60,7 +60,13 @@ from prism_runtime.classifier import (
     resolve_pooling,
     zero_shot_head_,
 )
-from prism_runtime.config import RunConfig, resolve_model
+from prism_runtime.config import (
+    DEFAULT_LORA_ALPHA,
+    DEFAULT_LORA_RANK,
+    DEFAULT_LORA_TARGETS,
+    RunConfig,
+    resolve_model,
+)
 from prism_runtime.errors import ConfigError
 from prism_runtime.init_cache import attach_lora
 from prism_runtime.lora import LoraHandle, lora_handles, read_points
@@ -89,9 +95,9 @@ class ModelConfig(BaseModel):
     model: str = Field(description="Hugging Face model name (local cache) or a local folder")
     task: Task = Field("seq-cls", description="seq-cls or causal-lm")
     num_labels: int = Field(2, ge=2, description="number of classes (seq-cls)")
-    rank: int = Field(8, ge=1, description="LoRA rank r")
-    alpha: float = Field(16.0, gt=0, description="LoRA alpha; scaling s = alpha / r")
-    target_modules: tuple[str, ...] = Field(("query", "value"), min_length=1)
+    rank: int = Field(DEFAULT_LORA_RANK, ge=1, description="LoRA rank r")
+    alpha: float = Field(DEFAULT_LORA_ALPHA, gt=0, description="LoRA alpha; scaling s = alpha / r")
+    target_modules: tuple[str, ...] = Field(DEFAULT_LORA_TARGETS, min_length=1)
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout")
     init: Init = Field("spectral-residual", description="adapter initialisation")
     init_scale: float = Field(0.1, gt=0, description="factor scale of the orthonormal init")

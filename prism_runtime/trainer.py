@@ -35,12 +35,10 @@ import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from opacus import GradSampleModule
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 from tqdm import tqdm
@@ -52,7 +50,7 @@ from prism_core.accounting import (
     events_from_records,
     max_steps,
 )
-from prism_core.adaptive import AdaptiveConfig, AdaptiveState, adaptive_direction, init_state
+from prism_core.adaptive import AdaptiveState, adaptive_direction, init_state
 from prism_core.baselines import factor_clip_and_sum, factor_privatize
 from prism_core.errors import BudgetExceededError
 from prism_core.manifold import Point, Tangent
@@ -75,107 +73,36 @@ from prism_runtime.errors import ConfigError
 from prism_runtime.lora import per_example_factor_grads, read_points, write_points_
 from prism_runtime.model import LoadedModel
 from prism_runtime.protocol import RNG_REPRODUCIBLE, RNG_SECURE
+from prism_runtime.train_config import (
+    ADAMW_BETAS,
+    MECHANISMS,
+    METHODS,
+    AdaptiveSettings,
+    TrainConfig,
+    site_train_config,
+)
 
 __all__ = [
+    "ADAMW_BETAS",
     "MECHANISMS",
     "METHODS",
+    "AdaptiveSettings",
     "PrivateTrainer",
     "StepResult",
     "TrainConfig",
     "noise_records",
     "os_seed",
     "per_example_loss",
+    "site_train_config",
 ]
 
 log = logging.getLogger(__name__)
 
-Method = Literal["prism", "dp-adamw", "ffa", "nondp"]
-METHODS: tuple[str, ...] = ("prism", "dp-adamw", "ffa", "nondp")
-MECHANISMS: dict[str, str] = {
-    "prism": "prism-tangent-gaussian",
-    "dp-adamw": "factor-gaussian",
-    "ffa": "ffa-gaussian",
-    "nondp": "none",
-}
-"""The ``NoiseRecord.mechanism`` each training method runs."""
 
 ClipFn = Callable[..., ClippedSum]
 """Signature of ``prism_core.mechanism.clip_and_sum_grads``."""
 PrivatizeFn = Callable[..., PrivateStep]
 """Signature of ``prism_core.mechanism.privatize``."""
-
-
-class AdaptiveSettings(BaseModel):
-    """PRISM's adaptive transform (``prism_core.adaptive.AdaptiveConfig``), reference defaults."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.999, ge=0, lt=1)
-    floor_mode: Literal["scalar", "geometry"] = "scalar"
-    floor_scale: float = Field(0.5, ge=0)
-    cond_max: float = Field(1e4, ge=1)
-    debias_second_moment: bool = False
-    relift_direction: bool = True
-
-    def to_config(self) -> AdaptiveConfig:
-        return AdaptiveConfig(**self.model_dump())
-
-
-class TrainConfig(BaseModel):
-    """Local training and privacy settings of one site."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-    method: Method = Field("prism", description="prism, dp-adamw, ffa or nondp")
-    epsilon: float | None = Field(None, gt=0, description="target epsilon (cap); calibrates sigma")
-    delta: float = Field(1e-5, gt=0, lt=1, description="delta of the (epsilon, delta) guarantee")
-    noise_multiplier: float | None = Field(None, ge=0, description="sigma; else calibrated")
-    steps: int = Field(100, ge=1, description="planned logical steps")
-    batch_size: int = Field(64, ge=1, description="EXPECTED (Poisson) batch size b = q N")
-    micro_batch_size: int = Field(32, ge=1, description="examples per forward/backward (memory)")
-    max_norm: float = Field(
-        0.3, gt=0, description="clip C; choose near the typical per-example norm"
-    )
-    lr: float = Field(5e-3, gt=0, description="learning rate (retraction step for prism)")
-    head_lr: float | None = Field(None, gt=0, description="classifier head lr (default: lr)")
-    head_optimizer: Literal["adamw", "sgd", "momentum"] = Field(
-        "adamw",
-        description="DP head optimizer: adamw, plain sgd on the DP gradient, or momentum "
-        "(heavy-ball SGD, beta prism_runtime.config.HEAD_MOMENTUM)",
-    )
-    head_max_norm: float | None = Field(
-        None,
-        gt=0,
-        description="the head's share C_head < max_norm of the clip (LoRA gets "
-        "sqrt(C^2 - C_head^2)); None = one joint clip of LoRA and head at max_norm",
-    )
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (baselines, head)")
-    adaptive: AdaptiveSettings = AdaptiveSettings()
-    seed: int | None = Field(
-        None,
-        description="None: sampling, dropout and noise from the OS (private); an int: "
-        "reproducible (tests, benchmarks; predictable to anyone who knows it)",
-    )
-    progress: bool = Field(True, description="tqdm progress bar on stderr")
-
-    @model_validator(mode="after")
-    def _head_share(self) -> TrainConfig:
-        if self.head_max_norm is not None and self.head_max_norm >= self.max_norm:
-            raise ValueError(
-                f"head_max_norm={self.head_max_norm} must be < max_norm={self.max_norm}: "
-                "max_norm is the total clip C (the sensitivity) and the head gets a share of it"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _privacy_given(self) -> TrainConfig:
-        if self.method != "nondp" and self.epsilon is None and self.noise_multiplier is None:
-            raise ValueError(
-                f"method={self.method!r} needs epsilon (a target to calibrate sigma) or "
-                "noise_multiplier"
-            )
-        return self
 
 
 @dataclass(frozen=True)
@@ -412,14 +339,16 @@ class PrivateTrainer:
             self.adaptive = cfg.adaptive.to_config()
             self.optimizer: torch.optim.Optimizer | _Chained | None = head_opt
             if head and head_opt is None:
-                self.optimizer = torch.optim.AdamW(head, lr=head_lr, weight_decay=cfg.weight_decay)
+                self.optimizer = torch.optim.AdamW(
+                    head, lr=head_lr, betas=ADAMW_BETAS, weight_decay=cfg.weight_decay
+                )
         else:
             lora = [p for h in self.loaded.handles for p in (h.lora_A, h.lora_B) if p.requires_grad]
             self.params = [*lora, *head]  # every trainable tensor (_check_trainable), head last
             groups = [{"params": lora, "lr": cfg.lr}]
             if head and head_opt is None:
                 groups.append({"params": head, "lr": head_lr})
-            adamw = torch.optim.AdamW(groups, weight_decay=cfg.weight_decay)
+            adamw = torch.optim.AdamW(groups, betas=ADAMW_BETAS, weight_decay=cfg.weight_decay)
             self.optimizer = _Chained([adamw, head_opt]) if head_opt else adamw
 
     # -- one step --------------------------------------------------------------------------

@@ -42,7 +42,7 @@ from prism_runtime.export import export_adapter
 from prism_runtime.faults import NO_FAULTS, Faults
 from prism_runtime.model import LoadedModel, load_model, model_config_for
 from prism_runtime.synthetic import synthetic_examples, synthetic_stream
-from prism_runtime.trainer import MECHANISMS
+from prism_runtime.trainer import MECHANISMS, site_train_config
 from server.checkpoint import (
     CHECKPOINT,
     Checkpoint,
@@ -224,15 +224,17 @@ def run_federation(grid: Grid, run: RunConfig, *, faults: Faults = NO_FAULTS) ->
             seed=run.seed,
             # the sites' trainer: PRISM's adaptive transform, AdamW or SGD (head-optimizer) for the
             # head, AdamW for the baselines
-            update_bound=UpdateBound(
-                lr=run.lr,
-                # max-norm = auto: the largest clip a site's estimate can give (AutoClip.high)
-                max_norm=run.max_norm
-                if isinstance(run.max_norm, float)
-                else run.auto_clip_range[1],
-                expected_batch_size=run.batch_size,
-                head_lr=run.head_learning_rate,
-                head_optimizer=run.head_optimizer,
+            # derived from the TrainConfig the sites derive from this run config; with
+            # max-norm = auto, at the largest clip a site's estimate can give (AutoClip.high)
+            update_bound=UpdateBound.for_sites(
+                site_train_config(
+                    run,
+                    method=site_method(run.method),
+                    max_norm=run.max_norm
+                    if isinstance(run.max_norm, float)
+                    else run.auto_clip_range[1],
+                    epsilon=run.target_epsilon,
+                )
             ),
             # what the sites must report: the mechanism the run's method runs there
             mechanism=MECHANISMS[site_method(run.method)],

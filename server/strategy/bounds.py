@@ -26,6 +26,7 @@ from prism_core.bounds import (
 from prism_core.manifold import Point, tangent_norm_sq
 from prism_runtime.config import HEAD_MOMENTUM, SGD_HEADS
 from prism_runtime.protocol import HEAD_PREFIX, key
+from prism_runtime.train_config import ADAMW_BETAS, TrainConfig
 from server.errors import ConfigError, ReplyError
 from server.strategy.aggregator import Mode
 
@@ -55,11 +56,31 @@ class UpdateBound:
     beta2: float = 0.999
     bias_correction: bool = True
     head_lr: float | None = None
-    head_betas: tuple[float, float] = (0.9, 0.999)
+    head_betas: tuple[float, float] = ADAMW_BETAS
     head_optimizer: Literal["adamw", "sgd", "momentum"] = "adamw"
     max_norm: float = 0.0
     expected_batch_size: float = 0.0
     failure: float = 1e-9
+
+    @classmethod
+    def for_sites(cls, train: TrainConfig, *, failure: float = 1e-9) -> UpdateBound:
+        """The bound for sites that run ``train``: the ``TrainConfig`` every honest site derives
+        from the run config (``prism_runtime.train_config.site_train_config``), so the lr, the
+        clip and batch, PRISM's adaptive betas and bias correction, and the head's lr, optimizer
+        and AdamW betas are the ones the sites' trainer actually uses."""
+        adaptive = train.adaptive.to_config()
+        return cls(
+            lr=train.lr,
+            beta1=adaptive.beta1,
+            beta2=adaptive.beta2,
+            bias_correction=adaptive.bias_correction,
+            head_lr=train.head_lr or train.lr,
+            head_betas=ADAMW_BETAS,
+            head_optimizer=train.head_optimizer,
+            max_norm=train.max_norm,
+            expected_batch_size=float(train.batch_size),
+            failure=failure,
+        )
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adaptive", "sgd"):
