@@ -20,6 +20,10 @@ Randomness: Poisson sampling, dropout and noise come from the OS CSPRNG by defau
 alone seeds only public choices (the head and orthonormal initialisation); it seeds sampling,
 dropout and noise too only with ``--reproducible``, which is for tests and benchmarks: anyone
 who knows the seed can predict the noise. ``metrics.json`` records which (``rng``).
+
+Above ~400 lines on purpose: ``prism-train``'s whole command surface (parser, config-file
+merge with per-option error reports, the run, its metrics); each part only makes sense with the
+others' option names.
 """
 
 from __future__ import annotations

@@ -27,6 +27,11 @@ re-run (the site died before storing its reply) is charged again and draws fresh
 
 Randomness: sampling, dropout and noise come from the OS at the site by default; in the
 site's reproducible mode (``client.policy``) from a secret only the site holds.
+
+Above ~400 lines on purpose: a round's privacy obligations in their order (policy, broadcast
+check, cap, the charge BEFORE training, the stored reply BEFORE sending, a resend without a new
+charge) are one class, read and tested top to bottom; the rows are in ``client.site_data`` and
+the reply's facts in ``client.reply``.
 """
 
 from __future__ import annotations
@@ -36,7 +41,6 @@ import hashlib
 import inspect
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,20 +51,21 @@ from torch import Tensor
 from client.broadcast import broadcast_problem
 from client.clip_quantile import ClipEstimate, ClipPlan, ClipStore, StoredClip, estimate_clip
 from client.policy import SitePolicy
+from client.reply import RoundReply, broadcast_digest, noise_scale_facts, released_event
+from client.site_data import check_text_pairs, site_examples
 from client.site_ledger import SiteLedger, SiteLedgerEntry
 from prism_core.accounting import (
     PrivacyEvent,
     calibrate_noise_multiplier,
     epsilon,
-    events_from_records,
 )
 from prism_core.adaptive import AdaptiveState, realign_state
 from prism_core.manifold import Point, tangent_displacement
 from prism_core.quantile import QUANTILE_MECHANISM
-from prism_core.records import ADJACENCY, NoiseRecord
+from prism_core.records import ADJACENCY
 from prism_runtime.cache import cached_float
 from prism_runtime.config import RunConfig, SiteConfig, site_method
-from prism_runtime.data import TokenizedDataset, dirichlet_partition, iid_partition, load_examples
+from prism_runtime.data import TokenizedDataset
 from prism_runtime.durable import atomic_write, locked
 from prism_runtime.errors import AccountingMismatchError, ConfigError
 from prism_runtime.exchange import head_named, load_arrays
@@ -68,7 +73,6 @@ from prism_runtime.faults import NO_FAULTS, Faults
 from prism_runtime.lora import read_points
 from prism_runtime.model import LoadedModel, load_model, model_config_for
 from prism_runtime.protocol import HEAD_PREFIX, REFUSAL_REASONS, STATUS_OK, STATUS_REFUSED, key
-from prism_runtime.synthetic import synthetic_examples, synthetic_stream
 from prism_runtime.trainer import (
     MECHANISMS,
     PrivateTrainer,
@@ -78,12 +82,8 @@ from prism_runtime.trainer import (
 )
 
 __all__ = [
-    "RoundReply",
     "Site",
-    "broadcast_digest",
     "get_site",
-    "released_event",
-    "site_examples",
 ]
 
 log = logging.getLogger(__name__)
@@ -94,97 +94,6 @@ def _accountant_identity() -> str:
     """What a calibrated sigma depends on besides its inputs: Opacus and our accounting code."""
     source = Path(inspect.getfile(calibrate_noise_multiplier)).read_bytes()
     return f"opacus {opacus.__version__} | {hashlib.sha256(source).hexdigest()}"
-
-
-def _num_labels(run: RunConfig) -> int | None:
-    return run.num_labels if run.task == "seq-cls" else None
-
-
-def site_examples(run: RunConfig, site: SiteConfig) -> list[dict[str, Any]]:
-    """The site's training rows: its own file, or its partition of the run's data (simulation)."""
-    if site.data_path:
-        return load_examples(site.data_path, run.task, num_labels=_num_labels(run))
-    if site.partition_id < 0 or site.num_partitions < 1:
-        raise ConfigError("node config needs data-path, or partition-id and num-partitions")
-    if run.data == "synthetic":
-        seed = synthetic_stream(run.seed, f"site-{site.partition_id}")
-        return synthetic_examples(run.synthetic_examples, seed=seed)
-    rows = load_examples(run.data, run.task, num_labels=_num_labels(run))
-    if run.partitioner == "iid":
-        parts = iid_partition(len(rows), site.num_partitions, run.seed)
-    else:
-        labels = [int(r["label"]) for r in rows]
-        parts = dirichlet_partition(labels, site.num_partitions, run.dirichlet_alpha, run.seed)
-    return [rows[i] for i in parts[site.partition_id]]
-
-
-def _check_text_pairs(run: RunConfig, rows: list[dict[str, Any]]) -> None:
-    """The site's rows are pairs exactly when the run says so (``text-pairs`` sizes the head)."""
-    if run.task != "seq-cls" or not rows:
-        return
-    pairs = "text_a" in rows[0]
-    if pairs and not run.text_pairs and run.pair_encoding != "joint":
-        log.warning(
-            "this site's data are text pairs but the run has text-pairs=false: each pair is "
-            "encoded as one joint sequence; set text-pairs=true for siamese encoding"
-        )
-    if run.text_pairs and not pairs:
-        raise ConfigError(
-            "the run has text-pairs=true but this site's data are single texts ('text'): give "
-            "text_a/text_b pairs, or run with text-pairs=false"
-        )
-
-
-@dataclass
-class RoundReply:
-    """A site's answer to one round: arrays to send and accounting facts."""
-
-    arrays: dict[str, Tensor]
-    accounting: dict[str, Any]
-    nonprivate: dict[str, float] = field(default_factory=dict)
-
-
-def broadcast_digest(arrays: dict[str, Tensor]) -> str:
-    """SHA-256 over the names, dtypes, shapes and bytes of the broadcast arrays (sorted)."""
-    h = hashlib.sha256()
-    for name in sorted(arrays):
-        t = arrays[name].detach().cpu().contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
-
-
-def released_event(records: Sequence[NoiseRecord], mechanism: str) -> PrivacyEvent:
-    """The one privacy event a round's mechanism records describe (Thm 3.4: tau equal steps).
-
-    Raises:
-        AccountingMismatchError: no records, records of another mechanism, or steps with
-            different parameters (a round charges ONE event: sigma, q, tau).
-    """
-    events = events_from_records(records)
-    kinds = sorted({r.mechanism for r in records})
-    if len(events) != 1 or kinds != [mechanism]:
-        raise AccountingMismatchError(
-            f"the round's mechanism records are not one {mechanism!r} event: mechanisms {kinds}, "
-            f"events {events}"
-        )
-    return events[0]
-
-
-def _noise_scale_facts(records: Sequence[NoiseRecord]) -> dict[str, float]:
-    """``max-norm`` (C) and ``expected-batch-size`` (b) of a round's records, for the coordinator's
-    noise-aware weights ``(b / (sigma C))^2``; empty for a non-private round.
-
-    Raises:
-        AccountingMismatchError: the round's steps used different C or b.
-    """
-    scales = {(r.max_norm, r.expected_batch_size) for r in records}
-    if not scales:
-        return {}
-    if len(scales) != 1:
-        raise AccountingMismatchError(f"the round's steps used different (C, b): {sorted(scales)}")
-    ((max_norm, expected),) = scales
-    return {"max-norm": float(max_norm), "expected-batch-size": float(expected)}
 
 
 class Site:
@@ -215,7 +124,7 @@ class Site:
         self.state_dir = policy.state_dir
         self.method = site_method(run.method)
         rows = site_examples(run, site)
-        _check_text_pairs(run, rows)
+        check_text_pairs(run, rows)
         self.num_examples = len(rows)
         if run.batch_size > self.num_examples:
             raise ConfigError(
@@ -458,7 +367,7 @@ class Site:
                 "steps": int(event.steps),
             }
         )
-        facts.update(_noise_scale_facts(records))
+        facts.update(noise_scale_facts(records))
         if quantile is not None:
             facts.update(
                 {

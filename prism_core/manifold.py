@@ -8,6 +8,10 @@ Every function here is a pure function on tensors: it never forms an m x n matri
 ``project_dense``, which exists for tests), it works in float32 or better for every r x r solve,
 and it broadcasts over optional leading (example) dimensions of the tangent arguments. The base
 point ``(A, B)`` is normally unbatched and shared by all examples.
+
+Above ~400 lines on purpose: the fixed-rank geometry is one set of formulas (frames,
+projections, lift, retraction, displacement) that refer to each other and to the paper's
+appendix equation by equation; split up, one derivation would be read across several files.
 """
 
 from __future__ import annotations

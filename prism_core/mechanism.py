@@ -21,6 +21,10 @@ What is released: the Gaussian mechanism protects the tangent vector
 nothing there, so the factor pair ``(sum + noise) / b`` carries an un-noised component. The
 release of ``privatize`` is therefore the minimum-norm lift (App. A.7) of the noisy ``dZ``: a
 function of ``dZ`` alone, and every part of it (``Pi_A dA`` and the rest) is noised.
+
+Above ~400 lines on purpose: everything that touches un-noised per-example gradients (lift,
+global clip, accumulation, noise, division by the EXPECTED batch) stays in this one module, the
+DP boundary, so it can be audited (and mutation-tested) in one place.
 """
 
 from __future__ import annotations

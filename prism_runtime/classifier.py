@@ -31,6 +31,9 @@ to, optionally L2-normalises, and applies one ``nn.Linear`` (the DP head):
   the ``u * v`` block of the features, so the head expresses it exactly (no extra feature).
   The label texts are sent to every site in the run config: they must be public, never
   derived from private data.
+
+Above ~400 lines on purpose: pooling, siamese pairs and the zero-shot head are parts of one
+model (``PooledClassifier``) whose shapes depend on each other.
 """
 
 from __future__ import annotations

@@ -35,7 +35,8 @@ from typing import Any
 
 from server.errors import ConfigError, LedgerError
 from server.ledger import Ledger
-from server.report import build_report, format_round_table, write_reports
+from server.report import build_report, format_round_table
+from server.report_files import write_reports
 
 __all__ = ["EXIT_AUDIT_FAILED", "EXIT_ERROR", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
 

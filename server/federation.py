@@ -54,7 +54,8 @@ from server.errors import ConfigError
 from server.ledger import Ledger
 from server.optimizer import STATE_PREFIX as OPTIMIZER_STATE
 from server.optimizer import ServerOptimizerConfig
-from server.report import build_report, format_round_table, round_rows, write_reports
+from server.report import build_report, format_round_table, round_rows
+from server.report_files import write_reports
 from server.strategy import AutoClip, PrismStrategy, RoundSummary, UpdateBound
 
 __all__ = ["ADAPTER_DIR", "make_run_dir", "no_adapter_reason", "run_federation"]

@@ -11,7 +11,8 @@ import torch
 import prism_core.mechanism
 import prism_runtime.trainer
 from client.policy import SIMULATION_DELTA, SIMULATION_EPSILON_CAP, site_policy
-from client.site import Site, released_event
+from client.reply import released_event
+from client.site import Site
 from client.site_ledger import SiteLedger
 from prism_core.accounting import PrivacyEvent, epsilon
 from prism_core.records import NoiseRecord

@@ -586,7 +586,7 @@ def test_dirichlet_rebalances_when_draws_leave_parts_empty() -> None:
 
 
 def test_label_out_of_range_names_file_line_and_range(tmp_path: Path) -> None:
-    from client.site import site_examples
+    from client.site_data import site_examples
     from prism_runtime.config import RunConfig, SiteConfig, parse_config
 
     path = tmp_path / "site.jsonl"

@@ -332,7 +332,9 @@ def test_bad_settings_give_clear_errors(tiny_bert, sst2_rows):
     lm = load_model(ModelConfig(model=tiny_bert, rank=4))
     with pytest.raises(ConfigError, match="batch_size=64 is larger than the dataset"):
         PrivateTrainer(
-            lm, _dataset(lm, sst2_rows[:10]), TrainConfig(noise_multiplier=1.0, progress=False)
+            lm,
+            _dataset(lm, sst2_rows[:10]),
+            TrainConfig(noise_multiplier=1.0, batch_size=64, progress=False),
         )
 
 

@@ -36,7 +36,8 @@ from prism_runtime.protocol import (
 from server.audit.accountants import check_ledger
 from server.federation import _auto_clip
 from server.ledger import Ledger
-from server.report import build_report, write_reports
+from server.report import build_report
+from server.report_files import write_reports
 from server.strategy import AutoClip, PrismStrategy, UpdateBound
 
 TRAIN = "prism-tangent-gaussian"

@@ -19,8 +19,8 @@ from server.report import (
     format_round_table,
     projected_rounds_left,
     round_rows,
-    write_reports,
 )
+from server.report_files import write_reports
 
 DELTA = 1e-5
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

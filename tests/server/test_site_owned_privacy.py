@@ -48,8 +48,8 @@ from server.report import (
     build_report,
     format_round_table,
     round_rows,
-    write_reports,
 )
+from server.report_files import write_reports
 from server.strategy import PrismStrategy
 
 MODULE = "layer.0.q"
