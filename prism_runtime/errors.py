@@ -1,4 +1,6 @@
-"""Exceptions raised by the ``client`` package. Each message says what was found and what to do."""
+"""Exceptions of the shared runtime and the site (``prism_runtime``, ``client``); ``ConfigError`` is
+also the coordinator's (``server.errors`` re-exports it: one class for a bad setting anywhere).
+Each message says what was found and what to do."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ __all__ = ["AccountingMismatchError", "ClientError", "ConfigError", "DataError"]
 
 
 class ClientError(Exception):
-    """Base class of every error raised by the ``client`` package."""
+    """Base class of every error raised by ``prism_runtime`` and ``client``."""
 
 
 class DataError(ClientError, ValueError):
@@ -18,7 +20,8 @@ class DataError(ClientError, ValueError):
 
 
 class ConfigError(ClientError, ValueError):
-    """A client setting is invalid or inconsistent (e.g. a batch size larger than the data)."""
+    """A setting is invalid or inconsistent (e.g. a batch size larger than the data), on a site or
+    at the coordinator: the one ConfigError class of prism-fl."""
 
 
 class AccountingMismatchError(ClientError, RuntimeError):

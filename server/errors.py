@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from prism_runtime.errors import ConfigError  # the one class: a bad setting on either side
+
 __all__ = [
     "ConfigError",
     "InvalidEventError",
@@ -31,10 +33,6 @@ class InvalidEventError(LedgerError, ValueError):
 class LedgerConflictError(LedgerError):
     """A site already has a different confirmed record for the same (run, round); nothing was
     written and the stored record is kept."""
-
-
-class ConfigError(ServerError, ValueError):
-    """A server setting is invalid or inconsistent."""
 
 
 class SitesUnavailableError(ServerError):

@@ -170,6 +170,7 @@ class _Replayer:
         config = TrainConfig(
             noise_multiplier=settings.noise_multiplier,
             max_norm=1.0,
+            head_max_norm=None,  # one joint clip: set_clip moves the whole sensitivity C
             batch_size=settings.expected_batch_size,
             micro_batch_size=settings.micro_batch_size,
             seed=settings.seed,

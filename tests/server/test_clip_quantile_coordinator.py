@@ -15,7 +15,6 @@ import pytest
 import torch
 from conftest import random_point
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
 
 from client.policy import site_policy
 from client.site import Site
@@ -42,11 +41,6 @@ from server.strategy import AutoClip, PrismStrategy, UpdateBound
 
 TRAIN = "prism-tangent-gaussian"
 K = 3
-
-
-@pytest.fixture(autouse=True)
-def _flower_identity():
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
 
 
 class _Grid:

@@ -14,20 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
-from flwr.supercore.task_identity import TaskIdentity
 from resume_driver import LoopbackGrid
 
 from prism_runtime.config import RunConfig, parse_config
 from server.errors import SitesUnavailableError
 from server.federation import run_federation
-
-
-@pytest.fixture(autouse=True)
-def _flower_identity(monkeypatch):
-    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
-    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
-    monkeypatch.delenv("PRISM_FL_RNG_SECRET", raising=False)
 
 
 def _values(model: str, run_dir: Path) -> dict[str, object]:

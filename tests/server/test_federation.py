@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
 from safetensors.torch import load_file
 from sitegrid import LoopbackSites
 
@@ -36,11 +35,6 @@ SITES = {  # node -> (sigma, shard size, seed of its update)
 }
 AGGREGATIONS = ("inverse-noise", "uniform", "examples")
 SCALE = 2e-3  # entry size of the scripted updates: well inside the honest-update bound
-
-
-@pytest.fixture(autouse=True)
-def _flower_identity():
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
 
 
 def _weights(aggregation: str) -> dict[int, float]:

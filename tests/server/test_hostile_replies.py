@@ -21,10 +21,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -143,11 +141,6 @@ BAD_RANGES = [
     ("num-examples", 0),
     ("server-round", -2),
 ]
-
-
-@pytest.fixture(autouse=True)
-def _flower_identity():
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
 
 
 class _Grid:

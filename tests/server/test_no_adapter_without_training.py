@@ -16,8 +16,6 @@ import json
 import logging
 from pathlib import Path
 
-import pytest
-from flwr.supercore.task_identity import TaskIdentity
 from resume_driver import LoopbackGrid
 
 from client.policy import SIMULATION_EPSILON_CAP
@@ -25,14 +23,6 @@ from prism_runtime.config import RunConfig, parse_config
 from server.federation import run_federation
 
 SITES = 2
-
-
-@pytest.fixture(autouse=True)
-def _flower_identity(monkeypatch):
-    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
-    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
-    monkeypatch.delenv("PRISM_FL_RNG_SECRET", raising=False)
 
 
 def _run(model: str, run_dir: Path, **changes: object) -> Path:

@@ -24,7 +24,6 @@ import pytest
 import torch
 from conftest import random_point
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
 from sitegrid import LoopbackSites
 
 from prism_core.accounting import PrivacyEvent, epsilon
@@ -57,11 +56,6 @@ M, N, R = 10, 8, 2
 NODES = [11, 12, 13]
 TAU, SIGMA, Q, DELTA = 2, 1.0, 0.05, 1e-5
 SECRET = "patient 4711: HbA1c 9.3%"
-
-
-@pytest.fixture(autouse=True)
-def _flower_identity():
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
 
 
 class _Grid(LoopbackSites):

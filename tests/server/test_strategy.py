@@ -6,7 +6,6 @@ import pytest
 import torch
 from conftest import random_point
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
 from sitegrid import LoopbackSites
 
 from prism_core.accounting import PrivacyEvent, epsilon
@@ -17,11 +16,6 @@ from server.strategy import PrismStrategy, UpdateBound
 
 MODULES = ["layer.0.q", "layer.0.v"]
 SHAPES = {"layer.0.q": (12, 10, 3), "layer.0.v": (12, 10, 3)}
-
-
-@pytest.fixture(autouse=True)
-def _flower_identity():
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
 
 
 class _Grid:

@@ -12,7 +12,6 @@ import math
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
 
 from client.policy import site_policy
 from client.site import Site
@@ -55,11 +54,6 @@ def test_the_written_out_dp_step_bound_is_above_a_brute_force_maximum():
     assert int((norms > bound).sum()) <= 1e-3 * draws
     tight = _dp_step_bound(C=C, sigma=sigma, b=b, q=q, dimension=D, failure=1e-9)
     assert 0.5 * tight < float(norms.max()) <= tight
-
-
-@pytest.fixture(autouse=True)
-def _flower_identity():
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
 
 
 class _Grid:
