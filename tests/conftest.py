@@ -135,3 +135,16 @@ def sst2_rows() -> list[dict]:
     """The first 200 SST-2 training rows (real data); skips without the shared data folder."""
     with open(shared_data_file("sst2/train.jsonl")) as f:
         return [json.loads(next(f)) for _ in range(200)]
+
+
+@pytest.fixture
+def flower_identity(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The task identity Flower's messages read outside a running app (restored afterwards),
+    and no site secret inherited from the environment (sites draw from the OS). Coordinator
+    tests use it with ``pytestmark = pytest.mark.usefixtures("flower_identity")``."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+    monkeypatch.delenv("PRISM_FL_RNG_SECRET", raising=False)

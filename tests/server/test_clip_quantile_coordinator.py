@@ -39,6 +39,8 @@ from server.report import build_report
 from server.report_files import write_reports
 from server.strategy import AutoClip, PrismStrategy, UpdateBound
 
+pytestmark = pytest.mark.usefixtures("flower_identity")
+
 TRAIN = "prism-tangent-gaussian"
 K = 3
 

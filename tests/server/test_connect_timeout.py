@@ -20,6 +20,8 @@ from prism_runtime.config import RunConfig, parse_config
 from server.errors import SitesUnavailableError
 from server.federation import run_federation
 
+pytestmark = pytest.mark.usefixtures("flower_identity")
+
 
 def _values(model: str, run_dir: Path) -> dict[str, object]:
     return {

@@ -28,6 +28,8 @@ from prism_runtime.protocol import (
 )
 from server.federation import run_federation
 
+pytestmark = pytest.mark.usefixtures("flower_identity")
+
 C, BATCH, EXAMPLES = 1.0, 16, 64
 SITES = {  # node -> (sigma, shard size, seed of its update)
     11: (1.0, 100, 1),

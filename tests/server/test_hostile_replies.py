@@ -21,6 +21,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 from hypothesis import HealthCheck, Phase, given, settings
@@ -37,6 +38,8 @@ from prism_runtime.protocol import (
 )
 from server.ledger import Ledger
 from server.strategy import PrismStrategy, UpdateBound
+
+pytestmark = pytest.mark.usefixtures("flower_identity")
 
 MODULES = ["m.0", "m.1"]
 SHAPE = (8, 6, 2)  # m, n, r
@@ -66,6 +69,7 @@ CHARGED = (  # facts fine, update bad: rejected, but the spent steps are recorde
     "update-not-arrays",
     "garbled-payload",
 )
+
 MISMATCH = (  # facts of this round from this site, not what was configured: unconfirmed charge
     "wrong-steps",
     "wrong-mechanism",

@@ -16,11 +16,14 @@ import json
 import logging
 from pathlib import Path
 
+import pytest
 from resume_driver import LoopbackGrid
 
 from client.policy import SIMULATION_EPSILON_CAP
 from prism_runtime.config import RunConfig, parse_config
 from server.federation import run_federation
+
+pytestmark = pytest.mark.usefixtures("flower_identity")
 
 SITES = 2
 
@@ -48,6 +51,7 @@ def _run(model: str, run_dir: Path, **changes: object) -> Path:
 def test_a_run_where_every_site_refused_exports_no_adapter_and_says_why(
     tiny_bert, tmp_path, capsys
 ):
+
     above_cap = SIMULATION_EPSILON_CAP + 1.0  # every site's own cap refuses this request
     # the apps' own log set-up stops propagation to the root logger: listen on the logger itself
     records: list[logging.LogRecord] = []

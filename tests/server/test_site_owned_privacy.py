@@ -51,6 +51,8 @@ from server.report import (
 from server.report_files import write_reports
 from server.strategy import PrismStrategy
 
+pytestmark = pytest.mark.usefixtures("flower_identity")
+
 MODULE = "layer.0.q"
 M, N, R = 10, 8, 2
 NODES = [11, 12, 13]

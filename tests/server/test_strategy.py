@@ -14,6 +14,8 @@ from prism_runtime.protocol import ACCOUNTING, CONFIG, ROUND_NONCE, SERVER_ROUND
 from server.ledger import Ledger
 from server.strategy import PrismStrategy, UpdateBound
 
+pytestmark = pytest.mark.usefixtures("flower_identity")
+
 MODULES = ["layer.0.q", "layer.0.v"]
 SHAPES = {"layer.0.q": (12, 10, 3), "layer.0.v": (12, 10, 3)}
 

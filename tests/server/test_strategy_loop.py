@@ -15,6 +15,8 @@ from server.ledger import Ledger
 from server.strategy import PrismStrategy
 from server.strategy.loop import run_rounds, stream_replies
 
+pytestmark = pytest.mark.usefixtures("flower_identity")
+
 MODULES = ["layer.0.q", "layer.0.v"]
 M, N, R = 12, 10, 3
 TAU = 2

@@ -22,6 +22,8 @@ from prism_runtime.trainer import MECHANISMS
 from server.ledger import Ledger
 from server.strategy import PrismStrategy, UpdateBound
 
+pytestmark = pytest.mark.usefixtures("flower_identity")
+
 MARGIN = 0.5  # an honest update uses less than half of the bound
 
 
