@@ -8,6 +8,8 @@ import pytest
 import torch
 from conftest import random_point
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.common.constant import SUPERLINK_NODE_ID
+from flwr.supercore.task_identity import TaskIdentity
 from sitegrid import Arrival, FlowerSites
 
 from prism_runtime.protocol import ACCOUNTING, CONFIG, ROUND_NONCE, SERVER_ROUND, UPDATE, key
@@ -15,11 +17,16 @@ from server.ledger import Ledger
 from server.strategy import PrismStrategy
 from server.strategy.loop import run_rounds, stream_replies
 
-pytestmark = pytest.mark.usefixtures("flower_identity")
-
 MODULES = ["layer.0.q", "layer.0.v"]
 M, N, R = 12, 10, 3
 TAU = 2
+
+
+@pytest.fixture(autouse=True)
+def _flower_identity():
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, SUPERLINK_NODE_ID, 1
+    yield
+    TaskIdentity.node_id = 0
 
 
 def _global():
