@@ -548,7 +548,7 @@ def run(values: Mapping[str, Any], sources: Mapping[str, str]) -> int:
         "max_length": max_length,
         "lr": train_cfg.lr,
         "head": model_cfg.head if task == "seq-cls" else None,
-        "head_lr": (train_cfg.head_lr or train_cfg.lr) if task == "seq-cls" else None,
+        "head_lr": train_cfg.head_learning_rate if task == "seq-cls" else None,
         "head_optimizer": train_cfg.head_optimizer if task == "seq-cls" else None,
         "head_max_norm": train_cfg.head_max_norm if task == "seq-cls" else None,
         "classifier": _classifier_facts(loaded) if task == "seq-cls" else None,

@@ -4,7 +4,6 @@ and the accounting facts read from the mechanism's own records."""
 from __future__ import annotations
 
 import hashlib
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,8 +14,6 @@ from torch import Tensor
 from prism_core.accounting import PrivacyEvent, events_from_records
 from prism_core.records import NoiseRecord
 from prism_runtime.errors import AccountingMismatchError
-
-log = logging.getLogger(__name__)
 
 
 @dataclass

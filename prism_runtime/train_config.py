@@ -120,6 +120,11 @@ class TrainConfig(BaseModel):
     )
     progress: bool = Field(True, description="tqdm progress bar on stderr")
 
+    @property
+    def head_learning_rate(self) -> float:
+        """The head's lr: ``head_lr``, or ``lr`` when it is None (as the run config's -1)."""
+        return self.head_lr or self.lr
+
     @model_validator(mode="before")
     @classmethod
     def _default_head_share(cls, data: Any) -> Any:

@@ -160,7 +160,7 @@ def _head_optimizer(head: Sequence[nn.Parameter], cfg: TrainConfig) -> torch.opt
     heavy-ball velocity ``v <- beta v + g`` of the DP gradients (``momentum``; the velocity is
     post-processing of DP releases and persists with the trainer across rounds)."""
     momentum = HEAD_MOMENTUM if cfg.head_optimizer == "momentum" else 0.0
-    return torch.optim.SGD(head, lr=cfg.head_lr or cfg.lr, momentum=momentum)
+    return torch.optim.SGD(head, lr=cfg.head_learning_rate, momentum=momentum)
 
 
 def _grad_sample(p: Tensor) -> Tensor:
@@ -333,7 +333,7 @@ class PrivateTrainer:
         if self.is_private:
             self.module = GradSampleModule(model, batch_first=True, loss_reduction="sum")
             self.module.train()
-        head_lr, head = cfg.head_lr or cfg.lr, self.loaded.head_params
+        head_lr, head = cfg.head_learning_rate, self.loaded.head_params
         sgd_head = head and cfg.head_optimizer in SGD_HEADS
         head_opt = _head_optimizer(head, cfg) if sgd_head else None
         if cfg.method == "prism":

@@ -223,10 +223,9 @@ def run_federation(grid: Grid, run: RunConfig, *, faults: Faults = NO_FAULTS) ->
             server_optimizer=ServerOptimizerConfig(kind=run.server_optimizer, lr=run.server_lr),
             local_lr=run.lr,
             seed=run.seed,
-            # the sites' trainer: PRISM's adaptive transform, AdamW or SGD (head-optimizer) for the
-            # head, AdamW for the baselines
-            # derived from the TrainConfig the sites derive from this run config; with
-            # max-norm = auto, at the largest clip a site's estimate can give (AutoClip.high)
+            # from the TrainConfig the sites derive from this run config (PRISM's adaptive
+            # transform, the head's SGD or AdamW, AdamW for the baselines); with max-norm = auto,
+            # at the largest clip a site's estimate can give (AutoClip.high)
             update_bound=UpdateBound.for_sites(
                 site_train_config(
                     run,

@@ -74,7 +74,7 @@ class UpdateBound:
             beta1=adaptive.beta1,
             beta2=adaptive.beta2,
             bias_correction=adaptive.bias_correction,
-            head_lr=train.head_lr or train.lr,
+            head_lr=train.head_learning_rate,
             head_betas=ADAMW_BETAS,
             head_optimizer=train.head_optimizer,
             max_norm=train.max_norm,
