@@ -199,7 +199,6 @@ def _local_grid(run_config: dict[str, Any], sites: int) -> Any:
                     node_config={
                         "partition-id": node - 1,
                         "num-partitions": sites,
-                        "share-num-examples": run_config.get("aggregation") == "examples",
                         # the study's operator runs every site: it allows the non-DP baseline
                         # and seeds the sites' randomness reproducibly (a site-held secret)
                         "allow-nondp": run_config["method"] == "nondp",

@@ -59,8 +59,8 @@ def aggregation_weights(
     Implements the weighting of DESIGN.md §3: ``inverse-noise`` gives
     ``w_k = s_k^-2 / sum_j s_j^-2`` with ``s_k = sigma_k C_k / b_k`` (the minimum-variance
     unbiased combination of updates with a common mean and independent noise); ``uniform``
-    gives ``1 / K``; ``examples`` gives ``N_k / sum_j N_j`` (FedAvg; needs the sites' shard
-    sizes, which are not DP).
+    gives ``1 / K``; ``examples`` gives ``N_k / sum_j N_j`` (FedAvg; the sites' shard sizes,
+    which are not DP: a site sampling at ``q_k = b / N_k`` states its size in ``q_k``).
 
     Args:
         mode: the aggregation rule.

@@ -179,9 +179,10 @@ class RunConfig(_Kebab):
         False, description="NON-PRIVATE opt-in: sites send their un-noised mean training loss"
     )
     aggregation: Literal["inverse-noise", "uniform", "examples"] = Field(
-        "inverse-noise",
-        description="weights of the sites' updates: inverse-noise (b / (sigma C))^2 from the "
-        "replies' checked facts, uniform, or examples (shard sizes; sites must share them)",
+        "examples",
+        description="weights of the sites' updates: examples (shard sizes N = b / q from the "
+        "replies' checked facts: the unbiased estimate of the pooled step under label skew), "
+        "inverse-noise ((b / (sigma C))^2: least noise when the sites' data agree), or uniform",
     )
     server_optimizer: Literal["sgd", "momentum", "adaptive"] = Field(
         "sgd",
@@ -288,8 +289,8 @@ class RunConfig(_Kebab):
             "secure-rng from the run config"
         ),
         "weight-by-examples": (
-            "use aggregation='examples' (FedAvg weights by shard size; sites must share it) or "
-            "the default aggregation='inverse-noise'"
+            "use aggregation='examples' (FedAvg weights by shard size, read from q = b / N) or "
+            "aggregation='inverse-noise'"
         ),
     }
 

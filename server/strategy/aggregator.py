@@ -32,6 +32,7 @@ Mode = Literal["tangent", "factor-average"]
 
 log = logging.getLogger("server.strategy")
 
+_SIZE_RTOL = 1e-6  # num-examples against b / q: q = b / N is a float64 division
 _MIN_RANK_RATIO = 1e-6  # s_r / s_1 of a retracted Z = A B.T below this: rank r is lost in float32
 
 
@@ -46,6 +47,8 @@ class StreamingAggregator:
         local_lr, local_steps: the sites' step, to express the aggregate's noise in update units.
         aggregation: ``inverse-noise``, ``uniform`` or ``examples`` (``prism_core.aggregation``).
         dp: whether the replies carry DP noise (non-DP: noise std 0, uniform inverse-noise).
+        expected_batch_size: the run's expected batch b (``examples``: a site's shard size is
+            ``b / q``; None: every reply must state ``num-examples``).
     """
 
     def __init__(
@@ -62,6 +65,7 @@ class StreamingAggregator:
         local_steps: int,
         aggregation: Aggregation,
         dp: bool,
+        expected_batch_size: float | None = None,
     ) -> None:
         self.modules, self.head, self.mode = modules, head, mode
         self.optimizer = optimizer
@@ -69,6 +73,7 @@ class StreamingAggregator:
         self.local_lr, self.local_steps = local_lr, local_steps
         self.aggregation: Aggregation = aggregation
         self.dp = dp
+        self.expected_batch_size = expected_batch_size
         self.broadcast: dict[str, Tensor] = {}
         self._sums: dict[str, Tensor] = {}
         self._total = 0.0
@@ -113,17 +118,40 @@ class StreamingAggregator:
 
         ``inverse-noise``: ``(b / (sigma C))^2`` from the reply's facts, which ``RunTerms.check``
         has matched against the run's C and b (post-processing of public parameters; exact in
-        the tangent space at the broadcast point); ``uniform``: 1; ``examples``: N_k (FedAvg;
-        needs sites that share their shard size). See ``prism_core.aggregation``.
+        the tangent space at the broadcast point); ``uniform``: 1; ``examples``: N_k
+        (``num_examples``). See ``prism_core.aggregation``.
         """
         if self.aggregation == "uniform":
             return 1.0
         if self.aggregation == "examples":
-            if "num-examples" not in facts:
-                raise ReplyError("aggregation=examples but the reply has no num-examples", "facts")
-            return float(facts["num-examples"])
+            return self.num_examples(facts)
         std = self.noise_std(facts)
         return 1.0 if std == 0 else 1.0 / (std * std)
+
+    def num_examples(self, facts: dict[str, Any]) -> float:
+        """A site's shard size N_k from its CHECKED facts, for ``examples`` weights.
+
+        A site samples at ``q = b / N`` (capped at 1), so its ``q`` and the run's expected batch
+        ``b`` already state N (docs/security.md: N is public); ``num-examples``, sent by a site
+        that shares it, must agree with ``b / q`` (to float rounding; at ``q = 1``, N <= b).
+        Raises ``ReplyError`` (``facts``) on a disagreement or when neither is known.
+        """
+        q = float(facts["q"])
+        implied = None if self.expected_batch_size is None else self.expected_batch_size / q
+        if "num-examples" not in facts:
+            if implied is None:
+                raise ReplyError("aggregation=examples but the reply has no num-examples", "facts")
+            return implied
+        stated = float(facts["num-examples"])
+        if implied is not None and not (
+            stated <= implied * (1 + _SIZE_RTOL)
+            if q >= 1.0
+            else math.isclose(stated, implied, rel_tol=_SIZE_RTOL, abs_tol=0.5)
+        ):
+            raise ReplyError(
+                f"num-examples {int(stated)} disagrees with b / q = {implied:.6g}", "facts"
+            )
+        return stated
 
     def _apply_checked(
         self, means: dict[str, Tensor], summary: RoundSummary

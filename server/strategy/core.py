@@ -172,6 +172,7 @@ class PrismStrategy(Strategy):
             local_steps=local_steps,
             aggregation=aggregation,
             dp=dp,
+            expected_batch_size=expected_batch_size,
         )
         self.charges = Charges(
             ledger=ledger,

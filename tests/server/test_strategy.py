@@ -310,13 +310,15 @@ def _closed_form_weights(aggregation):
     return [w / sum(raw) for w in raw]
 
 
-def _weighted_round(tmp_path, aggregation):
+def _weighted_round(tmp_path, aggregation, share_sizes=True):
+    """One round of three honest sites sampling at q = b / N_k (b = 16); with
+    ``share_sizes`` they also state ``num-examples`` (a site's opt-in)."""
     glob = _global()
     payloads = [
-        (arrays, {**facts, "num-examples": n})
+        (arrays, {**facts, "q": 16.0 / n, **({"num-examples": n} if share_sizes else {})})
         for (arrays, facts), n in zip(_noisy_payloads(glob, SIGMAS), SHARDS, strict=True)
     ]
-    folder = tmp_path / aggregation
+    folder = tmp_path / f"{aggregation}-{share_sizes}"
     folder.mkdir()
     strategy, _ = _strategy(folder, aggregation=aggregation, max_norm=0.05, expected_batch_size=16)
     new, metrics = _round(strategy, glob, payloads)
@@ -357,6 +359,38 @@ def test_the_applied_update_uses_the_configured_weights(tmp_path, aggregation):
         torch.testing.assert_close(got, want[module], atol=1e-5, rtol=1e-5)
         for other in others:
             assert float((got - other[module]).abs().max()) > 1e-3  # 100x the tolerance
+
+
+def test_examples_weights_need_no_opt_in_the_shard_size_is_b_over_q(tmp_path):
+    """``examples`` weights from the sites' q = b / N_k alone (no ``num-examples`` sent) are
+    the closed-form N_k weights: the same adapter as when the sites share their sizes."""
+    _, _, shared = _weighted_round(tmp_path, "examples", share_sizes=True)
+    glob, payloads, implied = _weighted_round(tmp_path, "examples", share_sizes=False)
+    assert all("num-examples" not in facts for _, facts in payloads)
+    want = _expected_z(glob, payloads, _closed_form_weights("examples"))
+    for module in MODULES:
+        got = implied[key(module, "A")].double() @ implied[key(module, "B")].double().T
+        torch.testing.assert_close(got, want[module], atol=1e-5, rtol=1e-5)
+        for part in ("A", "B"):
+            torch.testing.assert_close(
+                implied[key(module, part)], shared[key(module, part)], atol=1e-7, rtol=1e-6
+            )
+
+
+@pytest.mark.parametrize("stated", [41, 4000])
+def test_a_shard_size_that_disagrees_with_b_over_q_is_rejected(tmp_path, stated):
+    """A site sampling at q = 16 / 40 but claiming N = 4000 would buy 100x its weight: the
+    reply is rejected (``facts``) and the others are aggregated."""
+    glob = _global()
+    payloads = [
+        (arrays, {**facts, "q": 16.0 / n, "num-examples": n})
+        for (arrays, facts), n in zip(_noisy_payloads(glob, SIGMAS), SHARDS, strict=True)
+    ]
+    payloads[2][1]["num-examples"] = stated
+    strategy, _ = _strategy(tmp_path, aggregation="examples", max_norm=0.05, expected_batch_size=16)
+    _, metrics = _round(strategy, glob, payloads)
+    assert metrics["sites-accepted"] == 2
+    assert metrics["rejected-facts"] == 1
 
 
 @pytest.mark.parametrize(
