@@ -7,6 +7,11 @@ weighting ``sum_k w_k dZ_k`` with ``sum_k w_k = 1`` is an unbiased estimate of t
 expected update. Among those, inverse-variance weights ``w_k ~ (b_k / (sigma_k C_k))^2``
 minimise the variance of the aggregate's noise (Gauss-Markov / Aitken). Choosing weights from
 DP outputs and public parameters is post-processing: it costs no privacy.
+
+The common expected update is an assumption: under label skew each site's expected update
+leans to its own labels, and only shard-size weights ``w_k ~ N_k`` estimate the POOLED data's
+step without bias (each example counts once, as in centralised training), at little noise cost
+when the large sites are also the least noisy (``sigma_k`` falls with ``q_k = b / N_k``).
 """
 
 from __future__ import annotations
