@@ -32,6 +32,7 @@ Mode = Literal["tangent", "factor-average"]
 
 log = logging.getLogger("server.strategy")
 
+_MAX_EXAMPLES = 1e12  # the largest shard a reply may state (as for num-examples)
 _SIZE_RTOL = 1e-6  # num-examples against b / q: q = b / N is a float64 division
 _MIN_RANK_RATIO = 1e-6  # s_r / s_1 of a retracted Z = A B.T below this: rank r is lost in float32
 
@@ -138,6 +139,8 @@ class StreamingAggregator:
         """
         q = float(facts["q"])
         implied = None if self.expected_batch_size is None else self.expected_batch_size / q
+        if implied is not None and implied > _MAX_EXAMPLES:
+            raise ReplyError(f"q = {q:.3g} implies more than {_MAX_EXAMPLES:.0e} examples", "facts")
         if "num-examples" not in facts:
             if implied is None:
                 raise ReplyError("aggregation=examples but the reply has no num-examples", "facts")

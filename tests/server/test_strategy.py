@@ -377,6 +377,20 @@ def test_examples_weights_need_no_opt_in_the_shard_size_is_b_over_q(tmp_path):
             )
 
 
+def test_a_q_that_implies_an_impossible_shard_is_rejected(tmp_path):
+    """q = 1e-300 would state N = 1.6e301 and take all the weight: rejected (``facts``)."""
+    glob = _global()
+    payloads = [
+        (arrays, {**facts, "q": 16.0 / n})
+        for (arrays, facts), n in zip(_noisy_payloads(glob, SIGMAS), SHARDS, strict=True)
+    ]
+    payloads[0][1]["q"] = 1e-300
+    strategy, _ = _strategy(tmp_path, aggregation="examples", max_norm=0.05, expected_batch_size=16)
+    _, metrics = _round(strategy, glob, payloads)
+    assert metrics["sites-accepted"] == 2
+    assert metrics["rejected-facts"] == 1
+
+
 @pytest.mark.parametrize("stated", [41, 4000])
 def test_a_shard_size_that_disagrees_with_b_over_q_is_rejected(tmp_path, stated):
     """A site sampling at q = 16 / 40 but claiming N = 4000 would buy 100x its weight: the
