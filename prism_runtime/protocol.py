@@ -40,6 +40,7 @@ __all__ = [
     "ARRAYS",
     "CONFIG",
     "HEAD_PREFIX",
+    "MAX_EXAMPLES",
     "NONPRIVATE",
     "REFUSAL_REASONS",
     "RNG",
@@ -114,6 +115,8 @@ ACCOUNTING_KEYS = (
     "quantile-q",
     "quantile-steps",
 )
+MAX_EXAMPLES = 10**12
+"""The largest shard a reply may state: its ``num-examples``, or ``b / q`` for examples weights."""
 
 
 def key(module: str, part: str) -> str:

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from prism_core.aggregation import Aggregation, aggregate_noise_std, site_noise_std
 from prism_core.manifold import Point, Tangent
-from prism_runtime.protocol import HEAD_PREFIX, key
+from prism_runtime.protocol import HEAD_PREFIX, MAX_EXAMPLES, key
 from server.errors import ReplyError
 from server.optimizer import ServerOptimizer, scheduled_lr
 from server.strategy.rounds import RoundSummary
@@ -32,7 +32,6 @@ Mode = Literal["tangent", "factor-average"]
 
 log = logging.getLogger("server.strategy")
 
-_MAX_EXAMPLES = 1e12  # the largest shard a reply may state (as for num-examples)
 _SIZE_RTOL = 1e-6  # num-examples against b / q: q = b / N is a float64 division
 _MIN_RANK_RATIO = 1e-6  # s_r / s_1 of a retracted Z = A B.T below this: rank r is lost in float32
 
@@ -139,8 +138,8 @@ class StreamingAggregator:
         """
         q = float(facts["q"])
         implied = None if self.expected_batch_size is None else self.expected_batch_size / q
-        if implied is not None and implied > _MAX_EXAMPLES:
-            raise ReplyError(f"q = {q:.3g} implies more than {_MAX_EXAMPLES:.0e} examples", "facts")
+        if implied is not None and implied > MAX_EXAMPLES:
+            raise ReplyError(f"q = {q:.3g} implies more than {MAX_EXAMPLES:.0e} examples", "facts")
         if "num-examples" not in facts:
             if implied is None:
                 raise ReplyError("aggregation=examples but the reply has no num-examples", "facts")

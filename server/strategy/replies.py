@@ -22,6 +22,7 @@ from prism_core.records import ADJACENCY
 from prism_runtime.protocol import (
     ACCOUNTING,
     ACCOUNTING_KEYS,
+    MAX_EXAMPLES,
     REFUSAL_REASONS,
     RNG,
     RNG_MODES,
@@ -119,7 +120,7 @@ def validate_facts(facts: dict[str, Any]) -> dict[str, Any]:
     for name in ("max-norm", "expected-batch-size"):
         if name in facts and not 0 < float(facts[name]) <= _MAX_SCALE:
             raise ReplyError(f"{name}={facts[name]!r} is not in (0, {_MAX_SCALE:g}]", "facts")
-    if "num-examples" in facts and not 1 <= int(facts["num-examples"]) <= 10**12:
+    if "num-examples" in facts and not 1 <= int(facts["num-examples"]) <= MAX_EXAMPLES:
         raise ReplyError(f"num-examples={facts['num-examples']!r} is not in [1, 1e12]", "facts")
     if SERVER_ROUND in facts and int(facts[SERVER_ROUND]) < 0:
         raise ReplyError(f"server-round={facts[SERVER_ROUND]!r} is negative", "facts")

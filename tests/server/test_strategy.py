@@ -310,14 +310,19 @@ def _closed_form_weights(aggregation):
     return [w / sum(raw) for w in raw]
 
 
-def _weighted_round(tmp_path, aggregation, share_sizes=True):
-    """One round of three honest sites sampling at q = b / N_k (b = 16); with
-    ``share_sizes`` they also state ``num-examples`` (a site's opt-in)."""
-    glob = _global()
-    payloads = [
+def _sized_payloads(glob, share_sizes=True):
+    """Three honest sites sampling at q = b / N_k (b = 16, N_k = SHARDS); with ``share_sizes``
+    they also state ``num-examples`` (a site's opt-in)."""
+    return [
         (arrays, {**facts, "q": 16.0 / n, **({"num-examples": n} if share_sizes else {})})
         for (arrays, facts), n in zip(_noisy_payloads(glob, SIGMAS), SHARDS, strict=True)
     ]
+
+
+def _weighted_round(tmp_path, aggregation, share_sizes=True):
+    """One round of ``_sized_payloads`` under ``aggregation``."""
+    glob = _global()
+    payloads = _sized_payloads(glob, share_sizes)
     folder = tmp_path / f"{aggregation}-{share_sizes}"
     folder.mkdir()
     strategy, _ = _strategy(folder, aggregation=aggregation, max_norm=0.05, expected_batch_size=16)
@@ -380,10 +385,7 @@ def test_examples_weights_need_no_opt_in_the_shard_size_is_b_over_q(tmp_path):
 def test_a_q_that_implies_an_impossible_shard_is_rejected(tmp_path):
     """q = 1e-300 would state N = 1.6e301 and take all the weight: rejected (``facts``)."""
     glob = _global()
-    payloads = [
-        (arrays, {**facts, "q": 16.0 / n})
-        for (arrays, facts), n in zip(_noisy_payloads(glob, SIGMAS), SHARDS, strict=True)
-    ]
+    payloads = _sized_payloads(glob, share_sizes=False)
     payloads[0][1]["q"] = 1e-300
     strategy, _ = _strategy(tmp_path, aggregation="examples", max_norm=0.05, expected_batch_size=16)
     _, metrics = _round(strategy, glob, payloads)
@@ -396,10 +398,7 @@ def test_a_shard_size_that_disagrees_with_b_over_q_is_rejected(tmp_path, stated)
     """A site sampling at q = 16 / 40 but claiming N = 4000 would buy 100x its weight: the
     reply is rejected (``facts``) and the others are aggregated."""
     glob = _global()
-    payloads = [
-        (arrays, {**facts, "q": 16.0 / n, "num-examples": n})
-        for (arrays, facts), n in zip(_noisy_payloads(glob, SIGMAS), SHARDS, strict=True)
-    ]
+    payloads = _sized_payloads(glob)
     payloads[2][1]["num-examples"] = stated
     strategy, _ = _strategy(tmp_path, aggregation="examples", max_norm=0.05, expected_batch_size=16)
     _, metrics = _round(strategy, glob, payloads)
