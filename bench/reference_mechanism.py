@@ -18,7 +18,7 @@ from torch import Tensor
 from prism_core.manifold import Point, Tangent, work_dtype
 from prism_core.mechanism import (
     ClippedSum,
-    NoiseRecord,
+    PrivacyEvent,
     PrivateStep,
     clip_coefficients,
     validate_noise_parameters,
@@ -128,11 +128,12 @@ def privatize(
             xi = tangent_noise(p.A, p.B, generator)
             dA, dB = dA + scale * xi.dA.to(dA.dtype), dB + scale * xi.dB.to(dB.dtype)
         tangents.append(Tangent(dA / expected_batch_size, dB / expected_batch_size))
-    record = NoiseRecord(
+    record = PrivacyEvent(
         mechanism="prism-tangent-gaussian",
         noise_multiplier=float(noise_multiplier),
         max_norm=float(max_norm),
         expected_batch_size=float(expected_batch_size),
         sample_rate=float(sample_rate),
+        steps=1,
     )
     return PrivateStep(tangents, [], record)

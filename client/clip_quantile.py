@@ -28,14 +28,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from prism_core.accounting import PrivacyEvent
 from prism_core.quantile import (
+    QUANTILE_MECHANISM,
     clip_range,
     count_noise_multiplier,
     geometric_clip_update,
     noisy_fraction_below,
 )
-from prism_core.records import NoiseRecord
+from prism_core.records import PrivacyEvent
 from prism_runtime.config import RunConfig
 from prism_runtime.durable import atomic_write
 from prism_runtime.errors import ConfigError
@@ -89,7 +89,9 @@ class ClipPlan:
 
     def event(self) -> PrivacyEvent:
         """The privacy event of the K quantile steps (charged before they run)."""
-        return PrivacyEvent(self.noise_multiplier, self.sample_rate, self.steps)
+        return PrivacyEvent(
+            self.noise_multiplier, self.sample_rate, self.steps, mechanism=QUANTILE_MECHANISM
+        )
 
     def total(self, estimate: float) -> float:
         """The total clip C of an estimate: ``sqrt(C_lora^2 + C_head^2)`` in a split clip."""
@@ -108,7 +110,7 @@ class ClipEstimate:
 
     estimate: float
     max_norm: float
-    records: tuple[NoiseRecord, ...]
+    records: tuple[PrivacyEvent, ...]
 
 
 def estimate_clip(trainer: PrivateTrainer, plan: ClipPlan) -> ClipEstimate:

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from prism_core.accounting import PrivacyEvent, events_from_records
-from prism_core.records import NoiseRecord
+from prism_core.accounting import compose_events
+from prism_core.records import PrivacyEvent
 from prism_runtime.errors import AccountingMismatchError
 
 
@@ -35,14 +35,14 @@ def broadcast_digest(arrays: dict[str, Tensor]) -> str:
     return h.hexdigest()
 
 
-def released_event(records: Sequence[NoiseRecord], mechanism: str) -> PrivacyEvent:
+def released_event(records: Sequence[PrivacyEvent], mechanism: str) -> PrivacyEvent:
     """The one privacy event a round's mechanism records describe (Thm 3.4: tau equal steps).
 
     Raises:
         AccountingMismatchError: no records, records of another mechanism, or steps with
             different parameters (a round charges ONE event: sigma, q, tau).
     """
-    events = events_from_records(records)
+    events = compose_events(records)
     kinds = sorted({r.mechanism for r in records})
     if len(events) != 1 or kinds != [mechanism]:
         raise AccountingMismatchError(
@@ -52,7 +52,7 @@ def released_event(records: Sequence[NoiseRecord], mechanism: str) -> PrivacyEve
     return events[0]
 
 
-def noise_scale_facts(records: Sequence[NoiseRecord]) -> dict[str, float]:
+def noise_scale_facts(records: Sequence[PrivacyEvent]) -> dict[str, float]:
     """``max-norm`` (C) and ``expected-batch-size`` (b) of a round's records, for the coordinator's
     noise-aware weights ``(b / (sigma C))^2``; empty for a non-private round.
 
@@ -65,4 +65,6 @@ def noise_scale_facts(records: Sequence[NoiseRecord]) -> dict[str, float]:
     if len(scales) != 1:
         raise AccountingMismatchError(f"the round's steps used different (C, b): {sorted(scales)}")
     ((max_norm, expected),) = scales
+    if max_norm is None or expected is None:
+        raise AccountingMismatchError("the round's mechanism records lack their C or b")
     return {"max-norm": float(max_norm), "expected-batch-size": float(expected)}

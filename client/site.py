@@ -12,7 +12,7 @@ A round (DESIGN.md §3), in this order, so a refusal never costs anything:
    (``client.clip_quantile``): its own event is charged, the K quantile steps run at the
    broadcast point, the estimate is stored, and only then is the training event charged (the
    cap check before covers both, so the estimate is never spent on a round that cannot run);
-5. ``tau`` private steps; the mechanism's ``NoiseRecord``s must agree with the charge
+5. ``tau`` private steps; the mechanism's ``PrivacyEvent``s must agree with the charge
    (``AccountingMismatchError`` otherwise), and the reply's facts are built from them;
 6. the reply: the tangent update at the broadcast point
    (``prism_core.manifold.tangent_displacement``) plus accounting facts. Nothing computed from
@@ -212,7 +212,7 @@ class Site:
 
     @property
     def mechanism(self) -> str:
-        """The ``NoiseRecord.mechanism`` this site's method runs."""
+        """The ``PrivacyEvent.mechanism`` this site's method runs."""
         return MECHANISMS[self.method]
 
     # -- global state in and out -----------------------------------------------------------
@@ -325,16 +325,13 @@ class Site:
         """What ran (from the mechanism's records) must be what was charged before it ran.
 
         Raises:
-            AccountingMismatchError: sigma, q or the step count differ (the charge stays).
+            AccountingMismatchError: the mechanism, sigma, q, the step count, the sampling or
+                the adjacency differ (the charge stays).
         """
-        if (event.noise_multiplier, event.sample_rate, event.steps) != (
-            charged.sigma,
-            charged.q,
-            charged.steps,
-        ):
+        if event.accounted() != charged.event.accounted():
             raise AccountingMismatchError(
                 f"site {self.site_id} round {server_round}: {what} ran {event} but the site "
-                f"charged sigma={charged.sigma}, q={charged.q}, steps={charged.steps}"
+                f"charged {charged.event}"
             )
 
     def _released_facts(
@@ -353,7 +350,7 @@ class Site:
         if self.method == "nondp":  # no mechanism ran: nothing protects the data
             if records:
                 raise AccountingMismatchError("a non-private round returned noise records")
-            event = PrivacyEvent(0.0, self.sample_rate, len(results))
+            event = PrivacyEvent(0.0, self.sample_rate, len(results), mechanism=self.mechanism)
         else:
             event = released_event(records, self.mechanism)
         self._check_charged(server_round, "the mechanism", event, planned)
@@ -418,12 +415,11 @@ class Site:
         self.ledger.reload()  # another process may have charged this site since
         tau = self.run.local_steps
         history = [*self.ledger.events(), *before]
-        planned = SiteLedgerEntry(
-            server_round, self.mechanism, self.sigma, self.sample_rate, tau, self.delta
-        )
+        event = PrivacyEvent(self.sigma, self.sample_rate, tau, mechanism=self.mechanism)
+        planned = SiteLedgerEntry(server_round, event, self.delta)
         if self.method == "nondp":  # allowed by the site's policy: recorded, never capped
             return planned
-        if epsilon([*history, planned.event()], self.delta) > self.epsilon_cap:
+        if epsilon([*history, planned.event], self.delta) > self.epsilon_cap:
             log.info(
                 "site %s: %d more steps would pass its cap epsilon=%s (spent %.4f at delta=%s)",
                 self.site_id,
@@ -509,14 +505,7 @@ class Site:
         at the broadcast point, then the estimate is stored atomically. A crash before the
         store makes a restarted site estimate (and charge) again: counted twice, never zero.
         """
-        entry = SiteLedgerEntry(
-            server_round,
-            QUANTILE_MECHANISM,
-            plan.noise_multiplier,
-            plan.sample_rate,
-            plan.steps,
-            self.delta,
-        )
+        entry = SiteLedgerEntry(server_round, plan.event(), self.delta)
         attempt = len(self.ledger.entries())
         self.ledger.charge(entry)
         load_arrays(self.loaded, arrays)

@@ -26,19 +26,30 @@ import json
 import logging
 import math
 import os
-import types
 import typing
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from prism_core.accounting import PrivacyEvent, epsilon
+from prism_core.accounting import epsilon
+from prism_core.records import EventColumns, PrivacyEvent
 from prism_runtime.durable import fsync_dir, locked, make_dirs
 from prism_runtime.errors import ConfigError
 
 __all__ = ["SiteLedger", "SiteLedgerEntry"]
 
 log = logging.getLogger(__name__)
+
+_FIELDS: dict[str, type] = {
+    "server_round": int,
+    "mechanism": str,
+    "sigma": float,
+    "q": float,
+    "steps": int,
+    "delta": float,
+}
+"""A ledger line: one JSON object with exactly these fields (the file format, unchanged since
+the first site ledger)."""
 
 _RANGES: dict[str, tuple[str, typing.Callable[[Any], bool]]] = {
     "server_round": (">= 0", lambda v: v >= 0),
@@ -51,18 +62,31 @@ _RANGES: dict[str, tuple[str, typing.Callable[[Any], bool]]] = {
 
 
 @dataclass(frozen=True)
-class SiteLedgerEntry:
-    """One charge: ``steps`` subsampled-Gaussian steps of a round."""
+class SiteLedgerEntry(EventColumns):
+    """One charge: the privacy event of a round (``steps`` subsampled-Gaussian steps of one
+    mechanism), at the site's delta; ``mechanism``, ``sigma``, ``q`` and ``steps`` (the file's
+    fields) read through to the event (``EventColumns``)."""
 
     server_round: int
-    mechanism: str
-    sigma: float
-    q: float
-    steps: int
+    event: PrivacyEvent
     delta: float
 
-    def event(self) -> PrivacyEvent:
-        return PrivacyEvent(self.sigma, self.q, self.steps)
+    def to_json(self) -> dict[str, Any]:
+        """The entry's line in the ledger file (``_FIELDS``)."""
+        return {
+            "server_round": self.server_round,
+            "mechanism": self.event.mechanism,
+            "sigma": self.event.noise_multiplier,
+            "q": self.event.sample_rate,
+            "steps": self.event.steps,
+            "delta": self.delta,
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> SiteLedgerEntry:
+        """The entry of a checked ledger line (``_entry_problem`` found nothing wrong)."""
+        event = PrivacyEvent(obj["sigma"], obj["q"], obj["steps"], mechanism=obj["mechanism"])
+        return cls(obj["server_round"], event, obj["delta"])
 
 
 class _Parsed(NamedTuple):
@@ -74,40 +98,32 @@ class _Parsed(NamedTuple):
     unterminated: bool
 
 
-def _type_ok(value: Any, hint: Any) -> bool:
-    """Whether a JSON value fits a field annotation (numbers finite; bool is not a number)."""
-    if hint is float:
+def _type_ok(value: Any, kind: type) -> bool:
+    """Whether a JSON value is of a field's type (numbers finite; bool is not a number)."""
+    if kind is float:
         number = isinstance(value, int | float) and not isinstance(value, bool)
         return number and math.isfinite(value)
-    if hint is int:
+    if kind is int:
         return isinstance(value, int) and not isinstance(value, bool)
-    if hint is type(None):
-        return value is None
-    if isinstance(hint, type):
-        return isinstance(value, hint)
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return any(_type_ok(value, arg) for arg in typing.get_args(hint))
-    return True  # an annotation this check does not know: the dataclass decides
+    return isinstance(value, kind)
 
 
 def _entry_problem(obj: Any) -> str | None:
     """Why a parsed JSON value is not a ``SiteLedgerEntry``, or None if it is one."""
     if not isinstance(obj, dict):
         return f"expected a JSON object, found {type(obj).__name__}"
-    hints = typing.get_type_hints(SiteLedgerEntry)
-    known = {f.name: f for f in fields(SiteLedgerEntry)}
-    unknown = sorted(set(obj) - set(known))
-    required = [n for n, f in known.items() if f.default is MISSING and n not in obj]
+    unknown = sorted(set(obj) - set(_FIELDS))
+    required = [name for name in _FIELDS if name not in obj]
     problems = []
     if unknown:
         problems.append(f"unknown fields {unknown}")
     if required:
         problems.append(f"missing fields {required}")
     for name, value in obj.items():
-        if name not in known:
+        if name not in _FIELDS:
             continue
-        if not _type_ok(value, hints[name]):
-            problems.append(f"{name}={value!r} is not of type {hints[name]}")
+        if not _type_ok(value, _FIELDS[name]):
+            problems.append(f"{name}={value!r} is not of type {_FIELDS[name].__name__}")
         elif name in _RANGES and not _RANGES[name][1](value):
             problems.append(f"{name}={value!r} must be {_RANGES[name][0]}")
     return "; ".join(problems) if problems else None
@@ -155,7 +171,7 @@ class SiteLedger:
             if problem is not None:
                 raise self._damaged(number, f"not a prism-fl site ledger entry: {problem}")
             try:
-                entries.append(SiteLedgerEntry(**obj))
+                entries.append(SiteLedgerEntry.from_json(obj))
             except (TypeError, ValueError) as exc:
                 raise self._damaged(number, f"not a prism-fl site ledger entry ({exc})") from exc
         return _Parsed(entries, None, bool(lines[-1]))
@@ -183,7 +199,7 @@ class SiteLedger:
         return list(self._entries)
 
     def events(self) -> list[PrivacyEvent]:
-        return [e.event() for e in self._entries if e.steps > 0]
+        return [e.event for e in self._entries if e.steps > 0]
 
     def charge(self, entry: SiteLedgerEntry) -> None:
         """Append and fsync one entry before the steps it describes run.
@@ -193,7 +209,7 @@ class SiteLedger:
         file, and fsync the folder if this charge created the file. On return the charge
         survives power loss.
         """
-        line = (json.dumps(asdict(entry), sort_keys=True) + "\n").encode()
+        line = (json.dumps(entry.to_json(), sort_keys=True) + "\n").encode()
         with locked(self.path.parent / self.LOCK):
             created = not self.path.exists()
             with self.path.open("a+b") as f:

@@ -6,12 +6,14 @@ Pure functions on tensors (no Flower, no I/O):
 - ``mechanism``: global intrinsic clipping and tangent Gaussian noise (eqs. 16-19).
 - ``adaptive``: DP-aware gauge-invariant adaptive transform (eqs. 24-26).
 - ``baselines``: factor-space DP-LoRA, FFA-LoRA and non-DP gradients for comparison.
+- ``records``: ``PrivacyEvent``, the one record of a privacy event, from the mechanism to the
+  ledgers.
 - ``accounting``: epsilon from mechanism histories with Opacus' PRV (RDP cross-check).
 - ``quantile``: a private clip norm, the DP quantile estimate of Andrew et al. (2021).
 - ``rng``: seeded or secure (OS CSPRNG) noise sources.
 """
 
 from prism_core.manifold import Point, Tangent
-from prism_core.records import NoiseRecord
+from prism_core.records import PrivacyEvent
 
-__all__ = ["NoiseRecord", "Point", "Tangent"]
+__all__ = ["Point", "PrivacyEvent", "Tangent"]

@@ -1,9 +1,10 @@
 """Privacy accounting: epsilon from a history of subsampled Gaussian steps (Thm 3.4, App. A.25).
 
-Thin wrappers over Opacus' accountants. The history is a list of ``PrivacyEvent``s (sigma, q,
-steps); epsilon is always recomputed from the whole history, never summed. PRV (Gopi et al.
-2021) is the reported value; RDP is a looser cross-check that must never be smaller.
-Knows nothing about tensors: mechanism records come in through ``events_from_records``.
+Thin wrappers over Opacus' accountants. The history is a list of ``PrivacyEvent``s
+(``prism_core.records``: sigma, q, steps); epsilon is always recomputed from the whole history,
+never summed. PRV (Gopi et al. 2021) is the reported value; RDP is a looser cross-check that
+must never be smaller.
+Knows nothing about tensors: the mechanisms emit the same ``PrivacyEvent`` (one per step).
 """
 
 from __future__ import annotations
@@ -12,14 +13,14 @@ import functools
 import math
 import warnings
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from opacus.accountants import PRVAccountant, RDPAccountant
 from opacus.accountants.utils import get_noise_multiplier
 
 from prism_core.errors import AccountingError, PrivacyParameterError
-from prism_core.records import ADJACENCY, NoiseRecord
+from prism_core.records import ADJACENCY, PrivacyEvent
 
 __all__ = [
     "EpsilonReport",
@@ -28,7 +29,6 @@ __all__ = [
     "compose_events",
     "epsilon",
     "epsilon_report",
-    "events_from_records",
     "max_steps",
 ]
 
@@ -36,33 +36,6 @@ Accountant = Literal["prv", "rdp"]
 
 PRV_EPS_ERROR = 0.01
 """Discretisation error passed to Opacus' PRV accountant; its ``eps_upper`` bound is returned."""
-
-
-@dataclass(frozen=True)
-class PrivacyEvent:
-    """``steps`` compositions of a Poisson-subsampled Gaussian mechanism.
-
-    Attributes:
-        noise_multiplier: sigma (noise std / sensitivity).
-        sample_rate: Poisson rate q.
-        steps: number of steps with these parameters.
-        sampling: must be ``"poisson"`` to be accounted with subsampling amplification.
-        adjacency: neighbouring relation, ``"add-remove"``.
-    """
-
-    noise_multiplier: float
-    sample_rate: float
-    steps: int
-    sampling: str = "poisson"
-    adjacency: str = ADJACENCY
-
-    def __post_init__(self) -> None:
-        if not (self.noise_multiplier >= 0 and math.isfinite(self.noise_multiplier)):
-            raise PrivacyParameterError(f"noise_multiplier={self.noise_multiplier!r} must be >= 0")
-        if not 0 < self.sample_rate <= 1:
-            raise PrivacyParameterError(f"sample_rate={self.sample_rate!r} must be in (0, 1]")
-        if self.steps < 0:
-            raise PrivacyParameterError(f"steps={self.steps!r} must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -80,37 +53,32 @@ def _check_delta(delta: float) -> None:
 
 
 def compose_events(events: Iterable[PrivacyEvent]) -> list[PrivacyEvent]:
-    """Merge consecutive events with equal parameters; drop zero-step events.
+    """Merge consecutive events equal in everything but ``steps``; drop zero-step events.
 
-    Implements the composition bookkeeping of Thm 3.4 / App. A.25 of PRISM (T identical steps).
+    Implements the composition bookkeeping of Thm 3.4 / App. A.25 of PRISM (T identical steps):
+    the per-step events a mechanism emits compose into one event of T steps.
     """
     merged: list[PrivacyEvent] = []
     for e in events:
         if e.steps == 0:
             continue
-        last = merged[-1] if merged else None
-        if last and (last.noise_multiplier, last.sample_rate, last.sampling, last.adjacency) == (
-            e.noise_multiplier,
-            e.sample_rate,
-            e.sampling,
-            e.adjacency,
-        ):
-            merged[-1] = PrivacyEvent(
-                e.noise_multiplier, e.sample_rate, last.steps + e.steps, e.sampling, e.adjacency
-            )
+        if merged and merged[-1].same_but_steps(e):
+            merged[-1] = replace(merged[-1], steps=merged[-1].steps + e.steps)
         else:
             merged.append(e)
     return merged
 
 
-def events_from_records(records: Iterable[NoiseRecord]) -> list[PrivacyEvent]:
-    """One event per mechanism record (one step each), merged with ``compose_events``.
-
-    Implements Thm 3.4 of PRISM: each record is one subsampled Gaussian mechanism.
-    """
-    return compose_events(
-        PrivacyEvent(r.noise_multiplier, r.sample_rate, 1, r.sampling, r.adjacency) for r in records
-    )
+def _accountant_key(history: Sequence[PrivacyEvent]) -> tuple[tuple[float, float, int], ...]:
+    """``(sigma, q, steps)`` runs of a composed history, equal neighbours merged whatever their
+    mechanism or clip (the accountant sees only sigma and q)."""
+    key: list[tuple[float, float, int]] = []
+    for e in history:
+        if key and key[-1][:2] == (e.noise_multiplier, e.sample_rate):
+            key[-1] = (e.noise_multiplier, e.sample_rate, key[-1][2] + e.steps)
+        else:
+            key.append((e.noise_multiplier, e.sample_rate, e.steps))
+    return tuple(key)
 
 
 def epsilon(
@@ -139,8 +107,7 @@ def epsilon(
         return 0.0
     if any(e.noise_multiplier == 0 for e in history):
         return math.inf
-    key = tuple((e.noise_multiplier, e.sample_rate, e.steps) for e in history)
-    return _accountant_epsilon(key, delta, accountant)
+    return _accountant_epsilon(_accountant_key(history), delta, accountant)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -11,7 +11,7 @@
 - Non-DP LoRA: the plain mean gradient of the realised batch.
 
 The optimizer step itself is ``torch.optim.AdamW`` on the factors (the trainer owns it); this
-module only produces the privatized gradients and a ``NoiseRecord`` for the accountant.
+module only produces the privatized gradients and a ``PrivacyEvent`` for the accountant.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch import Tensor
 
 from prism_core.manifold import work_dtype
 from prism_core.mechanism import (
-    NoiseRecord,
+    PrivacyEvent,
     clip_coefficients,
     split_max_norm,
     validate_noise_parameters,
@@ -106,7 +106,7 @@ def factor_privatize(
     generator: NoiseSource,
     sampling: str = "poisson",
     mechanism: str = "factor-gaussian",
-) -> tuple[list[Tensor], NoiseRecord]:
+) -> tuple[list[Tensor], PrivacyEvent]:
     """Add i.i.d. ``N(0, sigma^2 C^2)`` noise to every summed factor entry, divide by b.
 
     Implements eq. (3) of PRISM (the factor-space baseline). ``b`` is the expected batch size.
@@ -124,12 +124,13 @@ def factor_privatize(
         out.append(
             (s + scale * noise) / expected_batch_size if scale > 0 else s / expected_batch_size
         )
-    record = NoiseRecord(
+    record = PrivacyEvent(
         mechanism=mechanism,
         noise_multiplier=float(noise_multiplier),
         max_norm=float(max_norm),
         expected_batch_size=float(expected_batch_size),
         sample_rate=float(sample_rate),
+        steps=1,
         sampling=sampling,
     )
     return out, record
@@ -145,7 +146,7 @@ def factor_dp_gradient(
     generator: NoiseSource,
     sampling: str = "poisson",
     mechanism: str = "factor-gaussian",
-) -> tuple[list[Tensor], NoiseRecord]:
+) -> tuple[list[Tensor], PrivacyEvent]:
     """Factor-space DP gradient for a batch in memory: clip, sum, noise, divide by b.
 
     Implements eq. (3) of PRISM. For FFA-LoRA pass only the trainable factor's gradients and

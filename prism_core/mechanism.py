@@ -3,7 +3,7 @@
 Per logical step (Algorithm 1, lines 3-12)::
 
     lifts of every example and module  --clip_and_sum-->  ClippedSum  (may span micro-batches)
-    ClippedSum  --privatize-->  DP tangent update per module  +  NoiseRecord
+    ClippedSum  --privatize-->  DP tangent update per module  +  PrivacyEvent
 
 The clip is global: one coefficient per example over every module (eq. 16) and any Euclidean
 tensors (a classification head), or, with ``euclidean_max_norm``, a split of the same
@@ -11,9 +11,9 @@ sensitivity C: the tangents clipped to ``sqrt(C^2 - C_e^2)`` and the Euclidean p
 (``split_max_norm``); ``privatize`` then uses C.
 
 ``privatize`` divides signal and noise by the EXPECTED batch size ``b = q * N``, never by the
-realised Poisson batch size (dividing by the realised size leaks it). The ``NoiseRecord`` holds
-only public mechanism parameters; accounting (``prism_core.accounting``) turns records into
-epsilon and knows nothing about tensors.
+realised Poisson batch size (dividing by the realised size leaks it). The ``PrivacyEvent``
+(``prism_core.records``) holds only public mechanism parameters; accounting
+(``prism_core.accounting``) composes these events into epsilon and knows nothing about tensors.
 
 What is released: the Gaussian mechanism protects the tangent vector
 ``dZ = dA B.T + A dB.T`` (eq. 18), not the factor pair that represents it. The sum of lifts
@@ -51,13 +51,13 @@ from prism_core.manifold import (
     tangent_norm_sq,
     work_dtype,
 )
-from prism_core.records import ADJACENCY, NoiseRecord
+from prism_core.records import ADJACENCY, PrivacyEvent
 from prism_core.rng import NoiseSource, standard_normal
 
 __all__ = [
     "ADJACENCY",
     "ClippedSum",
-    "NoiseRecord",
+    "PrivacyEvent",
     "PrivateStep",
     "StepFrames",
     "clip_and_sum",
@@ -96,7 +96,7 @@ class PrivateStep(NamedTuple):
 
     tangents: list[Tangent]
     euclidean: list[Tensor]
-    record: NoiseRecord
+    record: PrivacyEvent
 
 
 def empty_sum(points: Sequence[Point], euclidean_like: Sequence[Tensor] = ()) -> ClippedSum:
@@ -618,12 +618,13 @@ def privatize(
             noise = standard_normal(shape, generator, dtype=total.dtype, device=total.device)
             total = total + scale * noise
         euclidean.append(total / expected_batch_size)
-    record = NoiseRecord(
+    record = PrivacyEvent(
         mechanism="prism-tangent-gaussian",
         noise_multiplier=float(noise_multiplier),
         max_norm=float(max_norm),
         expected_batch_size=float(expected_batch_size),
         sample_rate=float(sample_rate),
+        steps=1,
         sampling=sampling,
     )
     return PrivateStep(tangents, euclidean, record)

@@ -29,7 +29,7 @@ import math
 import torch
 
 from prism_core.errors import PrivacyParameterError
-from prism_core.records import NoiseRecord
+from prism_core.records import PrivacyEvent
 from prism_core.rng import NoiseSource, standard_normal
 
 __all__ = [
@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 QUANTILE_MECHANISM = "quantile-gaussian"
-"""``NoiseRecord.mechanism`` (and ledger mechanism) of one noisy quantile-count step."""
+"""``PrivacyEvent.mechanism`` (and ledger mechanism) of one noisy quantile-count step."""
 
 QUANTILE_SENSITIVITY = 1.0
 """L2 sensitivity of the count of examples below C under add/remove adjacency."""
@@ -80,8 +80,8 @@ def noisy_fraction_below(
     sample_rate: float,
     generator: NoiseSource,
     sampling: str = "poisson",
-) -> tuple[float, NoiseRecord]:
-    """The DP fraction of a Poisson batch whose norms are ``<= C``, and its ``NoiseRecord``.
+) -> tuple[float, PrivacyEvent]:
+    """The DP fraction of a Poisson batch whose norms are ``<= C``, and its ``PrivacyEvent``.
 
     Implements the noisy count of Andrew et al. (2021), Algorithm 1::
 
@@ -116,12 +116,13 @@ def noisy_fraction_below(
     z = standard_normal((1,), generator, dtype=torch.float64, device=torch.device("cpu"))
     scale = noise_multiplier * QUANTILE_SENSITIVITY
     fraction = (count_below + scale * float(z[0])) / expected_batch_size
-    record = NoiseRecord(
+    record = PrivacyEvent(
         mechanism=QUANTILE_MECHANISM,
         noise_multiplier=float(noise_multiplier),
         max_norm=QUANTILE_SENSITIVITY,
         expected_batch_size=float(expected_batch_size),
         sample_rate=float(sample_rate),
+        steps=1,
         sampling=sampling,
     )
     return fraction, record

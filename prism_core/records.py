@@ -1,37 +1,139 @@
-"""The record of one privatized step: what an accountant needs, nothing private, no tensors.
+"""The one record of a privacy event, from the mechanism to the coordinator's ledger.
 
-Shared by the mechanisms (``mechanism``, ``baselines``, ``quantile``), which produce it, and by
-``accounting``, which composes it: accounting depends on this record, never on tensor code.
+A ``PrivacyEvent`` is ``steps`` compositions of one Poisson-subsampled Gaussian mechanism: what
+an accountant needs, nothing private, no tensors. The mechanisms (``mechanism``, ``baselines``,
+``quantile``) emit one per step (with the clip and the expected batch that scaled the noise);
+``accounting`` composes them; a site's ledger (``client.site_ledger.SiteLedgerEntry``) and the
+coordinator's (``server.ledger.LedgerEvent``) store one each, with the round, site and run it
+belongs to. Accounting depends on this record, never on tensor code.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
+from typing import Final
 
-__all__ = ["ADJACENCY", "NoiseRecord"]
+from prism_core.errors import PrivacyParameterError
 
-ADJACENCY = "add-remove"
+__all__ = ["ADJACENCY", "DEFAULT_MECHANISM", "EventColumns", "PrivacyEvent"]
+
+ADJACENCY: Final = "add-remove"
 """Neighbouring relation of every mechanism here: add or remove one example."""
+
+DEFAULT_MECHANISM: Final = "prism-tangent-gaussian"
+"""The product's mechanism: PRISM's tangent-space Gaussian step (``prism_core.mechanism``)."""
+
+_TEXT_FIELDS: Final = ("mechanism", "sampling", "adjacency")
+
+
+def _real(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass(frozen=True)
-class NoiseRecord:
-    """What one privatized step ran: the facts an accountant needs, and nothing private.
+class PrivacyEvent:
+    """``steps`` compositions of a Poisson-subsampled Gaussian mechanism.
 
     Attributes:
-        mechanism: ``"prism-tangent-gaussian"`` or a baseline's name.
-        noise_multiplier: sigma; the noise std on the summed update is ``sigma * max_norm``.
-        max_norm: clip threshold C, the L2 sensitivity of the sum under add/remove adjacency.
-        expected_batch_size: ``b = q * N``, the divisor of signal and noise.
-        sample_rate: Poisson sampling rate q.
-        sampling: how the batch was drawn; only ``"poisson"`` can be accounted as subsampled.
+        noise_multiplier: sigma; the noise std on the summed update is ``sigma * max_norm``
+            (0 means no privacy: epsilon is infinite).
+        sample_rate: Poisson rate q, in ``(0, 1]``.
+        steps: number of steps with these parameters, ``>= 0``.
+        sampling: how the batches were drawn; only ``"poisson"`` can be accounted as subsampled.
         adjacency: the neighbouring relation, always ``"add-remove"``.
+        mechanism: what ran: ``"prism-tangent-gaussian"``, a baseline's name or the private
+            clip's quantile count.
+        max_norm: clip threshold C (the L2 sensitivity of the sum under add/remove), as the
+            mechanism emits it; None where it is not recorded (a ledger keeps sigma, q, steps).
+        expected_batch_size: ``b = q * N``, the divisor of signal and noise; None where not
+            recorded.
+
+    Raises:
+        PrivacyParameterError: on construction, naming every field out of its range.
     """
 
-    mechanism: str
     noise_multiplier: float
-    max_norm: float
-    expected_batch_size: float
     sample_rate: float
+    steps: int
     sampling: str = "poisson"
     adjacency: str = ADJACENCY
+    mechanism: str = DEFAULT_MECHANISM
+    max_norm: float | None = None
+    expected_batch_size: float | None = None
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise PrivacyParameterError("invalid privacy event: " + "; ".join(problems))
+
+    def problems(self) -> list[str]:
+        """What is out of range, one phrase per field (empty for a valid event)."""
+        problems = []
+        sigma, q, steps = self.noise_multiplier, self.sample_rate, self.steps
+        if not (_real(sigma) and sigma >= 0):
+            problems.append(f"noise_multiplier sigma={sigma!r} must be a finite number >= 0")
+        if not (_real(q) and 0 < q <= 1):
+            problems.append(f"sample_rate q={q!r} must be in (0, 1]")
+        if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0):
+            problems.append(f"steps={steps!r} must be an integer >= 0")
+        for name in _TEXT_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.strip():
+                problems.append(f"{name}={value!r} must be a non-empty string")
+        for name in ("max_norm", "expected_batch_size"):
+            value = getattr(self, name)
+            if value is not None and not (_real(value) and value > 0):
+                problems.append(f"{name}={value!r} must be a finite number > 0 or None")
+        return problems
+
+    def accounted(self) -> tuple[float, float, int, str, str, str]:
+        """The facts a charge commits to: sigma, q, steps, mechanism, sampling, adjacency."""
+        return (
+            self.noise_multiplier,
+            self.sample_rate,
+            self.steps,
+            self.mechanism,
+            self.sampling,
+            self.adjacency,
+        )
+
+    def same_but_steps(self, other: PrivacyEvent) -> bool:
+        """Equal in every field but ``steps`` (the two compose into one event)."""
+        return all(
+            getattr(self, f.name) == getattr(other, f.name)
+            for f in fields(self)
+            if f.name != "steps"
+        )
+
+
+class EventColumns:
+    """Read-through of a ledger record's ``event`` under the ledgers' column names (``sigma``,
+    ``q``, ``steps``, ``mechanism``, ``sampling``, ``adjacency``): a record that adds the round,
+    site or run to a ``PrivacyEvent`` holds it, never copies its fields."""
+
+    event: PrivacyEvent
+
+    @property
+    def sigma(self) -> float:
+        return self.event.noise_multiplier
+
+    @property
+    def q(self) -> float:
+        return self.event.sample_rate
+
+    @property
+    def steps(self) -> int:
+        return self.event.steps
+
+    @property
+    def mechanism(self) -> str:
+        return self.event.mechanism
+
+    @property
+    def sampling(self) -> str:
+        return self.event.sampling
+
+    @property
+    def adjacency(self) -> str:
+        return self.event.adjacency

@@ -46,7 +46,7 @@ MECHANISMS: dict[str, str] = {
     "ffa": "ffa-gaussian",
     "nondp": "none",
 }
-"""The ``NoiseRecord.mechanism`` each training method runs."""
+"""The ``PrivacyEvent.mechanism`` each training method runs."""
 
 ADAMW_BETAS: tuple[float, float] = (0.9, 0.999)
 """The betas of every AdamW a site runs (an AdamW head, the factor-space baselines); the

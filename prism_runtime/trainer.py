@@ -16,8 +16,8 @@ per-example gradients. Then, by ``method``:
 - ``nondp``: plain LoRA with AdamW on the mean per-sequence loss (no clipping, no noise).
 
 Every DP method draws the same Poisson batches and is accounted the same way: each step's
-mechanism returns its ``NoiseRecord`` (``StepResult.record``), and the persistent history is
-built from those records (``prism_core.accounting.events_from_records``), epsilon by PRV. A step
+mechanism returns its ``PrivacyEvent`` (``StepResult.record``), and the persistent history is
+those events (composed by ``prism_core.accounting``), epsilon by PRV. A step
 that would take epsilon past the target is refused with ``BudgetExceededError``.
 
 Randomness: by default (``seed=None``) the Poisson sampler and dropout draw from generators
@@ -51,7 +51,6 @@ from prism_core.accounting import (
     PrivacyEvent,
     calibrate_noise_multiplier,
     epsilon,
-    events_from_records,
     max_steps,
 )
 from prism_core.adaptive import AdaptiveState, adaptive_direction, init_state
@@ -60,7 +59,6 @@ from prism_core.errors import BudgetExceededError
 from prism_core.manifold import Point, Tangent
 from prism_core.mechanism import (
     ClippedSum,
-    NoiseRecord,
     PrivateStep,
     StepFrames,
     clip_and_sum_grads,
@@ -113,17 +111,17 @@ PrivatizeFn = Callable[..., PrivateStep]
 class StepResult:
     """What one step did. ``loss`` and ``batch_size`` are PRIVATE (un-noised): keep them local.
 
-    ``record`` is the mechanism's own ``NoiseRecord`` of the step (None for ``nondp``): the one
+    ``record`` is the mechanism's own ``PrivacyEvent`` of the step (None for ``nondp``): the one
     source of every privacy event, ledger entry and accounting fact.
     """
 
     step: int
     loss: float
     batch_size: int
-    record: NoiseRecord | None = None
+    record: PrivacyEvent | None = None
 
 
-def noise_records(results: Sequence[StepResult]) -> list[NoiseRecord]:
+def noise_records(results: Sequence[StepResult]) -> list[PrivacyEvent]:
     """The mechanism records of ``results`` (steps without one, i.e. ``nondp``, are skipped)."""
     return [r.record for r in results if r.record is not None]
 
@@ -362,7 +360,7 @@ class PrivateTrainer:
         self._check_budget()
         batch = next(self._batches)
         batch = {k: v.to(self.loaded.device) for k, v in batch.items()}
-        record: NoiseRecord | None = None
+        record: PrivacyEvent | None = None
         with self._autocast():
             if self.config.method == "prism":
                 loss, record = self._prism_step(batch)
@@ -371,7 +369,7 @@ class PrivateTrainer:
             else:
                 loss = self._nondp_step(batch)
         if record is not None:  # the history is what the mechanism says it ran
-            self.history.extend(events_from_records([record]))
+            self.history.append(record)
         self.steps_done += 1
         return StepResult(self.steps_done, loss, int(batch["labels"].shape[0]), record)
 
@@ -473,7 +471,7 @@ class PrivateTrainer:
         )
         return released, acc, total
 
-    def _prism_step(self, batch: dict[str, Tensor]) -> tuple[float, NoiseRecord]:
+    def _prism_step(self, batch: dict[str, Tensor]) -> tuple[float, PrivacyEvent]:
         cfg, handles, head = self.config, self.loaded.handles, self.loaded.head_params
         points = read_points(handles)
         frames = step_frames(points)
@@ -493,7 +491,7 @@ class PrivateTrainer:
             self.optimizer.zero_grad(set_to_none=True)
         return total / max(acc.count, 1), released.record
 
-    def _factor_step(self, batch: dict[str, Tensor]) -> tuple[float, NoiseRecord]:
+    def _factor_step(self, batch: dict[str, Tensor]) -> tuple[float, PrivacyEvent]:
         cfg = self.config
         acc: list[Tensor] | None = None
         total, count = 0.0, 0
@@ -587,7 +585,7 @@ class PrivateTrainer:
     def train(self, steps: int | None = None) -> list[StepResult]:
         """Run ``steps`` (default: the planned ``config.steps``) with a progress bar.
 
-        Returns one ``StepResult`` per step, each with the mechanism's ``NoiseRecord``
+        Returns one ``StepResult`` per step, each with the mechanism's ``PrivacyEvent``
         (``noise_records`` collects them for accounting).
         """
         todo = self.config.steps if steps is None else steps

@@ -213,7 +213,7 @@ def _site_row(
     horizon_rounds: int,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     events = ledger.events(site_id=site_id)  # one snapshot: the server may be appending
-    history = [e.privacy_event() for e in events]
+    history = [e.event for e in events]
     quantile = [e for e in events if not _training(e) and e.steps > 0]
     ran = [e for e in events if e.steps > 0 and _training(e)]
     known = [e for e in ran if e.params_known]
@@ -415,7 +415,7 @@ def round_rows(ledger: Ledger, exhausted: Iterable[str] = ()) -> list[dict[str, 
         caps = [e.epsilon_cap for e in events if e.epsilon_cap is not None]
         delta = min(e.delta for e in events)
         try:
-            eps = epsilon([e.privacy_event() for e in events], delta)
+            eps = epsilon([e.event for e in events], delta)
         except AccountingError:
             eps = math.inf
         rows.append(

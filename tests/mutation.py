@@ -79,19 +79,9 @@ EQUIVALENT: dict[str, dict[str, str]] = {
     },
     "site_ledger": {
         **{
-            f"client.site_ledger.x__type_ok__mutmut_{i}": "unreachable: every SiteLedgerEntry "
-            "field is int, str or float (no None, union or unknown annotation)"
-            for i in range(11, 21)
-        },
-        **{
             f"client.site_ledger.xǁSiteLedgerǁ_parse__mutmut_{i}": "the unterminated flag of a "
             "torn file is never read (a torn last line is truncated, not completed)"
             for i in (22, 26, 35, 39)
-        },
-        **{
-            f"client.site_ledger.xǁSiteLedgerǁ_parse__mutmut_{i}": "unreachable: _entry_problem "
-            "already refused every line the dataclass constructor could reject"
-            for i in (52, 53, 54, 55)
         },
     },
 }

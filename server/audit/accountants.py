@@ -176,7 +176,7 @@ def check_ledger(ledger: Ledger) -> list[SiteCheck]:
         out.append(
             check_site(
                 site,
-                [e.privacy_event() for e in events],
+                [e.event for e in events],
                 ledger.site_delta(site),
                 min(caps) if caps else None,
             )

@@ -49,6 +49,9 @@ detects with probability ``POWER`` at this sample size.
 
 Dividing by the realised batch size rescales signal and noise by ``b / |batch|`` (a few per
 cent here), which these statistics barely see: record/replay check (b) catches that bug.
+
+Just above ~400 lines on purpose: the experiment, its two statistics and the one-run bound
+share the canary construction above and are read together by ``server.audit``.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ log = logging.getLogger("server.ledger")
 
 def history_epsilon(events: Sequence[LedgerEvent], delta: float) -> EpsilonReport:
     """Epsilon of one site's whole history at ``delta`` (PRV, RDP cross-check)."""
-    return epsilon_report([e.privacy_event() for e in events], delta)
+    return epsilon_report([e.event for e in events], delta)
 
 
 def within_cap(
@@ -37,7 +37,7 @@ def within_cap(
     A history that cannot be accounted (e.g. non-Poisson sampling) answers False, with a
     warning: its privacy loss is unknown.
     """
-    history = [e.privacy_event() for e in events]
+    history = [e.event for e in events]
     try:
         return epsilon([*history, new], delta) <= epsilon_cap
     except AccountingError as exc:
@@ -56,7 +56,7 @@ def epsilon_points(events: Sequence[LedgerEvent], delta: float) -> list[tuple[st
     history: list[PrivacyEvent] = []
     ran = False  # the current (run, round) ran steps
     for index, e in enumerate(events):
-        history.append(e.privacy_event())
+        history.append(e.event)
         ran = ran or e.steps > 0
         following = events[index + 1] if index + 1 < len(events) else None
         if following is None or (following.run_id, following.round) != (e.run_id, e.round):

@@ -1,7 +1,9 @@
 """A ledger event (what one site ran in one round of one run) and its validation.
 
-The fields, their ranges and the rules of confirmation are the ledger's contract with the
-strategy that records charges (``server.strategy``) and with the reports that read them.
+The event's privacy facts are the one record of the mechanism (``prism_core.records.
+PrivacyEvent``); this module adds the run, round, site and confirmation, their ranges and the
+rules of confirmation: the ledger's contract with the strategy that records charges
+(``server.strategy``) and with the reports that read them.
 """
 
 from __future__ import annotations
@@ -12,8 +14,7 @@ from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from typing import Any, Final
 
-from prism_core.accounting import PrivacyEvent
-from prism_core.records import ADJACENCY
+from prism_core.records import DEFAULT_MECHANISM, EventColumns, PrivacyEvent
 from prism_runtime.protocol import RNG_MODES
 from server.errors import InvalidEventError
 
@@ -27,7 +28,6 @@ __all__ = [
     "validate_event",
 ]
 
-DEFAULT_MECHANISM: Final = "prism-tangent-gaussian"
 UNKNOWN_SIGMA: Final = 0.0
 UNKNOWN_Q: Final = 1.0
 """How an unconfirmed charge with unknown parameters is accounted: no noise, every record used
@@ -36,21 +36,20 @@ _CODE_PATTERN: Final = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
 
 
 @dataclass(frozen=True)
-class LedgerEvent:
-    """What one site ran in one round of one run: the facts the accountant needs.
+class LedgerEvent(EventColumns):
+    """What one site ran in one round of one run: its privacy event, and who, when, how sure.
 
     Attributes:
         run_id: the federated run.
         round: server round, ``>= 0``.
         site_id: the site, non-empty.
-        sigma: noise multiplier of every step, ``>= 0`` (0 means no privacy: epsilon is inf).
-        q: Poisson sampling rate, in ``(0, 1]``.
-        steps: local DP steps run this round, ``>= 0``.
+        event: the privacy event (``prism_core.records.PrivacyEvent``: mechanism, sigma, q,
+            steps, sampling, adjacency), the site's released facts or, unconfirmed, the
+            coordinator's worst-case stand-in for them. ``sigma``, ``q``, ``steps``,
+            ``mechanism``, ``adjacency`` and ``sampling`` (the ledger's columns) read through
+            to it (``EventColumns``).
         delta: the site's delta, in ``(0, 1)``.
         epsilon_cap: the site's epsilon budget, ``> 0``, or None for no cap.
-        mechanism: the mechanism that ran (``NoiseRecord.mechanism``).
-        adjacency: the neighbouring relation, ``"add-remove"`` for every mechanism here.
-        sampling: how batches were drawn; only ``"poisson"`` can be accounted.
         recorded_at: UTC ISO-8601 time the ledger stored the event; set by the ledger (a value
             given to ``Ledger.append`` is ignored).
         confirmed: True for the site's own (cross-checked) facts; False for a charge the
@@ -68,14 +67,9 @@ class LedgerEvent:
     run_id: str
     round: int
     site_id: str
-    sigma: float
-    q: float
-    steps: int
+    event: PrivacyEvent
     delta: float
     epsilon_cap: float | None = None
-    mechanism: str = DEFAULT_MECHANISM
-    adjacency: str = ADJACENCY
-    sampling: str = "poisson"
     recorded_at: str | None = None
     confirmed: bool = True
     params_known: bool = True
@@ -84,10 +78,6 @@ class LedgerEvent:
 
     def __post_init__(self) -> None:
         validate_event(self)
-
-    def privacy_event(self) -> PrivacyEvent:
-        """The accountant's view of this event."""
-        return PrivacyEvent(self.sigma, self.q, self.steps, self.sampling, self.adjacency)
 
     def same_facts(self, other: LedgerEvent) -> bool:
         """Equal in every field but ``recorded_at``."""
@@ -116,20 +106,19 @@ def _is_real(x: object) -> bool:
 
 
 def validate_event(e: LedgerEvent) -> None:
-    """Raise InvalidEventError naming every out-of-range field of ``e``."""
+    """Raise InvalidEventError naming every out-of-range field of ``e`` (its privacy event's
+    own fields by ``PrivacyEvent.problems``: a frozen dataclass can still be altered by force)."""
     problems = []
-    for name in ("run_id", "site_id", "mechanism", "adjacency", "sampling"):
+    for name in ("run_id", "site_id"):
         value = getattr(e, name)
         if not isinstance(value, str) or not value.strip():
             problems.append(f"{name}={value!r} must be a non-empty string")
     if not (_is_int(e.round) and e.round >= 0):
         problems.append(f"round={e.round!r} must be an integer >= 0")
-    if not (_is_real(e.sigma) and 0 <= e.sigma < math.inf):
-        problems.append(f"sigma={e.sigma!r} must be a finite number >= 0")
-    if not (_is_real(e.q) and 0 < e.q <= 1):
-        problems.append(f"q={e.q!r} must be in (0, 1]")
-    if not (_is_int(e.steps) and e.steps >= 0):
-        problems.append(f"steps={e.steps!r} must be an integer >= 0")
+    if isinstance(e.event, PrivacyEvent):
+        problems += e.event.problems()
+    else:
+        problems.append(f"event={e.event!r} must be a PrivacyEvent")
     if not (_is_real(e.delta) and 0 < e.delta < 1):
         problems.append(f"delta={e.delta!r} must be in (0, 1)")
     if e.epsilon_cap is not None and not (_is_real(e.epsilon_cap) and 0 < e.epsilon_cap < math.inf):
@@ -154,6 +143,8 @@ def _status_problems(e: LedgerEvent) -> list[str]:
         problems.append("a confirmed event has known parameters and no code")
     if not e.confirmed and not e.code:
         problems.append("an unconfirmed event needs a code saying why")
+    if not isinstance(e.event, PrivacyEvent):
+        return problems
     if not e.params_known and (e.sigma != UNKNOWN_SIGMA or e.q != UNKNOWN_Q):
         problems.append(
             f"unknown parameters are recorded as sigma={UNKNOWN_SIGMA}, q={UNKNOWN_Q} "

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
+from prism_core.errors import PrivacyParameterError
+from prism_core.records import PrivacyEvent
 from prism_runtime.durable import fsync_dir
 from server.errors import InvalidEventError, LedgerError
 from server.ledger.events import LedgerEvent, now
@@ -144,18 +146,24 @@ def event_from_row(row: Sequence[Any]) -> LedgerEvent:
     for name in ("confirmed", "params_known"):
         if values[name] not in (0, 1):
             raise InvalidEventError(f"{name}={values[name]!r} must be 0 or 1")
+    try:
+        event = PrivacyEvent(
+            float(values["sigma"]),
+            float(values["q"]),
+            int(values["steps"]),
+            sampling=values["sampling"],
+            adjacency=values["adjacency"],
+            mechanism=values["mechanism"],
+        )
+    except PrivacyParameterError as exc:
+        raise InvalidEventError(f"stored event of site {values['site_id']!r}: {exc}") from exc
     return LedgerEvent(
         run_id=values["run_id"],
         round=int(values["round"]),
         site_id=values["site_id"],
-        sigma=float(values["sigma"]),
-        q=float(values["q"]),
-        steps=int(values["steps"]),
+        event=event,
         delta=float(values["delta"]),
         epsilon_cap=None if values["epsilon_cap"] is None else float(values["epsilon_cap"]),
-        mechanism=values["mechanism"],
-        adjacency=values["adjacency"],
-        sampling=values["sampling"],
         recorded_at=values["recorded_at"],
         confirmed=bool(values["confirmed"]),
         params_known=bool(values["params_known"]),

@@ -14,7 +14,9 @@ import logging
 from dataclasses import replace
 from typing import Any
 
+from prism_core.errors import PrivacyParameterError
 from prism_core.quantile import QUANTILE_MECHANISM
+from prism_core.records import PrivacyEvent
 from prism_runtime.protocol import RNG
 from server.errors import InvalidEventError, LedgerConflictError, LedgerError, ReplyError
 from server.ledger import UNKNOWN_Q, UNKNOWN_SIGMA, Ledger, LedgerEvent
@@ -64,32 +66,36 @@ class Charges:
         if steps <= 0:
             return
         cap = float(facts.get("epsilon-cap", self.target_epsilon))
-        event = LedgerEvent(
-            run_id=self.run_id,
-            round=server_round,
-            site_id=str(facts["site-id"]),
-            mechanism=str(facts["mechanism"]),
-            adjacency=str(facts["adjacency"]),
-            sampling=str(facts["sampling"]),
-            sigma=float(facts["sigma"]),
-            q=float(facts["q"]),
-            steps=steps,
-            delta=float(facts["delta"]),
-            epsilon_cap=cap if cap > 0 else None,
-            rng=str(facts[RNG]),
-        )
-        events = [event]
-        if "quantile-steps" in facts:  # a private clip estimate ran before the steps
-            events.insert(
-                0,
-                replace(
-                    event,
-                    mechanism=QUANTILE_MECHANISM,
-                    sigma=float(facts["quantile-sigma"]),
-                    q=float(facts["quantile-q"]),
-                    steps=int(facts["quantile-steps"]),
-                ),
+        try:
+            released = PrivacyEvent(
+                float(facts["sigma"]),
+                float(facts["q"]),
+                steps,
+                sampling=str(facts["sampling"]),
+                adjacency=str(facts["adjacency"]),
+                mechanism=str(facts["mechanism"]),
             )
+            event = LedgerEvent(
+                run_id=self.run_id,
+                round=server_round,
+                site_id=str(facts["site-id"]),
+                event=released,
+                delta=float(facts["delta"]),
+                epsilon_cap=cap if cap > 0 else None,
+                rng=str(facts[RNG]),
+            )
+            events = [event]
+            if "quantile-steps" in facts:  # a private clip estimate ran before the steps
+                quantile = replace(
+                    released,
+                    mechanism=QUANTILE_MECHANISM,
+                    noise_multiplier=float(facts["quantile-sigma"]),
+                    sample_rate=float(facts["quantile-q"]),
+                    steps=int(facts["quantile-steps"]),
+                )
+                events.insert(0, replace(event, event=quantile))
+        except (PrivacyParameterError, InvalidEventError) as exc:
+            raise ReplyError(f"accounting facts refused by the ledger: {exc}", "facts") from exc
         try:
             self.ledger.append_many(events)  # all of the round's charges, or none
         except InvalidEventError as exc:
@@ -133,15 +139,13 @@ class Charges:
             return
         last = self.ledger.last_confirmed(site)
         if last is None:
+            unknown = PrivacyEvent(UNKNOWN_SIGMA, UNKNOWN_Q, steps, mechanism=self.mechanism)
             event = LedgerEvent(
                 run_id=self.run_id,
                 round=server_round,
                 site_id=site,
-                sigma=UNKNOWN_SIGMA,
-                q=UNKNOWN_Q,
-                steps=steps,
+                event=unknown,
                 delta=self.delta,
-                mechanism=self.mechanism,
                 confirmed=False,
                 params_known=False,
                 code=code,
@@ -151,14 +155,9 @@ class Charges:
                 run_id=self.run_id,
                 round=server_round,
                 site_id=site,
-                sigma=last.sigma,
-                q=last.q,
-                steps=steps,
+                event=replace(last.event, steps=steps),
                 delta=last.delta,
                 epsilon_cap=last.epsilon_cap,
-                mechanism=last.mechanism,
-                adjacency=last.adjacency,
-                sampling=last.sampling,
                 rng=last.rng,
                 confirmed=False,
                 code=code,
@@ -201,11 +200,10 @@ class Charges:
         )
         if estimated:
             return []
-        return [
-            replace(
-                event,
-                mechanism=QUANTILE_MECHANISM,
-                sigma=auto.noise_multiplier,
-                steps=auto.steps,
-            )
-        ]
+        quantile = replace(
+            event.event,
+            mechanism=QUANTILE_MECHANISM,
+            noise_multiplier=auto.noise_multiplier,
+            steps=auto.steps,
+        )
+        return [replace(event, event=quantile)]

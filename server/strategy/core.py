@@ -14,6 +14,10 @@ Every reply is validated before it touches the aggregate; a bad reply is logged,
 reason in the round summary and skipped (``PrismStrategy.aggregate_train``). No NaN or Inf can
 reach the global adapter: the replies, their mean and the retracted result are all checked.
 Every site asked to run a round is charged in the ledger (``server.strategy.charges``).
+
+Just above ~400 lines on purpose: this is the thin wiring of selection, replies, charges, bounds
+and aggregation (each its own module) into Flower's ``Strategy`` interface, which fixes the
+methods it must have.
 """
 
 from __future__ import annotations

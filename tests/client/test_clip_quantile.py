@@ -150,7 +150,7 @@ def test_an_auto_clip_site_charges_the_estimate_then_training_within_its_cap(tin
     assert (entries[0].sigma, entries[0].q, entries[0].steps) == (1.6, q, K)
     assert (entries[1].sigma, entries[1].steps) == (site.sigma, 2)
     assert (facts["quantile-sigma"], facts["quantile-q"], facts["quantile-steps"]) == (1.6, q, K)
-    spent = epsilon([e.event() for e in entries], run.delta)
+    spent = epsilon([e.event for e in entries], run.delta)
     assert facts["epsilon"] == pytest.approx(spent, rel=1e-12) and spent <= 8.0
 
     stored = ClipStore(tmp_path / "state").load()
@@ -298,4 +298,4 @@ def test_a_crash_between_the_two_charges_never_leaves_a_step_uncharged(tiny_bert
     assert not any(k in facts for k in QUANTILE_FACTS) and facts["max-norm"] == stored.max_norm
     entries = SiteLedger(tmp_path / "state").entries()
     assert [e.mechanism for e in entries] == [QUANTILE_MECHANISM] * 2 + ["prism-tangent-gaussian"]
-    assert facts["epsilon"] == pytest.approx(epsilon([e.event() for e in entries], 1e-5))
+    assert facts["epsilon"] == pytest.approx(epsilon([e.event for e in entries], 1e-5))

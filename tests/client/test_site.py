@@ -15,7 +15,6 @@ from client.reply import released_event
 from client.site import Site
 from client.site_ledger import SiteLedger
 from prism_core.accounting import PrivacyEvent, epsilon
-from prism_core.records import NoiseRecord
 from prism_core.rng import SecureRNG
 from prism_runtime.config import RunConfig, SiteConfig, parse_config
 from prism_runtime.errors import AccountingMismatchError, ConfigError
@@ -532,12 +531,14 @@ def test_reply_facts_are_the_mechanisms_records_and_a_mismatch_fails_loudly(tiny
 
 
 def test_released_event_needs_one_mechanism_and_equal_steps():
-    record = NoiseRecord("prism-tangent-gaussian", 1.0, 0.1, 4.0, 0.25)
-    assert released_event([record] * 3, "prism-tangent-gaussian") == PrivacyEvent(1.0, 0.25, 3)
+    record = PrivacyEvent(1.0, 0.25, 1, max_norm=0.1, expected_batch_size=4.0)
+    released = released_event([record] * 3, "prism-tangent-gaussian")
+    assert released == PrivacyEvent(1.0, 0.25, 3, max_norm=0.1, expected_batch_size=4.0)
     with pytest.raises(AccountingMismatchError):
         released_event([record], "factor-gaussian")
+    other = PrivacyEvent(1.1, 0.25, 1, max_norm=0.1, expected_batch_size=4.0)
     with pytest.raises(AccountingMismatchError):
-        released_event([record, NoiseRecord("prism-tangent-gaussian", 1.1, 0.1, 4.0, 0.25)], "p")
+        released_event([record, other], "prism-tangent-gaussian")
     with pytest.raises(AccountingMismatchError):
         released_event([], "prism-tangent-gaussian")
 

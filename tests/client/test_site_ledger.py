@@ -6,21 +6,21 @@ import json
 import logging
 import os
 import stat
-from dataclasses import asdict
 
 import pytest
 
 import client.site_ledger as site_ledger_module
 from client.site_ledger import SiteLedger, SiteLedgerEntry
+from prism_core.records import PrivacyEvent
 from prism_runtime.errors import ConfigError
 
 
 def _entry(round_: int, steps: int = 5) -> SiteLedgerEntry:
-    return SiteLedgerEntry(round_, "prism-tangent-gaussian", 1.1, 0.05, steps, 1e-5)
+    return SiteLedgerEntry(round_, PrivacyEvent(1.1, 0.05, steps), 1e-5)
 
 
 def _line(entry: SiteLedgerEntry) -> bytes:
-    return (json.dumps(asdict(entry), sort_keys=True) + "\n").encode()
+    return (json.dumps(entry.to_json(), sort_keys=True) + "\n").encode()
 
 
 def _valid_file(tmp_path, rounds=(1, 2)):
@@ -109,18 +109,19 @@ def test_a_bad_last_line_that_ends_in_a_newline_stops_the_site(tmp_path):
         ({"delta": 0.0}, "delta=0.0 must be in (0, 1)"),
         ({"extra": 1}, "unknown fields ['extra']"),
         ({"sigma": None}, "sigma=None is not of type"),
+        ({"mechanism": " "}, "mechanism=' ' must be a non-empty string"),  # the event refuses it
     ],
 )
 def test_wrong_fields_stop_the_site(tmp_path, change, what):
     path, data = _valid_file(tmp_path)
-    bad = json.dumps({**asdict(_entry(3)), **change}, sort_keys=True).encode()
+    bad = json.dumps({**_entry(3).to_json(), **change}, sort_keys=True).encode()
     for content, line in ((data + bad + b"\n", 3), (data + bad, 3)):  # complete JSON: not torn
         _assert_refused_unchanged(tmp_path, path, content, line, what)
 
 
 def test_a_missing_field_and_a_non_object_stop_the_site(tmp_path):
     path, data = _valid_file(tmp_path)
-    partial = {k: v for k, v in asdict(_entry(3)).items() if k != "delta"}
+    partial = {k: v for k, v in _entry(3).to_json().items() if k != "delta"}
     content = data + json.dumps(partial).encode() + b"\n"
     _assert_refused_unchanged(tmp_path, path, content, 3, "missing fields ['delta']")
     _assert_refused_unchanged(tmp_path, path, b"[1, 2]\n" + data, 1, "expected a JSON object")
@@ -190,12 +191,12 @@ def test_fsync_dir_is_called_on_create_only(tmp_path, monkeypatch):
 
 
 def test_events_and_epsilon_come_from_every_charged_entry_with_steps(tmp_path):
-    from prism_core.accounting import PrivacyEvent, epsilon
+    from prism_core.accounting import epsilon
 
     ledger = SiteLedger(tmp_path)
-    ledger.charge(SiteLedgerEntry(1, "prism-tangent-gaussian", 1.1, 0.05, 5, 1e-5))
-    ledger.charge(SiteLedgerEntry(2, "prism-tangent-gaussian", 0.9, 0.02, 0, 1e-5))  # no steps
-    ledger.charge(SiteLedgerEntry(3, "prism-tangent-gaussian", 2.0, 0.1, 1, 1e-5))
+    ledger.charge(SiteLedgerEntry(1, PrivacyEvent(1.1, 0.05, 5), 1e-5))
+    ledger.charge(SiteLedgerEntry(2, PrivacyEvent(0.9, 0.02, 0), 1e-5))  # no steps
+    ledger.charge(SiteLedgerEntry(3, PrivacyEvent(2.0, 0.1, 1), 1e-5))
     # the entries are current right after each charge, without a reload
     assert [e.server_round for e in ledger.entries()] == [1, 2, 3]
     expected = [PrivacyEvent(1.1, 0.05, 5), PrivacyEvent(2.0, 0.1, 1)]
@@ -221,7 +222,7 @@ def test_a_blank_line_between_entries_loses_no_entry_after_it(tmp_path):
 
 def test_a_damaged_line_names_every_problem_and_the_json_type_it_found(tmp_path):
     path, data = _valid_file(tmp_path)
-    bad = b'{"extra": 1, ' + json.dumps(asdict(_entry(3)) | {"q": 2.0})[1:].encode() + b"\n"
+    bad = b'{"extra": 1, ' + json.dumps(_entry(3).to_json() | {"q": 2.0})[1:].encode() + b"\n"
     _assert_refused_unchanged(tmp_path, path, data + bad, 3, "unknown fields ['extra']")
     with pytest.raises(ConfigError, match=r"q=2\.0 must be in \(0, 1\]"):
         SiteLedger(tmp_path)  # a field after the unknown one is still checked

@@ -206,7 +206,7 @@ def test_compose_services_on_loopback(tiny_bert, tmp_path):
         assert [r["applied"] for r in summary["rounds"]] == [True] * ROUNDS
         with Ledger.open(run_dir / "ledger.sqlite", read_only=True) as ledger:
             assert sorted(ledger.sites()) == sorted(SITES)
-            events = [e.privacy_event() for e in ledger.events()]
+            events = [e.event for e in ledger.events()]
         assert sum(e.steps for e in events) == ROUNDS * STEPS * len(SITES)
         for site in SITES:  # each site's own durable ledger on its state volume
             site_ledger = svc[site].host_path("/var/lib/prism/privacy-ledger.jsonl")
@@ -237,7 +237,7 @@ def test_compose_services_on_loopback(tiny_bert, tmp_path):
             assert nodes[registry[site]["node-id"]] != "unregistered"
         assert _flwr_ls(base) == runs_before
         with Ledger.open(run_dir / "ledger.sqlite", read_only=True) as ledger:
-            assert [e.privacy_event() for e in ledger.events()] == events
+            assert [e.event for e in ledger.events()] == events
     for _, proc in group.procs:
         assert proc.poll() is not None
 

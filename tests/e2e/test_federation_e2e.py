@@ -66,7 +66,7 @@ def _check_outputs(run_dir: Path, model: str, sites: int, estimates: int = 0) ->
         assert len(ledger.sites()) == sites
         for row in report["sites"]:
             rows = ledger.events(site_id=row["site_id"])
-            events = [e.privacy_event() for e in rows]
+            events = [e.event for e in rows]
             clip = [
                 e for e, r in zip(events, rows, strict=True) if r.mechanism == QUANTILE_MECHANISM
             ]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import re
 import warnings
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -20,11 +22,9 @@ from prism_core.accounting import (
     compose_events,
     epsilon,
     epsilon_report,
-    events_from_records,
     max_steps,
 )
 from prism_core.errors import AccountingError, PrivacyParameterError
-from prism_core.records import NoiseRecord
 
 RDP_ORDERS = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64))
 """Opacus' default RDP orders (``RDPAccountant.DEFAULT_ALPHAS``), written out."""
@@ -149,12 +149,38 @@ def test_degenerate_histories():
         calibrate_noise_multiplier(target_epsilon=0.0, delta=1e-5, sample_rate=0.1, steps=10)
 
 
-def test_events_from_records_merges_equal_steps():
-    rec = NoiseRecord("prism-tangent-gaussian", 1.1, 0.5, 32.0, 0.01)
-    other = NoiseRecord("prism-tangent-gaussian", 0.9, 0.5, 32.0, 0.01)
-    events = events_from_records([rec, rec, rec, other, rec])
+def test_compose_events_merges_the_mechanisms_equal_steps():
+    rec = PrivacyEvent(1.1, 0.01, 1, max_norm=0.5, expected_batch_size=32.0)
+    other = replace(rec, noise_multiplier=0.9)
+    events = compose_events([rec, rec, rec, other, rec])
     assert [(e.noise_multiplier, e.steps) for e in events] == [(1.1, 3), (0.9, 1), (1.1, 1)]
+    assert events[0] == replace(rec, steps=3)  # the merged event keeps C, b and the mechanism
     assert compose_events([PrivacyEvent(1.0, 0.1, 0)]) == []
+    # another mechanism (or clip) at the same sigma and q is its own event, accounted the same
+    quantile = replace(rec, mechanism="quantile-count")
+    assert len(compose_events([rec, quantile])) == 2
+    assert epsilon([rec, quantile], 1e-5) == epsilon([replace(rec, steps=2)], 1e-5)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"noise_multiplier": -1.0}, "sigma=-1.0"),
+        ({"noise_multiplier": math.nan}, "sigma=nan"),
+        ({"noise_multiplier": True}, "sigma=True"),
+        ({"sample_rate": 1.5}, "q=1.5"),
+        ({"steps": 1.5}, "steps=1.5"),
+        ({"steps": -1}, "steps=-1"),
+        ({"mechanism": " "}, "mechanism=' '"),
+        ({"sampling": ""}, "sampling=''"),
+        ({"max_norm": 0.0}, "max_norm=0.0"),
+        ({"expected_batch_size": math.inf}, "expected_batch_size=inf"),
+    ],
+)
+def test_an_event_out_of_range_is_refused_naming_the_field(change, message):
+    fields = {"noise_multiplier": 1.0, "sample_rate": 0.1, "steps": 1} | change
+    with pytest.raises(PrivacyParameterError, match=re.escape(message)):
+        PrivacyEvent(**fields)
 
 
 def test_max_steps_is_the_last_step_within_the_target():

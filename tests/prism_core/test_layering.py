@@ -7,6 +7,6 @@ from prism_core import accounting, mechanism, records
 
 
 def test_the_record_has_one_definition() -> None:
-    assert mechanism.NoiseRecord is records.NoiseRecord
-    assert accounting.NoiseRecord is records.NoiseRecord
+    assert mechanism.PrivacyEvent is records.PrivacyEvent
+    assert accounting.PrivacyEvent is records.PrivacyEvent
     assert mechanism.ADJACENCY is records.ADJACENCY

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from prism_core.records import PrivacyEvent
 from prism_runtime.faults import (
     NO_FAULTS,
     PAUSE_AT_ENV,
@@ -40,7 +41,7 @@ class StopAt(Faults):
 
 def event(rnd: int) -> LedgerEvent:
     return LedgerEvent(
-        run_id="run-1", round=rnd, site_id="a", sigma=1.0, q=0.01, steps=10, delta=1e-5
+        run_id="run-1", round=rnd, site_id="a", event=PrivacyEvent(1.0, 0.01, 10), delta=1e-5
     )
 
 

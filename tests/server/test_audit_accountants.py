@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from ledger_events import ledger_event
 from scipy.optimize import brentq
 from scipy.stats import norm
 
@@ -75,7 +76,7 @@ def _ev(rnd: int, site: str, **kw: object) -> LedgerEvent:
         run_id="run-1", round=rnd, site_id=site, sigma=1.0, q=0.05, steps=5, delta=DELTA
     )
     args.update(kw)
-    return LedgerEvent(**args)  # type: ignore[arg-type]
+    return ledger_event(**args)
 
 
 def test_every_site_of_a_ledger_is_checked_and_violations_named(tmp_path):

@@ -9,6 +9,7 @@ import sqlite3
 
 import pytest
 
+from prism_core.records import PrivacyEvent
 from server.cli import EXIT_AUDIT_FAILED, EXIT_OK, EXIT_USAGE, main
 from server.ledger import Ledger, LedgerEvent
 
@@ -30,9 +31,7 @@ def ledger(tmp_path):
                         run_id="run-1",
                         round=r,
                         site_id=site,
-                        sigma=1.2,
-                        q=0.1,
-                        steps=5,
+                        event=PrivacyEvent(1.2, 0.1, 5),
                         delta=1e-5,
                         epsilon_cap=3.0,
                     )
@@ -105,7 +104,9 @@ def _run_ledger(path, config):
     with Ledger.open(path) as led:
         led.record_run("run-1", config)
         led.append(
-            LedgerEvent(run_id="run-1", round=0, site_id="a", sigma=1.2, q=0.1, steps=5, delta=1e-5)
+            LedgerEvent(
+                run_id="run-1", round=0, site_id="a", event=PrivacyEvent(1.2, 0.1, 5), delta=1e-5
+            )
         )
     return path
 

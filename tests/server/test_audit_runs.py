@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from prism_core.records import PrivacyEvent
 from prism_runtime.config import RunConfig
 from prism_runtime.protocol import RNG, RNG_REPRODUCIBLE, RNG_SECURE
 from server.audit.runs import check_run, config_findings, fact_findings
@@ -57,12 +58,8 @@ def _ledger(path, config: dict | None, *, sigma: float = 1.2, mechanism: str | N
         if config is not None:
             led.record_run("run-1", config)
         extra = {} if mechanism is None else {"mechanism": mechanism}
-        led.append(
-            LedgerEvent(
-                run_id="run-1", round=0, site_id="a", sigma=sigma, q=0.1, steps=5, delta=1e-5,
-                **extra,
-            )
-        )  # fmt: skip
+        event = PrivacyEvent(sigma, 0.1, 5, **extra)
+        led.append(LedgerEvent(run_id="run-1", round=0, site_id="a", event=event, delta=1e-5))
     return path
 
 

@@ -154,9 +154,9 @@ def test_the_estimate_is_charged_in_both_ledgers_and_in_the_report(tiny_bert, tm
         (e.server_round, e.mechanism, e.sigma, e.q, e.steps) for e in site_entries
     ]
     assert all(e.confirmed for e in rows)
-    spent = epsilon([e.event() for e in site_entries], run.delta)
+    spent = epsilon([e.event for e in site_entries], run.delta)
     assert ledger.epsilon("site-0").prv == pytest.approx(spent, rel=1e-12)
-    without = epsilon([e.event() for e in site_entries[1:]], run.delta)
+    without = epsilon([e.event for e in site_entries[1:]], run.delta)
     assert spent > without + 1e-3  # the estimate is not free
 
     report = build_report(ledger, planned_steps_per_round=run.local_steps)
@@ -167,7 +167,7 @@ def test_the_estimate_is_charged_in_both_ledgers_and_in_the_report(tiny_bert, tm
     assert (row["steps"], row["rounds"]) == (2 * run.local_steps, 2)  # training alone
     assert "private clip estimate" in row["note"]
     assert [(p["round"], p["epsilon"]) for p in report["series"]["site-0"]] == [
-        (1, pytest.approx(epsilon([e.event() for e in site_entries[:2]], run.delta))),
+        (1, pytest.approx(epsilon([e.event for e in site_entries[:2]], run.delta))),
         (2, pytest.approx(spent)),
     ]
     paths = write_reports(report, tmp_path / "report")

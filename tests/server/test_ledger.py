@@ -9,10 +9,11 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from ledger_events import ledger_event
 from opacus.accountants import PRVAccountant, RDPAccountant
 
 from prism_core.accounting import PRV_EPS_ERROR, PrivacyEvent, epsilon
-from prism_core.errors import AccountingError
+from prism_core.errors import AccountingError, PrivacyParameterError
 from server.errors import InvalidEventError, LedgerError
 from server.ledger import LEDGER_APPLICATION_ID, Ledger, LedgerEvent
 
@@ -25,7 +26,7 @@ def ev(rnd: int, site: str = "a", **kw: object) -> LedgerEvent:
         run_id="run-1", round=rnd, site_id=site, sigma=1.0, q=0.01, steps=100, delta=DELTA
     )
     args.update(kw)
-    return LedgerEvent(**args)  # type: ignore[arg-type]
+    return ledger_event(**args)
 
 
 @pytest.fixture
@@ -174,7 +175,7 @@ def test_triggers_refuse_update_and_delete(tmp_path: Path) -> None:
 def test_append_many_is_atomic(ledger: Ledger) -> None:
     ledger.append(ev(0))
     bad = ev(3)
-    object.__setattr__(bad, "q", 1.5)  # forced past the constructor's validation
+    object.__setattr__(bad.event, "sample_rate", 1.5)  # forced past the constructor's validation
     with pytest.raises(InvalidEventError, match=r"q=1\.5"):
         ledger.append_many([ev(1), ev(2), bad])
     with pytest.raises(LedgerError, match="different record"):
@@ -184,26 +185,36 @@ def test_append_many_is_atomic(ledger: Ledger) -> None:
 
 
 @pytest.mark.parametrize(
-    ("field", "value"),
+    ("field", "value", "error"),
     [
-        ("sigma", -0.1),
-        ("sigma", float("nan")),
-        ("q", 0.0),
-        ("q", 1.01),
-        ("steps", -1),
-        ("steps", 1.5),
-        ("delta", 0.0),
-        ("delta", 1.0),
-        ("site_id", ""),
-        ("round", -1),
-        ("run_id", " "),
-        ("epsilon_cap", 0.0),
-        ("epsilon_cap", float("inf")),
+        ("sigma", -0.1, PrivacyParameterError),  # the event's own fields: its one record refuses
+        ("sigma", float("nan"), PrivacyParameterError),
+        ("q", 0.0, PrivacyParameterError),
+        ("q", 1.01, PrivacyParameterError),
+        ("steps", -1, PrivacyParameterError),
+        ("steps", 1.5, PrivacyParameterError),
+        ("mechanism", "", PrivacyParameterError),
+        ("delta", 0.0, InvalidEventError),
+        ("delta", 1.0, InvalidEventError),
+        ("site_id", "", InvalidEventError),
+        ("round", -1, InvalidEventError),
+        ("run_id", " ", InvalidEventError),
+        ("epsilon_cap", 0.0, InvalidEventError),
+        ("epsilon_cap", float("inf"), InvalidEventError),
     ],
 )
-def test_invalid_event_values_are_rejected(field: str, value: object) -> None:
-    with pytest.raises(InvalidEventError, match=field):
+def test_invalid_event_values_are_rejected(field: str, value: object, error: type) -> None:
+    with pytest.raises(error, match=field):
         ev(0, **{field: value})
+
+
+def test_an_event_altered_by_force_is_refused_by_the_ledger(ledger: Ledger) -> None:
+    for name, value, field in [("noise_multiplier", -1.0, "sigma"), ("steps", 0.5, "steps")]:
+        bad = ev(0)
+        object.__setattr__(bad.event, name, value)
+        with pytest.raises(InvalidEventError, match=field):
+            ledger.append(bad)
+    assert ledger.events() == []
 
 
 def test_record_run(ledger: Ledger) -> None:

@@ -7,6 +7,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from ledger_events import ledger_event
 
 from prism_core.accounting import PrivacyEvent, epsilon
 from prism_core.quantile import QUANTILE_MECHANISM
@@ -28,7 +29,7 @@ def ev(rnd: int, site: str = "a", **kw: object) -> LedgerEvent:
         run_id="run-1", round=rnd, site_id=site, sigma=1.0, q=0.01, steps=100, delta=DELTA
     )
     args.update(kw)
-    return LedgerEvent(**args)  # type: ignore[arg-type]
+    return ledger_event(**args)
 
 
 def unconfirmed(rnd: int, site: str = "a", code: str = "no-reply", **kw: object) -> LedgerEvent:

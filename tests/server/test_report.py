@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+from ledger_events import ledger_event
 
 from prism_core.accounting import PrivacyEvent, epsilon
 from server.cli import main
@@ -31,7 +32,7 @@ def ev(rnd: int, site: str, **kw: object) -> LedgerEvent:
         run_id="run-1", round=rnd, site_id=site, sigma=1.0, q=0.01, steps=20, delta=DELTA
     )
     args.update(kw)
-    return LedgerEvent(**args)  # type: ignore[arg-type]
+    return ledger_event(**args)
 
 
 def brute_force_rounds(history: list[PrivacyEvent], *, steps: int, cap: float) -> int:

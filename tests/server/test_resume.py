@@ -279,7 +279,7 @@ def test_can_run_before_a_round_ignores_that_rounds_events(tmp_path):
 
     with Ledger.open(tmp_path / "ledger.sqlite") as ledger:
         for r in (1, 2):
-            ledger.append(LedgerEvent("run", r, "s", sigma=1.0, q=0.1, steps=5, delta=1e-5))
+            ledger.append(LedgerEvent("run", r, "s", PrivacyEvent(1.0, 0.1, 5), 1e-5))
         ask = dict(
             sigma=1.0,
             q=0.1,
@@ -291,7 +291,7 @@ def test_can_run_before_a_round_ignores_that_rounds_events(tmp_path):
         assert ledger.can_run("s", **ask, before=("run", 2))  # re-running round 2 as at first
         assert not ledger.can_run("s", **ask, before=("other-run", 2))
         # Re-recording an identical event is idempotent; a different one is refused.
-        assert not ledger.append(LedgerEvent("run", 2, "s", sigma=1.0, q=0.1, steps=5, delta=1e-5))
+        assert not ledger.append(LedgerEvent("run", 2, "s", PrivacyEvent(1.0, 0.1, 5), 1e-5))
         with pytest.raises(LedgerError, match="different record"):
-            ledger.append(LedgerEvent("run", 2, "s", sigma=1.0, q=0.1, steps=4, delta=1e-5))
+            ledger.append(LedgerEvent("run", 2, "s", PrivacyEvent(1.0, 0.1, 4), 1e-5))
         assert len(ledger.events()) == 2
