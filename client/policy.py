@@ -96,6 +96,8 @@ class SitePolicy:
         """
         if run.report_train_loss and not self.allow_nonprivate_metrics:
             return "nonprivate-metrics-not-allowed"
+        if run.batch_size > num_examples:  # q = b / N would exceed 1: no such Poisson batch
+            return "batch-above-site-data"
         if run.method == "nondp":
             return None if self.allow_nondp else "nondp-not-allowed"
         if run.target_epsilon > self.epsilon_cap:

@@ -107,7 +107,7 @@ class Site:
             production passes none.
 
     Raises:
-        ConfigError: the data or settings cannot be used (e.g. a batch larger than the data).
+        ConfigError: the data or settings cannot be used.
         DataError: the site's data cannot be read.
     """
 
@@ -126,11 +126,6 @@ class Site:
         rows = site_examples(run, site)
         check_text_pairs(run, rows)
         self.num_examples = len(rows)
-        if run.batch_size > self.num_examples:
-            raise ConfigError(
-                f"run config batch-size={run.batch_size} is larger than site {self.site_id}'s "
-                f"data ({self.num_examples} examples): lower batch-size or add data"
-            )
         self.ledger = SiteLedger(self.state_dir)
         self.sample_rate = run.batch_size / self.num_examples
         self.refusal = policy.refusal(run, self.num_examples)

@@ -31,7 +31,13 @@ def site_examples(run: RunConfig, site: SiteConfig) -> list[dict[str, Any]]:
         parts = iid_partition(len(rows), site.num_partitions, run.seed)
     else:
         labels = [int(r["label"]) for r in rows]
-        parts = dirichlet_partition(labels, site.num_partitions, run.dirichlet_alpha, run.seed)
+        parts = dirichlet_partition(  # every simulated site holds at least one expected batch
+            labels,
+            site.num_partitions,
+            run.dirichlet_alpha,
+            run.seed,
+            min_size=run.batch_size if len(rows) >= run.batch_size * site.num_partitions else 1,
+        )
     return [rows[i] for i in parts[site.partition_id]]
 
 

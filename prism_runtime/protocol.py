@@ -79,6 +79,7 @@ REFUSAL_REASONS: dict[str, str] = {
     "epsilon-above-site-cap": "the run asks for a larger epsilon than the site's policy allows",
     "delta-above-site-policy": "the run asks for a larger delta than the site's policy allows",
     "delta-not-below-1/n": "delta must be below 1/N for the site's N examples",
+    "batch-above-site-data": "the run's expected batch is larger than the site's N examples",
     "nondp-not-allowed": "the run asks for a non-private method; the site does not allow it",
     "nonprivate-metrics-not-allowed": "the run asks for non-private metrics; not allowed",
     "bad-broadcast": "the broadcast adapter is not finite, of the wrong shape, or not of rank r",

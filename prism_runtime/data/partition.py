@@ -12,12 +12,16 @@ from prism_runtime.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 
-def _check_partition(n: int, num_parts: int) -> None:
+def _check_partition(n: int, num_parts: int, min_size: int = 1) -> None:
     if num_parts < 1:
         raise ConfigError(f"num_parts must be at least 1, got {num_parts}.")
-    if n < num_parts:
+    if min_size < 1:
+        raise ConfigError(f"min_size must be at least 1, got {min_size}.")
+    if n < num_parts * min_size:
+        what = "non-empty parts" if min_size == 1 else f"parts of at least {min_size} examples"
         raise ConfigError(
-            f"Cannot split {n} examples into {num_parts} non-empty parts. Use fewer parts."
+            f"Cannot split {n} examples into {num_parts} {what}. Use fewer parts"
+            + ("." if min_size == 1 else " or a smaller batch-size.")
         )
 
 
@@ -46,6 +50,7 @@ def dirichlet_partition(
     alpha: float,
     seed: int,
     *,
+    min_size: int = 1,
     max_tries: int = 100,
 ) -> list[np.ndarray]:
     """Label-skewed split: each class is divided among parts with Dirichlet(alpha) proportions.
@@ -54,27 +59,33 @@ def dirichlet_partition(
     ``p ~ Dirichlet(alpha * 1)`` over the parts (Hsu et al., 2019). Small ``alpha`` gives parts
     dominated by few classes; large ``alpha`` approaches an IID split.
 
-    Every part is non-empty: a draw with an empty part is rejected and redrawn, up to
-    ``max_tries`` draws; if all are rejected, the last draw is rebalanced by moving one index
-    from the currently largest part into each empty part (a warning is logged).
+    Every part holds at least ``min_size`` examples (a simulated site needs one expected batch,
+    so the simulation asks for ``batch-size``; the rejection rule of common non-IID benchmarks,
+    e.g. NIID-Bench's minimum client size): a draw with a smaller part is rejected and redrawn,
+    up to ``max_tries`` draws; if all are rejected, the last draw is rebalanced by moving single
+    indices from the currently largest part into each part that is short (a warning is logged).
+    A draw that already satisfies ``min_size`` is the draw a smaller ``min_size`` would accept
+    first too, so raising it changes only the splits that had a part too small.
 
     Args:
         labels: Integer class label of each example.
-        num_parts: Number of parts (sites), ``1 <= num_parts <= len(labels)``.
+        num_parts: Number of parts (sites), ``1 <= num_parts <= len(labels) / min_size``.
         alpha: Dirichlet concentration, ``> 0``.
         seed: Seed; the result is a deterministic function of all arguments.
+        min_size: Smallest allowed part, ``>= 1``.
         max_tries: Number of draws before rebalancing.
 
     Returns:
         ``num_parts`` sorted ``int64`` index arrays; every index appears in exactly one.
 
     Raises:
-        ConfigError: Invalid ``num_parts``, ``alpha`` or ``max_tries``, or labels not 1-D.
+        ConfigError: Invalid ``num_parts``, ``min_size``, ``alpha`` or ``max_tries`` (fewer
+            than ``num_parts * min_size`` labels), or labels not 1-D.
     """
     label_array = np.asarray(labels)
     if label_array.ndim != 1:
         raise ConfigError(f"labels must be 1-D, got shape {label_array.shape}.")
-    _check_partition(len(label_array), num_parts)
+    _check_partition(len(label_array), num_parts, min_size)
     if not alpha > 0:
         raise ConfigError(f"alpha must be > 0, got {alpha}.")
     if max_tries < 1:
@@ -82,17 +93,18 @@ def dirichlet_partition(
     rng = np.random.default_rng(seed)
     for _ in range(max_tries):
         parts = _dirichlet_draw(label_array, num_parts, alpha, rng)
-        if all(parts):
+        if all(len(part) >= min_size for part in parts):
             break
     else:
         logger.warning(
-            "No Dirichlet(alpha=%g) draw out of %d left every one of %d parts non-empty; "
-            "moving single examples into the empty parts.",
+            "No Dirichlet(alpha=%g) draw out of %d left every one of %d parts with at least %d "
+            "examples; moving single examples into the short parts.",
             alpha,
             max_tries,
             num_parts,
+            min_size,
         )
-        _fill_empty_parts(parts)
+        _fill_short_parts(parts, min_size)
     return [np.sort(np.asarray(part, dtype=np.int64)) for part in parts]
 
 
@@ -109,9 +121,9 @@ def _dirichlet_draw(
     return parts
 
 
-def _fill_empty_parts(parts: list[list[int]]) -> None:
-    # With n >= num_parts, while a part is empty some other part holds at least two indices.
+def _fill_short_parts(parts: list[list[int]], min_size: int) -> None:
+    # With n >= num_parts * min_size, while a part is short the largest holds more than min_size.
     for part in parts:
-        if not part:
+        while len(part) < min_size:
             donor = max(parts, key=len)
             part.append(donor.pop())

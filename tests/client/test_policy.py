@@ -73,6 +73,13 @@ def test_delta_must_be_strictly_below_one_over_n():
     assert lenient.refusal(_run(delta=0.99 / N), 102) == "delta-not-below-1/n"  # 1/102 < 0.0099
 
 
+def test_an_expected_batch_larger_than_the_sites_data_is_refused_whatever_the_method():
+    assert _policy().refusal(_run(**{"batch-size": N}), N) is None  # q = 1: every example
+    for method in ("prism", "nondp"):
+        run = _run(method=method, **{"batch-size": N + 1})
+        assert _policy(allow_nondp=True).refusal(run, N) == "batch-above-site-data"
+
+
 def test_nondp_runs_only_where_the_site_allows_them_and_skip_the_dp_checks():
     nondp = _run(method="nondp", **{"target-epsilon": 1e6, "delta": 0.9})
     assert _policy().refusal(nondp, N) == "nondp-not-allowed"

@@ -116,6 +116,8 @@ REFUSED_REQUESTS = [
     ({"delta": 0.9}, {}, "delta-above-site-policy"),
     # the site's own delta allows it, but 0.05 is not below 1/N = 1/64
     ({"delta": 0.05}, {"delta": 0.1}, "delta-not-below-1/n"),
+    # a Poisson batch of expected size 128 cannot be drawn from 64 examples (q would be 2)
+    ({"batch-size": 128}, {}, "batch-above-site-data"),
     # the coordinator cannot switch DP off or raise the budget on a DEFAULT simulated site
     ({"target-epsilon": 1e6, "delta": 0.9}, {"epsilon-cap": None}, "epsilon-above-site-cap"),
 ]

@@ -585,6 +585,48 @@ def test_dirichlet_rebalances_when_draws_leave_parts_empty() -> None:
         dirichlet_partition(labels, 2, 0.0, seed=0)
 
 
+def test_dirichlet_min_size_redraws_only_the_splits_with_a_short_part() -> None:
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 5, size=1431)  # the medical abstracts pool: 5 classes, 4 sites
+    seeds = range(40)
+    plain = {seed: dirichlet_partition(labels, 4, 0.5, seed) for seed in seeds}
+    sized = {seed: dirichlet_partition(labels, 4, 0.5, seed, min_size=128) for seed in seeds}
+    short = [seed for seed in seeds if min(map(len, plain[seed])) < 128]
+    assert short, "no split with a short part among the seeds: the test would not test"
+    for seed in seeds:
+        _assert_exact_cover(sized[seed], len(labels))
+        assert min(map(len, sized[seed])) >= 128
+        if seed not in short:  # a split that already fits is the same split
+            assert all(np.array_equal(a, b) for a, b in zip(plain[seed], sized[seed], strict=True))
+
+
+def test_dirichlet_min_size_fills_short_parts_or_refuses_an_impossible_one() -> None:
+    labels = [0] * 30 + [1] * 30
+    result = dirichlet_partition(labels, 4, 0.01, seed=0, min_size=15, max_tries=1)
+    _assert_exact_cover(result, 60)
+    assert sorted(map(len, result)) == [15, 15, 15, 15]
+    with pytest.raises(ConfigError, match=r"4 parts of at least 16 examples.*smaller batch-size"):
+        dirichlet_partition(labels, 4, 0.5, seed=0, min_size=16)
+    with pytest.raises(ConfigError, match="min_size must be at least 1"):
+        dirichlet_partition(labels, 4, 0.5, seed=0, min_size=0)
+
+
+def test_a_simulated_dirichlet_site_holds_at_least_one_expected_batch(tmp_path: Path) -> None:
+    from client.site_data import site_examples
+    from prism_runtime.config import RunConfig, SiteConfig, parse_config
+
+    rows = [{"text": f"row {i}", "label": int(i % 10 == 0)} for i in range(400)]  # 10% label 1
+    path = tmp_path / "pool.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    settings = {"data": str(path), "partitioner": "dirichlet", "dirichlet-alpha": 0.1}
+    for seed in range(5):
+        run = parse_config(RunConfig, settings | {"seed": seed, "batch-size": 64}, what="run")
+        sizes = [
+            len(site_examples(run, SiteConfig(partition_id=k, num_partitions=4))) for k in range(4)
+        ]
+        assert sum(sizes) == 400 and min(sizes) >= 64, (seed, sizes)
+
+
 def test_label_out_of_range_names_file_line_and_range(tmp_path: Path) -> None:
     from client.site_data import site_examples
     from prism_runtime.config import RunConfig, SiteConfig, parse_config
