@@ -96,16 +96,17 @@ class SitePolicy:
         """
         if run.report_train_loss and not self.allow_nonprivate_metrics:
             return "nonprivate-metrics-not-allowed"
+        if run.method == "nondp":
+            if not self.allow_nondp:
+                return "nondp-not-allowed"
+        elif run.target_epsilon > self.epsilon_cap:
+            return "epsilon-above-site-cap"
+        elif run.delta > self.delta:
+            return "delta-above-site-policy"
+        elif run.delta >= 1.0 / num_examples:
+            return "delta-not-below-1/n"
         if run.batch_size > num_examples:  # q = b / N would exceed 1: no such Poisson batch
             return "batch-above-site-data"
-        if run.method == "nondp":
-            return None if self.allow_nondp else "nondp-not-allowed"
-        if run.target_epsilon > self.epsilon_cap:
-            return "epsilon-above-site-cap"
-        if run.delta > self.delta:
-            return "delta-above-site-policy"
-        if run.delta >= 1.0 / num_examples:
-            return "delta-not-below-1/n"
         return None
 
 

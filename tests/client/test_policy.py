@@ -42,6 +42,7 @@ def _policy(**overrides: object) -> SitePolicy:
 
 
 def _run(**values: object) -> RunConfig:
+    values = {"batch-size": 64} | values  # an expected batch the site's N examples can give
     return parse_config(RunConfig, values, what="run config")  # type: ignore[no-any-return]
 
 
