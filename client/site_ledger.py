@@ -85,8 +85,7 @@ class SiteLedgerEntry(EventColumns):
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> SiteLedgerEntry:
         """The entry of a checked ledger line (``_entry_problem`` found nothing wrong)."""
-        event = PrivacyEvent(obj["sigma"], obj["q"], obj["steps"], mechanism=obj["mechanism"])
-        return cls(obj["server_round"], event, obj["delta"])
+        return cls(obj["server_round"], PrivacyEvent.from_columns(obj), obj["delta"])
 
 
 class _Parsed(NamedTuple):

@@ -70,8 +70,8 @@ def compose_events(events: Iterable[PrivacyEvent]) -> list[PrivacyEvent]:
 
 
 def _accountant_key(history: Sequence[PrivacyEvent]) -> tuple[tuple[float, float, int], ...]:
-    """``(sigma, q, steps)`` runs of a composed history, equal neighbours merged whatever their
-    mechanism or clip (the accountant sees only sigma and q)."""
+    """``(sigma, q, steps)`` runs of a history, equal neighbours merged whatever their mechanism
+    or clip (the accountant sees only sigma and q)."""
     key: list[tuple[float, float, int]] = []
     for e in history:
         if key and key[-1][:2] == (e.noise_multiplier, e.sample_rate):
@@ -95,7 +95,7 @@ def epsilon(
         AccountingError: for a sampling scheme other than Poisson or another adjacency.
     """
     _check_delta(delta)
-    history = compose_events(events)
+    history = [e for e in events if e.steps > 0]  # _accountant_key merges equal neighbours
     for e in history:
         if e.sampling != "poisson" or e.adjacency != ADJACENCY:
             raise AccountingError(

@@ -11,8 +11,9 @@ belongs to. Accounting depends on this record, never on tensor code.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Final
+from typing import Any, Final
 
 from prism_core.errors import PrivacyParameterError
 
@@ -86,6 +87,21 @@ class PrivacyEvent:
             if value is not None and not (_real(value) and value > 0):
                 problems.append(f"{name}={value!r} must be a finite number > 0 or None")
         return problems
+
+    @classmethod
+    def from_columns(cls, row: Mapping[str, Any]) -> PrivacyEvent:
+        """The event of a ledger row or a reply's facts, under the ledgers' column names
+        (``sigma``, ``q``, ``steps``, ``mechanism``; ``sampling`` and ``adjacency`` where the
+        row has them, else the defaults), the inverse of ``EventColumns``. The numbers are
+        converted as the ledgers store them; the texts are taken as they are (and checked)."""
+        optional = {k: row[k] for k in ("sampling", "adjacency") if k in row}
+        return cls(
+            float(row["sigma"]),
+            float(row["q"]),
+            int(row["steps"]),
+            mechanism=row["mechanism"],
+            **optional,
+        )
 
     def accounted(self) -> tuple[float, float, int, str, str, str]:
         """The facts a charge commits to: sigma, q, steps, mechanism, sampling, adjacency."""

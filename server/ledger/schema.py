@@ -147,14 +147,7 @@ def event_from_row(row: Sequence[Any]) -> LedgerEvent:
         if values[name] not in (0, 1):
             raise InvalidEventError(f"{name}={values[name]!r} must be 0 or 1")
     try:
-        event = PrivacyEvent(
-            float(values["sigma"]),
-            float(values["q"]),
-            int(values["steps"]),
-            sampling=values["sampling"],
-            adjacency=values["adjacency"],
-            mechanism=values["mechanism"],
-        )
+        event = PrivacyEvent.from_columns(values)
     except PrivacyParameterError as exc:
         raise InvalidEventError(f"stored event of site {values['site_id']!r}: {exc}") from exc
     return LedgerEvent(

@@ -67,14 +67,7 @@ class Charges:
             return
         cap = float(facts.get("epsilon-cap", self.target_epsilon))
         try:
-            released = PrivacyEvent(
-                float(facts["sigma"]),
-                float(facts["q"]),
-                steps,
-                sampling=str(facts["sampling"]),
-                adjacency=str(facts["adjacency"]),
-                mechanism=str(facts["mechanism"]),
-            )
+            released = PrivacyEvent.from_columns(facts)
             event = LedgerEvent(
                 run_id=self.run_id,
                 round=server_round,
