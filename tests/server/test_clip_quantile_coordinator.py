@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import random_point
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, RecordDict
+from reply_facts import honest_facts
 
 from client.policy import site_policy
 from client.site import Site
@@ -214,26 +215,11 @@ def _strategy(ledger, auto=AUTO):
 
 
 def _facts(node, request, **changes):
-    facts = {
-        "site-id": f"site-{node}",
-        "status": "ok",
-        "reason": "",
-        SERVER_ROUND: request.content[CONFIG][SERVER_ROUND],
-        "mechanism": TRAIN,
-        "adjacency": "add-remove",
-        "sampling": "poisson",
-        "sigma": SIGMA,
-        "q": Q,
-        "steps": TAU,
-        "delta": DELTA,
-        "epsilon-cap": 100.0,
-        "epsilon": 0.5,
-        "rng": "os-csprng",
-        "max-norm": 0.2,
-        "expected-batch-size": 16.0,
-    }
-    facts.update(changes)
-    return {k: v for k, v in facts.items() if v is not None}
+    """An honest reply's facts, with ``changes`` (None: leave the fact out); the nonce is
+    added by ``_message``."""
+    facts = {SERVER_ROUND: request.content[CONFIG][SERVER_ROUND], "mechanism": TRAIN}
+    facts.update({"sigma": SIGMA, "q": Q, "steps": TAU, "delta": DELTA, "max-norm": 0.2})
+    return honest_facts(f"site-{node}", None, **{**facts, **changes})
 
 
 def _reply(request, **changes):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from reply_facts import honest_facts
 from safetensors.torch import load_file
 from sitegrid import LoopbackSites
 
@@ -22,8 +23,6 @@ from prism_runtime.protocol import (
     ARRAYS,
     CONFIG,
     HEAD_PREFIX,
-    ROUND_NONCE,
-    SERVER_ROUND,
     UPDATE,
 )
 from server.federation import run_federation
@@ -76,27 +75,11 @@ class _ScriptedGrid(LoopbackSites):
         node = msg.metadata.dst_node_id
         self.broadcast = msg.content[ARRAYS].to_torch_state_dict()
         self.updates[node] = self._update(node)
-        config = msg.content[CONFIG]
         sigma, n, _ = SITES[node]
-        facts = {
-            "site-id": f"site-{node}",
-            "status": "ok",
-            SERVER_ROUND: config[SERVER_ROUND],
-            ROUND_NONCE: config[ROUND_NONCE],
-            "mechanism": "prism-tangent-gaussian",
-            "adjacency": "add-remove",
-            "sampling": "poisson",
-            "sigma": sigma,
-            "q": BATCH / n,
-            "max-norm": C,
-            "expected-batch-size": float(BATCH),
-            "steps": 1,
-            "delta": 1e-5,
-            "epsilon-cap": 8.0,
-            "epsilon": 0.5,
-            "rng": "os-csprng",
-            "num-examples": n,
-        }
+        facts = honest_facts(
+            f"site-{node}", msg.content[CONFIG], sigma=sigma, q=BATCH / n, max_norm=C,
+            expected_batch_size=float(BATCH), epsilon_cap=8.0, num_examples=n,
+        )  # fmt: skip
         content = RecordDict(
             {UPDATE: ArrayRecord(self.updates[node]), ACCOUNTING: ConfigRecord(facts)}
         )

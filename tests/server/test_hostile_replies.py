@@ -26,6 +26,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from reply_facts import honest_facts
 
 from prism_runtime.protocol import (
     ACCOUNTING,
@@ -181,26 +182,9 @@ def _honest_update(seed: int) -> dict[str, torch.Tensor]:
 
 
 def _honest_facts(node: int, request: Message) -> dict:
-    config = request.content[CONFIG]
-    return {
-        "site-id": _site(node),
-        "status": "ok",
-        "reason": "",
-        SERVER_ROUND: config[SERVER_ROUND],
-        ROUND_NONCE: config[ROUND_NONCE],
-        "mechanism": "prism-tangent-gaussian",
-        "adjacency": "add-remove",
-        "sampling": "poisson",
-        "sigma": SIGMA,
-        "q": 0.05,
-        "max-norm": 0.05,
-        "expected-batch-size": 16.0,
-        "steps": TAU,
-        "delta": 1e-5,
-        "epsilon-cap": 1e3,
-        "epsilon": 0.5,
-        "rng": "os-csprng",
-    }
+    return honest_facts(
+        _site(node), request.content[CONFIG], sigma=SIGMA, steps=TAU, epsilon_cap=1e3
+    )
 
 
 @dataclass

@@ -200,27 +200,21 @@ class _HalfGrid(LoopbackSites):
     def answer(self, first):
         import torch
         from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+        from reply_facts import honest_facts
 
-        from prism_runtime.protocol import ACCOUNTING, CONFIG, ROUND_NONCE, SERVER_ROUND, UPDATE
+        from prism_runtime.protocol import ACCOUNTING, CONFIG, UPDATE
 
         if first.metadata.dst_node_id != min(self.nodes):
             return None
-        facts = {
-            "site-id": "alive",
-            "status": "ok",
-            "sigma": 1.0,
-            "q": 0.1,
-            "max-norm": 0.05,
-            "expected-batch-size": 16.0,
-            "steps": 2,
-            "mechanism": "prism-tangent-gaussian",
-            "adjacency": "add-remove",
-            "sampling": "poisson",
-            "delta": 1e-5,
-            "rng": "os-csprng",
-        }
-        config = first.content[CONFIG]  # echoed like the ClientApp does
-        facts.update({SERVER_ROUND: config[SERVER_ROUND], ROUND_NONCE: config[ROUND_NONCE]})
+        facts = honest_facts(
+            "alive",
+            first.content[CONFIG],
+            q=0.1,
+            steps=2,
+            reason=None,
+            epsilon_cap=None,
+            epsilon=None,
+        )  # the round and its nonce echoed, as the ClientApp does
         update = {k: torch.zeros(s) for k, s in self.shapes.items()}
         content = RecordDict({UPDATE: ArrayRecord(update), ACCOUNTING: ConfigRecord(facts)})
         return Message(content=content, reply_to=first)

@@ -24,6 +24,7 @@ import pytest
 import torch
 from conftest import random_point
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, RecordDict
+from reply_facts import honest_facts
 from sitegrid import LoopbackSites
 
 from prism_core.accounting import PrivacyEvent, epsilon
@@ -31,8 +32,6 @@ from prism_runtime.protocol import (
     ACCOUNTING,
     CONFIG,
     REFUSAL_REASONS,
-    ROUND_NONCE,
-    SERVER_ROUND,
     SITE_ERROR_CODES,
     UPDATE,
     key,
@@ -100,28 +99,11 @@ def _site(node):
 
 
 def _facts(node, request, **changes):
+    """An honest reply's facts, with ``changes`` (None: leave the fact out)."""
     config = request.content[CONFIG]
-    facts = {
-        "site-id": _site(node),
-        "status": "ok",
-        "reason": "",
-        SERVER_ROUND: config[SERVER_ROUND],
-        ROUND_NONCE: config[ROUND_NONCE],
-        "mechanism": "prism-tangent-gaussian",
-        "adjacency": "add-remove",
-        "sampling": "poisson",
-        "sigma": SIGMA,
-        "q": Q,
-        "max-norm": 0.05,
-        "expected-batch-size": 16.0,
-        "steps": TAU,
-        "delta": DELTA,
-        "epsilon-cap": 100.0,
-        "epsilon": 0.5,
-        "rng": "os-csprng",
-    }
-    facts.update(changes)
-    return {k: v for k, v in facts.items() if v is not None}  # None: leave the fact out
+    return honest_facts(
+        _site(node), config, **{"sigma": SIGMA, "q": Q, "steps": TAU, "delta": DELTA, **changes}
+    )
 
 
 def _reply(request, **changes):

@@ -6,6 +6,7 @@ import pytest
 import torch
 from conftest import random_point
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from reply_facts import honest_facts
 from sitegrid import LoopbackSites
 
 from prism_core.accounting import PrivacyEvent, epsilon
@@ -58,23 +59,8 @@ def _strategy(tmp_path, mode="tangent", **kw):
 
 
 def _facts(site, steps=2, status="ok"):
-    return {
-        "site-id": site,
-        "status": status,
-        "server-round": 1,
-        "mechanism": "prism-tangent-gaussian",
-        "adjacency": "add-remove",
-        "sampling": "poisson",
-        "sigma": 1.0,
-        "q": 0.05,
-        "max-norm": 0.05,
-        "expected-batch-size": 16.0,
-        "steps": steps,
-        "delta": 1e-5,
-        "epsilon-cap": 10.0,
-        "epsilon": 0.5,
-        "rng": "os-csprng",
-    }
+    """An honest reply's facts; ``_reply`` echoes the request's round and nonce."""
+    return honest_facts(site, None, status=status, steps=steps, epsilon_cap=10.0)
 
 
 def _reply(request, arrays, facts):

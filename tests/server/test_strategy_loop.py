@@ -10,9 +10,10 @@ from conftest import random_point
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.task_identity import TaskIdentity
+from reply_facts import honest_facts
 from sitegrid import Arrival, FlowerSites
 
-from prism_runtime.protocol import ACCOUNTING, CONFIG, ROUND_NONCE, SERVER_ROUND, UPDATE, key
+from prism_runtime.protocol import ACCOUNTING, CONFIG, UPDATE, key
 from server.ledger import Ledger
 from server.strategy import PrismStrategy
 from server.strategy.loop import run_rounds, stream_replies
@@ -48,25 +49,9 @@ def _update(index, scale=0.01):
 
 def _reply(index, request, update=None):
     """Site ``index``'s honest reply; sigma differs per site so inverse-noise weights differ."""
-    config = request.content[CONFIG]
-    facts = {
-        "site-id": f"site-{index}",
-        "status": "ok",
-        SERVER_ROUND: config[SERVER_ROUND],
-        ROUND_NONCE: config[ROUND_NONCE],
-        "mechanism": "prism-tangent-gaussian",
-        "adjacency": "add-remove",
-        "sampling": "poisson",
-        "sigma": 1.0 + 0.37 * index,
-        "q": 0.05,
-        "max-norm": 0.05,
-        "expected-batch-size": 16.0,
-        "steps": TAU,
-        "delta": 1e-5,
-        "epsilon-cap": 100.0,
-        "epsilon": 0.5,
-        "rng": "os-csprng",
-    }
+    facts = honest_facts(
+        f"site-{index}", request.content[CONFIG], sigma=1.0 + 0.37 * index, steps=TAU
+    )
     arrays = _update(index) if update is None else update
     content = RecordDict({UPDATE: ArrayRecord(arrays), ACCOUNTING: ConfigRecord(facts)})
     return Message(content=content, reply_to=request)

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from reply_facts import honest_facts
 
 from client.policy import site_policy
 from client.site import Site
@@ -230,23 +231,10 @@ def test_sgd_bound_follows_the_reported_noise_and_rejects_past_it(tmp_path):
             update_bound=UpdateBound(lr=lr, optimizer="sgd", max_norm=C, expected_batch_size=b),
         )
         (request,) = strategy.configure_train(1, ArrayRecord(glob), ConfigRecord(), _Grid([3]))
-        config = request.content[CONFIG]
-        facts = {
-            "site-id": "s",
-            "status": "ok",
-            "sigma": sigma,
-            "q": q,
-            "max-norm": C,
-            "expected-batch-size": float(b),
-            "steps": tau,
-            "mechanism": "prism-tangent-gaussian",
-            "adjacency": "add-remove",
-            "sampling": "poisson",
-            "delta": 1e-5,
-            "rng": "os-csprng",
-            SERVER_ROUND: 1,
-            ROUND_NONCE: config[ROUND_NONCE],
-        }
+        facts = honest_facts(
+            "s", request.content[CONFIG], sigma=sigma, q=q, max_norm=C,
+            expected_batch_size=float(b), steps=tau, reason=None, epsilon_cap=None, epsilon=None,
+        )  # fmt: skip
         scale = factor * bound / unit
         update = {"mod/dA": (scale * dA).contiguous(), "mod/dB": (scale * dB).contiguous()}
         content = RecordDict({UPDATE: ArrayRecord(update), ACCOUNTING: ConfigRecord(facts)})
