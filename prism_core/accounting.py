@@ -92,9 +92,12 @@ def epsilon(
         0.0 for an empty history, ``inf`` if any step ran without noise.
 
     Raises:
-        AccountingError: for a sampling scheme other than Poisson or another adjacency.
+        AccountingError: for a sampling scheme other than Poisson or another adjacency, or an
+            accountant other than ``"prv"`` and ``"rdp"``.
     """
     _check_delta(delta)
+    if accountant not in ("prv", "rdp"):
+        raise AccountingError(f"accountant={accountant!r}: use 'prv' (reported) or 'rdp'")
     history = [e for e in events if e.steps > 0]  # _accountant_key merges equal neighbours
     for e in history:
         if e.sampling != "poisson" or e.adjacency != ADJACENCY:
@@ -125,8 +128,12 @@ def _accountant_epsilon(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # Opacus' "optimal order" warnings
         if accountant == "prv":
-            return float(acc.get_epsilon(delta=delta, eps_error=PRV_EPS_ERROR))
-        return float(acc.get_epsilon(delta=delta))
+            value = float(acc.get_epsilon(delta=delta, eps_error=PRV_EPS_ERROR))
+        else:
+            value = float(acc.get_epsilon(delta=delta))
+    # At a large delta both accountants can return a NEGATIVE epsilon (e.g. -0.69 at delta 0.5,
+    # from their conversion terms); a guarantee at epsilon < 0 holds at 0, which is what is meant.
+    return max(0.0, value)
 
 
 def epsilon_report(events: Sequence[PrivacyEvent], delta: float) -> EpsilonReport:
@@ -181,6 +188,10 @@ def calibrate_noise_multiplier(
         raise PrivacyParameterError(f"steps={steps!r} must be >= 1 to calibrate a noise multiplier")
     if not 0 < sample_rate <= 1:
         raise PrivacyParameterError(f"sample_rate={sample_rate!r} must be in (0, 1]")
+    if not 0 < relative_tolerance < 1:  # 0 would never end Opacus' own bisection
+        raise PrivacyParameterError(
+            f"relative_tolerance={relative_tolerance!r} must be in (0, 1), e.g. 0.005"
+        )
     _check_delta(delta)
     if compose_events(history):
         return _calibrate_after(

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 import re
+import signal
 import warnings
 from dataclasses import replace
 
@@ -228,16 +231,17 @@ def test_equal_histories_are_accounted_once_and_match_a_fresh_accountant(monkeyp
 
 
 @pytest.mark.parametrize(
-    ("prefix", "q", "steps"),
+    ("prefix", "q", "steps", "target"),
     [
-        (PrivacyEvent(6.4, 0.18, 30), 0.18, 15),  # a private clip estimate, then training
-        (PrivacyEvent(2.0, 0.05, 20), 0.02, 300),
+        (PrivacyEvent(6.4, 0.18, 30), 0.18, 15, 3.0),  # a private clip estimate, then training
+        (PrivacyEvent(2.0, 0.05, 20), 0.02, 300, 3.0),
+        (PrivacyEvent(2.0, 0.05, 20), 0.1, 30, 0.8),  # a small target: a longer bisection
     ],
 )
 def test_calibration_after_a_history_meets_the_target_with_it_and_needs_more_noise(
-    prefix, q, steps
+    prefix, q, steps, target
 ):
-    target, delta = 3.0, 1e-5
+    delta = 1e-5
     fresh = calibrate_noise_multiplier(
         target_epsilon=target, delta=delta, sample_rate=q, steps=steps
     )
@@ -267,3 +271,178 @@ def test_calibration_with_an_empty_or_zero_step_history_is_the_fresh_one():
             target_epsilon=2.0, delta=1e-5, sample_rate=0.02, steps=50, history=history
         )
         assert again == fresh
+
+
+# -- edges and cross-checks the mutation run found untested (docs/testing.md) --------------------
+
+
+def test_a_zero_step_event_is_not_accounted_whatever_it_states():
+    """A zero-step event (a refused or empty round) spends nothing: not even one without noise
+    (which would make epsilon infinite) or with an unsupported sampling (which would raise)."""
+    steps = PrivacyEvent(1.0, 0.01, 10)
+    alone = epsilon([steps], 1e-5)
+    assert epsilon([PrivacyEvent(0.0, 0.1, 0), steps], 1e-5) == alone
+    assert epsilon([PrivacyEvent(1.0, 0.1, 0, sampling="shuffle"), steps], 1e-5) == alone
+
+
+def test_an_unknown_accountant_is_refused_and_the_report_uses_both():
+    history = [PrivacyEvent(1.0, 0.02, 200)]
+    for name in ("RDP", "gdp", ""):
+        with pytest.raises(AccountingError, match=re.escape(f"accountant={name!r}")):
+            epsilon(history, 1e-5, accountant=name)
+    report = epsilon_report(history, 1e-4)
+    rdp = RDPAccountant()
+    rdp.history = [(1.0, 0.02, 200)]
+    prv = PRVAccountant()
+    prv.history = [(1.0, 0.02, 200)]
+    assert report.delta == 1e-4
+    assert report.rdp == pytest.approx(rdp.get_epsilon(delta=1e-4), rel=1e-12)
+    assert report.prv == pytest.approx(prv.get_epsilon(delta=1e-4, eps_error=0.01), rel=1e-12)
+
+
+def test_the_cross_check_allows_prv_up_to_its_discretisation_error_above_rdp(monkeypatch):
+    """PRV is an estimate within ``PRV_EPS_ERROR``: PRV = RDP + that error passes, more raises
+    naming both values. Also at a tiny epsilon, where both lie within that error of zero."""
+    # at a large delta both accountants give epsilon 0 (Opacus' own values are negative there):
+    # equal, so no false alarm
+    tiny = epsilon_report([PrivacyEvent(50.0, 0.01, 1)], 0.5)
+    assert tiny.prv == tiny.rdp == 0.0
+    values = {}
+    monkeypatch.setattr(
+        "prism_core.accounting.epsilon", lambda events, delta, accountant: values[accountant]
+    )
+    values.update(rdp=1.0, prv=1.0 + PRV_EPS_ERROR)
+    assert epsilon_report([], 1e-5).prv == 1.0 + PRV_EPS_ERROR
+    values.update(rdp=1.0, prv=1.5)
+    with pytest.raises(AccountingError, match=re.escape("RDP epsilon 1.0000 < PRV epsilon 1.5000")):
+        epsilon_report([], 1e-5)
+
+
+def test_calibration_takes_one_step_and_a_full_batch_and_refuses_what_is_outside():
+    for q, steps in ((0.05, 1), (1.0, 10)):  # the smallest history and q = 1 (every row)
+        sigma = calibrate_noise_multiplier(
+            target_epsilon=2.0, delta=1e-5, sample_rate=q, steps=steps
+        )
+        eps = epsilon([PrivacyEvent(sigma, q, steps)], 1e-5)
+        assert 2.0 * (1 - 0.005) - 1e-9 <= eps <= 2.0
+    for kw, message in (
+        ({"relative_tolerance": 0.0}, "relative_tolerance=0.0 must be in (0, 1)"),
+        ({"steps": 0}, "steps=0 must be >= 1"),
+        ({"sample_rate": 0.0}, "sample_rate=0.0 must be in (0, 1]"),
+        ({"sample_rate": 1.5}, "sample_rate=1.5 must be in (0, 1]"),
+    ):
+        args = {"target_epsilon": 2.0, "delta": 1e-5, "sample_rate": 0.05, "steps": 10} | kw
+        with pytest.raises(PrivacyParameterError, match=re.escape(message)):
+            calibrate_noise_multiplier(**args)
+
+
+def test_calibration_after_a_history_that_leaves_little_room_doubles_sigma_until_it_fits():
+    """The history spends 0.524 of a 0.58 target: twice the fresh sigma is not enough, so the
+    upper end is doubled before the bisection (result: epsilon within the tolerance)."""
+    prefix, q, steps, target = PrivacyEvent(2.0, 0.05, 20), 0.02, 300, 0.58
+    fresh = calibrate_noise_multiplier(
+        target_epsilon=target, delta=1e-5, sample_rate=q, steps=steps
+    )
+    assert epsilon([prefix, PrivacyEvent(2 * fresh, q, steps)], 1e-5) > target  # must double
+    sigma = calibrate_noise_multiplier(
+        target_epsilon=target, delta=1e-5, sample_rate=q, steps=steps, history=[prefix]
+    )
+    eps = epsilon([prefix, PrivacyEvent(sigma, q, steps)], 1e-5)
+    assert target * (1 - 0.005) - 1e-9 <= eps <= target
+    assert sigma > 2 * fresh
+
+
+def test_calibration_refuses_a_history_that_spends_exactly_the_target():
+    prefix = PrivacyEvent(2.0, 0.05, 20)
+    spent = epsilon([prefix], 1e-5)
+    with pytest.raises(PrivacyParameterError, match="earlier events alone spend"):
+        calibrate_noise_multiplier(
+            target_epsilon=spent, delta=1e-5, sample_rate=0.02, steps=10, history=[prefix]
+        )
+
+
+@contextlib.contextmanager
+def _ends_within(seconds):
+    """Fail (TimeoutError) a block that does not end within ``seconds``: a bisection that never
+    ends fails its test instead of hanging the run."""
+
+    def _hang(signum, frame):
+        raise TimeoutError(f"did not end within {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, _hang)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_calibration_after_a_history_ends_when_epsilon_jumps_over_the_tolerance(monkeypatch):
+    """PRV is a discretised estimate: epsilon can jump across the tolerance band below the
+    target. The bisection then ends when its ends meet (to 1e-9 relative), at the end that
+    fits; an alarm fails a loop that would never end. Epsilon here is a step function of
+    sigma, so no sigma lands in the band."""
+    import prism_core.accounting as accounting
+
+    jump, spent, target = 4.0, 0.5, 3.0
+
+    def stepped(events, delta, **kw):
+        if len(events) == 1:
+            return spent  # the history alone
+        return target + 1.0 if events[-1].noise_multiplier < jump else 1.0
+
+    monkeypatch.setattr(accounting, "epsilon", stepped)
+    with _ends_within(60):
+        sigma = accounting.calibrate_noise_multiplier(
+            target_epsilon=target, delta=1e-5, sample_rate=0.1, steps=30,
+            history=[PrivacyEvent(2.0, 0.05, 20)],
+        )  # fmt: skip
+    assert jump <= sigma <= jump * (1 + 1e-8)  # the smallest sigma that fits, to 1e-9
+
+
+def test_max_steps_at_the_edges_of_its_limit_and_of_the_budget():
+    kw = {"noise_multiplier": 1.0, "sample_rate": 0.02, "delta": 1e-5}
+    assert max_steps([], target_epsilon=2.0, limit=0, **kw) == 0  # nothing asked, nothing run
+    assert max_steps([], target_epsilon=2.0, limit=1, **kw) == 1  # one asked, room for it
+    with pytest.raises(PrivacyParameterError, match=re.escape("limit=-1 must be >= 0")):
+        max_steps([], target_epsilon=2.0, limit=-1, **kw)
+    # a budget with room for exactly one step: between epsilon after 1 and after 2 steps
+    one, two = (epsilon([PrivacyEvent(1.0, 0.02, k)], 1e-5) for k in (1, 2))
+    assert one < two
+    assert max_steps([], target_epsilon=(one + two) / 2, limit=10, **kw) == 1
+
+
+def test_max_steps_equals_a_step_by_step_search():
+    """Against the plain definition: the largest k <= limit whose epsilon stays within the
+    target, found by trying k = 1, 2, ... (budgets half-way between k and k + 1 steps)."""
+    kw = {"noise_multiplier": 0.8, "sample_rate": 0.05, "delta": 1e-5}
+    history = [PrivacyEvent(0.8, 0.05, 3)]
+    eps = [epsilon([*history, PrivacyEvent(0.8, 0.05, k)], 1e-5) for k in range(1, 14)]
+    assert all(a < b for a, b in itertools.pairwise(eps))  # strictly growing
+    for k in (1, 2, 3, 6, 9, 12):
+        target = (eps[k - 1] + eps[k]) / 2  # room for k steps, not k + 1
+        found = max(j for j in range(13) if j == 0 or eps[j - 1] <= target)
+        assert found == k
+        with _ends_within(60):
+            assert max_steps(history, target_epsilon=target, limit=13, **kw) == k
+
+
+def test_delta_outside_the_open_unit_interval_is_refused():
+    for delta in (0.0, 1.0, 1.5, -1e-5):
+        with pytest.raises(PrivacyParameterError, match=re.escape(f"delta={delta!r}")):
+            epsilon([PrivacyEvent(1.0, 0.1, 10)], delta)
+
+
+def test_compose_events_drops_a_zero_step_event_and_keeps_what_follows():
+    rec = PrivacyEvent(1.1, 0.01, 1)
+    assert compose_events([rec, PrivacyEvent(1.1, 0.01, 0), rec]) == [replace(rec, steps=2)]
+    assert compose_events([PrivacyEvent(2.0, 0.5, 0), rec]) == [rec]
+
+
+def test_an_unreachable_calibration_says_what_to_change():
+    with pytest.raises(PrivacyParameterError) as info:
+        calibrate_noise_multiplier(target_epsilon=1e-3, delta=1e-5, sample_rate=1.0, steps=1000)
+    message = str(info.value)
+    for part in ("epsilon=0.001", "delta=1e-05", "q=1.0", "1000 steps", "Raise the budget"):
+        assert part in message
