@@ -14,7 +14,7 @@ import math
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, get_args
 
 from opacus.accountants import PRVAccountant, RDPAccountant
 from opacus.accountants.utils import get_noise_multiplier
@@ -33,6 +33,7 @@ __all__ = [
 ]
 
 Accountant = Literal["prv", "rdp"]
+_ACCOUNTANTS: tuple[str, ...] = get_args(Accountant)
 
 PRV_EPS_ERROR = 0.01
 """Discretisation error passed to Opacus' PRV accountant; its ``eps_upper`` bound is returned."""
@@ -96,7 +97,7 @@ def epsilon(
             accountant other than ``"prv"`` and ``"rdp"``.
     """
     _check_delta(delta)
-    if accountant not in ("prv", "rdp"):
+    if accountant not in _ACCOUNTANTS:
         raise AccountingError(f"accountant={accountant!r}: use 'prv' (reported) or 'rdp'")
     history = [e for e in events if e.steps > 0]  # _accountant_key merges equal neighbours
     for e in history:
