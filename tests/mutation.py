@@ -68,6 +68,62 @@ MODULES: dict[str, Target] = {
 }
 
 EQUIVALENT: dict[str, dict[str, str]] = {
+    "mechanism": {
+        **{
+            f"prism_core.mechanism.x_{fn}__mutmut_{i}": "zip strict over sequences of equal "
+            "length by construction (checked just before, or the groups, stacked frames and "
+            "points of one StepFrames, or the fields of one moments tuple)"
+            for fn, numbers in (
+                ("_check_grads", (6, 9, 10)),
+                ("per_example_norms_sq", (14, 17, 18)),
+                ("_min_norm_modules", (5, 8, 9)),
+                ("_module_noise", (6, 10, 11)),
+                ("retract_modules", (7, 10, 11)),
+                ("clip_and_sum_grads", (18, 20, 21, 45, 49, 50)),
+            )
+            for i in numbers
+        },
+        **{
+            f"prism_core.mechanism.x_{fn}__mutmut_{i}": "the frame recomputed from the same "
+            "stacked point: the same values (point_frame is deterministic), only slower"
+            for fn, numbers in (("_module_noise", (16, 20)), ("clip_and_sum_grads", (81, 86)))
+            for i in numbers
+        },
+        **{
+            f"prism_core.mechanism.x_{fn}__mutmut_{i}": "a cast to the dtype the tensor already "
+            "has: alpha is computed from the points and gradients, so its dtype is already "
+            "the promotion of all of them"
+            for fn, numbers in (
+                ("clip_and_sum", (21, 22, 25)),
+                ("clip_and_sum_grads", (54, 55, 56, 59)),
+            )
+            for i in numbers
+        },
+        **{
+            f"prism_core.mechanism.x_privatize__mutmut_{i}": "noise drawn at sigma = 0 and "
+            "multiplied by 0: the same release (only the generator advances)"
+            for i in (20, 27, 54)
+        },
+        **{
+            f"prism_core.mechanism.x_{fn}__mutmut_{i}": "device=None is the CPU: the same "
+            "here; on CUDA the gpu-marked tests run the head and tangent noise"
+            for fn, numbers in (("privatize", (62,)), ("tangent_noise", (16, 26)))
+            for i in numbers
+        },
+        **{
+            f"prism_core.mechanism.x_tangent_noise__mutmut_{i}": "a cast of the frame to the "
+            "dtype it already has: point_frame(A, B) is built in work_dtype(A, B)"
+            for i in (33, 37, 39)
+        },
+        "prism_core.mechanism.x__accumulate__mutmut_49": "without Euclidean tensors the "
+        "coefficients are (alpha, alpha): the same count",
+        "prism_core.mechanism.x_clip_coefficients__mutmut_6": "list() of an (L, b) tensor "
+        "unbinds its rows and torch.stack rebuilds the same tensor",
+        "prism_core.mechanism.x_privatize__mutmut_68": "the head noise subtracted: the "
+        "Gaussian is symmetric, the same mechanism",
+        "prism_core.mechanism.x_privatize__mutmut_80": "mechanism= dropped: the record's "
+        "default is the same name (DEFAULT_MECHANISM)",
+    },
     "aggregation": {
         **{
             f"prism_core.aggregation.x_aggregate_noise_std__mutmut_{i}": "zip strict after an "

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -36,6 +38,7 @@ from prism_core.mechanism import (
     step_frames,
     tangent_noise,
 )
+from prism_core.records import PrivacyEvent
 from prism_core.rng import SecureRNG
 
 # z-score bound for the statistical tests below: two-sided p ~ 6e-7 per check under the null.
@@ -673,3 +676,250 @@ def test_split_clip_rejects_bad_shares():
         clip_and_sum_grads(points, grads, max_norm=0.6, euclidean_max_norm=0.3)
     assert split_max_norm(0.5, 0.3) == pytest.approx((0.4, 0.3), rel=1e-12)
     assert split_max_norm(0.5, None) == (0.5, 0.5)
+
+
+# --------------------------------------------------------------------------- mutation gaps
+# Tests written against the survivors of `make mutation MUTATION_ARGS=mechanism` (docs/testing.md,
+# "Mutation testing"): the record a step emits, the parameter ranges at their edges, the head's
+# sums across micro-batches, the clipped-example count, the dtype rules and the error texts.
+
+_STEP = {"noise_multiplier": 1.3, "max_norm": 0.7, "expected_batch_size": 32.0, "sample_rate": 0.01}
+
+
+def test_a_step_records_exactly_its_parameters_and_one_step():
+    points = _module_points(0)
+    lifts = _random_lifts(points, 4, 1)
+    expected = PrivacyEvent(
+        mechanism="prism-tangent-gaussian", noise_multiplier=1.3, max_norm=0.7,
+        expected_batch_size=32.0, sample_rate=0.01, steps=1, sampling="poisson",
+    )  # fmt: skip
+    rng = torch.Generator().manual_seed(0)
+    assert privatize(points, empty_sum(points), generator=rng, **_STEP).record == expected
+    assert dp_tangent_update(points, lifts, generator=rng, **_STEP).record == expected
+    # a sampling named by the caller is recorded as given (the accountant refuses non-Poisson)
+    for step in (
+        privatize(points, empty_sum(points), generator=rng, sampling="shuffle", **_STEP),
+        dp_tangent_update(points, lifts, generator=rng, sampling="shuffle", **_STEP),
+    ):
+        assert step.record == replace(expected, sampling="shuffle")
+
+
+def test_dp_tangent_update_clips_and_noises_the_head_like_the_two_calls():
+    points = _module_points(3)
+    lifts = _random_lifts(points, 5, 2, scale=10.0)
+    head = [
+        10.0 * torch.randn(5, 3, 2, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    ]
+    one_shot = dp_tangent_update(
+        points, lifts, euclidean=head, generator=torch.Generator().manual_seed(7), **_STEP
+    )
+    clipped = clip_and_sum(points, lifts, max_norm=0.7, euclidean=head)
+    two_calls = privatize(points, clipped, generator=torch.Generator().manual_seed(7), **_STEP)
+    assert len(one_shot.euclidean) == 1
+    torch.testing.assert_close(one_shot.euclidean[0], two_calls.euclidean[0], rtol=1e-12, atol=0)
+    torch.testing.assert_close(
+        one_shot.tangents[0].dA, two_calls.tangents[0].dA, rtol=1e-12, atol=0
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "valid"),
+    [
+        ("noise_multiplier", 0.0, True),  # no noise is a valid (non-private) setting
+        ("noise_multiplier", 0.5, True),
+        ("noise_multiplier", math.inf, False),
+        ("max_norm", 1e-9, True),
+        ("max_norm", 0.0, False),
+        ("max_norm", -0.1, False),
+        ("max_norm", math.inf, False),
+        ("expected_batch_size", 1e-9, True),
+        ("expected_batch_size", 0.0, False),
+        ("expected_batch_size", -1.0, False),
+        ("expected_batch_size", math.inf, False),
+        ("sample_rate", 1.0, True),  # every example in every batch
+        ("sample_rate", 1e-9, True),
+        ("sample_rate", 0.0, False),
+        ("sample_rate", 1.0 + 1e-9, False),
+        ("sample_rate", 2.0, False),
+        ("sample_rate", -0.5, False),
+    ],
+)
+def test_privatize_accepts_exactly_its_parameter_ranges(name, value, valid):
+    points = _module_points(0)
+    params = {**_STEP, name: value}
+    call = lambda: privatize(  # noqa: E731
+        points, empty_sum(points), generator=torch.Generator().manual_seed(0), **params
+    )
+    if valid:
+        assert call().record.steps == 1
+    else:
+        with pytest.raises(PrivacyParameterError, match=re.escape(f"{name}={value!r} is invalid")):
+            call()
+
+
+def test_split_max_norm_refuses_a_clip_that_is_not_positive_and_finite():
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(PrivacyParameterError, match=re.escape(f"max_norm={bad!r} is invalid")):
+            split_max_norm(bad, None)
+
+
+def test_head_sums_accumulate_over_micro_batches():
+    """The head's clipped sum of a step is that of all its micro-batches, not of the last."""
+    points = _module_points(1)
+    lifts = _random_lifts(points, 9, 5, scale=3.0)
+    head = 3.0 * torch.randn(
+        9, 4, 3, generator=torch.Generator().manual_seed(2), dtype=torch.float64
+    )
+    for kwargs in ({"max_norm": 0.5}, {"max_norm": 0.5, "euclidean_max_norm": 0.2}):
+        whole = clip_and_sum(points, lifts, euclidean=[head], **kwargs)
+        acc = None
+        for lo, hi in [(0, 2), (2, 6), (6, 9)]:
+            part = [Tangent(t.dA[lo:hi], t.dB[lo:hi]) for t in lifts]
+            acc = clip_and_sum(points, part, euclidean=[head[lo:hi]], previous=acc, **kwargs)
+        _assert_same_sum(acc, whole, rtol=1e-12)
+
+
+def test_a_previous_sum_of_other_modules_is_refused():
+    points = _module_points(1)
+    lifts = _random_lifts(points, 3, 5)
+    other = clip_and_sum(points[:1], lifts[:1], max_norm=0.5)
+    with pytest.raises(ValueError, match="zip"):
+        clip_and_sum(points, lifts, max_norm=0.5, previous=other)
+
+
+def test_clipped_counts_every_example_whose_coefficient_is_below_one():
+    points = _module_points(2)
+    lifts = _random_lifts(points, 6, 3)
+    norms = per_example_norms_sq(points, lifts).sum(0).sqrt()
+    C = norms.median().item()  # half of them above C
+    expected = int((norms > C).sum())
+    assert 0 < expected < 6
+    got = clip_and_sum(points, lifts, max_norm=C)
+    assert (got.count, got.clipped) == (6, expected)
+    # split clip: an example clipped only in its head part counts as clipped
+    small = _random_lifts(points, 6, 3, scale=1e-6)  # no tangent part is clipped
+    head = torch.zeros(6, 2, dtype=torch.float64)
+    head[[1, 4], 0] = 5.0  # two examples whose head part exceeds C_head
+    split = clip_and_sum(points, small, max_norm=1.0, euclidean=[head], euclidean_max_norm=0.5)
+    assert (split.count, split.clipped) == (6, 2)
+
+
+def test_an_empty_sum_counts_nothing_and_works_in_float32_or_better():
+    points = [Point(p.A.to(torch.bfloat16), p.B.to(torch.bfloat16)) for p in _module_points(0)]
+    zero = empty_sum(points, [torch.zeros(3, 2, dtype=torch.bfloat16)])
+    assert (zero.count, zero.clipped) == (0, 0)
+    assert {t.dtype for s in zero.sums for t in s} | {zero.euclidean[0].dtype} == {torch.float32}
+    lifts = _random_lifts(_module_points(0), 4, 1)
+    after = clip_and_sum(
+        _module_points(0), lifts, max_norm=1e-3, previous=empty_sum(_module_points(0))
+    )
+    assert (after.count, after.clipped) == (4, 4)
+
+
+def _bf16(points):
+    return [Point(p.A.to(torch.bfloat16), p.B.to(torch.bfloat16)) for p in points]
+
+
+def _upcast(points):
+    return [Point(p.A.float(), p.B.float()) for p in points]
+
+
+def test_low_precision_inputs_are_computed_in_float32():
+    """bf16 factors and per-example gradients (a bf16 base model): every sum, coefficient and
+    noise draw is computed in float32 from the same values, as if they had been given as float32."""
+    low = _bf16(_module_points(4, DIMS_WITH_REPEATS))
+    high = _upcast(low)
+    grads = [
+        (gA.to(torch.bfloat16), gB.to(torch.bfloat16))
+        for gA, gB in _random_grads(_module_points(4, DIMS_WITH_REPEATS), 5, 1, 4.0)
+    ]
+    head = [torch.randn(5, 3, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)]
+    grads_hi = [(gA.float(), gB.float()) for gA, gB in grads]
+    for split in (None, 0.3):
+        got = clip_and_sum_grads(low, grads, max_norm=0.6, euclidean=head, euclidean_max_norm=split)
+        ref = clip_and_sum_grads(
+            high, grads_hi, max_norm=0.6, euclidean=[head[0].float()], euclidean_max_norm=split
+        )
+        assert {t.dtype for s in got.sums for t in s} | {got.euclidean[0].dtype} == {torch.float32}
+        _assert_same_sum(got, ref, rtol=1e-5)
+    lifts = [
+        Tangent(t.dA.to(torch.bfloat16), t.dB.to(torch.bfloat16))
+        for t in _random_lifts(_module_points(4, DIMS_WITH_REPEATS), 5, 3)
+    ]
+    got = clip_and_sum(low, lifts, max_norm=0.6, euclidean=head)
+    ref = clip_and_sum(high, [Tangent(t.dA.float(), t.dB.float()) for t in lifts], max_norm=0.6,
+                       euclidean=[head[0].float()])  # fmt: skip
+    assert {t.dtype for s in got.sums for t in s} == {torch.float32}
+    _assert_same_sum(got, ref, rtol=1e-5)
+    norms = per_example_norms_sq(high, [Tangent(t.dA.float(), t.dB.float()) for t in lifts])
+    alpha = clip_coefficients(norms.to(torch.bfloat16), 0.6)
+    assert alpha.dtype == torch.float32
+    torch.testing.assert_close(alpha, clip_coefficients(norms.to(torch.bfloat16).float(), 0.6),
+                               rtol=1e-6, atol=0)  # fmt: skip
+    A, B = low[1]
+    noise = tangent_noise(A, B, torch.Generator().manual_seed(5))
+    ref_noise = tangent_noise(A.float(), B.float(), torch.Generator().manual_seed(5))
+    assert (noise.dA.dtype, noise.dB.dtype) == (torch.float32, torch.float32)
+    torch.testing.assert_close(noise.dA, ref_noise.dA, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(noise.dB, ref_noise.dB, rtol=1e-5, atol=1e-6)
+
+
+def test_mixed_precision_inputs_are_computed_in_the_widest_dtype():
+    points = _module_points(5)  # float64 factors
+    lifts32 = [Tangent(t.dA.float(), t.dB.float()) for t in _random_lifts(points, 4, 1)]
+    lifts64 = [Tangent(t.dA.double(), t.dB.double()) for t in lifts32]
+    got = clip_and_sum(points, lifts32, max_norm=0.5)
+    assert {t.dtype for s in got.sums for t in s} == {torch.float64}
+    _assert_same_sum(got, clip_and_sum(points, lifts64, max_norm=0.5), rtol=1e-12)
+    # a float64 head beside float32 LoRA factors: its sum stays float64
+    head = torch.randn(4, 3, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    low = _upcast(points)
+    mixed = clip_and_sum(low, lifts32, max_norm=0.5, euclidean=[head])
+    assert mixed.euclidean[0].dtype == torch.float64
+    ref = clip_and_sum(points, lifts64, max_norm=0.5, euclidean=[head])
+    torch.testing.assert_close(mixed.euclidean[0], ref.euclidean[0], rtol=1e-5, atol=1e-6)
+    A, B = points[0]
+    for a, b in ((A, B.float()), (A.float(), B)):
+        xi = tangent_noise(a, b, torch.Generator().manual_seed(1))
+        assert (xi.dA.dtype, xi.dB.dtype) == (torch.float64, torch.float64)
+
+
+def test_the_release_has_the_dtype_of_the_sum_it_noises():
+    """float32 sums at float64 factors: the release (and its noise) stays float32."""
+    points = _module_points(6)
+    lifts = [Tangent(t.dA.float(), t.dB.float()) for t in _random_lifts(points, 4, 1)]
+    clipped = clip_and_sum(_upcast(points), lifts, max_norm=0.5)
+    step = privatize(points, clipped, generator=torch.Generator().manual_seed(2), **_STEP)
+    assert {t.dtype for t_ in step.tangents for t in t_} == {torch.float32}
+
+
+def test_head_noise_comes_from_the_given_generator_at_the_head_precision():
+    """The head's noise is drawn from the site's generator (not torch's global one) and at the
+    precision of its sum (float64 here), like the tangent noise."""
+    points = _module_points(7)
+    zero = empty_sum(points, [torch.zeros(20, 30, dtype=torch.float64)])
+    releases = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        step = privatize(points, zero, generator=torch.Generator().manual_seed(3), **_STEP)
+        releases.append(step.euclidean[0])
+    torch.testing.assert_close(releases[0], releases[1], rtol=0, atol=0)
+    assert releases[0].dtype == torch.float64
+    assert (releases[0].float().double() != releases[0]).float().mean() > 0.9  # not float32 values
+
+
+def test_shape_errors_name_what_was_wrong():
+    points = _module_points(0)
+    lifts = _random_lifts(points, 3, 1)
+    with pytest.raises(ValueError, match=re.escape("2 modules but 1 lifts")):
+        per_example_norms_sq(points, lifts[:1])
+    with pytest.raises(ValueError, match=re.escape("norms_sq must be (L, b), got shape (3,)")):
+        clip_coefficients(torch.ones(3), 1.0)
+    with pytest.raises(ValueError, match=re.escape("2 modules but the clipped sum has 1")):
+        privatize(points, empty_sum(points[:1]), generator=torch.Generator(), **_STEP)
+    # a wrong (m, r) of gA alone, with a right gB, is refused and named
+    grads = _random_grads(points, 3, 1)
+    gA, gB = grads[0]
+    bad = [(torch.zeros(3, gA.shape[1] + 1, gA.shape[2], dtype=gA.dtype), gB), grads[1]]
+    with pytest.raises(ValueError, match=re.escape("module 0: per-example gradients")):
+        clip_and_sum_grads(points, bad, max_norm=1.0)
