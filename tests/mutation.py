@@ -133,6 +133,52 @@ EQUIVALENT: dict[str, dict[str, str]] = {
         "prism_core.aggregation.x_aggregation_weights__mutmut_64": "precision 2/s^2 for 1/s^2: "
         "normalised away, exactly (a power-of-two factor)",
     },
+    "ledger": {
+        **{
+            f"server.ledger.budget.x_epsilon_points__mutmut_{i}": "None for False: the same "
+            "falsy start of a round"
+            for i in (3, 27)
+        },
+        **{
+            f"server.ledger.checks.x_check_header__mutmut_{i}": "int.from_bytes defaults to "
+            "big-endian (Python >= 3.11)"
+            for i in (29, 41)
+        },
+        "server.ledger.checks.x_check_header__mutmut_5": "the whole file read instead of its "
+        "first 100 bytes: only those are sliced",
+        **{
+            f"server.ledger.checks.x_{fn}__mutmut_{i}": "the uri flag: this SQLite "
+            "(SQLITE_USE_URI) reads a file: name as a URI whatever the flag"
+            for fn, numbers in (("connect", (22, 24, 25, 34, 38, 42)), ("table_names", (3, 5, 6)))
+            for i in numbers
+        },
+        "server.ledger.checks.x_connect__mutmut_16": "an empty WAL holds no frames: 'ro' and "
+        "'ro&immutable=1' read the same pages",
+        "server.ledger.checks.x_connect__mutmut_17": "a WAL file is empty or at least its "
+        "32-byte header: never 1 byte",
+        "server.ledger.checks.x_connect__mutmut_39": "the read-only connection never writes: "
+        "its isolation level only shapes implicit write transactions",
+        "server.ledger.checks.x_connect__mutmut_49": "every write opens its own BEGIN "
+        "IMMEDIATE: Python's implicit transactions never start",
+        **{
+            f"server.ledger.{mod}.x_{fn}__mutmut_{i}": "zip strict over a SELECT of exactly "
+            "those columns: equal length by construction"
+            for mod, fn, numbers in (
+                ("checks", "validate_rows", (57, 60, 63)),
+                ("schema", "event_from_row", (5, 8, 9)),
+            )
+            for i in numbers
+        },
+        **{
+            f"server.ledger.schema.x_migrate__mutmut_{i}": "migrate's return value is not "
+            "read by its one caller (connect)"
+            for i in (14, 87)
+        },
+        "server.ledger.store.xǁLedgerǁrecord_run__mutmut_8": "allow_nan=None is falsy: json "
+        "still refuses NaN",
+        "server.ledger.store.xǁLedgerǁ__init____mutmut_7": "None for False: the same falsy "
+        "'not closed'",
+    },
     "site_ledger": {
         **{
             f"client.site_ledger.xǁSiteLedgerǁ_parse__mutmut_{i}": "the unterminated flag of a "

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from opacus.accountants import PRVAccountant, RDPAccountant
 
 from prism_core.accounting import PRV_EPS_ERROR, PrivacyEvent, epsilon
 from prism_core.errors import AccountingError, PrivacyParameterError
+from prism_runtime.faults import Faults
 from server.errors import InvalidEventError, LedgerError
 from server.ledger import LEDGER_APPLICATION_ID, Ledger, LedgerEvent
 
@@ -393,3 +396,277 @@ def test_foreign_or_corrupt_file_is_refused_untouched(
 def test_directory_is_refused(tmp_path: Path) -> None:
     with pytest.raises(LedgerError, match="directory"):
         Ledger.open(tmp_path)
+
+
+# --------------------------------------------------------------------------------------------
+# Mutation gaps (`make mutation MUTATION_ARGS=ledger`, docs/testing.md): the cap at its edge,
+# a re-run round's history, the filters, the round series, the run records, the field checks
+# --------------------------------------------------------------------------------------------
+
+QUANTILE = "quantile-gaussian"  # prism_core.quantile.QUANTILE_MECHANISM
+
+
+def test_a_round_that_ends_exactly_at_the_cap_may_run(ledger: Ledger) -> None:
+    for r in range(3):
+        ledger.append(ev(r))
+    exact = epsilon([PrivacyEvent(1.0, 0.01, 100)] * 4, DELTA)  # the history plus the round
+    kw = dict(sigma=1.0, q=0.01, steps=100, delta=DELTA)
+    assert ledger.can_run("a", epsilon_cap=exact, **kw)  # type: ignore[arg-type]
+    assert not ledger.can_run("a", epsilon_cap=exact * (1 - 1e-9), **kw)  # type: ignore[arg-type]
+
+
+def test_a_rerun_round_is_judged_on_the_history_before_it(ledger: Ledger) -> None:
+    """``before=(run, round)`` leaves out that run's events of that round and later, and
+    keeps every other run's events whatever their round numbers."""
+    ledger.append(ev(5, run_id="run-0", steps=30))
+    ledger.append_many([ev(0, steps=10), ev(1, steps=20), ev(2, steps=40)])
+    new = PrivacyEvent(1.0, 0.01, 50)
+    kept = [PrivacyEvent(1.0, 0.01, 30), PrivacyEvent(1.0, 0.01, 10), new]
+    exact = epsilon(kept, DELTA)
+    kw = dict(sigma=1.0, q=0.01, steps=50, delta=DELTA, before=("run-1", 1))
+    assert ledger.can_run("a", epsilon_cap=exact, **kw)  # type: ignore[arg-type]
+    assert not ledger.can_run("a", epsilon_cap=exact * (1 - 1e-9), **kw)  # type: ignore[arg-type]
+
+
+def test_reads_filter_by_site_and_run(ledger: Ledger) -> None:
+    ledger.append_many(
+        [ev(0, "a"), ev(0, "b"), ev(1, "a", run_id="run-2"), ev(1, "b", run_id="run-2")]
+    )
+    for read in (ledger.events, ledger.records):
+        assert [(e.site_id, e.run_id) for e in read(site_id="a")] == [
+            ("a", "run-1"),
+            ("a", "run-2"),
+        ]
+        assert [(e.site_id, e.run_id) for e in read(run_id="run-2")] == [
+            ("a", "run-2"),
+            ("b", "run-2"),
+        ]
+        assert [(e.site_id, e.run_id) for e in read(site_id="b", run_id="run-1")] == [
+            ("b", "run-1")
+        ]
+
+
+def test_last_confirmed_is_the_sites_last_training_event_that_ran_steps(ledger: Ledger) -> None:
+    ledger.append_many(
+        [
+            ev(0, "a", steps=1, sigma=1.5),  # one step is a step
+            ev(1, "a", steps=0, sigma=2.5),  # ran nothing: not "last known" parameters
+            ev(1, "a", steps=3, sigma=3.5, mechanism=QUANTILE),  # a clip estimate
+            ev(2, "b", steps=7, sigma=4.5),  # another site, later
+        ]
+    )
+    last = ledger.last_confirmed("a")
+    assert last is not None and (last.round, last.sigma, last.steps) == (0, 1.5, 1)
+    assert ledger.last_confirmed("nobody") is None
+
+
+def test_the_round_series_has_one_point_per_round_that_ran_steps(ledger: Ledger) -> None:
+    ledger.append_many(
+        [
+            ev(0, steps=0),  # the first round ran nothing: no point
+            ev(1, steps=1),  # one step: a point
+            ev(2, steps=2, mechanism=QUANTILE),  # a clip estimate and the training of the
+            ev(2, steps=40),  # same round: one point, after both
+        ]
+    )
+    series = ledger.epsilon_by_round("a")
+    assert [r for r, _ in series] == [1, 2]
+    history = [PrivacyEvent(1.0, 0.01, 1), PrivacyEvent(1.0, 0.01, 2), PrivacyEvent(1.0, 0.01, 40)]
+    assert series[-1][1] == pytest.approx(epsilon(history, DELTA), rel=1e-12)
+    # an explicit delta is used, not the site's own
+    at = ledger.epsilon_by_round("a", delta=1e-3)
+    assert at[-1][1] == pytest.approx(epsilon(history, 1e-3), rel=1e-12)
+    assert at[-1][1] < series[-1][1]
+
+
+def test_an_unconfirmed_charge_after_a_confirmed_event_of_another_mechanism_is_not_recorded(
+    ledger: Ledger,
+) -> None:
+    assert ledger.append(ev(0, mechanism=QUANTILE, steps=1))
+    assert not ledger.append(ev(0, confirmed=False, code="no-reply"))
+    assert len(ledger.records(site_id="a")) == 1
+
+
+def test_the_ledgers_log_lines_name_the_site_round_and_mechanism(
+    ledger: Ledger, caplog: pytest.LogCaptureFixture
+) -> None:
+    who = "site 'a', run 'run-1', round 0, mechanism 'prism-tangent-gaussian'"
+    with caplog.at_level("INFO", logger="server.ledger"):
+        ledger.append(ev(0, site="b"))  # confirmed, nothing to supersede: no such line
+        ledger.append(ev(0, confirmed=False, code="no-reply"))
+        ledger.append(ev(0))
+        ledger.append(ev(0))
+        ledger.append(ev(0, confirmed=False, code="no-reply"))
+    messages = [r.getMessage() for r in caplog.records]
+    assert f"ledger: {who} confirmed; its unconfirmed charge is superseded" in messages
+    assert f"ledger: duplicate record of {who} ignored" in messages
+    assert f"ledger: {who} is already confirmed; unconfirmed charge not recorded" in messages
+    assert not [m for m in messages if "site 'b'" in m]
+
+
+def test_a_closed_ledger_refuses_reads(tmp_path: Path) -> None:
+    led = Ledger.open(tmp_path / "ledger.sqlite")
+    led.append(ev(0))
+    led.close()
+    with pytest.raises(LedgerError, match=r"ledger .*ledger\.sqlite: closed\."):
+        led.events()
+
+
+def test_run_records_keep_their_time_and_refuse_bad_ids_and_nan(ledger: Ledger) -> None:
+    from datetime import datetime
+
+    assert ledger.record_run("run-1", {"rounds": 3})
+    ledger.append_many([ev(0), ev(0, run_id="run-2")])
+    (run,) = ledger.runs()
+    assert datetime.fromisoformat(run.started_at).tzinfo is not None
+    assert ledger.run_ids() == ["run-1", "run-2"]  # recorded first, each id once
+    for bad in (5, None, "  "):
+        with pytest.raises(InvalidEventError, match=re.escape(f"run_id={bad!r} must be")):
+            ledger.record_run(bad, {})  # type: ignore[arg-type]
+    with pytest.raises(InvalidEventError, match="not JSON-serialisable"):
+        ledger.record_run("run-3", {"lr": float("nan")})
+
+
+@pytest.mark.parametrize(
+    ("changes", "problem"),
+    [
+        ({"round": True}, "round=True must be an integer"),
+        ({"round": 1.5}, "round=1.5 must be an integer"),
+        ({"epsilon_cap": True}, "epsilon_cap=True must be a finite number"),
+        (
+            {"confirmed": False, "code": "no-reply", "params_known": False, "sigma": 0.0, "q": 0.5},
+            "unknown parameters are recorded as sigma=0.0, q=1.0",
+        ),
+    ],
+)
+def test_a_field_of_the_wrong_kind_is_refused(changes: dict[str, object], problem: str) -> None:
+    with pytest.raises(InvalidEventError, match=re.escape(problem)):
+        ev(0, **changes)
+
+
+def test_a_small_cap_is_a_valid_cap() -> None:
+    assert ev(0, epsilon_cap=0.5).epsilon_cap == 0.5
+
+
+class _CrashAt(Faults):
+    """Raise at one crash point, as a SIGKILL there would end the write."""
+
+    def __init__(self, point: str, server_round: int) -> None:
+        self.point, self.round, self.reached = point, server_round, []
+
+    def reach(self, point: str, server_round: int) -> None:
+        self.reached.append((point, server_round))
+        if (point, server_round) == (self.point, self.round):
+            raise RuntimeError(f"crash at {point}@{server_round}")
+
+
+def test_the_ledger_write_crash_point_is_inside_the_transaction(tmp_path: Path) -> None:
+    faults = _CrashAt("ledger-write", 1)
+    with Ledger.open(tmp_path / "ledger.sqlite", faults=faults) as led:
+        assert led.path == tmp_path / "ledger.sqlite"
+        led.append(ev(0))
+        with pytest.raises(RuntimeError, match="crash at ledger-write@1"):
+            led.append(ev(1))
+        assert faults.reached == [("ledger-write", 0), ("ledger-write", 1)]
+        assert [e.round for e in led.events()] == [0]  # the crashed write left nothing
+
+
+def test_append_refuses_what_is_not_a_ledger_event(ledger: Ledger) -> None:
+    with pytest.raises(InvalidEventError, match="expected a LedgerEvent, found dict"):
+        ledger.append({"round": 0})  # type: ignore[arg-type]
+
+
+def test_a_new_ledger_is_created_with_its_folders_in_wal_mode(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "a" / "b" / "ledger.sqlite"
+    with caplog.at_level("WARNING", logger="server.ledger"), Ledger.open(path) as led:
+        led.append(ev(0))
+    assert not [r for r in caplog.records if "WAL" in r.getMessage()]
+    conn = sqlite3.connect(path)
+    try:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    finally:
+        conn.close()
+
+
+def test_a_reader_sees_a_live_writers_events_from_other_threads(tmp_path: Path) -> None:
+    """A report (read-only) while the coordinator writes: it reads the WAL too, and both
+    connections may be used from any thread (the ledger serialises them with its lock)."""
+    path = tmp_path / "ledger.sqlite"
+    with Ledger.open(path) as writer:
+        writer.append(ev(0))
+        assert Path(f"{path}-wal").stat().st_size > 0  # not yet checkpointed
+        with Ledger.open(path, read_only=True) as reader:
+            seen: list[LedgerEvent] = []
+            written: list[bool] = []
+
+            def elsewhere() -> None:
+                seen.extend(reader.events())
+                written.append(writer.append(ev(1)))
+
+            thread = threading.Thread(target=elsewhere)
+            thread.start()
+            thread.join()
+            assert [e.round for e in seen] == [0] and written == [True]
+            assert [e.round for e in reader.events()] == [0, 1]
+            with pytest.raises(LedgerError, match="opened read-only, write refused"):
+                reader.append(ev(2))
+
+
+@pytest.mark.parametrize("page_size", [512, 65536])
+def test_a_ledger_with_the_smallest_or_largest_page_size_opens(
+    tmp_path: Path, page_size: int
+) -> None:
+    """SQLite stores a 65536-byte page size as 1 in the header; 512 is the smallest."""
+    path = tmp_path / "ledger.sqlite"
+    with Ledger.open(path) as led:
+        led.append(ev(0))
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode = DELETE")  # the page size of a WAL file cannot change
+    conn.execute(f"PRAGMA page_size = {page_size}")
+    conn.execute("VACUUM")
+    assert conn.execute("PRAGMA page_size").fetchone()[0] == page_size
+    conn.close()
+    with Ledger.open(path, read_only=True) as led:
+        assert [e.round for e in led.events()] == [0]
+
+
+def test_refusals_name_the_site_round_and_field(ledger: Ledger) -> None:
+    with pytest.raises(LedgerError, match=r"ledger .*: no events of site 'x'\."):
+        ledger.site_delta("x")
+    good = ev(0)
+    with pytest.raises(
+        InvalidEventError,
+        match=re.escape("invalid ledger event (site 'a', run 'run-1', round 0): event='x' must be"),
+    ):
+        LedgerEvent(run_id="run-1", round=0, site_id="a", event="x", delta=DELTA)  # type: ignore[arg-type]
+    assert ledger.append(good)
+
+
+def test_an_unaccountable_site_is_named_in_the_warning(
+    ledger: Ledger, caplog: pytest.LogCaptureFixture
+) -> None:
+    ledger.append(ev(0, site="site-7", sampling="shuffle"))
+    with caplog.at_level("WARNING", logger="server.ledger"):
+        assert not ledger.can_run(
+            "site-7", sigma=5.0, q=0.01, steps=1, epsilon_cap=100.0, delta=DELTA
+        )
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert message.startswith("ledger: site site-7 cannot be accounted (")
+    assert "shuffle" in message and message.endswith("); not selected")
+
+
+def test_a_file_with_the_ledgers_id_but_no_meta_table_is_refused_untouched(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.sqlite"
+    conn = sqlite3.connect(path)
+    conn.execute(f"PRAGMA application_id = {LEDGER_APPLICATION_ID}")
+    conn.execute("CREATE TABLE events (id INTEGER)")
+    conn.commit()
+    conn.close()
+    before = path.read_bytes()
+    with pytest.raises(
+        LedgerError, match=re.escape("meta.application is None (tables ['events'])")
+    ):
+        Ledger.open(path)
+    assert path.read_bytes() == before
