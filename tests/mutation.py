@@ -63,6 +63,7 @@ MODULES: dict[str, Target] = {
             "tests/server/test_ledger.py",
             "tests/server/test_ledger_schema3.py",
             "tests/server/test_ledger_unconfirmed.py",
+            "tests/runtime/test_faults.py",  # the ledger-write crash point
         ),
     ),
 }

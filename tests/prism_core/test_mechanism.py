@@ -166,15 +166,15 @@ def test_secure_rng_differs_between_calls_and_is_standard_normal():
     assert abs(x.var().item() - 1) < Z * math.sqrt(2 / x.numel())
 
 
+_STEP = {"noise_multiplier": 1.3, "max_norm": 0.7, "expected_batch_size": 32.0, "sample_rate": 0.01}
+
+
 def _privatize(points, clipped, seed, b=32.0):
     return privatize(
         points,
         clipped,
-        noise_multiplier=1.3,
-        max_norm=0.7,
-        expected_batch_size=b,
-        sample_rate=0.01,
         generator=torch.Generator().manual_seed(seed),
+        **{**_STEP, "expected_batch_size": b},
     )
 
 
@@ -683,8 +683,6 @@ def test_split_clip_rejects_bad_shares():
 # "Mutation testing"): the record a step emits, the parameter ranges at their edges, the head's
 # sums across micro-batches, the clipped-example count, the dtype rules and the error texts.
 
-_STEP = {"noise_multiplier": 1.3, "max_norm": 0.7, "expected_batch_size": 32.0, "sample_rate": 0.01}
-
 
 def test_a_step_records_exactly_its_parameters_and_one_step():
     points = _module_points(0)
@@ -804,24 +802,22 @@ def test_clipped_counts_every_example_whose_coefficient_is_below_one():
     assert (split.count, split.clipped) == (6, 2)
 
 
-def test_an_empty_sum_counts_nothing_and_works_in_float32_or_better():
-    points = [Point(p.A.to(torch.bfloat16), p.B.to(torch.bfloat16)) for p in _module_points(0)]
-    zero = empty_sum(points, [torch.zeros(3, 2, dtype=torch.bfloat16)])
-    assert (zero.count, zero.clipped) == (0, 0)
-    assert {t.dtype for s in zero.sums for t in s} | {zero.euclidean[0].dtype} == {torch.float32}
-    lifts = _random_lifts(_module_points(0), 4, 1)
-    after = clip_and_sum(
-        _module_points(0), lifts, max_norm=1e-3, previous=empty_sum(_module_points(0))
-    )
-    assert (after.count, after.clipped) == (4, 4)
-
-
 def _bf16(points):
     return [Point(p.A.to(torch.bfloat16), p.B.to(torch.bfloat16)) for p in points]
 
 
 def _upcast(points):
     return [Point(p.A.float(), p.B.float()) for p in points]
+
+
+def test_an_empty_sum_counts_nothing_and_works_in_float32_or_better():
+    points = _module_points(0)
+    zero = empty_sum(_bf16(points), [torch.zeros(3, 2, dtype=torch.bfloat16)])
+    assert (zero.count, zero.clipped) == (0, 0)
+    assert {t.dtype for s in zero.sums for t in s} | {zero.euclidean[0].dtype} == {torch.float32}
+    lifts = _random_lifts(points, 4, 1)
+    after = clip_and_sum(points, lifts, max_norm=1e-3, previous=empty_sum(points))
+    assert (after.count, after.clipped) == (4, 4)
 
 
 def test_low_precision_inputs_are_computed_in_float32():

@@ -16,7 +16,7 @@ from opacus.accountants import PRVAccountant, RDPAccountant
 
 from prism_core.accounting import PRV_EPS_ERROR, PrivacyEvent, epsilon
 from prism_core.errors import AccountingError, PrivacyParameterError
-from prism_runtime.faults import Faults
+from prism_core.quantile import QUANTILE_MECHANISM
 from server.errors import InvalidEventError, LedgerError
 from server.ledger import LEDGER_APPLICATION_ID, Ledger, LedgerEvent
 
@@ -403,8 +403,6 @@ def test_directory_is_refused(tmp_path: Path) -> None:
 # a re-run round's history, the filters, the round series, the run records, the field checks
 # --------------------------------------------------------------------------------------------
 
-QUANTILE = "quantile-gaussian"  # prism_core.quantile.QUANTILE_MECHANISM
-
 
 def test_a_round_that_ends_exactly_at_the_cap_may_run(ledger: Ledger) -> None:
     for r in range(3):
@@ -451,7 +449,7 @@ def test_last_confirmed_is_the_sites_last_training_event_that_ran_steps(ledger: 
         [
             ev(0, "a", steps=1, sigma=1.5),  # one step is a step
             ev(1, "a", steps=0, sigma=2.5),  # ran nothing: not "last known" parameters
-            ev(1, "a", steps=3, sigma=3.5, mechanism=QUANTILE),  # a clip estimate
+            ev(1, "a", steps=3, sigma=3.5, mechanism=QUANTILE_MECHANISM),  # a clip estimate
             ev(2, "b", steps=7, sigma=4.5),  # another site, later
         ]
     )
@@ -465,7 +463,7 @@ def test_the_round_series_has_one_point_per_round_that_ran_steps(ledger: Ledger)
         [
             ev(0, steps=0),  # the first round ran nothing: no point
             ev(1, steps=1),  # one step: a point
-            ev(2, steps=2, mechanism=QUANTILE),  # a clip estimate and the training of the
+            ev(2, steps=2, mechanism=QUANTILE_MECHANISM),  # a clip estimate and the training of the
             ev(2, steps=40),  # same round: one point, after both
         ]
     )
@@ -482,7 +480,7 @@ def test_the_round_series_has_one_point_per_round_that_ran_steps(ledger: Ledger)
 def test_an_unconfirmed_charge_after_a_confirmed_event_of_another_mechanism_is_not_recorded(
     ledger: Ledger,
 ) -> None:
-    assert ledger.append(ev(0, mechanism=QUANTILE, steps=1))
+    assert ledger.append(ev(0, mechanism=QUANTILE_MECHANISM, steps=1))
     assert not ledger.append(ev(0, confirmed=False, code="no-reply"))
     assert len(ledger.records(site_id="a")) == 1
 
@@ -548,29 +546,6 @@ def test_a_small_cap_is_a_valid_cap() -> None:
     assert ev(0, epsilon_cap=0.5).epsilon_cap == 0.5
 
 
-class _CrashAt(Faults):
-    """Raise at one crash point, as a SIGKILL there would end the write."""
-
-    def __init__(self, point: str, server_round: int) -> None:
-        self.point, self.round, self.reached = point, server_round, []
-
-    def reach(self, point: str, server_round: int) -> None:
-        self.reached.append((point, server_round))
-        if (point, server_round) == (self.point, self.round):
-            raise RuntimeError(f"crash at {point}@{server_round}")
-
-
-def test_the_ledger_write_crash_point_is_inside_the_transaction(tmp_path: Path) -> None:
-    faults = _CrashAt("ledger-write", 1)
-    with Ledger.open(tmp_path / "ledger.sqlite", faults=faults) as led:
-        assert led.path == tmp_path / "ledger.sqlite"
-        led.append(ev(0))
-        with pytest.raises(RuntimeError, match="crash at ledger-write@1"):
-            led.append(ev(1))
-        assert faults.reached == [("ledger-write", 0), ("ledger-write", 1)]
-        assert [e.round for e in led.events()] == [0]  # the crashed write left nothing
-
-
 def test_append_refuses_what_is_not_a_ledger_event(ledger: Ledger) -> None:
     with pytest.raises(InvalidEventError, match="expected a LedgerEvent, found dict"):
         ledger.append({"round": 0})  # type: ignore[arg-type]
@@ -581,6 +556,7 @@ def test_a_new_ledger_is_created_with_its_folders_in_wal_mode(
 ) -> None:
     path = tmp_path / "a" / "b" / "ledger.sqlite"
     with caplog.at_level("WARNING", logger="server.ledger"), Ledger.open(path) as led:
+        assert led.path == path
         led.append(ev(0))
     assert not [r for r in caplog.records if "WAL" in r.getMessage()]
     conn = sqlite3.connect(path)
