@@ -36,8 +36,12 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# Two pytest-xdist workers; the real-Flower tests share one group (tests/conftest.py), so one
+# federation runs at a time beside the in-process tests.
+PYTEST_WORKERS ?= 2
+
 pytest: $(STAMP)
-	$(BIN)/pytest
+	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadgroup
 
 test: lint typecheck pytest
 

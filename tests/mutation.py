@@ -15,7 +15,9 @@ equivalent mutant (same behaviour as the original); ``EQUIVALENT`` and docs/test
 case of a string or wrap it in ``XX`` (error-message text that keeps every word) are counted
 apart as "message text". The script exits 1 when any other mutant survived.
 
-Usage: ``python tests/mutation.py [--jobs N] [NAME ...]`` with NAME from ``MODULES``.
+Usage: ``python tests/mutation.py [--jobs N] [NAME ...]`` with NAME from ``MODULES``, or
+``NAME:FILE`` to mutate one file of a package target (``strategy:charges.py``) against the same
+tests, in its own working copy ``.mutation/NAME-FILE/`` (a long run can be done file by file).
 """
 
 from __future__ import annotations
@@ -55,7 +57,19 @@ MODULES: dict[str, Target] = {
     "aggregation": Target("prism_core/aggregation.py", ("tests/prism_core/test_aggregation.py",)),
     "strategy": Target(
         "server/strategy/*.py",
-        ("tests/server/test_strategy.py", "tests/server/test_hostile_replies.py"),
+        (
+            "tests/server/test_strategy.py",
+            "tests/server/test_hostile_replies.py",
+            # since session 14: the strategy's other fast test files (not test_resume.py, whose
+            # SIGKILL test takes a minute) and the tests written for this run's survivors
+            "tests/server/test_strategy_loop.py",
+            "tests/server/test_site_owned_privacy.py",
+            "tests/server/test_update_bound.py",
+            "tests/server/test_federation.py",
+            "tests/server/test_charges.py",
+            "tests/server/test_aggregator.py",
+            "tests/server/test_strategy_parts.py",
+        ),
     ),
     "ledger": Target(
         "server/ledger/*.py",
@@ -283,9 +297,27 @@ def is_message_text(diff: str) -> bool:
     )
 
 
+def target_of(name: str) -> Target:
+    """The target of ``NAME`` or of ``NAME:FILE`` (one file of a package target's glob).
+
+    Raises:
+        KeyError: for a name not in ``MODULES``, or a file not under its target's folder.
+    """
+    base, _, file = name.partition(":")
+    target = MODULES[base]
+    if not file:
+        return target
+    folder = Path(target.source).parent
+    if "*" not in target.source or "/" in file or not (ROOT / folder / file).is_file():
+        raise KeyError(name)
+    return Target(str(folder / file), target.tests)
+
+
 def run_module(name: str, jobs: int) -> dict[str, object]:
     """Mutate one module against its own tests; its summary (also in ``summary.json``)."""
-    target = MODULES[name]
+    target = target_of(name)
+    base = name.partition(":")[0]
+    name = name.replace(":", "-").removesuffix(".py")
     work = _prepare(name, target)
     print(f"[{name}] mutmut run: {target.source} against {', '.join(target.tests)}", flush=True)
     start = time.monotonic()
@@ -295,7 +327,7 @@ def run_module(name: str, jobs: int) -> dict[str, object]:
     not_killed = sorted(k for k, v in statuses.items() if v in NOT_KILLED)
     diffs = {k: _mutmut(work, "show", k) for k in not_killed}
     message_text = [k for k in not_killed if is_message_text(diffs[k])]
-    equivalent = EQUIVALENT.get(name, {})
+    equivalent = EQUIVALENT.get(base, {})
     unexplained = [k for k in not_killed if k not in message_text and k not in equivalent]
     with (work / "survivors.txt").open("w") as out:
         for mutant in unexplained:
@@ -339,9 +371,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not MUTMUT.exists():
         parser.error(f"{MUTMUT} not found: install the dev extra (pip install -e '.[dev]')")
-    unknown = [n for n in args.modules if n not in MODULES]
+    unknown = []
+    for n in args.modules:
+        try:
+            target_of(n)
+        except KeyError:
+            unknown.append(n)
     if unknown:
-        parser.error(f"unknown module {', '.join(unknown)}; valid: {', '.join(MODULES)}")
+        parser.error(
+            f"unknown module {', '.join(unknown)}; valid: {', '.join(MODULES)}, or "
+            "NAME:FILE for a file of strategy or ledger (strategy:charges.py)"
+        )
     names = args.modules or list(MODULES)
     summaries = [run_module(name, args.jobs) for name in names]
     return 1 if any(s["unexplained"] for s in summaries) else 0
