@@ -321,6 +321,29 @@ def test_only_lora_factors_and_the_dp_head_are_trainable(tiny_bert):
     assert not any(h.lora_A.requires_grad for h in ffa.handles)
 
 
+def test_opacus_hooks_sit_on_the_lora_and_head_modules_only_and_a_step_leaves_no_grads(
+    tiny_bert, sst2_rows
+):
+    """Opacus' two hooks (activations, per-example gradients) are on exactly the modules that
+    own a trainable tensor, each LoRA factor's and the head's, none on the frozen base; after a
+    step (micro-batches of 5) no tensor of the model still holds a gradient of either kind."""
+    lm = load_model(ModelConfig(model=tiny_bert, rank=4))
+    config = TrainConfig(
+        noise_multiplier=1.0, steps=1, batch_size=16, micro_batch_size=5, seed=0, progress=False
+    )
+    trainer = PrivateTrainer(lm, _dataset(lm, sst2_rows[:64]), config)
+    owners = {
+        m for m in lm.model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))
+    }
+    assert len(owners) == 2 * len(lm.handles) + 1  # lora_A and lora_B of every module, the head
+    assert {m for m in lm.model.modules() if m._forward_hooks} == owners
+    assert {m for m in lm.model.modules() if m._backward_hooks} == owners
+    assert len(trainer.module.autograd_grad_sample_hooks) == 2 * len(owners)
+    trainer.step()
+    for name, p in lm.model.named_parameters():
+        assert p.grad is None and getattr(p, "grad_sample", None) is None, name
+
+
 def test_bad_settings_give_clear_errors(tiny_bert, sst2_rows):
     with pytest.raises(ConfigError, match="Z = 0"):
         load_model(ModelConfig(model=tiny_bert, rank=4, init="standard"), method="prism")
