@@ -405,14 +405,14 @@ their moments and weighted sums take one batched call instead of one per module 
 micro-batch of 64: all 24 modules, 38 MiB; a Gemma-sized down projection: one per chunk)."""
 
 
-def _stack_grads(grads: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
-    """Per-module (b, m, r) gradients stacked to (L, b, m, r) in ``dtype``. The copy is made in
-    the (b, r, m) memory layout where the moment GEMMs are fastest (``TRANSPOSE_MAX_RANK``) or
+def _stack_grads(grads: Sequence[Tensor]) -> Tensor:
+    """Per-module (b, m, r) gradients stacked to (L, b, m, r). The copy is made in the
+    (b, r, m) memory layout where the moment GEMMs are fastest (``TRANSPOSE_MAX_RANK``) or
     that the gradient already has (Opacus' ``lora_A`` gradients); else row-major."""
     first = grads[0]
     if first.shape[-1] <= TRANSPOSE_MAX_RANK or first.mT.is_contiguous():
-        return torch.stack([g.mT for g in grads]).to(dtype).mT
-    return torch.stack(list(grads)).to(dtype)
+        return torch.stack([g.mT for g in grads]).mT
+    return torch.stack(list(grads))
 
 
 def _weighted_sums(alpha: Tensor, g: Tensor) -> Tensor:
@@ -503,9 +503,8 @@ def clip_and_sum_grads(
     rows: list[Tensor | None] = [None] * len(points)
     stacks = []
     for chunk in _chunks(frames, grads):
-        dtype = work_dtype(chunk.frame.QA, *grads[chunk.indices[0]])
-        gA = _stack_grads([grads[i][0] for i in chunk.indices], dtype)
-        gB = _stack_grads([grads[i][1] for i in chunk.indices], dtype)
+        gA = _stack_grads([grads[i][0] for i in chunk.indices])
+        gB = _stack_grads([grads[i][1] for i in chunk.indices])
         norms = lift_norm_sq_from_moments(lift_moments_stacked(chunk.frame, gA, gB))
         for j, i in enumerate(chunk.indices):
             rows[i] = norms[j]
@@ -514,9 +513,9 @@ def clip_and_sum_grads(
     alphas = _coefficients(norms_sq, euclidean, max_norm, euclidean_max_norm)
     alpha = alphas[0]
     parts: list[Tangent | None] = [None] * len(points)
-    for chunk, gA, gB in stacks:
-        a = alpha.to(work_dtype(gA, gB, alpha))
-        sum_a, sum_b = _weighted_sums(a, gA.to(a.dtype)), _weighted_sums(a, gB.to(a.dtype))
+    for chunk, gA, gB in stacks:  # alpha's dtype is the widest: the moments' or the head's
+        sum_a = _weighted_sums(alpha, gA.to(alpha.dtype))
+        sum_b = _weighted_sums(alpha, gB.to(alpha.dtype))
         lifted = lift(chunk.point.A, chunk.point.B, sum_a, sum_b, frame=chunk.frame)
         for j, i in enumerate(chunk.indices):
             parts[i] = Tangent(lifted.dA[j], lifted.dB[j])

@@ -418,6 +418,64 @@ def test_clip_and_sum_grads_in_chunks_equals_the_lifts_of_every_example(monkeypa
     assert 0 < got.clipped < got.count
 
 
+def test_chunks_stay_within_the_stack_budget_and_cover_every_module_once(monkeypatch):
+    """``_chunks`` cuts each shape group into consecutive chunks whose stacked gradients (both
+    factors, float32 or wider) fit ``STACK_BYTES_MAX``: 2 modules' worth gives chunks of 2, less
+    than one module's gives one module per chunk, and each chunk's frame and point are its own
+    modules' slices."""
+    dims = ((10, 8, 2),) * 5 + ((14, 6, 3),)
+    points = _module_points(2, dims)
+    frames = step_frames(points)
+    cases = []
+    for dtype, size in ((torch.float64, 8), (torch.float32, 4), (torch.bfloat16, 4)):
+        one = (3 * 10 * 2 + 3 * 8 * 2) * size  # bytes of one module's stacked gradients
+        cases += [
+            (dtype, 2 * one, [(0, 1), (2, 3), (4,), (5,)]),
+            (dtype, 2 * one - 1, [(0,), (1,), (2,), (3,), (4,), (5,)]),
+            (dtype, one - 1, [(0,), (1,), (2,), (3,), (4,), (5,)]),
+            (dtype, 10**9, [(0, 1, 2, 3, 4), (5,)]),
+        ]
+    for dtype, budget, want in cases:  # bf16 gradients are cast to float32 for the moments
+        grads = [(gA.to(dtype), gB.to(dtype)) for gA, gB in _random_grads(points, 3, 1)]
+        monkeypatch.setattr(mechanism, "STACK_BYTES_MAX", budget)
+        chunks = list(mechanism._chunks(frames, grads))
+        assert [c.indices for c in chunks] == want, (dtype, budget)
+        for c in chunks:
+            torch.testing.assert_close(c.point.A, torch.stack([points[i].A for i in c.indices]))
+            torch.testing.assert_close(
+                c.frame.QA, torch.stack([frames.frames[i].QA for i in c.indices])
+            )
+
+
+@pytest.mark.parametrize(
+    ("r", "layout", "transposed"),
+    [
+        (TRANSPOSE_MAX_RANK, "row-major", True),  # copied to the GEMMs' layout
+        (TRANSPOSE_MAX_RANK + 1, "row-major", False),  # kept as given
+        (TRANSPOSE_MAX_RANK + 1, "transposed", True),  # Opacus' lora_A layout kept
+    ],
+)
+def test_stacked_gradients_take_the_layout_of_the_moment_gemms(r, layout, transposed):
+    g = [torch.randn(4, 12, r) for _ in range(3)]
+    if layout == "transposed":
+        g = [x.mT.contiguous().mT for x in g]
+    stacked = mechanism._stack_grads(g)
+    torch.testing.assert_close(stacked, torch.stack([x.contiguous() for x in g]), rtol=0, atol=0)
+    assert stacked.mT.is_contiguous() == transposed and stacked.is_contiguous() != transposed
+
+
+def test_clip_and_sum_grads_of_float32_gradients_at_float64_factors_sums_in_float64():
+    """Float64 factors with float32 per-example gradients: the moments and alpha are float64,
+    the stacked float32 gradients are weighted in float64, and the result is the all-float64
+    computation on the same (float32-rounded) gradients (rel 1e-10)."""
+    points = _module_points(6, DIMS_WITH_REPEATS)
+    grads32 = [(gA.float(), gB.float()) for gA, gB in _random_grads(points, 5, 2, scale=3.0)]
+    got = clip_and_sum_grads(points, grads32, max_norm=0.5)
+    assert {t.dtype for s in got.sums for t in s} == {torch.float64}
+    ref = clip_and_sum_grads(points, [(a.double(), b.double()) for a, b in grads32], max_norm=0.5)
+    _assert_same_sum(got, ref)
+
+
 def test_clip_and_sum_grads_rejects_mismatched_gradients():
     points = _module_points(0)
     grads = _random_grads(points, 3, 0)
