@@ -69,6 +69,7 @@ MODULES: dict[str, Target] = {
             "tests/server/test_charges.py",
             "tests/server/test_aggregator.py",
             "tests/server/test_strategy_parts.py",
+            "tests/server/test_update_checker.py",  # session 15: bounds.py survivors
         ),
     ),
     "ledger": Target(

@@ -1,0 +1,213 @@
+"""The coordinator's bounds on an honest site's round and the accept/reject edge of each check.
+
+``UpdateChecker`` is driven directly, without Flower transport or a ledger: a broadcast point,
+a reply's update and its facts. Each check is tested on both sides of its threshold (the bound
+times the float32 allowance plus its absolute slack), with margins far smaller than either, so
+a check that moved its threshold, dropped the allowance or compared the wrong difference fails.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord
+
+from prism_core.bounds import FLOAT32_SLACK, dp_step_norm_bound
+from prism_runtime.config import HEAD_MOMENTUM
+from prism_runtime.protocol import HEAD_PREFIX, key
+from prism_runtime.train_config import ADAMW_BETAS, AdaptiveSettings, TrainConfig
+from server.errors import ReplyError
+from server.strategy.bounds import UpdateBound, UpdateChecker
+
+M, N, R = 6, 4, 2  # one LoRA module: A (m, r), B (n, r)
+HEAD = (3, 4)
+FACTS = {"sigma": "1.3", "q": "0.1", "max-norm": "0.5"}
+
+
+def test_the_sites_bound_is_the_train_config_they_run() -> None:
+    """Every field of the bound comes from the sites' ``TrainConfig`` (non-default values),
+    and the failure probability from the caller (default 1e-9)."""
+    train = TrainConfig(
+        noise_multiplier=1.0,
+        lr=0.03,
+        head_lr=0.2,
+        head_optimizer="momentum",
+        max_norm=0.7,
+        batch_size=48,
+        adaptive=AdaptiveSettings(beta1=0.8, beta2=0.99),
+    )
+    assert UpdateBound.for_sites(train, failure=1e-6) == UpdateBound(
+        lr=0.03,
+        optimizer="adaptive",
+        beta1=0.8,
+        beta2=0.99,
+        bias_correction=True,  # PRISM's transform always corrects its moments
+        head_lr=0.2,
+        head_betas=ADAMW_BETAS,
+        head_optimizer="momentum",
+        max_norm=0.7,
+        expected_batch_size=48.0,
+        failure=1e-6,
+    )
+    assert UpdateBound.for_sites(TrainConfig(noise_multiplier=1.0)).failure == 1e-9
+
+
+def _broadcast(scale: float = 1.0, head: bool = True) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    out = {
+        key("m", "A"): scale * torch.randn(M, R, generator=g),
+        key("m", "B"): scale * torch.randn(N, R, generator=g),
+    }
+    if head:
+        out[HEAD_PREFIX + "weight"] = scale * torch.randn(*HEAD, generator=g)
+    return out
+
+
+def _checker(bound: UpdateBound, mode: str = "tangent", head: bool = True, **kw) -> UpdateChecker:
+    checker = UpdateChecker(
+        modules=["m"],
+        head=["weight"] if head else [],
+        mode=mode,  # type: ignore[arg-type]
+        local_steps=3,
+        update_bound=bound,
+    )
+    checker.begin_round(1, kw.get("broadcast", _broadcast(head=head)))
+    return checker
+
+
+def _sgd_bound(**kw) -> UpdateBound:
+    return UpdateBound(lr=0.05, max_norm=0.8, expected_batch_size=16.0, **kw)
+
+
+def test_no_sgd_head_means_no_head_bound() -> None:
+    for bound, head in [(_sgd_bound(), True), (_sgd_bound(head_optimizer="sgd"), False)]:
+        assert _checker(bound, head=head).head_sgd_bound(FACTS) == 0.0
+    assert (
+        UpdateChecker(
+            modules=["m"], head=["weight"], mode="tangent", local_steps=3, update_bound=None
+        ).head_sgd_bound(FACTS)
+        == 0.0
+    )
+
+
+@pytest.mark.parametrize(
+    ("head_optimizer", "head_lr", "velocity"),
+    [("sgd", 0.2, 1.0), ("momentum", 0.2, 1 / (1 - HEAD_MOMENTUM)), ("sgd", None, 1.0)],
+)
+def test_an_sgd_heads_bound_is_tau_dp_steps_of_the_replys_sigma_and_q(
+    head_optimizer: str, head_lr: float | None, velocity: float
+) -> None:
+    """``head_lr tau G / (1 - beta)``: G the DP step bound over the head's 12 coordinates at the
+    reply's sigma and q, the reply's clip (0.5, below the run's 0.8) and failure / tau per step;
+    the sites' lr when no head lr is set."""
+    bound = _sgd_bound(head_optimizer=head_optimizer, head_lr=head_lr)
+    step = dp_step_norm_bound(
+        max_norm=0.5,
+        noise_multiplier=1.3,
+        expected_batch_size=16.0,
+        sample_rate=0.1,
+        dimension=12,
+        failure=1e-9 / 3,
+    )
+    expected = (0.05 if head_lr is None else head_lr) * 3 * step * velocity
+    got = _checker(bound).head_sgd_bound(FACTS)
+    assert got == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_plain_dp_sgd_sites_bound_counts_the_tangent_and_head_dimensions() -> None:
+    """``2 lr tau G``, G over r (m + n - r) = 16 tangent and 12 head coordinates, failure / tau."""
+    step = dp_step_norm_bound(
+        max_norm=0.5,
+        noise_multiplier=1.3,
+        expected_batch_size=16.0,
+        sample_rate=0.1,
+        dimension=R * (M + N - R) + HEAD[0] * HEAD[1],
+        failure=1e-9 / 3,
+    )
+    got = _checker(_sgd_bound(optimizer="sgd")).sgd_bound(FACTS)
+    assert got == pytest.approx(2 * 0.05 * 3 * step, rel=1e-12)
+
+
+def _record(tensors: dict[str, torch.Tensor]) -> ArrayRecord:
+    return ArrayRecord({k: Array(np.ascontiguousarray(v.numpy())) for k, v in tensors.items()})
+
+
+def _one_entry(shape: tuple[int, ...], value: float) -> torch.Tensor:
+    """Zeros with ``value`` (exactly representable in float32) in the first entry."""
+    t = torch.zeros(shape)
+    t.view(-1)[0] = value
+    return t
+
+
+def _just(threshold: float, side: int, within: float = 1e-6) -> float:
+    """The float32 value two steps inside (side -1) or outside (+1) ``threshold``: a single
+    entry of it has exactly that norm, closer than ``within`` to the threshold (the check's
+    absolute slack: any shift of the threshold by it changes the verdict)."""
+    x = np.float32(threshold)
+    toward = np.float32(np.inf if side > 0 else -np.inf)
+    while (float(x) - threshold) * side <= 0:
+        x = np.nextafter(x, toward)
+    x = np.nextafter(x, toward)
+    assert 0 < (float(x) - threshold) * side < within, (threshold, float(x))
+    return float(x)
+
+
+def test_a_factor_average_update_is_checked_against_its_own_move() -> None:
+    """Each tensor's move from the broadcast (new - old), not its size: an honest small move of
+    a large broadcast passes; a move 1e-7 relative past ``bound (1 + slack) + 1e-6`` fails,
+    naming the tensor, its move and the bound; 1e-7 inside passes."""
+    bound = UpdateBound(lr=0.05)
+    broadcast = _broadcast(scale=100.0, head=False)
+    checker = _checker(bound, mode="factor-average", head=False, broadcast=broadcast)
+    name = key("m", "A")
+    limit = checker.factor_bounds[name] * (1 + FLOAT32_SLACK) + 1e-6
+    small = {
+        k: v + 0.01 * checker.factor_bounds[k] / math.sqrt(v.numel()) for k, v in broadcast.items()
+    }
+    checker.check_norm(small, {})
+    zero = {k: torch.zeros_like(v) for k, v in broadcast.items()}
+    checker.begin_round(1, zero)  # moves from 0: a move is the entry itself
+    for side in (-1, 1):
+        update = {**zero, name: _one_entry((M, R), _just(limit, side))}
+        if side < 0:
+            checker.check_norm(update, {})
+            continue
+        with pytest.raises(ReplyError, match=rf"{name} moved by .* more than the .* 3 AdamW steps"):
+            checker.check_norm(update, {})
+
+
+def test_an_sgd_heads_update_is_checked_at_the_edge_of_its_own_bound() -> None:
+    bound = _sgd_bound(head_optimizer="sgd")
+    checker = _checker(bound)
+    limit = checker.head_sgd_bound(FACTS) * (1 + FLOAT32_SLACK) + 1e-6
+    zero = {key("m", "dA"): torch.zeros(M, R), key("m", "dB"): torch.zeros(N, R)}
+    for side in (-1, 1):
+        update = {**zero, HEAD_PREFIX + "weight": _one_entry(HEAD, _just(limit, side))}
+        if side < 0:
+            checker.check_norm(update, FACTS)
+            continue
+        with pytest.raises(ReplyError, match=r"head update norm .* exceeds the bound .* 3 SGD"):
+            checker.check_norm(update, FACTS)
+
+
+def test_a_tangent_update_is_checked_at_the_edge_of_the_mechanisms_bound() -> None:
+    """``bound (1 + slack) + 1e-6 x |broadcast|``, with a broadcast of norm ~100 so that the
+    absolute slack scales with the adapter (1e-4 here, not 1e-6 or 1e-8); lr 5e-4 keeps the
+    bound small enough (about 6) for float32 to place an entry within that slack of it."""
+    checker = _checker(UpdateBound(lr=0.0005), broadcast=_broadcast(scale=25.0))
+    scale = math.sqrt(sum(float(v.double().square().sum()) for v in checker.broadcast.values()))
+    assert scale > 50
+    assert checker.norm_bound is not None
+    limit = checker.norm_bound * (1 + FLOAT32_SLACK) + 1e-6 * scale
+    zero = {key("m", "dA"): torch.zeros(M, R), key("m", "dB"): torch.zeros(N, R)}
+    for side in (-1, 1):
+        entry = _just(limit, side, within=1e-6 * scale)
+        update = {**zero, HEAD_PREFIX + "weight": _one_entry(HEAD, entry)}
+        if side < 0:
+            checker.validate(_record(update), {})
+            continue
+        with pytest.raises(ReplyError, match=r"update norm .* exceeds the bound .* \(3 steps at lr"):
+            checker.validate(_record(update), {})
