@@ -195,6 +195,40 @@ EQUIVALENT: dict[str, dict[str, str]] = {
         "server.ledger.store.xǁLedgerǁ__init____mutmut_7": "None for False: the same falsy "
         "'not closed'",
     },
+    "strategy": {  # session 15: bounds.py (the other files not yet rerun)
+        "server.strategy.bounds.xǁUpdateBoundǁfor_sites__mutmut_16": "bias_correction= dropped: "
+        "the sites' transform always corrects its moments (AdaptiveSettings has no switch), "
+        "the field's default",
+        "server.strategy.bounds.xǁUpdateBoundǁfor_sites__mutmut_18": "head_betas= dropped: the "
+        "field's default is the same ADAMW_BETAS",
+        "server.strategy.bounds.xǁUpdateCheckerǁsgd_bound__mutmut_44": "None for [] as the "
+        "points of round_update_norm_bound's sgd branch, which never reads them",
+        **{
+            f"server.strategy.bounds.xǁUpdateCheckerǁcheck_norm__mutmut_{i}": ">= for > at a "
+            "float64 threshold (bound x (1 + slack) + slack) that no float32 update's norm "
+            "equals but by chance: the verdicts differ on a set of measure zero"
+            for i in (14, 87, 106)
+        },
+        **{
+            f"server.strategy.bounds.xǁUpdateCheckerǁ{fn}__mutmut_{i}": "zip strict over "
+            "sequences of equal length by construction (two 2-tuples; the modules and their "
+            "bounds)"
+            for fn, numbers in (
+                ("expected_update_keys", (20, 23, 28)),
+                ("_set_bounds", (114, 117, 118)),
+            )
+            for i in numbers
+        },
+        **{
+            f"server.strategy.bounds.xǁUpdateCheckerǁ__init____mutmut_{i}": "an initial value "
+            "begin_round overwrites before any read (validate and check_norm need a round)"
+            for i in (3, 4, 5)
+        },
+        "server.strategy.bounds.xǁUpdateCheckerǁ_set_bounds__mutmut_30": "None for 0 as an SGD "
+        "head's size: both falsy wherever it is read",
+        "server.strategy.bounds.xǁUpdateCheckerǁ_set_bounds__mutmut_133": "an SGD head's AdamW "
+        "bound in factor-average mode: check_norm replaces it by the head's own SGD bound",
+    },
     "site_ledger": {
         **{
             f"client.site_ledger.xǁSiteLedgerǁ_parse__mutmut_{i}": "the unterminated flag of a "

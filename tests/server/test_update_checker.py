@@ -15,7 +15,8 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord
 
-from prism_core.bounds import FLOAT32_SLACK, dp_step_norm_bound
+from prism_core.bounds import FLOAT32_SLACK, adam_gain, dp_step_norm_bound, round_update_norm_bound
+from prism_core.manifold import Point
 from prism_runtime.config import HEAD_MOMENTUM
 from prism_runtime.protocol import HEAD_PREFIX, key
 from prism_runtime.train_config import ADAMW_BETAS, AdaptiveSettings, TrainConfig
@@ -209,5 +210,163 @@ def test_a_tangent_update_is_checked_at_the_edge_of_the_mechanisms_bound() -> No
         if side < 0:
             checker.validate(_record(update), {})
             continue
-        with pytest.raises(ReplyError, match=r"update norm .* exceeds the bound .* \(3 steps at lr"):
+        with pytest.raises(
+            ReplyError, match=r"update norm .* exceeds the bound .* \(3 steps at lr"
+        ):
             checker.validate(_record(update), {})
+
+
+def _honest(checker: UpdateChecker) -> dict[str, torch.Tensor]:
+    return {k: torch.zeros(shape) for k, shape in checker.expected_update_keys().items()}
+
+
+def _bad_payload() -> Array:
+    """Declared float32 of the right shape, but 3 bytes of data."""
+    return Array(dtype="float32", shape=(M, R), stype="numpy.ndarray", data=b"abc")
+
+
+@pytest.mark.parametrize(
+    ("change", "code", "message"),
+    [
+        pytest.param(lambda u: dict(u), "keys", "update is a dict, not an ArrayRecord", id="dict"),
+        pytest.param(
+            lambda u: _record({f"x{i}": torch.zeros(1) for i in range(4)}),
+            "keys",
+            "wrong update keys (missing ['head/weight', 'm/dA', 'm/dB'], unexpected "
+            "['x0', 'x1', 'x2'])",
+            id="keys",
+        ),
+        pytest.param(
+            lambda u: _record({**u, "m/dA": torch.zeros(M, R, dtype=torch.float64)}),
+            "dtype",
+            "m/dA: dtype float64, expected float32",
+            id="dtype",
+        ),
+        pytest.param(
+            lambda u: _record({**u, "m/dA": torch.zeros(R, M)}),
+            "shape",
+            f"m/dA: shape ({R}, {M}), expected ({M}, {R})",
+            id="shape",
+        ),
+        pytest.param(
+            lambda u: ArrayRecord({**_record(u), "m/dA": _bad_payload()}),
+            "dtype",
+            "m/dA: cannot decode the array",
+            id="garbled",
+        ),
+        pytest.param(
+            lambda u: _record({**u, "m/dA": _one_entry((M, R), math.nan)}),
+            "non-finite",
+            "m/dA: contains NaN or Inf",
+            id="nan",
+        ),
+        pytest.param(
+            lambda u: _record({**u, "m/dA": _one_entry((M, R), -2e8)}),
+            "magnitude",
+            "m/dA: an entry of size 2e+08 > 1e+08",
+            id="magnitude",
+        ),
+    ],
+)
+def test_each_malformed_update_is_refused_with_its_code_and_what_was_found(
+    change, code: str, message: str
+) -> None:
+    """The reply's reason code (counted per round in the summary) and a message naming the
+    tensor and the value found (at most 3 names of a key list)."""
+    checker = _checker(UpdateBound(lr=0.05))
+    with pytest.raises(ReplyError) as info:
+        checker.validate(change(_honest(checker)), {})
+    assert info.value.code == code
+    assert message in str(info.value)
+
+
+def test_an_entry_of_exactly_the_magnitude_limit_is_accepted() -> None:
+    """``|x| > 1e8`` is refused, ``|x| = 1e8`` (exact in float32) is not (no norm bound here)."""
+    checker = UpdateChecker(
+        modules=["m"], head=["weight"], mode="tangent", local_steps=3, update_bound=None
+    )
+    checker.begin_round(1, _broadcast())
+    update = {**_honest(checker), "m/dA": _one_entry((M, R), 1e8)}
+    assert float(checker.validate(_record(update), {})["m/dA"].abs().max()) == 1e8
+
+
+# b1^2 < b2 (torch's default), b1^2 > b2 > b1^3, b1^2 = b2 exactly (0.5^2 = 0.25 in binary)
+@pytest.mark.parametrize("betas", [ADAMW_BETAS, (0.9, 0.5), (0.9, 0.75), (0.5, 0.25)])
+@pytest.mark.parametrize("server_round", [1, 4])
+def test_the_rounds_bounds_use_the_head_lr_and_the_gain_at_the_rounds_horizon(
+    betas: tuple[float, float], server_round: int
+) -> None:
+    """Head terms at ``head_lr`` (not the sites' lr) and AdamW's gain over all steps when
+    ``b1^2 < b2`` (finite supremum), else at the ``round x tau`` steps a site can have taken;
+    the head's 12 coordinates counted in the tangent bound and bounded per tensor in
+    factor-average mode."""
+    b1, b2 = betas
+    horizon = None if b1**2 < b2 else server_round * 3
+    head_gain = adam_gain(beta1=b1, beta2=b2, max_step=horizon)
+    bound = UpdateBound(lr=0.05, head_lr=0.2, head_betas=betas)
+    tangent = _checker(bound)
+    tangent.begin_round(server_round, _broadcast())
+    points = [Point(tangent.broadcast["m/A"], tangent.broadcast["m/B"])]
+    expected = round_update_norm_bound(
+        points,
+        lr=0.05,
+        local_steps=3,
+        gain=adam_gain(beta1=0.9, beta2=0.999, max_step=None),
+        head_size=12,
+        head_lr=0.2,
+        head_gain=head_gain,
+    )
+    assert tangent.norm_bound == pytest.approx(expected, rel=1e-12)
+    factor = _checker(bound, mode="factor-average")
+    factor.begin_round(server_round, _broadcast())
+    assert factor.factor_bounds[HEAD_PREFIX + "weight"] == pytest.approx(
+        0.2 * 3 * head_gain * math.sqrt(12), rel=1e-12
+    )
+    assert factor.factor_bounds["m/A"] == pytest.approx(
+        0.05 * 3 * head_gain * math.sqrt(M * R), rel=1e-12
+    )
+    assert factor.factor_bounds["m/B"] == pytest.approx(
+        0.05 * 3 * head_gain * math.sqrt(N * R), rel=1e-12
+    )
+
+
+@pytest.mark.parametrize(
+    ("beta2", "bias_correction", "head_optimizer"),
+    [(0.999, True, "adamw"), (0.5, False, "adamw"), (0.5, True, "adamw"), (0.999, True, "sgd")],
+)
+def test_the_tangent_bound_uses_the_sites_adaptive_gain_and_no_sgd_head(
+    beta2: float, bias_correction: bool, head_optimizer: str
+) -> None:
+    """PRISM's transform's gain at the sites' betas and bias correction, over all steps when
+    ``b1^2 < b2`` and over the ``round x tau`` = 6 steps otherwise (where bias correction
+    changes it: 1.57 with, 0.74 without at b2 = 0.5; over all steps it does not); an SGD head
+    is left out (its own bound needs the reply's sigma and q)."""
+    bound = _sgd_bound(beta2=beta2, bias_correction=bias_correction, head_optimizer=head_optimizer)
+    checker = _checker(bound)
+    checker.begin_round(2, _broadcast())
+    gain = adam_gain(
+        beta1=0.9,
+        beta2=beta2,
+        bias_correction=bias_correction,
+        max_step=None if beta2 > 0.9**2 else 2 * 3,
+    )
+    expected = round_update_norm_bound(
+        [Point(checker.broadcast["m/A"], checker.broadcast["m/B"])],
+        lr=0.05,
+        local_steps=3,
+        gain=gain,
+        head_size=0 if head_optimizer == "sgd" else 12,
+        head_lr=0.05,
+        head_gain=adam_gain(beta1=ADAMW_BETAS[0], beta2=ADAMW_BETAS[1], max_step=None),
+    )
+    assert checker.norm_bound == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_key_list_names_at_most_three_missing_keys() -> None:
+    checker = UpdateChecker(
+        modules=["m"], head=["weight", "bias"], mode="tangent", local_steps=3, update_bound=None
+    )
+    checker.begin_round(1, {**_broadcast(), HEAD_PREFIX + "bias": torch.zeros(3)})
+    assert len(checker.expected_update_keys()) == 4
+    with pytest.raises(ReplyError, match=r"missing \['head/bias', 'head/weight', 'm/dA'\],"):
+        checker.validate(_record({}), {})
