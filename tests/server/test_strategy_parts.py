@@ -35,6 +35,7 @@ from server.ledger import Ledger
 from server.strategy import PrismStrategy
 from server.strategy.bounds import AutoClip, UpdateBound, UpdateChecker
 from server.strategy.replies import error_reply, error_reply_text, in_order, unconfirmed_code
+from server.strategy.rounds import RoundSummary
 
 pytestmark = pytest.mark.usefixtures("flower_identity")  # Flower messages need a run id
 
@@ -334,3 +335,23 @@ def test_start_keeps_flowers_signature_and_defaults() -> None:
     assert list(ours)[: len(flowers)] == list(flowers)
     assert {n: ours[n].default for n in flowers} == {n: p.default for n, p in flowers.items()}
     assert (ours["first_round"].default, ours["previous"].default) == (1, None)
+
+
+def test_a_round_summary_survives_its_checkpoint_form_and_an_old_one_gets_the_defaults() -> None:
+    """``from_dict(vars(s))`` gives back every field of a summary in which none is at its
+    default; a checkpoint written before the later fields existed reads with those defaults."""
+    full = RoundSummary(
+        server_round=3,
+        sent=4,
+        accepted=["site-a"],
+        refused=["site-b"],
+        rejected=[("site-c", "norm too large")],
+        applied=True,
+        rejected_by_reason={"norm": 1},
+        discarded="non-finite",
+        refusal_codes={"site-b": "4003"},
+        unconfirmed=["site-d"],
+    )
+    assert RoundSummary.from_dict(json.loads(json.dumps(vars(full)))) == full
+    old = {"server_round": 2, "sent": 1, "accepted": [], "refused": [], "rejected": []}
+    assert RoundSummary.from_dict({**old, "applied": False}) == RoundSummary(server_round=2, sent=1)
