@@ -212,7 +212,10 @@ def model_path() -> str:
 
 
 def save_decoder(folder: Path, tokenizer: Any, dims: Mapping[str, int | None]) -> None:
-    """A Gemma-3 text decoder of ``dims`` with random weights (bf16 where CUDA builds it)."""
+    """A Gemma-3 text decoder of ``dims`` with random weights (bf16 where CUDA builds it).
+
+    Sets ``tokenizer``'s eos/bos to MiniLM's [SEP]/[CLS] (causal-LM rows end with eos), so the
+    caller saves it beside the model."""
     tokenizer.eos_token, tokenizer.bos_token = tokenizer.sep_token, tokenizer.cls_token
     shape = {k: v for k, v in dims.items() if v is not None}
     config = transformers.Gemma3TextConfig(

@@ -67,16 +67,37 @@ def _broadcast(scale: float = 1.0, head: bool = True) -> dict[str, torch.Tensor]
     return out
 
 
-def _checker(bound: UpdateBound, mode: str = "tangent", head: bool = True, **kw) -> UpdateChecker:
+def _checker(
+    bound: UpdateBound | None,
+    mode: str = "tangent",
+    head: tuple[str, ...] = ("weight",),
+    broadcast: dict[str, torch.Tensor] | None = None,
+    server_round: int = 1,
+) -> UpdateChecker:
+    """A checker of one module (and ``head``) at tau = 3, begun on ``broadcast``'s round."""
     checker = UpdateChecker(
         modules=["m"],
-        head=["weight"] if head else [],
-        mode=mode,  # type: ignore[arg-type]
+        head=list(head),
+        mode=mode,
         local_steps=3,
-        update_bound=bound,
+        update_bound=bound,  # type: ignore[arg-type]
     )
-    checker.begin_round(1, kw.get("broadcast", _broadcast(head=head)))
+    checker.begin_round(
+        server_round, _broadcast(head=bool(head)) if broadcast is None else broadcast
+    )
     return checker
+
+
+def _dp_step(dimension: int) -> float:
+    """One DP step's bound at ``FACTS`` (clip 0.5, sigma 1.3, q 0.1), b = 16, failure 1e-9 / tau."""
+    return dp_step_norm_bound(
+        max_norm=0.5,
+        noise_multiplier=1.3,
+        expected_batch_size=16.0,
+        sample_rate=0.1,
+        dimension=dimension,
+        failure=1e-9 / 3,
+    )
 
 
 def _sgd_bound(**kw) -> UpdateBound:
@@ -84,14 +105,9 @@ def _sgd_bound(**kw) -> UpdateBound:
 
 
 def test_no_sgd_head_means_no_head_bound() -> None:
-    for bound, head in [(_sgd_bound(), True), (_sgd_bound(head_optimizer="sgd"), False)]:
+    for bound, head in [(_sgd_bound(), ("weight",)), (_sgd_bound(head_optimizer="sgd"), ())]:
         assert _checker(bound, head=head).head_sgd_bound(FACTS) == 0.0
-    assert (
-        UpdateChecker(
-            modules=["m"], head=["weight"], mode="tangent", local_steps=3, update_bound=None
-        ).head_sgd_bound(FACTS)
-        == 0.0
-    )
+    assert _checker(None).head_sgd_bound(FACTS) == 0.0
 
 
 @pytest.mark.parametrize(
@@ -105,29 +121,14 @@ def test_an_sgd_heads_bound_is_tau_dp_steps_of_the_replys_sigma_and_q(
     reply's sigma and q, the reply's clip (0.5, below the run's 0.8) and failure / tau per step;
     the sites' lr when no head lr is set."""
     bound = _sgd_bound(head_optimizer=head_optimizer, head_lr=head_lr)
-    step = dp_step_norm_bound(
-        max_norm=0.5,
-        noise_multiplier=1.3,
-        expected_batch_size=16.0,
-        sample_rate=0.1,
-        dimension=12,
-        failure=1e-9 / 3,
-    )
-    expected = (0.05 if head_lr is None else head_lr) * 3 * step * velocity
+    expected = (0.05 if head_lr is None else head_lr) * 3 * _dp_step(12) * velocity
     got = _checker(bound).head_sgd_bound(FACTS)
     assert got == pytest.approx(expected, rel=1e-12)
 
 
 def test_a_plain_dp_sgd_sites_bound_counts_the_tangent_and_head_dimensions() -> None:
     """``2 lr tau G``, G over r (m + n - r) = 16 tangent and 12 head coordinates, failure / tau."""
-    step = dp_step_norm_bound(
-        max_norm=0.5,
-        noise_multiplier=1.3,
-        expected_batch_size=16.0,
-        sample_rate=0.1,
-        dimension=R * (M + N - R) + HEAD[0] * HEAD[1],
-        failure=1e-9 / 3,
-    )
+    step = _dp_step(R * (M + N - R) + HEAD[0] * HEAD[1])
     got = _checker(_sgd_bound(optimizer="sgd")).sgd_bound(FACTS)
     assert got == pytest.approx(2 * 0.05 * 3 * step, rel=1e-12)
 
@@ -162,7 +163,7 @@ def test_a_factor_average_update_is_checked_against_its_own_move() -> None:
     naming the tensor, its move and the bound; 1e-7 inside passes."""
     bound = UpdateBound(lr=0.05)
     broadcast = _broadcast(scale=100.0, head=False)
-    checker = _checker(bound, mode="factor-average", head=False, broadcast=broadcast)
+    checker = _checker(bound, mode="factor-average", head=(), broadcast=broadcast)
     name = key("m", "A")
     limit = checker.factor_bounds[name] * (1 + FLOAT32_SLACK) + 1e-6
     small = {
@@ -282,10 +283,7 @@ def test_each_malformed_update_is_refused_with_its_code_and_what_was_found(
 
 def test_an_entry_of_exactly_the_magnitude_limit_is_accepted() -> None:
     """``|x| > 1e8`` is refused, ``|x| = 1e8`` (exact in float32) is not (no norm bound here)."""
-    checker = UpdateChecker(
-        modules=["m"], head=["weight"], mode="tangent", local_steps=3, update_bound=None
-    )
-    checker.begin_round(1, _broadcast())
+    checker = _checker(None)
     update = {**_honest(checker), "m/dA": _one_entry((M, R), 1e8)}
     assert float(checker.validate(_record(update), {})["m/dA"].abs().max()) == 1e8
 
@@ -304,8 +302,7 @@ def test_the_rounds_bounds_use_the_head_lr_and_the_gain_at_the_rounds_horizon(
     horizon = None if b1**2 < b2 else server_round * 3
     head_gain = adam_gain(beta1=b1, beta2=b2, max_step=horizon)
     bound = UpdateBound(lr=0.05, head_lr=0.2, head_betas=betas)
-    tangent = _checker(bound)
-    tangent.begin_round(server_round, _broadcast())
+    tangent = _checker(bound, server_round=server_round)
     points = [Point(tangent.broadcast["m/A"], tangent.broadcast["m/B"])]
     expected = round_update_norm_bound(
         points,
@@ -317,8 +314,7 @@ def test_the_rounds_bounds_use_the_head_lr_and_the_gain_at_the_rounds_horizon(
         head_gain=head_gain,
     )
     assert tangent.norm_bound == pytest.approx(expected, rel=1e-12)
-    factor = _checker(bound, mode="factor-average")
-    factor.begin_round(server_round, _broadcast())
+    factor = _checker(bound, mode="factor-average", server_round=server_round)
     assert factor.factor_bounds[HEAD_PREFIX + "weight"] == pytest.approx(
         0.2 * 3 * head_gain * math.sqrt(12), rel=1e-12
     )
@@ -342,8 +338,7 @@ def test_the_tangent_bound_uses_the_sites_adaptive_gain_and_no_sgd_head(
     changes it: 1.57 with, 0.74 without at b2 = 0.5; over all steps it does not); an SGD head
     is left out (its own bound needs the reply's sigma and q)."""
     bound = _sgd_bound(beta2=beta2, bias_correction=bias_correction, head_optimizer=head_optimizer)
-    checker = _checker(bound)
-    checker.begin_round(2, _broadcast())
+    checker = _checker(bound, server_round=2)
     gain = adam_gain(
         beta1=0.9,
         beta2=beta2,
@@ -363,10 +358,8 @@ def test_the_tangent_bound_uses_the_sites_adaptive_gain_and_no_sgd_head(
 
 
 def test_a_key_list_names_at_most_three_missing_keys() -> None:
-    checker = UpdateChecker(
-        modules=["m"], head=["weight", "bias"], mode="tangent", local_steps=3, update_bound=None
-    )
-    checker.begin_round(1, {**_broadcast(), HEAD_PREFIX + "bias": torch.zeros(3)})
+    broadcast = {**_broadcast(), HEAD_PREFIX + "bias": torch.zeros(3)}
+    checker = _checker(None, head=("weight", "bias"), broadcast=broadcast)
     assert len(checker.expected_update_keys()) == 4
     with pytest.raises(ReplyError, match=r"missing \['head/bias', 'head/weight', 'm/dA'\],"):
         checker.validate(_record({}), {})
