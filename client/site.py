@@ -546,18 +546,33 @@ _SITES: dict[tuple[str, ...], Site] = {}
 
 
 def get_site(
-    run: RunConfig, site: SiteConfig, policy: SitePolicy, *, faults: Faults = NO_FAULTS
+    run: RunConfig,
+    site: SiteConfig,
+    policy: SitePolicy,
+    *,
+    faults: Faults = NO_FAULTS,
+    run_id: int | str = "",
 ) -> Site:
-    """The process-wide ``Site`` for this run config and site policy (models load once);
-    ``faults`` applies to a ``Site`` made by this call."""
+    """The process-wide ``Site`` for this run (``run_id``), run config and site policy: models
+    load once per run and process (Flower's simulation actors, the site's warm worker
+    ``client.worker``). ``faults`` applies to a ``Site`` made by this call.
+
+    A process that serves several runs one after another (the warm worker) keeps only the
+    current run's sites: the first call of a new run drops every ``Site`` of the others, so a
+    site's noise calibration and refusal are always those of the run it serves, and memory does
+    not grow with the number of runs.
+    """
     secret = hashlib.sha256(policy.rng_secret or b"").hexdigest()
     cache_key = (
+        str(run_id),
         run.model_dump_json(),
         site.model_dump_json(),
         str(policy.state_dir),
         str(policy.cache_dir),
         secret,
     )
+    for other in [k for k in _SITES if k[0] != cache_key[0]]:
+        del _SITES[other]
     if cache_key not in _SITES:
         _SITES[cache_key] = Site(run, site, policy, faults=faults)
     return _SITES[cache_key]

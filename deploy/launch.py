@@ -28,7 +28,10 @@ Environment of ``supernode``: ``PRISM_SUPERLINK`` (host:port), ``PRISM_CA_CERT``
 ``PRISM_EPSILON_CAP``, ``PRISM_DELTA`` (these three required), ``PRISM_SHARE_NUM_EXAMPLES``,
 ``PRISM_ALLOW_NONDP``, ``PRISM_ALLOW_NONPRIVATE_METRICS``, ``PRISM_REQUIRE_SECURE_RNG`` (default
 true), ``PRISM_PARTITION_ID`` and ``PRISM_NUM_PARTITIONS`` (one-host demo only),
-``PRISM_CLIENTAPP_PORT`` (default 9094).
+``PRISM_CLIENTAPP_PORT`` (default 9094), ``PRISM_SITE_EXECUTOR`` (``worker``, the default: the
+SuperNode runs under the site's warm worker ``client.worker``, one long-lived process that runs
+every message with the site's installed ClientApp; ``flower``: Flower's own executor, a fresh
+``flwr-clientapp`` process per message running the app bundle the coordinator submitted).
 Exit code 2: refused, with the reason on stderr; otherwise Flower's own exit code.
 """
 
@@ -47,6 +50,7 @@ __all__ = [
     "check_own_folder",
     "check_private_key",
     "main",
+    "site_command",
     "superlink_args",
     "supernode_args",
 ]
@@ -260,6 +264,27 @@ def supernode_args(env: Mapping[str, str], extra: Sequence[str] = ()) -> list[st
     return command + [a for a in extra if a != "--insecure"]
 
 
+EXECUTORS = ("worker", "flower")
+
+
+def site_command(env: Mapping[str, str], extra: Sequence[str] = ()) -> list[str]:
+    """The site's command line: ``supernode_args`` under the warm worker (``python -m
+    client.worker -- flower-supernode ...``), or alone with ``PRISM_SITE_EXECUTOR=flower``."""
+    executor = env.get("PRISM_SITE_EXECUTOR", "worker").strip().lower() or "worker"
+    if executor not in EXECUTORS:
+        raise DeployError(
+            f"PRISM_SITE_EXECUTOR={executor!r}: use 'worker' (the default: one warm process "
+            "runs the site's installed ClientApp) or 'flower' (a process per message)"
+        )
+    command = supernode_args(env, extra)
+    if executor == "flower":
+        return command
+    binary = Path(sys.executable).parent / command[0]
+    if binary.exists():
+        command[0] = str(binary)
+    return [sys.executable, "-m", "client.worker", "--", *command]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Check the settings, then exec Flower; returns 2 when refused (exec does not return)."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -271,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = dict(os.environ)
     env.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
     try:
-        build = superlink_args if args[0] == "superlink" else supernode_args
+        build = superlink_args if args[0] == "superlink" else site_command
         command = build(env, args[1:])
     except DeployError as exc:
         print(f"prism-fl launch: {exc}", file=sys.stderr)

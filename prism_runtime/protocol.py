@@ -37,6 +37,7 @@ from __future__ import annotations
 __all__ = [
     "ACCOUNTING",
     "ACCOUNTING_KEYS",
+    "APP_ID",
     "ARRAYS",
     "CONFIG",
     "HEAD_PREFIX",
@@ -55,6 +56,10 @@ __all__ = [
     "UPDATE",
     "key",
 ]
+
+APP_ID = "prism-fl/prism-fl"
+"""The Flower app id (``publisher/name`` of ``pyproject.toml``) a site's worker serves
+(``client.worker``: a run of any other app bundle is refused)."""
 
 ARRAYS = "arrays"
 CONFIG = "config"

@@ -15,7 +15,7 @@ equivalent mutant (same behaviour as the original); ``EQUIVALENT`` and docs/test
 case of a string or wrap it in ``XX`` (error-message text that keeps every word) are counted
 apart as "message text". The script exits 1 when any other mutant survived.
 
-Usage: ``python tests/mutation.py [--jobs N] [NAME ...]`` with NAME from ``MODULES``, or
+Usage: ``python tests/mutation.py [--jobs N] [--resume] [NAME ...]`` with NAME from ``MODULES``, or
 ``NAME:FILE`` to mutate one file of a package target (``strategy:charges.py``) against the same
 tests, in its own working copy ``.mutation/NAME-FILE/`` (a long run can be done file by file).
 """
@@ -348,12 +348,22 @@ def target_of(name: str) -> Target:
     return Target(str(folder / file), target.tests)
 
 
-def run_module(name: str, jobs: int) -> dict[str, object]:
-    """Mutate one module against its own tests; its summary (also in ``summary.json``)."""
+def run_module(name: str, jobs: int, *, resume: bool = False) -> dict[str, object]:
+    """Mutate one module against its own tests; its summary (also in ``summary.json``).
+
+    ``resume``: keep the working copy of a stopped run (mutmut skips every mutant it already
+    has a result for) instead of making a fresh one; ``seconds`` is then this part's time.
+    """
     target = target_of(name)
     base = name.partition(":")[0]
     name = name.replace(":", "-").removesuffix(".py")
-    work = _prepare(name, target)
+    work = WORK / name
+    if not (resume and (work / "setup.cfg").is_file()):
+        work = _prepare(name, target)
+    elif (work / "setup.cfg").read_text() != _setup_cfg(target):
+        raise SystemExit(f"{work} was made for other tests: run again without --resume")
+    else:
+        print(f"[{name}] resuming the run in {work}", flush=True)
     print(f"[{name}] mutmut run: {target.source} against {', '.join(target.tests)}", flush=True)
     start = time.monotonic()
     _mutmut(work, "run", "--max-children", str(jobs), log=work / "run.log")
@@ -403,6 +413,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("modules", nargs="*", metavar="NAME", help=f"of {', '.join(MODULES)}")
     parser.add_argument("--jobs", type=int, default=1, help="mutmut workers (default 1)")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue a stopped run in its working copy (.mutation/NAME) instead of a fresh one",
+    )
     args = parser.parse_args(argv)
     if not MUTMUT.exists():
         parser.error(f"{MUTMUT} not found: install the dev extra (pip install -e '.[dev]')")
@@ -418,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
             "NAME:FILE for a file of strategy or ledger (strategy:charges.py)"
         )
     names = args.modules or list(MODULES)
-    summaries = [run_module(name, args.jobs) for name in names]
+    summaries = [run_module(name, args.jobs, resume=args.resume) for name in names]
     return 1 if any(s["unexplained"] for s in summaries) else 0
 
 

@@ -81,6 +81,7 @@ def run_rounds(
         if metrics is not None:
             result.evaluate_metrics_serverapp[0] = metrics
     for server_round in range(first_round, num_rounds + 1):
+        started = time.monotonic()
         messages = list(strategy.configure_train(server_round, arrays, train_config, grid))
         if not messages:
             log.info("round %d: no site can continue within its cap; ending the run", server_round)
@@ -97,6 +98,11 @@ def run_rounds(
         )
         del messages  # the grid has them; the broadcast arrays live on in ``arrays``
         new_arrays, metrics = strategy.aggregate_train(server_round, replies)
+        log.info(
+            "round %d: sent, answered and aggregated in %.2f s",
+            server_round,
+            time.monotonic() - started,
+        )
         if new_arrays is not None:
             arrays = result.arrays = new_arrays
         if metrics is not None:

@@ -25,6 +25,7 @@ Everything is removed at the end (``docker compose down -v``, the extra containe
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import time
@@ -203,6 +204,11 @@ def test_compose_federation_on_a_real_engine(image_user, tmp_path):
             assert 0.9 * REQUEST <= eps <= REQUEST + 1e-6, (site, eps)
         for site in SITES:
             assert _site_ledger_lines(project, site) == 1
+            # the site's warm worker (the image's default executor) ran the round in-process
+            # with the installed ClientApp: no flwr-clientapp process, one task line
+            site_log = project.logs(site)
+            assert len(re.findall(r"task \d+ of run \d+: [0-9.]+ s", site_log)) == 1, site_log
+            assert "Start `flwr-clientapp` process" not in site_log
 
         # 3. a SuperNode container whose key was never registered is refused
         rogue = tmp_path / "rogue-keys"

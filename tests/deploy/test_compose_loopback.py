@@ -211,6 +211,11 @@ def test_compose_services_on_loopback(tiny_bert, tmp_path):
         for site in SITES:  # each site's own durable ledger on its state volume
             site_ledger = svc[site].host_path("/var/lib/prism/privacy-ledger.jsonl")
             assert site_ledger.read_text().count("\n") == ROUNDS
+            # the launcher's default executor, the site's warm worker, ran every round in its
+            # one process with the installed ClientApp: no flwr-clientapp process was started
+            site_log = group.log(site)
+            assert len(re.findall(r"task \d+ of run \d+: [0-9.]+ s", site_log)) == ROUNDS, site_log
+            assert "Start `flwr-clientapp` process" not in site_log
 
         for name, proc in refused_procs.items():
             proc.wait(90)
