@@ -18,6 +18,8 @@ apart as "message text". The script exits 1 when any other mutant survived.
 Usage: ``python tests/mutation.py [--jobs N] [--resume] [NAME ...]`` with NAME from ``MODULES``, or
 ``NAME:FILE`` to mutate one file of a package target (``strategy:charges.py``) against the same
 tests, in its own working copy ``.mutation/NAME-FILE/`` (a long run can be done file by file).
+``--resume`` continues a stopped run in its working copy; ``--recheck TEST_FILE ...`` applies
+each unexplained survivor of a finished run and runs those test files against it.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ MODULES: dict[str, Target] = {
             "tests/server/test_aggregator.py",
             "tests/server/test_strategy_parts.py",
             "tests/server/test_update_checker.py",  # session 15: bounds.py survivors
+            "tests/server/test_reply_facts.py",  # session 16: replies.py survivors
         ),
     ),
     "ledger": Target(
@@ -195,7 +198,14 @@ EQUIVALENT: dict[str, dict[str, str]] = {
         "server.ledger.store.xǁLedgerǁ__init____mutmut_7": "None for False: the same falsy "
         "'not closed'",
     },
-    "strategy": {  # session 15: bounds.py (the other files not yet rerun)
+    "strategy": {  # session 15: bounds.py; session 16: replies.py (the other files not yet rerun)
+        **{
+            f"server.strategy.replies.xǁRunTermsǁ_check_clip__mutmut_{i}": "the default of "
+            "max-norm's lookup (nan -> None or none): a DP reply without max-norm is rejected "
+            "by check() before _check_clip, and the coordinator makes an AutoClip for DP "
+            "methods only (server/federation.py _auto_clip)"
+            for i in (41, 43)
+        },
         "server.strategy.bounds.xǁUpdateBoundǁfor_sites__mutmut_16": "bias_correction= dropped: "
         "the sites' transform always corrects its moments (AdaptiveSettings has no switch), "
         "the field's default",
@@ -408,11 +418,57 @@ def run_module(name: str, jobs: int, *, resume: bool = False) -> dict[str, objec
     return summary
 
 
+def recheck(name: str, tests: list[str], jobs: int) -> dict[str, bool]:
+    """Apply every unexplained survivor of a finished run (``summary.json``) and run ``tests``
+    against it in the run's mutated copy (mutmut's ``MUTANT_UNDER_TEST``), ``jobs`` at a time:
+    how a test written for the survivors is checked without a new run. The test files are
+    copied into the copy first. Returns (and writes to ``recheck.json``) mutant -> killed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    work = WORK / name.replace(":", "-").removesuffix(".py")
+    mutants = work / "mutants"
+    unexplained = json.loads((work / "summary.json").read_text())["unexplained"]
+    for test in tests:
+        shutil.copy2(ROOT / test, mutants / test)
+
+    def killed(mutant: str) -> bool:
+        done = subprocess.run(
+            [
+                str(Path(sys.executable).parent / "pytest"),
+                "-x",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                *tests,
+            ],
+            cwd=mutants,
+            env={**_env(), "MUTANT_UNDER_TEST": mutant, "PYTHONPATH": str(mutants)},
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        return done.returncode not in (0, 5)
+
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        result = dict(zip(unexplained, pool.map(killed, unexplained), strict=True))
+    (work / "recheck.json").write_text(json.dumps({"tests": tests, "killed": result}, indent=1))
+    alive = [m for m, k in result.items() if not k]
+    print(f"[{name}] recheck: {len(result) - len(alive)} of {len(result)} killed; alive: {alive}")
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the named modules one after the other; 1 if any mutant survived unexplained."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("modules", nargs="*", metavar="NAME", help=f"of {', '.join(MODULES)}")
     parser.add_argument("--jobs", type=int, default=1, help="mutmut workers (default 1)")
+    parser.add_argument(
+        "--recheck",
+        nargs="+",
+        metavar="TEST_FILE",
+        help="apply each unexplained survivor of the named module's last run and run these "
+        "test files against it (a test written for the survivors, checked without a new run)",
+    )
     parser.add_argument(
         "--resume",
         action="store_true",
@@ -433,6 +489,9 @@ def main(argv: list[str] | None = None) -> int:
             "NAME:FILE for a file of strategy or ledger (strategy:charges.py)"
         )
     names = args.modules or list(MODULES)
+    if args.recheck:
+        results = [recheck(name, args.recheck, args.jobs) for name in names]
+        return 1 if any(not k for r in results for k in r.values()) else 0
     summaries = [run_module(name, args.jobs, resume=args.resume) for name in names]
     return 1 if any(s["unexplained"] for s in summaries) else 0
 

@@ -124,8 +124,6 @@ def validate_facts(facts: dict[str, Any]) -> dict[str, Any]:
         raise ReplyError(f"num-examples={facts['num-examples']!r} is not in [1, 1e12]", "facts")
     if SERVER_ROUND in facts and int(facts[SERVER_ROUND]) < 0:
         raise ReplyError(f"server-round={facts[SERVER_ROUND]!r} is negative", "facts")
-    if "max-norm" in facts and not float(facts["max-norm"]) > 0:
-        raise ReplyError(f"max-norm={facts['max-norm']!r} is not > 0", "facts")
     _check_quantile_facts(facts)
     return facts
 

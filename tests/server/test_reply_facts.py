@@ -1,0 +1,342 @@
+"""A reply's accounting facts as the coordinator reads them (``server.strategy.replies``): every
+range at its edges from both sides, the code and the message of each rejection, and the run's
+terms (``RunTerms``) including a private clip estimate's. Written for the survivors of the
+mutation run of ``replies.py`` (docs/testing.md): each threshold is tested on both sides and each
+message is checked for what it names, since both are what an operator reads."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from flwr.app import ConfigRecord, Error, Message, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+from reply_facts import honest_facts
+
+from prism_core.bounds import FLOAT32_SLACK
+from prism_runtime.protocol import ACCOUNTING, MAX_EXAMPLES, REFUSAL_REASONS, RNG_MODES
+from server.errors import ReplyError
+from server.strategy.bounds import AutoClip
+from server.strategy.replies import (
+    RunTerms,
+    facts_of,
+    unconfirmed_code,
+    validate_facts,
+)
+
+MECHANISM = "prism-tangent-gaussian"
+AUTO = AutoClip(low=0.02, high=0.5, steps=3, noise_multiplier=6.4)
+ESTIMATE = {"quantile_sigma": 6.4, "quantile_q": 0.05, "quantile_steps": 3}
+
+
+@pytest.fixture(autouse=True)
+def _task_identity():
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    yield
+
+
+def _rejected(facts: dict, code: str = "facts") -> str:
+    with pytest.raises(ReplyError) as info:
+        validate_facts(facts)
+    assert info.value.code == code, str(info.value)
+    return str(info.value)
+
+
+def _terms(**changes) -> RunTerms:
+    values = {
+        "mechanism": MECHANISM,
+        "dp": True,
+        "local_steps": 1,
+        "delta": 1e-5,
+        "max_norm": 0.05,
+        "expected_batch_size": 16.0,
+    }
+    values.update(changes)
+    return RunTerms(**values)
+
+
+def _mismatch(terms: RunTerms, facts: dict, code: str = "facts-mismatch") -> str:
+    with pytest.raises(ReplyError) as info:
+        terms.check(facts)
+    assert info.value.code == code, str(info.value)
+    return str(info.value)
+
+
+# -- validate_facts: names, types, ranges -----------------------------------------------------
+
+
+def test_honest_facts_pass_and_come_back_as_given():
+    facts = honest_facts("a", server_round=0, num_examples=1)
+    assert validate_facts(dict(facts)) == facts
+
+
+def test_unknown_facts_are_named_three_at_most():
+    message = _rejected(honest_facts("a", aaa=1, bbb=2, ccc=3, ddd=4))
+    assert "['aaa', 'bbb', 'ccc']" in message and "ddd" not in message
+
+
+@pytest.mark.parametrize("name", ["site-id", "status", "sigma", "q", "steps"])
+def test_a_missing_required_fact_is_named(name):
+    facts = honest_facts("a")
+    del facts[name]
+    assert f"lack {name!r}" in _rejected(facts)
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"sigma": "1.0"}, "accounting fact sigma='1.0' is not a number"),
+        ({"q": True}, "accounting fact q=True is not a number"),
+        ({"sigma": math.inf}, "accounting fact sigma=inf is not finite"),
+        ({"delta": math.nan}, "accounting fact delta=nan is not finite"),
+        ({"max_norm": math.inf}, "accounting fact max-norm=inf is not finite"),
+        ({"steps": 1.5}, "accounting fact steps=1.5 is not an integer"),
+        ({"num_examples": True}, "accounting fact num-examples=True is not an integer"),
+        ({"site-id": 7}, "accounting fact site-id=7 is not a string"),
+        ({"reason": 3}, "accounting fact reason=3 is not a string"),
+        ({"reason": "x" * 1001}, "accounting fact reason is too long or has control characters"),
+        ({"rng": "os\ncsprng"}, "accounting fact rng is too long or has control characters"),
+    ],
+)
+def test_a_fact_of_the_wrong_type_is_named_with_its_value(change, says):
+    facts = honest_facts("a")
+    facts.update({k.replace("_", "-"): v for k, v in change.items()})
+    assert _rejected(facts) == says
+
+
+def test_the_sites_own_epsilon_may_be_infinite_and_a_1000_character_text_is_accepted():
+    facts = honest_facts("a", epsilon=math.inf, reason="x" * 1000)
+    assert validate_facts(facts)["epsilon"] == math.inf
+
+
+def test_site_id_from_one_to_128_characters():
+    assert validate_facts(honest_facts("s" * 128))["site-id"] == "s" * 128
+    long_id = "".join(chr(ord("a") + i % 26) for i in range(129))
+    message = _rejected(honest_facts(long_id))
+    assert message == f"site-id {long_id[:20]!r} is empty or too long"
+    assert _rejected(honest_facts("")) == "site-id '' is empty or too long"
+
+
+def test_an_unknown_status_shows_its_first_20_characters():
+    status = "".join(chr(ord("a") + i) for i in range(25))
+    assert _rejected(honest_facts("a", status=status)) == f"unknown status {status[:20]!r}"
+
+
+@pytest.mark.parametrize(
+    ("change", "ok"),
+    [
+        ({"sigma": 0.0}, True),
+        ({"sigma": 1e4}, True),
+        ({"sigma": 1e4 * (1 + 1e-12)}, False),
+        ({"sigma": -1e-9}, False),
+        ({"q": 1.0}, True),
+        ({"q": 0.0}, False),
+        ({"q": 1.0 + 1e-12}, False),
+        ({"q": 1.5}, False),
+        ({"steps": 0}, True),
+        ({"steps": 10**6}, True),
+        ({"steps": 10**6 + 1}, False),
+        ({"steps": -1}, False),
+    ],
+)
+def test_mechanism_parameters_at_the_edges_of_their_ranges(change, ok):
+    facts = honest_facts("a", **change)
+    if ok:
+        assert validate_facts(facts)
+    else:
+        message = _rejected(facts)
+        assert message.startswith("impossible mechanism parameters sigma=")
+        name, value = next(iter(change.items()))
+        assert f"{name}={float(value) if name != 'steps' else value}" in message
+
+
+@pytest.mark.parametrize(
+    ("name", "good", "bad", "says"),
+    [
+        ("delta", [1e-12, 0.5, 1 - 1e-12], [0.0, 1.0, 1.5, -0.1], "is not in (0, 1)"),
+        ("max_norm", [1e-12, 1e9], [0.0, -1.0, 1e9 * (1 + 1e-12)], "is not in (0, 1e+09]"),
+        ("expected_batch_size", [1e-12, 1e9], [0.0, 1e9 * (1 + 1e-12)], "is not in (0, 1e+09]"),
+        ("num_examples", [1, MAX_EXAMPLES], [0, MAX_EXAMPLES + 1], "is not in [1, 1e12]"),
+        ("server_round", [0, 1], [-1], "is negative"),
+    ],
+)
+def test_optional_facts_at_the_edges_of_their_ranges(name, good, bad, says):
+    fact = name.replace("_", "-")
+    for value in good:
+        assert validate_facts(honest_facts("a", **{name: value}))[fact] == value
+    for value in bad:
+        assert _rejected(honest_facts("a", **{name: value})) == f"{fact}={value!r} {says}"
+
+
+def test_a_reply_without_a_server_round_is_valid():
+    facts = honest_facts("a")
+    assert "server-round" not in facts
+    assert validate_facts(facts) == facts
+
+
+def test_clip_estimate_facts_come_all_three_or_none():
+    assert validate_facts(honest_facts("a", **ESTIMATE))
+    for missing in ESTIMATE:
+        partial = {k: v for k, v in ESTIMATE.items() if k != missing}
+        given = [k.replace("_", "-") for k in ESTIMATE if k != missing]
+        message = _rejected(honest_facts("a", **partial))
+        assert message == f"clip-estimate facts {given} without the others"
+
+
+@pytest.mark.parametrize(
+    ("change", "ok"),
+    [
+        ({"quantile_sigma": 0.5}, True),
+        ({"quantile_sigma": 1e8}, True),
+        ({"quantile_sigma": 1e8 * (1 + 1e-12)}, False),
+        ({"quantile_sigma": 0.0}, False),
+        ({"quantile_q": 1.0}, True),
+        ({"quantile_q": 0.0}, False),
+        ({"quantile_q": 1.0 + 1e-12}, False),
+        ({"quantile_q": 1.5}, False),
+        ({"quantile_steps": 1}, True),
+        ({"quantile_steps": 10**6}, True),
+        ({"quantile_steps": 0}, False),
+        ({"quantile_steps": 10**6 + 1}, False),
+    ],
+)
+def test_clip_estimate_parameters_at_the_edges_of_their_ranges(change, ok):
+    facts = honest_facts("a", **{**ESTIMATE, **change})
+    if ok:
+        assert validate_facts(facts)
+    else:
+        sigma, q = float(facts["quantile-sigma"]), float(facts["quantile-q"])
+        steps = facts["quantile-steps"]
+        assert _rejected(facts) == (
+            f"impossible clip-estimate parameters sigma={sigma}, q={q}, steps={steps}"
+        )
+
+
+def test_facts_of_a_reply_without_its_record_is_a_facts_rejection():
+    msg = Message(RecordDict({"other": ConfigRecord({"x": 1})}), 1, "train")
+    with pytest.raises(ReplyError) as info:
+        facts_of(msg)
+    assert info.value.code == "facts"
+    assert str(info.value) == "reply has no accounting facts record"
+    ok = Message(RecordDict({ACCOUNTING: ConfigRecord(honest_facts("a"))}), 1, "train")
+    assert facts_of(ok)["site-id"] == "a"
+
+
+def test_the_unconfirmed_code_names_the_error_code_only_for_an_error_reply():
+    sent = Message(RecordDict({"config": ConfigRecord({"x": 1})}), 1, "train")
+    error = Message(Error(code=4002, reason="x"), reply_to=sent)
+    ok = Message(RecordDict({ACCOUNTING: ConfigRecord(honest_facts("a"))}), reply_to=sent)
+    assert unconfirmed_code(ReplyError("e", "error-reply"), error) == "error-reply-4002"
+    assert unconfirmed_code(ReplyError("e", "error-reply"), ok) == "error-reply"
+    assert unconfirmed_code(ReplyError("e", "facts"), error) == "facts"
+
+
+# -- RunTerms.check: the facts against the run ------------------------------------------------
+
+
+def test_a_refusal_needs_a_known_reason_code():
+    facts = honest_facts("a", status="refused", reason="because", steps=0, sigma=0.0)
+    message = _mismatch(_terms(), facts, code="refusal-reason")
+    assert message == (
+        "refused reply without a known reason code (prism_runtime.protocol.REFUSAL_REASONS)"
+    )
+    valid = honest_facts("a", status="refused", reason=next(iter(REFUSAL_REASONS)), steps=0)
+    _terms().check(valid)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "wanted"),
+    [
+        ("mechanism", "gaussian", MECHANISM),
+        ("sampling", "shuffle", "poisson"),
+        ("adjacency", "replace-one", "add-remove"),
+    ],
+)
+def test_another_mechanism_sampling_or_adjacency_is_named(name, value, wanted):
+    message = _mismatch(_terms(), honest_facts("a", **{name: value}))
+    assert message == f"fact {name} is not the run's {wanted!r}"
+
+
+def test_an_unknown_randomness_mode_lists_the_known_ones():
+    assert _mismatch(_terms(), honest_facts("a", rng="lava-lamp")) == (
+        f"fact rng is not one of {list(RNG_MODES)}"
+    )
+
+
+def test_steps_other_than_the_rounds_are_named():
+    assert _mismatch(_terms(local_steps=2), honest_facts("a", steps=1)) == (
+        "reply ran 1 steps, the round asked for 2"
+    )
+
+
+def test_sigma_zero_in_a_dp_run_is_a_mismatch_and_fine_in_a_non_dp_run():
+    facts = honest_facts("a", sigma=0.0)
+    assert _mismatch(_terms(), facts) == "sigma = 0 for a differentially private method"
+    nondp = honest_facts("a", sigma=0.0, max_norm=None, expected_batch_size=None)
+    _terms(dp=False, max_norm=None, expected_batch_size=None).check(nondp)
+
+
+def test_the_runs_clip_and_batch_are_matched_to_one_part_in_a_million():
+    terms = _terms()
+    terms.check(honest_facts("a", max_norm=0.05 * (1 + 5e-7), expected_batch_size=16 * (1 - 5e-7)))
+    for name, value in (("max_norm", 0.05 * (1 + 5e-6)), ("expected_batch_size", 16.1)):
+        fact, wanted = name.replace("_", "-"), 0.05 if name == "max_norm" else 16.0
+        message = _mismatch(terms, honest_facts("a", **{name: value}))
+        assert message == f"fact {fact} is missing or not the run's {wanted!r}"
+    assert _mismatch(terms, honest_facts("a", max_norm=None)) == (
+        "fact max-norm is missing or not the run's 0.05"
+    )
+
+
+def test_a_delta_above_the_runs_or_missing_is_named():
+    assert _mismatch(_terms(), honest_facts("a", delta=2e-5)) == (
+        "delta 2e-05 is missing or above the run's 1e-05"
+    )
+    assert _mismatch(_terms(), honest_facts("a", delta=None)) == (
+        "delta None is missing or above the run's 1e-05"
+    )
+    _terms().check(honest_facts("a", delta=1e-6))
+
+
+# -- RunTerms._check_clip: max-norm = auto ----------------------------------------------------
+
+
+def test_an_auto_clip_reply_with_its_estimate_and_a_clip_in_range_passes():
+    terms = _terms(max_norm=None, auto_clip=AUTO)
+    terms.check(honest_facts("a", max_norm=0.1, **ESTIMATE))  # round 1: the estimate
+    terms.check(honest_facts("a", max_norm=0.1))  # later rounds: the stored estimate
+
+
+def test_estimate_facts_on_a_refusal_or_without_auto_clip_are_a_mismatch():
+    says = "clip-estimate facts on a refusal or in a run without max-norm = auto"
+    assert _mismatch(_terms(), honest_facts("a", **ESTIMATE)) == says
+    refusal = honest_facts(
+        "a", status="refused", reason=next(iter(REFUSAL_REASONS)), steps=0, **ESTIMATE
+    )
+    assert _mismatch(_terms(max_norm=None, auto_clip=AUTO), refusal) == says
+
+
+def test_an_estimate_of_other_steps_than_the_runs_is_named():
+    terms = _terms(max_norm=None, auto_clip=AUTO)
+    facts = honest_facts("a", max_norm=0.1, **{**ESTIMATE, "quantile_steps": 4})
+    assert _mismatch(terms, facts) == "the clip estimate ran 4 steps, the run asks 3"
+
+
+def test_an_auto_clip_at_the_edges_of_its_public_range():
+    terms = _terms(max_norm=None, auto_clip=AUTO)
+    low, high = AUTO.low * (1 - FLOAT32_SLACK), AUTO.high * (1 + FLOAT32_SLACK)
+    for clip in (low, AUTO.low, AUTO.high, high):
+        terms.check(honest_facts("a", max_norm=clip))
+    for clip in (low * (1 - 1e-9), high * (1 + 1e-9), AUTO.low * 0.99, AUTO.high * 1.01):
+        message = _mismatch(terms, honest_facts("a", max_norm=clip))
+        assert message == (
+            f"max-norm {clip!r} is missing or outside [0.02, 0.5], the clips a private "
+            "estimate of this run can give"
+        )
+
+
+def test_a_refusal_in_an_auto_clip_run_states_no_clip():
+    refusal = honest_facts(
+        "a", status="refused", reason=next(iter(REFUSAL_REASONS)), steps=0, max_norm=None
+    )
+    _terms(max_norm=None, auto_clip=AUTO).check(refusal)
