@@ -74,6 +74,7 @@ MODULES: dict[str, Target] = {
             "tests/server/test_update_checker.py",  # session 15: bounds.py survivors
             "tests/server/test_reply_facts.py",  # session 16: replies.py survivors
             "tests/server/test_selection_wait.py",  # session 16: selection.py survivors
+            "tests/server/test_selection_eligible.py",  # session 17: selection.py, a real ledger
         ),
     ),
     "ledger": Target(
