@@ -75,6 +75,8 @@ MODULES: dict[str, Target] = {
             "tests/server/test_reply_facts.py",  # session 16: replies.py survivors
             "tests/server/test_selection_wait.py",  # session 16: selection.py survivors
             "tests/server/test_selection_eligible.py",  # session 17: selection.py, a real ledger
+            "tests/server/test_strategy_core.py",  # session 17: core.py survivors
+            "tests/server/test_site_binding.py",  # session 17: binding.py survivors
         ),
     ),
     "ledger": Target(
@@ -200,7 +202,13 @@ EQUIVALENT: dict[str, dict[str, str]] = {
         "server.ledger.store.xǁLedgerǁ__init____mutmut_7": "None for False: the same falsy "
         "'not closed'",
     },
-    "strategy": {  # session 15: bounds.py; session 16: replies.py (the other files not yet rerun)
+    "strategy": {  # session 15: bounds.py; session 16: replies.py; session 17: binding.py
+        **{
+            f"server.strategy.binding.xǁSiteBindingǁ__init____mutmut_{i}": "an initial value "
+            "(the nonce None, the connected set None) that ask() replaces before check_origin "
+            "can read it: check_origin refuses every node as not-asked until ask() ran"
+            for i in (3, 5)
+        },
         **{
             f"server.strategy.replies.xǁRunTermsǁ_check_clip__mutmut_{i}": "the default of "
             "max-norm's lookup (nan -> None or none): a DP reply without max-norm is rejected "

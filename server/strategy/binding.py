@@ -80,6 +80,6 @@ class SiteBinding:
             )
         if owner is not None and owner != node:
             log.warning("site %s moved from node %d to node %d", site, owner, node)
-            self.node_site.pop(owner, None)
+            del self.node_site[owner]  # a bound node: site_node is node_site inverted
         self.node_site[node] = site
         return site

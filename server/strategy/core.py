@@ -129,11 +129,15 @@ class PrismStrategy(Strategy):
         num_rounds: int = 1,
     ) -> None:
         scheduled_lr(server_lr, lr_schedule, 1, num_rounds)  # validates both
+        if not 1 <= min_sites <= sites_per_round:
+            raise ValueError(
+                f"min-sites={min_sites} with sites-per-round={sites_per_round}: "
+                "use 1 <= min-sites <= sites-per-round"
+            )
         self.modules, self.head, self.mode = modules, head, mode
         self.ledger, self.run_id = ledger, run_id
         self.sites_per_round, self.min_sites = sites_per_round, min_sites
         self.local_steps, self.dp = local_steps, dp
-        self.auto_clip = auto_clip
         self.selection = Selection(
             ledger=ledger,
             run_id=run_id,
@@ -167,7 +171,7 @@ class PrismStrategy(Strategy):
             head=head,
             mode=mode,
             optimizer=ServerOptimizer(
-                server_optimizer or ServerOptimizerConfig(kind="sgd", lr=server_lr), modules, head
+                server_optimizer or ServerOptimizerConfig(lr=server_lr), modules, head
             ),
             server_lr=server_lr,
             lr_schedule=lr_schedule,
@@ -261,7 +265,7 @@ class PrismStrategy(Strategy):
             self._take(server_round, msg, tally, summary)
             del msg  # the reply is summed: drop it before the next one is pulled
         self._charge_unanswered(server_round, tally, summary)
-        if len(summary.accepted) < self.min_sites or self.aggregator.total_weight <= 0:
+        if len(summary.accepted) < self.min_sites:  # >= 1: every accepted weight is > 0
             log.warning(
                 "round %d: %d valid updates < min-sites=%d; global adapter unchanged",
                 server_round,
@@ -295,23 +299,22 @@ class PrismStrategy(Strategy):
             self.terms.check(facts)
             self.charges.confirmed(server_round, facts)
             tally.answered.add(node)
-            sigma, q = float(facts["sigma"]), float(facts["q"])
-            cap = float(facts.get("epsilon-cap", self.charges.target_epsilon))
-            if sigma > 0 or not self.dp:  # an up-front refusal has no mechanism to keep
-                self.selection.site_mechanism[site] = (sigma, q, cap, float(facts["delta"]))
-            if facts["status"] == STATUS_REFUSED:
+            if facts["status"] == STATUS_REFUSED:  # exhausted: its mechanism is not kept
                 self._refused(server_round, site, str(facts["reason"]), summary)
                 return
+            sigma, q = float(facts["sigma"]), float(facts["q"])
+            cap = float(facts.get("epsilon-cap", self.charges.target_epsilon))
+            self.selection.site_mechanism[site] = (sigma, q, cap, float(facts["delta"]))
             update = self.checker.validate(msg.content.get(UPDATE), facts)
             weight = self.aggregator.weight(facts)
         except (ReplyError, KeyError, TypeError, ValueError) as exc:
-            error = exc if isinstance(exc, ReplyError) else ReplyError(repr(exc), "invalid")
+            error = exc if isinstance(exc, ReplyError) else ReplyError(repr(exc))  # code "invalid"
             summary.reject(who, error)
             log.warning("round %d: rejected reply from %s: %s", server_round, who, error)
             if error.code == "ledger-conflict":
                 tally.answered.add(node)  # the round's confirmed record is in the ledger already
-            elif self.binding.sent_to.get(node) == server_round and node not in tally.answered:
-                code, before = tally.pending.get(node, (unconfirmed_code(error, msg), 0))
+            else:  # read by _charge_unanswered for the nodes asked and not answered only
+                code, before = tally.pending.get(node, (unconfirmed_code(error, msg), steps))
                 tally.pending[node] = (code, max(before, steps))
             return
         self.aggregator.add(update, facts, weight)
@@ -359,8 +362,6 @@ class PrismStrategy(Strategy):
 
     # -- checkpoint ------------------------------------------------------------------------
 
-    # -- checkpoint ------------------------------------------------------------------------
-
     def state_dict(self) -> dict[str, Any]:
         """Everything the strategy carries from one round to the next, as JSON-ready values.
 
@@ -387,8 +388,6 @@ class PrismStrategy(Strategy):
         }
         self.selection.exhausted = set(state["exhausted"])
         self.summaries = [RoundSummary.from_dict(x) for x in state["summaries"]]
-
-    # -- evaluation is server-side only (see server.app); sites are never asked to evaluate ---
 
     # -- evaluation is server-side only (see server.app); sites are never asked to evaluate ---
 

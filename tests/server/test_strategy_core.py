@@ -1,0 +1,330 @@
+"""``PrismStrategy`` (``server/strategy/core.py``): how the strategy wires its settings into its
+parts, the defaults a caller that leaves them out gets, and what a round does with a reply the
+checks refuse (a duplicate, a ledger conflict, an unexpected error), with the code, the log line
+and the charge of each.
+
+Written for the survivors of the mutation run of ``server/strategy/core.py`` (issue 17,
+docs/testing.md). Helpers and the tiny two-module adapter come from ``test_strategy.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord
+from flwr.serverapp.strategy.result import Result
+from ledger_events import ledger_event
+from test_strategy import MODULES, SHAPES, _facts, _global, _Grid, _reply, _strategy
+
+import server.strategy.core as core
+from prism_runtime.faults import NO_FAULTS, Faults
+from prism_runtime.protocol import key
+from server.ledger import Ledger
+from server.optimizer import ServerOptimizerConfig
+from server.strategy import UpdateBound
+from server.strategy.bounds import AutoClip, UpdateChecker
+
+pytestmark = pytest.mark.usefixtures("flower_identity")
+
+NODES = [11, 12, 13]
+
+
+def _zero_update() -> dict[str, torch.Tensor]:
+    """An honest tangent update that does not move the adapter (norm 0)."""
+    update = {}
+    for module in MODULES:
+        m, n, r = SHAPES[module]
+        update[key(module, "dA")] = torch.zeros(m, r)
+        update[key(module, "dB")] = torch.zeros(n, r)
+    return update
+
+
+def _ask(strategy, server_round=1, nodes=NODES):
+    return list(
+        strategy.configure_train(server_round, ArrayRecord(_global()), ConfigRecord(), _Grid(nodes))
+    )
+
+
+def _messages(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "server.strategy"]
+
+
+# -- wiring and defaults -------------------------------------------------------------------
+
+
+def test_the_strategy_hands_its_settings_to_its_parts(tmp_path) -> None:
+    auto = AutoClip(low=0.1, high=10.0, steps=3, noise_multiplier=7.5)
+    strategy, ledger = _strategy(
+        tmp_path,
+        run_id="run-7",
+        sites_per_round=3,
+        min_sites=2,
+        seed=1234,
+        wait_for_nodes=17.0,
+        connect_timeout=99.0,
+        server_lr=0.25,
+        auto_clip=auto,
+    )
+    sel = strategy.selection
+    assert (sel.ledger, sel.run_id, sel.local_steps) == (ledger, "run-7", 2)
+    assert (sel.sites_per_round, sel.min_sites) == (3, 2)
+    assert (sel.wait_for_nodes, sel.connect_timeout) == (17.0, 99.0)
+    assert sel.rng.getstate() == random.Random(1234).getstate()
+    assert strategy.terms.auto_clip is auto
+    assert strategy.charges.auto_clip is auto
+    # no server optimizer given: plain SGD at the server lr (the lr its checkpoint records)
+    assert strategy.optimizer.config == ServerOptimizerConfig(kind="sgd", lr=0.25)
+
+
+def test_the_defaults_a_caller_gets_by_leaving_a_setting_out(tmp_path) -> None:
+    with Ledger.open(tmp_path / "ledger.sqlite") as ledger:
+        strategy = core.PrismStrategy(
+            modules=MODULES,
+            head=[],
+            mode="tangent",
+            ledger=ledger,
+            run_id="run-1",
+            sites_per_round=2,
+            min_sites=1,
+            server_lr=1.0,
+            local_steps=2,
+            target_epsilon=10.0,
+            delta=1e-5,
+        )
+        # the coordinator (server.federation) leaves wait_for_nodes out: 120 s is the product's
+        assert strategy.selection.wait_for_nodes == 120.0
+        assert strategy.selection.connect_timeout == 600.0
+        assert strategy.selection.rng.getstate() == random.Random(0).getstate()
+        assert (strategy.aggregator.local_lr, strategy.aggregator.num_rounds) == (1.0, 1)
+
+
+@pytest.mark.parametrize(("min_sites", "sites_per_round"), [(0, 2), (3, 2), (-1, 1)])
+def test_min_sites_outside_one_to_sites_per_round_is_refused(
+    tmp_path, min_sites: int, sites_per_round: int
+) -> None:
+    with pytest.raises(ValueError, match=f"min-sites={min_sites} with sites-per-round="):
+        _strategy(tmp_path, min_sites=min_sites, sites_per_round=sites_per_round)
+
+
+@pytest.mark.parametrize(("min_sites", "sites_per_round"), [(1, 1), (2, 2), (1, 3)])
+def test_min_sites_from_one_to_sites_per_round_is_accepted(
+    tmp_path, min_sites: int, sites_per_round: int
+) -> None:
+    strategy, _ = _strategy(tmp_path, min_sites=min_sites, sites_per_round=sites_per_round)
+    assert strategy.min_sites == min_sites
+
+
+def test_start_hands_every_argument_and_flowers_defaults_to_the_round_loop(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[tuple[tuple, dict]] = []
+    monkeypatch.setattr(core, "run_rounds", lambda *a, **kw: calls.append((a, kw)) or "result")
+    strategy, _ = _strategy(tmp_path)
+    grid, arrays = _Grid(NODES), ArrayRecord(_global())
+
+    assert strategy.start(grid, arrays) == "result"
+    args, kw = calls[-1]
+    assert args == (strategy, grid, arrays)
+    assert kw.pop("train_config") == ConfigRecord()
+    assert kw == {
+        "num_rounds": 3,
+        "timeout": 3600,
+        "evaluate_fn": None,
+        "on_round_end": None,
+        "first_round": 1,
+        "previous": None,
+        "faults": NO_FAULTS,
+    }
+
+    config, previous, faults = ConfigRecord({"x": 1}), Result(), Faults()
+
+    def evaluate(server_round, arrays):
+        return None
+
+    def on_end(*args):
+        return None
+
+    strategy.start(
+        grid,
+        arrays,
+        num_rounds=5,
+        timeout=12.5,
+        train_config=config,
+        evaluate_fn=evaluate,
+        on_round_end=on_end,
+        first_round=4,
+        previous=previous,
+        faults=faults,
+    )
+    args, kw = calls[-1]
+    assert kw == {
+        "num_rounds": 5,
+        "timeout": 12.5,
+        "train_config": config,
+        "evaluate_fn": evaluate,
+        "on_round_end": on_end,
+        "first_round": 4,
+        "previous": previous,
+        "faults": faults,
+    }
+    assert kw["train_config"] is config and kw["previous"] is previous and kw["faults"] is faults
+
+
+def test_each_round_sets_the_update_bound_of_its_own_round_number(tmp_path) -> None:
+    """With b1^2 >= b2 the bound grows with the steps a site can have taken (round x tau), so
+    the checker must be told the round being configured."""
+    bound = UpdateBound(lr=0.05, beta1=0.9, beta2=0.5)
+    strategy, _ = _strategy(tmp_path, update_bound=bound)
+    bounds = {}
+    for server_round in (1, 3):
+        _ask(strategy, server_round)
+        reference = UpdateChecker(
+            modules=MODULES, head=[], mode="tangent", local_steps=2, update_bound=bound
+        )
+        reference.begin_round(server_round, _global())
+        assert strategy.checker.norm_bound == reference.norm_bound
+        bounds[server_round] = strategy.checker.norm_bound
+    assert bounds[3] > bounds[1] * 1.01
+
+
+# -- what a round does with each reply -------------------------------------------------------
+
+
+def test_a_round_reports_how_many_sites_it_asked(tmp_path) -> None:
+    strategy, _ = _strategy(tmp_path, sites_per_round=2)
+    requests = _ask(strategy)
+    assert len(requests) == 2
+    _, metrics = strategy.aggregate_train(1, [])
+    assert metrics["sites-sent"] == 2
+    assert strategy.summaries[-1].sent == 2
+
+
+def test_one_site_with_a_weight_below_one_updates_the_model(tmp_path) -> None:
+    """The weight of a noisy site, ``(b / (sigma C))^2``, is far below 1: it still counts."""
+    strategy, _ = _strategy(tmp_path, sites_per_round=1)
+    (request,) = _ask(strategy, nodes=[11])
+    facts = {**_facts("site-a"), "sigma": 50.0, "max-norm": 1.0}  # (16 / 50)^2 = 0.1
+    # the run's clip must match the reply's: a run without a fixed C accepts any
+    new, metrics = strategy.aggregate_train(1, [_reply(request, _zero_update(), facts)])
+    assert metrics["sites-accepted"] == 1
+    assert 0 < strategy.aggregator.total_weight < 1
+    assert new is not None and metrics["applied"] == 1
+
+
+def test_a_second_reply_of_a_site_is_rejected_as_a_duplicate_and_the_first_counts(
+    tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    strategy, ledger = _strategy(tmp_path, sites_per_round=1)
+    (request,) = _ask(strategy, nodes=[11])
+    reply = _reply(request, _zero_update(), _facts("site-a"))
+    with caplog.at_level(logging.INFO, logger="server.strategy"):
+        _, metrics = strategy.aggregate_train(1, [reply, reply])
+    summary = strategy.summaries[-1]
+    assert summary.accepted == ["site-a"]
+    assert summary.rejected == [("site-a", "second reply of 'site-a' in round 1")]
+    assert summary.rejected_by_reason == {"duplicate": 1}
+    assert metrics["rejected-duplicate"] == 1
+    assert "round 1: rejected reply from site-a: second reply of 'site-a' in round 1" in _messages(
+        caplog
+    )
+    assert summary.unconfirmed == []
+    assert len(ledger.events(site_id="site-a")) == 1  # charged once, confirmed
+
+
+def test_a_reply_the_ledger_holds_another_record_of_is_rejected_and_not_charged_again(
+    tmp_path,
+) -> None:
+    strategy, ledger = _strategy(tmp_path, sites_per_round=1)
+    other = ledger_event(
+        run_id="run-1",
+        round=1,
+        site_id="site-a",
+        sigma=2.0,  # the reply will state sigma 1.0
+        q=0.05,
+        steps=2,
+        delta=1e-5,
+        epsilon_cap=10.0,
+        rng="os-csprng",
+        mechanism="prism-tangent-gaussian",
+    )
+    ledger.append(other)
+    (request,) = _ask(strategy, nodes=[11])
+    _, metrics = strategy.aggregate_train(1, [_reply(request, _zero_update(), _facts("site-a"))])
+    summary = strategy.summaries[-1]
+    assert summary.rejected_by_reason == {"ledger-conflict": 1}
+    # the round's confirmed record is in the ledger already: no unconfirmed charge on top
+    assert summary.unconfirmed == []
+    assert metrics["sites-unconfirmed"] == 0
+    assert [e.event.noise_multiplier for e in ledger.events(site_id="site-a")] == [2.0]
+
+
+def test_an_unexpected_error_on_one_reply_rejects_it_as_invalid_and_the_round_goes_on(
+    tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    strategy, ledger = _strategy(tmp_path, sites_per_round=2, min_sites=1)
+    requests = _ask(strategy, nodes=[11, 12])
+    real = strategy.aggregator.weight
+
+    def weight(facts):
+        if facts["site-id"] == "site-b":
+            raise ValueError("boom in weight")
+        return real(facts)
+
+    strategy.aggregator.weight = weight
+    replies = [
+        _reply(requests[0], _zero_update(), _facts("site-a")),
+        _reply(requests[1], _zero_update(), _facts("site-b")),
+    ]
+    with caplog.at_level(logging.INFO, logger="server.strategy"):
+        new, _ = strategy.aggregate_train(1, replies)
+    summary = strategy.summaries[-1]
+    assert summary.accepted == ["site-a"] and new is not None
+    assert summary.rejected == [("site-b", "ValueError('boom in weight')")]
+    assert summary.rejected_by_reason == {"invalid": 1}
+    assert "round 1: rejected reply from site-b: ValueError('boom in weight')" in _messages(caplog)
+    # its facts were confirmed before the error: charged once, confirmed, never unconfirmed
+    assert summary.unconfirmed == []
+    assert len(ledger.events(site_id="site-b")) == 1
+
+
+def test_a_node_that_never_replied_is_named_in_the_warning_and_charged_unconfirmed(
+    tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    strategy, ledger = _strategy(tmp_path, sites_per_round=2, min_sites=1)
+    requests = _ask(strategy, nodes=[11, 12])
+    # bind node 12 to its site in round 1, then ask again in round 2, where it stays silent
+    strategy.aggregate_train(
+        1, [_reply(r, _zero_update(), _facts(f"site-{r.metadata.dst_node_id}")) for r in requests]
+    )
+    requests = _ask(strategy, server_round=2, nodes=[11, 12])
+    (first,) = [r for r in requests if r.metadata.dst_node_id == 11]
+    with caplog.at_level(logging.INFO, logger="server.strategy"):
+        strategy.aggregate_train(2, [_reply(first, _zero_update(), _facts("site-11"))])
+    assert (
+        "round 2: no reply from site-12 before the timeout; the round goes on without it"
+        in _messages(caplog)
+    )
+    summary = strategy.summaries[-1]
+    assert summary.unconfirmed == ["site-12"]
+    assert summary.rejected_by_reason == {"no-reply": 1}
+    assert [e.confirmed for e in ledger.events(site_id="site-12")] == [True, False]
+
+
+def test_a_refusal_keeps_no_mechanism_and_a_valid_reply_keeps_its_own(tmp_path) -> None:
+    strategy, _ = _strategy(tmp_path, sites_per_round=2)
+    requests = _ask(strategy, nodes=[11, 12])
+    # a site refusing mid-run states the mechanism it would run: exhausted, it is not kept
+    refusal = {**_facts("site-b", status="refused", steps=0), "reason": "cap-exhausted"}
+    strategy.aggregate_train(
+        1,
+        [
+            _reply(requests[0], _zero_update(), {**_facts("site-a"), "epsilon-cap": 7.0}),
+            _reply(requests[1], {}, refusal),
+        ],
+    )
+    assert strategy.summaries[-1].refused == ["site-b"]
+    assert strategy.selection.site_mechanism == {"site-a": (1.0, 0.05, 7.0, 1e-5)}
+    assert strategy.exhausted == {"site-b"}
