@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 from ledger_events import ledger_event
+from reply_facts import honest_facts
 
 from prism_core.quantile import QUANTILE_MECHANISM
-from server.errors import LedgerError
+from server.errors import InvalidEventError, LedgerError, ReplyError
 from server.ledger import UNKNOWN_Q, UNKNOWN_SIGMA, Ledger, LedgerEvent
 from server.strategy.bounds import AutoClip
 from server.strategy.charges import Charges
@@ -244,3 +245,122 @@ def test_without_auto_clip_no_estimate_row_is_charged(ledger: Ledger) -> None:
     charges(ledger).unconfirmed(2, "a", "no-reply", 40, RoundSummary(server_round=2))
     new = [e for e in ledger.events(site_id="a") if not e.confirmed]
     assert [e.mechanism for e in new] == [MECHANISM]
+
+
+# -- Charges.confirmed: a reply's own facts (session 17, the survivors of charges.py's full run) --
+
+
+def reply(site: str = "a", **changes: object) -> dict[str, object]:
+    """A checked ok reply's facts: the run's mechanism, and a cap other than the run's 8."""
+    return honest_facts(site, None, **{"mechanism": MECHANISM, "epsilon_cap": 4.0, **changes})
+
+
+def test_a_one_step_reply_is_charged_as_confirmed_with_its_own_facts(ledger: Ledger) -> None:
+    charges(ledger).confirmed(3, reply(steps=1, sigma=1.3, q=0.02, delta=2e-6))
+    (event,) = ledger.events(site_id="a")
+    expected = ledger_event(
+        run_id=RUN,
+        round=3,
+        site_id="a",
+        sigma=1.3,
+        q=0.02,
+        steps=1,
+        mechanism=MECHANISM,
+        delta=2e-6,
+        epsilon_cap=4.0,
+        rng="os-csprng",
+    )
+    assert fields(event) == fields(expected)
+
+
+def test_a_reply_that_ran_no_steps_is_not_charged(ledger: Ledger) -> None:
+    charges(ledger).confirmed(3, reply(steps=0, status="refused", reason="cap-exhausted"))
+    assert ledger.events() == []
+
+
+@pytest.mark.parametrize(("stated", "stored"), [(4.0, 4.0), (0.5, 0.5), (None, 8.0), (0.0, None)])
+def test_the_cap_stored_is_the_replys_the_runs_when_it_states_none_and_none_for_0(
+    ledger: Ledger, stated: float | None, stored: float | None
+) -> None:
+    charges(ledger).confirmed(3, reply(epsilon_cap=stated))
+    (event,) = ledger.events(site_id="a")
+    assert event.epsilon_cap == stored
+
+
+def test_a_private_clip_estimate_is_charged_as_its_own_row_before_the_steps(
+    ledger: Ledger,
+) -> None:
+    facts = reply(steps=2, quantile_sigma=7.5, quantile_q=0.03, quantile_steps=3)
+    charges(ledger, AUTO).confirmed(3, facts)
+    estimate, training = ledger.events(site_id="a")
+    assert (training.mechanism, training.sigma, training.q, training.steps) == (
+        MECHANISM,
+        1.0,
+        0.05,
+        2,
+    )
+    assert fields(estimate) == fields(
+        replace(
+            training,
+            event=replace(
+                training.event,
+                mechanism=QUANTILE_MECHANISM,
+                noise_multiplier=7.5,
+                sample_rate=0.03,
+                steps=3,
+            ),
+        )
+    )
+    assert estimate.confirmed and training.confirmed
+
+
+def test_facts_the_ledger_refuses_are_a_facts_error_and_nothing_is_charged(
+    ledger: Ledger,
+) -> None:
+    with pytest.raises(ReplyError, match=r"^accounting facts refused by the ledger: .*q") as info:
+        charges(ledger).confirmed(3, reply(q=1.5))
+    assert info.value.code == "facts"
+    # an estimate the ledger refuses takes the round's steps with it: all or nothing
+    facts = reply(quantile_sigma=7.5, quantile_q=2.0, quantile_steps=3)
+    with pytest.raises(ReplyError) as info:
+        charges(ledger, AUTO).confirmed(3, facts)
+    assert info.value.code == "facts"
+    assert ledger.events() == []
+
+
+def test_a_row_the_ledger_refuses_when_writing_is_a_facts_error(
+    ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(events: object) -> int:
+        raise InvalidEventError("bad row")
+
+    monkeypatch.setattr(ledger, "append_many", refuse)
+    with pytest.raises(ReplyError) as info:
+        charges(ledger).confirmed(3, reply())
+    assert (info.value.code, str(info.value)) == (
+        "facts",
+        "accounting facts refused by the ledger: bad row",
+    )
+
+
+def test_a_ledger_that_cannot_write_a_confirmed_charge_is_a_ledger_error_and_logged(
+    ledger: Ledger, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(events: object) -> int:
+        raise LedgerError("disk full")
+
+    monkeypatch.setattr(ledger, "append_many", refuse)
+    with (
+        caplog.at_level(logging.INFO, logger="server.strategy"),
+        pytest.raises(ReplyError) as info,
+    ):
+        charges(ledger).confirmed(3, reply())
+    assert (info.value.code, str(info.value)) == (
+        "ledger-error",
+        "the ledger cannot record the charge (disk full)",
+    )
+    (record,) = ours(caplog)
+    assert (record.levelno, record.getMessage()) == (
+        logging.ERROR,
+        "round 3: ledger write failed: disk full",
+    )
