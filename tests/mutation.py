@@ -205,7 +205,29 @@ EQUIVALENT: dict[str, dict[str, str]] = {
         "server.ledger.store.xǁLedgerǁ__init____mutmut_7": "None for False: the same falsy "
         "'not closed'",
     },
-    "strategy": {  # session 15: bounds.py; 16: replies.py; 17: binding.py, loop.py
+    "strategy": {  # session 15: bounds.py; 16: replies.py; 17: binding, loop, aggregator.py
+        **{
+            f"server.strategy.aggregator.xǁStreamingAggregatorǁ__init____mutmut_{i}": "an "
+            "initial value (broadcast, sums, noise list None) that begin_round replaces before "
+            "anything reads it: the strategy begins every round before adding a reply"
+            for i in (8, 9, 12)
+        },
+        "server.strategy.aggregator.xǁStreamingAggregatorǁ_apply_checked__mutmut_1": "reason "
+        "None for '': only its truth value is read before a reason is set",
+        **{
+            f"server.strategy.aggregator.xǁStreamingAggregatorǁ_apply_checked__mutmut_{i}": "qr "
+            "without mode='r': the reduced mode's R (the [1] taken) is the same matrix; 'r' "
+            "only skips computing Q"
+            for i in (50, 58)
+        },
+        "server.strategy.aggregator.xǁStreamingAggregatorǁ_apply_checked__mutmut_68": ">= for "
+        "> in s_r > 1e-6 s_1: differs only when s_r equals 1e-6 s_1 exactly in float64",
+        **{
+            f"server.strategy.aggregator.xǁStreamingAggregatorǁweight__mutmut_{i}": "2 for 1 "
+            "(uniform, or non-DP) or 2 / s^2 for 1 / s^2: every weight of a round is scaled "
+            "alike, and the sums are divided by the total weight (exact: a factor of two)"
+            for i in (4, 13, 17)
+        },
         **{
             f"server.strategy.loop.x__push__mutmut_{i}": "the default of node.get (None, none or "
             "1 for 0) is never used: every id push_messages returns is the message_id the grid "
