@@ -206,6 +206,9 @@ EQUIVALENT: dict[str, dict[str, str]] = {
         "'not closed'",
     },
     "strategy": {  # session 15: bounds.py; 16: replies.py; 17: binding, loop, aggregator.py
+        "server.strategy.core.xǁPrismStrategyǁ__init____mutmut_19": "scheduled_lr called at "
+        "round 2 instead of 1 only to validate the schedule and num_rounds: the round number "
+        "enters none of its checks",
         **{
             f"server.strategy.aggregator.xǁStreamingAggregatorǁ__init____mutmut_{i}": "an "
             "initial value (broadcast, sums, noise list None) that begin_round replaces before "

@@ -235,7 +235,7 @@ def test_a_second_reply_of_a_site_is_rejected_as_a_duplicate_and_the_first_count
 
 
 def test_a_reply_the_ledger_holds_another_record_of_is_rejected_and_not_charged_again(
-    tmp_path,
+    tmp_path, caplog: pytest.LogCaptureFixture
 ) -> None:
     strategy, ledger = _strategy(tmp_path, sites_per_round=1)
     other = ledger_event(
@@ -252,13 +252,18 @@ def test_a_reply_the_ledger_holds_another_record_of_is_rejected_and_not_charged_
     )
     ledger.append(other)
     (request,) = _ask(strategy, nodes=[11])
-    _, metrics = strategy.aggregate_train(1, [_reply(request, _zero_update(), _facts("site-a"))])
+    with caplog.at_level(logging.INFO, logger="server.strategy"):
+        _, metrics = strategy.aggregate_train(
+            1, [_reply(request, _zero_update(), _facts("site-a"))]
+        )
     summary = strategy.summaries[-1]
     assert summary.rejected_by_reason == {"ledger-conflict": 1}
     # the round's confirmed record is in the ledger already: no unconfirmed charge on top
     assert summary.unconfirmed == []
     assert metrics["sites-unconfirmed"] == 0
     assert [e.event.noise_multiplier for e in ledger.events(site_id="site-a")] == [2.0]
+    # it answered (its record is there): not treated as a site that gave no valid answer
+    assert not any("gave no valid answer" in line for line in _messages(caplog))
 
 
 def test_an_unexpected_error_on_one_reply_rejects_it_as_invalid_and_the_round_goes_on(
