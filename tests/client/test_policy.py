@@ -226,3 +226,12 @@ def test_a_deployed_site_refuses_a_secret_by_default_and_only_an_explicit_opt_ou
     assert site_policy(_node(**deployed)).rng == RNG_SECURE  # no secret: fine
     opted_out = site_policy(_node(**deployed, **{"require-secure-rng": False}), env_secret=SECRET)
     assert opted_out.rng == RNG_REPRODUCIBLE and opted_out.rng_secret == SECRET.encode()
+
+
+def test_the_cache_folder_is_the_node_configs_then_the_envs_then_under_the_state_dir(tmp_path):
+    """Written for the policy's session-17 mutation run (issue 17): never from the run config."""
+    state = {"site-id": "h", "epsilon-cap": 2.0, "delta": 1e-7, "state-dir": str(tmp_path)}
+    stated = _node(**state, **{"cache-dir": "/node/cache"})
+    assert site_policy(stated, env_cache_dir="/env/cache").cache_dir == Path("/node/cache")
+    assert site_policy(_node(**state), env_cache_dir="/env/cache").cache_dir == Path("/env/cache")
+    assert site_policy(_node(**state), run_dir="/run").cache_dir == tmp_path / "cache"
