@@ -19,20 +19,7 @@ from server.strategy.rounds import RoundSummary
 
 
 def aggregator(expected_batch_size: float | None) -> StreamingAggregator:
-    return StreamingAggregator(
-        modules=["m"],
-        head=[],
-        mode="tangent",
-        optimizer=ServerOptimizer(ServerOptimizerConfig(), ["m"], []),
-        server_lr=1.0,
-        lr_schedule="constant",
-        num_rounds=1,
-        local_lr=0.1,
-        local_steps=1,
-        aggregation="examples",
-        dp=True,
-        expected_batch_size=expected_batch_size,
-    )
+    return stepper(mode="tangent", aggregation="examples", expected_batch_size=expected_batch_size)
 
 
 def refused(agg: StreamingAggregator, facts: dict[str, object]) -> str:
@@ -103,6 +90,8 @@ def stepper(
     head: tuple[str, ...] = (),
     dp: bool = True,
     server_lr: float = 0.5,
+    aggregation: str = "inverse-noise",
+    expected_batch_size: float | None = 16.0,
 ) -> StreamingAggregator:
     return StreamingAggregator(
         modules=["m"],
@@ -116,9 +105,9 @@ def stepper(
         num_rounds=3,
         local_lr=0.2,
         local_steps=4,
-        aggregation="inverse-noise",
+        aggregation=aggregation,  # type: ignore[arg-type]
         dp=dp,
-        expected_batch_size=16.0,
+        expected_batch_size=expected_batch_size,
     )
 
 
