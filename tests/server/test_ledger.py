@@ -646,3 +646,30 @@ def test_a_file_with_the_ledgers_id_but_no_meta_table_is_refused_untouched(tmp_p
     ):
         Ledger.open(path)
     assert path.read_bytes() == before
+
+
+def test_a_write_waits_for_another_writer_longer_than_sqlites_default_busy_time(tmp_path):
+    """Another connection (a second coordinator process, an operator's tool) holds the write
+    lock for 6 s, past sqlite's default 5 s busy time-out: the append waits (``BUSY_TIMEOUT_S``)
+    and lands instead of failing with "database is locked". Written for the ledger's mutation
+    run (the time-out dropped survived)."""
+    path = tmp_path / "ledger.sqlite"
+    with Ledger.open(path) as led:
+        led.append(ev(1))
+        holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        holder.execute("BEGIN IMMEDIATE")
+        released = threading.Event()
+
+        def release() -> None:
+            released.wait(6.0)
+            holder.execute("COMMIT")
+            holder.close()
+
+        thread = threading.Thread(target=release)
+        thread.start()
+        try:
+            led.append(ev(2))  # blocks until the holder commits, about 6 s
+        finally:
+            released.set()
+            thread.join()
+        assert [e.round for e in led.events()] == [1, 2]
