@@ -200,6 +200,20 @@ EQUIVALENT: dict[str, dict[str, str]] = {
             "read by its one caller (connect)"
             for i in (14, 87)
         },
+        "server.ledger.schema.x_create_ledger__mutmut_12": "isolation_level left at Python's "
+        "legacy default: the one transaction is an explicit BEGIN IMMEDIATE, inside which no "
+        "implicit BEGIN is added, and the two PRAGMAs run before it, outside any transaction",
+        "server.ledger.schema.x_migrate__mutmut_50": "not reached: INSERT ... SELECT copies "
+        "every row or raises (no OR IGNORE); the count check guards against a future change",
+        "server.ledger.checks.x_validate_rows__mutmut_47": "not reached since session 18: the "
+        "SELECT could fail before its first row only on a missing column, which "
+        "validate_ledger now refuses before validate_rows runs",
+        **{
+            f"server.ledger.checks.x_connect__mutmut_{i}": "not reached here: PRAGMA "
+            "journal_mode = WAL failing or answering another mode needs a file system without "
+            "shared memory or a lock held past the 30 s busy time-out (root reads every file)"
+            for i in (64, 69, 70, 71, 72, 73, 74)
+        },
         "server.ledger.store.xǁLedgerǁrecord_run__mutmut_8": "allow_nan=None is falsy: json "
         "still refuses NaN",
         "server.ledger.store.xǁLedgerǁ__init____mutmut_7": "None for False: the same falsy "

@@ -122,10 +122,13 @@ def validate_ledger(conn: sqlite3.Connection, path: Path) -> int:
             f"{', '.join(readable)}. Use the prism-fl release that wrote it."
         )
     missing = sorted((TABLES - tables) | (TRIGGERS - triggers))
+    if not missing:
+        found = {str(r[1]) for r in conn.execute("PRAGMA table_info(events)")}
+        missing = sorted(f"events.{c}" for c in {"id", *columns(int(version))} - found)
     if missing:
         raise LedgerError(
-            f"ledger {path}: tables or append-only triggers missing: {missing}. The ledger was "
-            "altered outside prism-fl; restore it from a backup."
+            f"ledger {path}: tables, columns or append-only triggers missing: {missing}. The "
+            "ledger was altered outside prism-fl; restore it from a backup."
         )
     validate_rows(conn, path, int(version))
     return int(version)

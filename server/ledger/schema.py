@@ -180,9 +180,9 @@ def event_select(version: int) -> str:
 
 def create_ledger(path: Path) -> None:
     """Build an empty ledger in a temporary file and link it to ``path`` (no clobbering)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         conn = sqlite3.connect(tmp, isolation_level=None)
         try:
             conn.execute("PRAGMA journal_mode = WAL")
@@ -212,7 +212,7 @@ def create_ledger(path: Path) -> None:
         raise LedgerError(f"ledger {path}: cannot create it ({exc}).") from exc
     finally:
         for p in (tmp, Path(f"{tmp}-wal"), Path(f"{tmp}-shm")):
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):  # none was made
                 p.unlink()
 
 

@@ -3,11 +3,13 @@ foreign files without touching them."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
 import sqlite3
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,8 @@ from prism_core.errors import AccountingError, PrivacyParameterError
 from prism_core.quantile import QUANTILE_MECHANISM
 from server.errors import InvalidEventError, LedgerError
 from server.ledger import LEDGER_APPLICATION_ID, Ledger, LedgerEvent
+from server.ledger.checks import check_header
+from server.ledger.schema import EVENT_COLUMNS
 
 DELTA = 1e-5
 
@@ -343,7 +347,19 @@ def _garbled_page(path: Path) -> None:
     ("make", "message"),
     [
         (_tampered("UPDATE events SET sigma = 5.0", restore_trigger=False), "triggers missing"),
-        (_tampered("UPDATE events SET sigma = -1.0 WHERE round = 3"), "event row 4 is invalid"),
+        (
+            _tampered("UPDATE events SET sigma = -1.0 WHERE round = 3"),
+            r"event row 4 is invalid \(stored event of site 'a': invalid privacy event: "
+            r"noise_multiplier sigma=-1.0 must be",
+        ),
+        (
+            _tampered("UPDATE events SET confirmed = 2 WHERE round = 1"),
+            r"event row 2 is invalid \(confirmed=2 must be 0 or 1\)",
+        ),
+        (
+            _tampered("ALTER TABLE events DROP COLUMN epsilon_cap"),
+            re.escape("columns or append-only triggers missing: ['events.epsilon_cap']"),
+        ),
         (_tampered("UPDATE events SET q = 2.0 WHERE round = 0"), "event row 1 is invalid"),
         (_tampered("UPDATE events SET steps = 'many' WHERE round = 7"), "event row 8 is invalid"),
         (_tampered("UPDATE events SET sigma = 'x' WHERE round = 9"), "column types"),
@@ -361,6 +377,8 @@ def _garbled_page(path: Path) -> None:
     ids=[
         "tampered-no-trigger",
         "tampered-sigma",
+        "tampered-confirmed",
+        "dropped-column",
         "tampered-q",
         "tampered-steps-text",
         "tampered-sigma-text",
@@ -648,6 +666,29 @@ def test_a_file_with_the_ledgers_id_but_no_meta_table_is_refused_untouched(tmp_p
     assert path.read_bytes() == before
 
 
+@contextlib.contextmanager
+def _lock_held(path: Path, begin: str) -> Iterator[None]:
+    """Another connection takes the lock (``begin``), writes a run and holds the lock 6 s,
+    past sqlite's default 5 s busy time-out, then commits; the body runs meanwhile."""
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    holder.execute(begin)
+    holder.execute("INSERT INTO runs VALUES ('run-held', '2026-01-01T00:00:00+00:00', '{}')")
+    released = threading.Event()
+
+    def release() -> None:
+        released.wait(6.0)
+        holder.execute("COMMIT")
+        holder.close()
+
+    thread = threading.Thread(target=release)
+    thread.start()
+    try:
+        yield
+    finally:
+        released.set()
+        thread.join()
+
+
 def test_a_write_waits_for_another_writer_longer_than_sqlites_default_busy_time(tmp_path):
     """Another connection (a second coordinator process, an operator's tool) holds the write
     lock for 6 s, past sqlite's default 5 s busy time-out: the append waits (``BUSY_TIMEOUT_S``)
@@ -656,20 +697,178 @@ def test_a_write_waits_for_another_writer_longer_than_sqlites_default_busy_time(
     path = tmp_path / "ledger.sqlite"
     with Ledger.open(path) as led:
         led.append(ev(1))
-        holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-        holder.execute("BEGIN IMMEDIATE")
-        released = threading.Event()
-
-        def release() -> None:
-            released.wait(6.0)
-            holder.execute("COMMIT")
-            holder.close()
-
-        thread = threading.Thread(target=release)
-        thread.start()
-        try:
+        with _lock_held(path, "BEGIN IMMEDIATE"):
             led.append(ev(2))  # blocks until the holder commits, about 6 s
-        finally:
-            released.set()
-            thread.join()
         assert [e.round for e in led.events()] == [1, 2]
+
+
+def test_a_damaged_row_that_only_the_write_ahead_log_holds_is_found(tmp_path: Path) -> None:
+    """A live writer (another coordinator process) has committed a row to the WAL that is not
+    yet checkpointed into the main file. The read-only validation must read the WAL too: read
+    as immutable (the main file alone) the damaged row would pass and then be accounted."""
+    path = tmp_path / "ledger.sqlite"
+    with Ledger.open(path) as led:
+        led.append_many([ev(r) for r in range(3)])
+    writer = sqlite3.connect(path)
+    try:
+        writer.execute("PRAGMA wal_autocheckpoint = 0")
+        writer.execute("PRAGMA ignore_check_constraints = ON")
+        names = (*EVENT_COLUMNS, "recorded_at")
+        copied = ", ".join({"round": "7", "sigma": "-1.0"}.get(c, c) for c in names)
+        writer.execute(
+            f"INSERT INTO events ({', '.join(names)}) SELECT {copied} FROM events WHERE round = 0"
+        )
+        writer.commit()
+        assert Path(f"{path}-wal").stat().st_size > 0  # the row is in the WAL only
+        for kw in ({}, {"read_only": True}):
+            with pytest.raises(LedgerError, match="event row 4 is invalid"):
+                Ledger.open(path, **kw)  # type: ignore[arg-type]
+    finally:
+        writer.close()
+
+
+def test_a_confirmation_logs_the_superseded_charge_of_another_mechanism(
+    ledger: Ledger, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The unconfirmed charge a time-out left (the training mechanism) is superseded by the
+    site's confirmed reply even when that reply is of another mechanism (its clip estimate)."""
+    who = f"site 'a', run 'run-1', round 0, mechanism {QUANTILE_MECHANISM!r}"
+    with caplog.at_level("INFO", logger="server.ledger"):
+        ledger.append(ev(0, confirmed=False, code="no-reply"))
+        ledger.append(ev(0, mechanism=QUANTILE_MECHANISM, steps=1))
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == [f"ledger: {who} confirmed; its unconfirmed charge is superseded"]
+
+
+def test_a_file_that_is_not_sqlite_is_named_by_its_first_sixteen_bytes(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.sqlite"
+    path.write_bytes(b"0123456789abcdefGHIJ" * 10)
+    with pytest.raises(LedgerError) as info:
+        Ledger.open(path)
+    assert "(first bytes b'0123456789abcdef'), so not a prism-fl ledger" in str(info.value)
+
+
+def test_a_header_that_cannot_be_read_is_refused_with_the_reason(tmp_path: Path) -> None:
+    """``check_header`` of a path the OS will not open for reading (here a directory, which
+    fails for every user, root included) names the path and the OS error."""
+    with pytest.raises(LedgerError) as info:
+        check_header(tmp_path)
+    assert str(info.value).startswith(f"ledger {tmp_path}: cannot read it ([Errno 21] ")
+
+
+def _null_timestamps(path: Path) -> None:
+    """A ledger whose NOT NULL ``recorded_at`` was emptied in five rows by an editor that
+    rewrote the schema (``writable_schema``): the file is sound, ``quick_check`` reports one
+    violation per row."""
+    with Ledger.open(path) as led:
+        led.append_many([ev(r) for r in range(20)])
+    conn = sqlite3.connect(path)
+    (sql,) = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'events'").fetchone()
+    loose = sql.replace("recorded_at TEXT NOT NULL", "recorded_at TEXT")
+    assert loose != sql
+    for schema, statements in (
+        (loose, ("DROP TRIGGER events_no_update", "UPDATE events SET recorded_at = NULL "
+                 "WHERE round < 5", _NO_UPDATE)),
+        (sql, ()),
+    ):  # fmt: skip
+        conn.execute("PRAGMA writable_schema = ON")
+        conn.execute("UPDATE sqlite_master SET sql = ? WHERE name = 'events'", (schema,))
+        conn.commit()
+        conn.close()
+        conn = sqlite3.connect(path)
+        for statement in statements:
+            conn.execute(statement)
+        conn.commit()
+    conn.close()
+
+
+def test_a_failed_integrity_check_names_its_first_three_findings(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.sqlite"
+    _null_timestamps(path)
+    before = path.read_bytes()
+    finding = "NULL value in events.recorded_at"
+    for kw in ({}, {"read_only": True}):
+        with pytest.raises(LedgerError) as info:
+            Ledger.open(path, **kw)  # type: ignore[arg-type]
+        assert str(info.value) == (
+            f"ledger {path}: integrity check failed ({'; '.join([finding] * 3)}). Restore it "
+            "from a backup; the file was not modified."
+        )
+    assert path.read_bytes() == before
+
+
+def test_a_ledger_that_cannot_be_created_says_why(tmp_path: Path) -> None:
+    """The ledger's folder would have to be made under a regular file."""
+    (tmp_path / "state").write_text("not a folder")
+    path = tmp_path / "state" / "ledger.sqlite"
+    with pytest.raises(LedgerError) as info:
+        Ledger.open(path)
+    assert str(info.value).startswith(f"ledger {path}: cannot create it ([Errno 17] ")
+    assert (tmp_path / "state").read_text() == "not a folder"
+
+
+def test_a_ledger_sqlite_cannot_open_is_refused_with_the_reason(tmp_path: Path) -> None:
+    """A real ledger at a path of about 4,000 characters: Python reads it (Linux allows 4,095),
+    SQLite cannot open it (its Unix VFS allows 512 here, 1,024 or 4,096 in other builds)."""
+    folder = tmp_path.joinpath(*["d" * 250] * ((4000 - len(str(tmp_path))) // 251))
+    folder.mkdir(parents=True)
+    path = folder / "ledger.sqlite"
+    with Ledger.open(tmp_path / "ledger.sqlite") as led:
+        led.append(ev(0))
+    path.write_bytes((tmp_path / "ledger.sqlite").read_bytes())
+    with pytest.raises(LedgerError) as info:
+        Ledger.open(path, read_only=True)
+    assert str(info.value) == (
+        f"ledger {path}: cannot open it read-only (unable to open database file)."
+    )
+
+
+def test_a_report_waits_for_a_writer_that_holds_a_rollback_journal_lock(tmp_path: Path) -> None:
+    """A ledger in rollback-journal mode (as an older prism-fl left it) read by ``prism-fl
+    report`` while a writer holds its exclusive lock for 6 s, past sqlite's default 5 s: the
+    read-only connection waits (``BUSY_TIMEOUT_S``) and reads the committed rows."""
+    path = tmp_path / "ledger.sqlite"
+    with Ledger.open(path) as led:
+        led.append(ev(1))
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA journal_mode = DELETE").fetchone() == ("delete",)
+    conn.close()
+    with Ledger.open(path, read_only=True) as report, _lock_held(path, "BEGIN EXCLUSIVE"):
+        assert [e.round for e in report.records()] == [1]  # waits about 6 s
+
+
+def test_a_read_that_sqlite_refuses_is_a_ledger_error(tmp_path: Path) -> None:
+    """An operator renames the events table while a report holds the ledger open."""
+    path = tmp_path / "ledger.sqlite"
+    with Ledger.open(path) as led:
+        led.append(ev(1))
+    with Ledger.open(path, read_only=True) as report:
+        conn = sqlite3.connect(path)
+        conn.execute("ALTER TABLE events RENAME TO events_kept")
+        conn.commit()
+        conn.close()
+        with pytest.raises(LedgerError) as info:
+            report.records()
+    assert str(info.value) == f"ledger {path}: read failed (no such table: events)."
+
+
+def test_an_event_the_database_refuses_is_an_invalid_event_and_nothing_is_written(
+    tmp_path: Path,
+) -> None:
+    """A valid event that the file refuses (here an operator's own trigger freezing the
+    ledger): ``append`` raises ``InvalidEventError`` naming the file and SQLite's reason."""
+    path = tmp_path / "ledger.sqlite"
+    with Ledger.open(path) as led:
+        led.append(ev(0))
+    conn = sqlite3.connect(path)
+    conn.execute(
+        "CREATE TRIGGER operator_freeze BEFORE INSERT ON events BEGIN "
+        "SELECT RAISE(ABORT, 'ledger frozen for the audit'); END"
+    )
+    conn.commit()
+    conn.close()
+    with Ledger.open(path) as led:
+        with pytest.raises(InvalidEventError) as info:
+            led.append(ev(1))
+        assert str(info.value) == f"ledger {path}: event refused (ledger frozen for the audit)."
+        assert [e.round for e in led.records()] == [0]

@@ -12,8 +12,9 @@ from ledger_events import ledger_event
 
 from prism_core.accounting import PrivacyEvent, epsilon
 from prism_core.quantile import QUANTILE_MECHANISM
-from server.errors import LedgerConflictError
+from server.errors import LedgerConflictError, LedgerError
 from server.ledger import LEDGER_APPLICATION_ID, SCHEMA_VERSION, Ledger, LedgerEvent
+from server.ledger.schema import create_ledger, migrate
 
 DELTA = 1e-5
 TRAIN = "prism-tangent-gaussian"
@@ -173,7 +174,7 @@ def _view(ledger: Ledger) -> list[tuple[object, ...]]:
     ]  # fmt: skip
 
 
-def test_a_schema_2_ledger_is_read_as_is_read_only_and_migrated_for_writing(tmp_path):
+def test_a_schema_2_ledger_is_read_as_is_read_only_and_migrated_for_writing(tmp_path, caplog):
     path = tmp_path / "v2.sqlite"
     _v2_ledger(path)
     conn = sqlite3.connect(path)
@@ -191,7 +192,13 @@ def test_a_schema_2_ledger_is_read_as_is_read_only_and_migrated_for_writing(tmp_
         assert [e.confirmed for e in led.events("a")] == [True, True]  # round 2 superseded
     assert path.read_bytes() == before  # read-only: not migrated, not touched
 
-    with Ledger.open(path) as led:
+    with caplog.at_level("WARNING", logger="server.ledger"):
+        led = Ledger.open(path)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"ledger {path}: migrated from schema version 2 to {SCHEMA_VERSION} "
+        f"({len(_V2_ROWS)} events kept)"
+    ]
+    with led:
         assert _view(led) == _V2_ROWS  # every row kept, with its status
         assert (led.epsilon("a"), led.epsilon("b")) == (eps_a, eps_b)
         assert led.append_many([estimate(3, run_id="run-0"), ev(3, run_id="run-0")]) == 2
@@ -215,3 +222,79 @@ def test_a_schema_2_ledger_is_read_as_is_read_only_and_migrated_for_writing(tmp_
         conn.close()
     with Ledger.open(path, create=False) as led:  # reopening: no second migration
         assert len(led.records()) == 7
+
+
+@pytest.mark.parametrize("action", ["ABORT", "ROLLBACK"])
+def test_a_migration_that_fails_midway_leaves_the_old_ledger_as_it_was(tmp_path, caplog, action):
+    """A schema-2 ledger holding a trigger of its own that refuses the migration's last step
+    (the ``migrated_from_2_at`` meta row): the coordinator refuses to open it, saying from and
+    to which version it could not migrate and why, and the one transaction is rolled back: the
+    file still reads as schema 2 with every row, no half-built ``events_new`` table left. With
+    ``RAISE(ROLLBACK)`` SQLite has already rolled back, so the migration's own ROLLBACK finds
+    no transaction; SQLite's reason is still the one reported."""
+    path = tmp_path / "v2.sqlite"
+    _v2_ledger(path)
+    conn = sqlite3.connect(path)
+    conn.execute(
+        "CREATE TRIGGER operator_guard BEFORE INSERT ON meta BEGIN "
+        f"SELECT RAISE({action}, 'operator guard: meta is frozen'); END"
+    )
+    conn.commit()
+    conn.close()
+    with caplog.at_level("WARNING", logger="server.ledger"), pytest.raises(LedgerError) as info:
+        Ledger.open(path)
+    assert str(info.value) == (
+        f"ledger {path}: cannot migrate it from schema version 2 to {SCHEMA_VERSION} "
+        "(operator guard: meta is frozen); the file was left as it was."
+    )
+    assert not [r for r in caplog.records if "migrated" in r.getMessage()]
+    with Ledger.open(path, read_only=True) as led:
+        assert _view(led) == _V2_ROWS
+    conn = sqlite3.connect(path)
+    try:
+        assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (
+            "2",
+        )
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        assert tables == {"meta", "runs", "events"}
+        assert not conn.in_transaction
+    finally:
+        conn.close()
+
+
+def test_migrating_a_ledger_another_process_has_migrated_is_a_no_op(tmp_path, caplog):
+    """Two coordinators open the same old ledger; the second's ``migrate`` finds the current
+    version (the first migrated it meanwhile): it changes nothing, logs nothing and leaves no
+    transaction open on its connection."""
+    path = tmp_path / "ledger.sqlite"
+    with Ledger.open(path) as led:
+        led.append(ev(0))
+    before = path.read_bytes()
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        with caplog.at_level("INFO", logger="server.ledger"):
+            migrate(conn, path)
+        assert not conn.in_transaction
+        assert not caplog.records
+    finally:
+        conn.close()
+    assert path.read_bytes() == before
+
+
+def test_a_ledger_created_concurrently_is_kept_and_used(tmp_path, caplog):
+    """Between ``Ledger.open`` finding no file and linking its new empty ledger in place,
+    another coordinator created the ledger and wrote to it: the link does not clobber it, the
+    log says so, and no temporary file is left."""
+    path = tmp_path / "ledger.sqlite"
+    with Ledger.open(path) as led:  # the other coordinator
+        led.append(ev(0))
+    before = path.read_bytes()
+    with caplog.at_level("INFO", logger="server.ledger"):
+        create_ledger(path)  # this one, having seen no file
+    assert [r.getMessage() for r in caplog.records] == [
+        f"ledger {path} was created concurrently; using that one"
+    ]
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ledger.sqlite"]
+    with Ledger.open(path) as led:
+        assert [e.round for e in led.events()] == [0]

@@ -218,6 +218,7 @@ def test_a_schema_1_ledger_is_read_as_is_read_only_and_migrated_for_writing(
     before = path.read_bytes()
     with Ledger.open(path, read_only=True) as led:  # prism-fl report on an old ledger
         assert _v1_view(led) == _V1_ROWS
+        assert led.records() == led.events()  # every row, read with the version-2 defaults
         assert all(e.confirmed and e.params_known and e.rng is None for e in led.events())
         eps_a, eps_b = led.epsilon("a"), led.epsilon("b")
         assert eps_a.prv == pytest.approx(eps((200, 1.0)), rel=1e-12)
