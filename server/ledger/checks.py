@@ -121,17 +121,18 @@ def validate_ledger(conn: sqlite3.Connection, path: Path) -> int:
             f"ledger {path}: schema version {version!r}, this prism-fl reads versions "
             f"{', '.join(readable)}. Use the prism-fl release that wrote it."
         )
+    schema = int(version)
     missing = sorted((TABLES - tables) | (TRIGGERS - triggers))
-    if not missing:
+    if not missing:  # (a missing events table is named as such, not as all its columns)
         found = {str(r[1]) for r in conn.execute("PRAGMA table_info(events)")}
-        missing = sorted(f"events.{c}" for c in {"id", *columns(int(version))} - found)
+        missing = sorted(f"events.{c}" for c in {"id", *columns(schema)} - found)
     if missing:
         raise LedgerError(
             f"ledger {path}: tables, columns or append-only triggers missing: {missing}. The "
             "ledger was altered outside prism-fl; restore it from a backup."
         )
-    validate_rows(conn, path, int(version))
-    return int(version)
+    validate_rows(conn, path, schema)
+    return schema
 
 
 def validate_rows(conn: sqlite3.Connection, path: Path, version: int) -> None:
