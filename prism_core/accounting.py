@@ -12,12 +12,11 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
 from opacus.accountants import PRVAccountant, RDPAccountant
-from opacus.accountants.utils import get_noise_multiplier
 
 from prism_core.errors import AccountingError, PrivacyParameterError
 from prism_core.records import ADJACENCY, PrivacyEvent
@@ -37,6 +36,20 @@ _ACCOUNTANTS: tuple[str, ...] = get_args(Accountant)
 
 PRV_EPS_ERROR = 0.01
 """Discretisation error passed to Opacus' PRV accountant; its ``eps_upper`` bound is returned."""
+
+SIGMA_MIN = 0.3
+"""Smallest noise multiplier a site runs, calibrates to or accepts (``prism_runtime.ranges``).
+Below it the PRV accountant's domain grows without bound (tens of GB) and it understates
+epsilon (sigma 0.01: 708 where a PLD accountant gives 5,445); the epsilons there (tens and
+more per step) protect nothing anyway."""
+
+PRV_EPSILON_MAX = 64.0
+"""PRV is evaluated only where RDP's epsilon is at most this: its memory grows with the
+epsilon it must cover. Above, the RDP value (an upper bound) is returned."""
+
+PRV_STEPS_MAX = 100_000
+"""PRV is evaluated only for histories of at most this many steps (memory grows with them);
+a longer history is accounted by RDP (an upper bound)."""
 
 
 @dataclass(frozen=True)
@@ -111,7 +124,25 @@ def epsilon(
         return 0.0
     if any(e.noise_multiplier == 0 for e in history):
         return math.inf
-    return _accountant_epsilon(_accountant_key(history), delta, accountant)
+    key = _accountant_key(history)
+    if accountant == "prv" and not _prv_fits(key, delta):
+        return _accountant_epsilon(key, delta, "rdp")
+    return _accountant_epsilon(key, delta, accountant)
+
+
+def _prv_fits(history: tuple[tuple[float, float, int], ...], delta: float) -> bool:
+    """Whether PRV can account ``history`` in bounded memory and time, and validly.
+
+    PRV's domain (and its FFT arrays) grow with the epsilon it must cover and the number of
+    steps: it is used only when every sigma is at least ``SIGMA_MIN``, the steps are at most
+    ``PRV_STEPS_MAX`` and RDP's epsilon (an upper bound, cheap at any size) is at most
+    ``PRV_EPSILON_MAX``. Everywhere else ``epsilon`` returns RDP's value: larger, never wrong.
+    """
+    if any(sigma < SIGMA_MIN for sigma, _, _ in history):
+        return False
+    if sum(steps for _, _, steps in history) > PRV_STEPS_MAX:
+        return False
+    return _accountant_epsilon(history, delta, "rdp") <= PRV_EPSILON_MAX
 
 
 @functools.lru_cache(maxsize=4096)
@@ -168,9 +199,11 @@ def calibrate_noise_multiplier(
 
     Implements the calibration side of Thm 3.4 of PRISM (sigma for a target epsilon).
 
-    Uses Opacus' ``get_noise_multiplier`` with the PRV accountant, the same accountant that
-    reports epsilon, and an absolute tolerance of ``relative_tolerance * target_epsilon``:
-    the calibrated epsilon lies in ``[(1 - relative_tolerance) target, target]``.
+    Searches as Opacus' ``get_noise_multiplier`` does, through ``epsilon`` (PRV, the accountant
+    that reports epsilon, within its memory bounds), with an absolute tolerance of
+    ``relative_tolerance * target_epsilon``: the calibrated epsilon lies in
+    ``[(1 - relative_tolerance) target, target]``. Never below ``SIGMA_MIN``: a target that less
+    noise would reach is met at ``SIGMA_MIN`` (its epsilon is then below the target).
 
     With a ``history`` (events that run before these steps, e.g. a private clip estimate), sigma
     is the smallest whose PRV epsilon of ``history`` plus the ``steps`` stays below the target,
@@ -203,24 +236,48 @@ def calibrate_noise_multiplier(
             steps=steps,
             relative_tolerance=relative_tolerance,
         )
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            sigma = get_noise_multiplier(
-                target_epsilon=target_epsilon,
-                target_delta=delta,
-                sample_rate=sample_rate,
-                steps=steps,
-                accountant="prv",
-                epsilon_tolerance=relative_tolerance * target_epsilon,
-                eps_error=PRV_EPS_ERROR,
+
+    def eps_at(sigma: float) -> float:
+        return epsilon([PrivacyEvent(sigma, sample_rate, steps)], delta)
+
+    if eps_at(SIGMA_MIN) <= target_epsilon:
+        return SIGMA_MIN
+    return _bisect_sigma(
+        eps_at,
+        target_epsilon=target_epsilon,
+        tolerance=relative_tolerance * target_epsilon,
+        what=f"epsilon={target_epsilon} at delta={delta} with q={sample_rate}, {steps} steps",
+    )
+
+
+_SIGMA_SEARCH_MAX = 1e6
+"""The largest sigma the calibration tries before it calls the budget too small."""
+
+
+def _bisect_sigma(
+    eps_at: Callable[[float], float], *, target_epsilon: float, tolerance: float, what: str
+) -> float:
+    """Opacus' ``get_noise_multiplier`` search (double from 20, then bisect from 0) through
+    ``epsilon``, so every evaluation is bounded in memory (``_prv_fits``): the sigma returned is
+    the upper end, whose epsilon is within ``tolerance`` below the target (or, where epsilon
+    jumps from PRV to RDP, the end of that jump)."""
+    sigma_low, sigma_high, eps_high = 0.0, 10.0, math.inf
+    while eps_high > target_epsilon:
+        sigma_high *= 2
+        eps_high = eps_at(sigma_high)
+        if sigma_high > _SIGMA_SEARCH_MAX:
+            raise PrivacyParameterError(
+                f"cannot reach {what}: the privacy budget is too low. Raise the budget or lower "
+                "the steps or the sampling rate."
             )
-    except ValueError as exc:
-        raise PrivacyParameterError(
-            f"cannot reach epsilon={target_epsilon} at delta={delta} with q={sample_rate}, "
-            f"{steps} steps: {exc} Raise the budget or lower the steps or the sampling rate."
-        ) from exc
-    return float(sigma)
+    while target_epsilon - eps_high > tolerance and sigma_high - sigma_low > 1e-9 * sigma_high:
+        sigma = (sigma_low + sigma_high) / 2
+        eps = eps_at(sigma)
+        if eps < target_epsilon:
+            sigma_high, eps_high = sigma, eps
+        else:
+            sigma_low = sigma
+    return sigma_high
 
 
 _MAX_SIGMA_DOUBLINGS = 40

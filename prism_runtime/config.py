@@ -26,6 +26,18 @@ from pydantic import (
 
 from prism_core.quantile import clip_range
 from prism_runtime.errors import ConfigError
+from prism_runtime.ranges import (
+    HEAD_LR_MAX,
+    LOCAL_STEPS_MAX,
+    LR_MAX,
+    MAX_NORM_MAX,
+    MAX_NORM_MIN,
+    NUM_ROUNDS_MAX,
+    QUANTILE_STEPS_MAX,
+    SIGMA_MAX,
+    SIGMA_MIN,
+    SITE_STEPS_MAX,
+)
 
 HEAD_MOMENTUM = 0.9
 """Heavy-ball coefficient of ``head-optimizer = momentum`` (the sites' trainer and the
@@ -126,10 +138,12 @@ class RunConfig(_Kebab):
         "train", description="seq-cls head: DP-trained inside the global clip, or frozen"
     )
     method: FedMethod = "prism"
-    num_rounds: int = Field(30, ge=1)
+    num_rounds: int = Field(30, ge=1, le=NUM_ROUNDS_MAX)
     sites_per_round: int = Field(3, ge=1)
     min_sites: int = Field(1, ge=1, description="fewest valid replies that update the model")
-    local_steps: int = Field(1, ge=1, description="tau: private steps per site per round")
+    local_steps: int = Field(
+        1, ge=1, le=LOCAL_STEPS_MAX, description="tau: private steps per site per round"
+    )
     batch_size: int = Field(
         DEFAULT_BATCH_SIZE, ge=1, description="expected Poisson batch per local step"
     )
@@ -138,9 +152,13 @@ class RunConfig(_Kebab):
         DEFAULT_MAX_NORM,
         description="clip C: the total sensitivity (LoRA + head), or 'auto': each site "
         "estimates it privately (clip-quantile keys) and charges that to its ledger",
-        json_schema_extra=_allowed_note("a finite number > 0, or 'auto'"),
+        json_schema_extra=_allowed_note(
+            f"a number in [{MAX_NORM_MIN:g}, {MAX_NORM_MAX:g}], or 'auto'"
+        ),
     )
-    lr: float = Field(DEFAULT_LR, gt=0, description="local learning rate (PRISM's LoRA step)")
+    lr: float = Field(
+        DEFAULT_LR, gt=0, le=LR_MAX, description="local learning rate (PRISM's LoRA step)"
+    )
     server_lr: float = Field(1.0, gt=0, description="server step on the aggregated update")
     server_lr_schedule: Literal["constant", "cosine"] = Field(
         "constant",
@@ -150,7 +168,9 @@ class RunConfig(_Kebab):
     noise_multiplier: float = Field(
         -1.0,
         description="sigma; -1 = calibrate from target-epsilon over the planned steps",
-        json_schema_extra=_allowed_note("a number >= 0, or -1 to calibrate"),
+        json_schema_extra=_allowed_note(
+            f"a number in [{SIGMA_MIN:g}, {SIGMA_MAX:g}], or -1 to calibrate"
+        ),
     )
     target_epsilon: float = Field(
         3.0, gt=0, description="epsilon the run ASKS each site for; a site refuses above its cap"
@@ -220,12 +240,14 @@ class RunConfig(_Kebab):
     head_max_norm: float = Field(
         DEFAULT_HEAD_MAX_NORM,
         description="the head's share C_head < max-norm of the clip; -1 = one joint clip",
-        json_schema_extra=_allowed_note("a number > 0 and < max-norm, or -1 for a joint clip"),
+        json_schema_extra=_allowed_note(
+            f"a number >= {MAX_NORM_MIN:g} and < max-norm, or -1 for a joint clip"
+        ),
     )
     head_lr: float = Field(
         DEFAULT_HEAD_LR,
         description="head learning rate; -1 = lr",
-        json_schema_extra=_allowed_note("a number > 0, or -1 for lr"),
+        json_schema_extra=_allowed_note(f"a number > 0 and <= {HEAD_LR_MAX:g}, or -1 for lr"),
     )
     head_optimizer: Literal["adamw", "sgd", "momentum"] = Field(
         DEFAULT_HEAD_OPTIMIZER,
@@ -239,9 +261,17 @@ class RunConfig(_Kebab):
         0.5, gt=0, lt=1, description="auto clip: target quantile gamma of the per-example norms"
     )
     clip_quantile_steps: int = Field(
-        30, ge=1, description="auto clip: K noisy quantile steps, each on a fresh Poisson batch"
+        30,
+        ge=1,
+        le=QUANTILE_STEPS_MAX,
+        description="auto clip: K noisy quantile steps, each on a fresh Poisson batch",
     )
-    clip_init: float = Field(0.1, gt=0, description="auto clip: the PUBLIC starting C_0")
+    clip_init: float = Field(
+        0.1,
+        ge=MAX_NORM_MIN,
+        le=MAX_NORM_MAX,
+        description="auto clip: the PUBLIC starting C_0",
+    )
     clip_quantile_noise: float = Field(
         0.05,
         gt=0,
@@ -253,8 +283,8 @@ class RunConfig(_Kebab):
     @field_validator("head_lr")
     @classmethod
     def _head_lr_or_default(cls, value: float) -> float:
-        if value <= 0 and value != -1.0:
-            raise ValueError("must be > 0, or -1 for lr")
+        if (value <= 0 or value > HEAD_LR_MAX) and value != -1.0:
+            raise ValueError(f"must be > 0 and <= {HEAD_LR_MAX:g}, or -1 for lr")
         return value
 
     @field_validator("max_norm", mode="before")
@@ -263,15 +293,19 @@ class RunConfig(_Kebab):
         if value == AUTO_CLIP:
             return value
         number = isinstance(value, int | float) and not isinstance(value, bool)
-        if not (number and math.isfinite(value) and value > 0):
-            raise ValueError(f"is neither a clip C > 0 nor {AUTO_CLIP!r}")
+        if not (number and math.isfinite(value) and MAX_NORM_MIN <= value <= MAX_NORM_MAX):
+            raise ValueError(
+                f"is neither a clip C in [{MAX_NORM_MIN:g}, {MAX_NORM_MAX:g}] nor {AUTO_CLIP!r}"
+            )
         return float(value)
 
     @field_validator("head_max_norm")
     @classmethod
     def _head_share_or_joint(cls, value: float) -> float:
-        if value <= 0 and value != -1.0:
-            raise ValueError("must be > 0 (and < max-norm), or -1 for a joint clip")
+        if value < MAX_NORM_MIN and value != -1.0:
+            raise ValueError(
+                f"must be >= {MAX_NORM_MIN:g} (and < max-norm), or -1 for a joint clip"
+            )
         return value
 
     @field_validator("label_texts")
@@ -297,8 +331,11 @@ class RunConfig(_Kebab):
     @field_validator("noise_multiplier")
     @classmethod
     def _sigma_or_calibrate(cls, value: float) -> float:
-        if value < 0 and value != -1.0:
-            raise ValueError("must be >= 0, or -1 to calibrate")
+        if not SIGMA_MIN <= value <= SIGMA_MAX and value != -1.0:
+            raise ValueError(
+                f"must be in [{SIGMA_MIN:g}, {SIGMA_MAX:g}] (below {SIGMA_MIN:g} the accountant "
+                "is neither valid nor bounded in memory), or -1 to calibrate"
+            )
         return value
 
     @field_validator("lora_targets")
@@ -321,12 +358,35 @@ class RunConfig(_Kebab):
                 f"server-optimizer={self.server_optimizer!r} steps in PRISM's tangent space; "
                 f"method={self.method!r} averages factors: use server-optimizer='sgd'"
             )
+        if self.planned_site_steps > SITE_STEPS_MAX:
+            raise ValueError(
+                f"num-rounds x local-steps = {self.planned_site_steps} exceeds {SITE_STEPS_MAX} "
+                "(the steps one site's accountant composes in bounded memory)"
+            )
+        if self.auto_clip:
+            self._check_auto_clip()
         if self.min_sites > self.sites_per_round:
             raise ValueError(
                 f"min-sites={self.min_sites} exceeds sites-per-round={self.sites_per_round} "
                 f"(allowed: 1 <= min-sites <= sites-per-round)"
             )
         return self
+
+    def _check_auto_clip(self) -> None:
+        count_sigma = self.clip_quantile_noise * self.batch_size
+        if not SIGMA_MIN <= count_sigma <= SIGMA_MAX:
+            raise ValueError(
+                f"clip-quantile-noise x batch-size = {count_sigma:g} is the clip estimate's noise "
+                f"multiplier and must be in [{SIGMA_MIN:g}, {SIGMA_MAX:g}]: raise "
+                "clip-quantile-noise"
+            )
+        low, high = self.auto_clip_range
+        if not (low >= MAX_NORM_MIN and high <= MAX_NORM_MAX):
+            raise ValueError(
+                f"max-norm = auto can estimate any clip in [{low:.3g}, {high:.3g}], outside "
+                f"[{MAX_NORM_MIN:g}, {MAX_NORM_MAX:g}]: lower clip-lr or clip-quantile-steps, or "
+                "move clip-init"
+            )
 
     @property
     def targets(self) -> tuple[str, ...]:
