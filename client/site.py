@@ -48,7 +48,7 @@ import opacus
 import torch
 from torch import Tensor
 
-from client.broadcast import broadcast_problem
+from client.broadcast import BroadcastLimits, broadcast_limits, broadcast_problem
 from client.clip_quantile import ClipEstimate, ClipPlan, ClipStore, StoredClip, estimate_clip
 from client.policy import SitePolicy
 from client.reply import RoundReply, broadcast_digest, noise_scale_facts, released_event
@@ -73,6 +73,7 @@ from prism_runtime.faults import NO_FAULTS, Faults
 from prism_runtime.lora import read_points
 from prism_runtime.model import LoadedModel, load_model, model_config_for
 from prism_runtime.protocol import HEAD_PREFIX, REFUSAL_REASONS, STATUS_OK, STATUS_REFUSED, key
+from prism_runtime.ranges import SERVER_ROUND_MAX
 from prism_runtime.trainer import (
     MECHANISMS,
     PrivateTrainer,
@@ -152,6 +153,7 @@ class Site:
         self.loaded: LoadedModel = load_model(
             model_config_for(run), method=self.method, cache_dir=cache
         )
+        self.limits: BroadcastLimits = broadcast_limits(self.loaded)  # before any broadcast
         dataset = TokenizedDataset(
             rows,
             self.loaded.tokenizer,
@@ -373,13 +375,18 @@ class Site:
     # -- one round -------------------------------------------------------------------------
 
     def train_round(
-        self, server_round: int, arrays: dict[str, Tensor], *, run_id: str = ""
+        self, server_round: object, arrays: dict[str, Tensor], *, run_id: str = ""
     ) -> RoundReply:
         """Answer one round from the broadcast ``arrays``: refuse, resend, or train.
 
+        ``server_round`` is the message's value as received: a round number that is not an
+        integer in ``[1, SERVER_ROUND_MAX]`` is refused (``bad-round``, reported as round 0).
         With a ``run_id`` (the coordinator's run), a round this site already answered from the
         same broadcast point is answered again with the stored reply, spending nothing.
         """
+        if not _valid_round(server_round) or not isinstance(server_round, int):
+            log.warning("site %s: round number %.40r is not accepted", self.site_id, server_round)
+            return self._refused(0, "bad-round")
         if self.refusal is not None:
             return self._refused(server_round, self.refusal)
         with locked(self.state_dir / ".round.lock"):
@@ -393,7 +400,7 @@ class Site:
                     run_id,
                 )
                 return stored
-            problem = broadcast_problem(self.loaded, arrays, full_rank=self.method == "prism")
+            problem = broadcast_problem(self.limits, arrays, full_rank=self.method == "prism")
             if problem is not None:
                 log.warning("site %s, round %d: %s", self.site_id, server_round, problem)
                 return self._refused(server_round, "bad-broadcast")
@@ -540,6 +547,13 @@ class Site:
                 value - arrays[HEAD_PREFIX + name].float() if self.run.method == "prism" else value
             )
         return {k: v.contiguous() for k, v in out.items()}
+
+
+def _valid_round(value: object) -> bool:
+    """A round number a site accepts: an integer (not a bool) in ``[1, SERVER_ROUND_MAX]``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return False
+    return 1 <= value <= SERVER_ROUND_MAX
 
 
 _SITES: dict[tuple[str, ...], Site] = {}

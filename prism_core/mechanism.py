@@ -66,6 +66,7 @@ __all__ = [
     "clip_coefficients",
     "dp_tangent_update",
     "empty_sum",
+    "finite_rows",
     "per_example_norms_sq",
     "privatize",
     "retract_modules",
@@ -138,8 +139,42 @@ def validate_noise_parameters(
             )
 
 
-def clip_coefficients(norms_sq: Sequence[Tensor] | Tensor, max_norm: float) -> Tensor:
-    """Per-example global clip coefficients ``alpha_i = min(1, C / s_i)``.
+CLIP_MARGIN_ULPS = 1024
+"""The clip aims at ``C (1 - CLIP_MARGIN_ULPS eps)`` (eps of the norms' dtype: 1.2e-4 in
+float32, 2.3e-13 in float64), a safety factor above the rounding of a norm computed from
+float32 moments at a point of condition number up to ``prism_runtime.ranges.FACTOR_COND_MAX``
+(about ``cond eps``), so that rounding cannot carry a clipped contribution above C."""
+
+ALPHA_MIN = 2.0**-100
+"""A clip coefficient below this counts as 0: the example's contribution is dropped, so no
+coefficient is near float32's subnormal range, where ``C / s`` would lose its precision."""
+
+
+def finite_rows(tensors: Sequence[Tensor], *, leading: int = 1) -> Tensor:
+    """Which examples have finite values in every tensor: (b,) bool.
+
+    Each tensor has its examples along dimension ``leading - 1`` after ``leading - 1`` module
+    dimensions (``leading=1``: (b, ...); ``leading=2``: (L, b, ...)). An example counts as
+    non-finite when the sum of its entries is (an infinite or NaN entry, or finite entries so
+    large that their float sum overflows): either way its contribution is dropped.
+    """
+    valid: Tensor | None = None
+    for t in tensors:
+        sums = t.flatten(leading).sum(-1)
+        ok = torch.isfinite(sums)
+        for _ in range(leading - 1):
+            ok = ok.all(0)
+        valid = ok if valid is None else valid & ok
+    if valid is None:
+        raise ValueError("finite_rows needs at least one tensor")
+    return valid
+
+
+def clip_coefficients(
+    norms_sq: Sequence[Tensor] | Tensor, max_norm: float, *, valid: Tensor | None = None
+) -> Tensor:
+    """Per-example global clip coefficients ``alpha_i = min(1, C / s_i)``; 0 for a contribution
+    that is not finite.
 
     Implements eq. (16) of PRISM: ``s_i = sqrt(sum_l ||dZ_{i,l}||_F^2)`` over ALL modules, so
     one coefficient per example bounds the whole LoRA update by C.
@@ -147,20 +182,32 @@ def clip_coefficients(norms_sq: Sequence[Tensor] | Tensor, max_norm: float) -> T
     Args:
         norms_sq: a list with one (b,) tensor per module, or a stacked (L, b) tensor.
         max_norm: clip threshold C > 0.
+        valid: (b,) bool, False for an example whose inputs are not finite (``finite_rows``).
 
     Returns:
-        (b,) tensor of coefficients in (0, 1].
+        (b,) tensor of coefficients in [0, 1], in the norms' work dtype.
 
     Notes:
-        ``s_i`` is clamped away from zero before dividing; an example with ``s_i = 0`` gets 1.
+        ``s_i`` is summed and divided in float64 (no overflow of a sum of squares, no rounding
+        of ``C / s_i`` above C) with the safety factor ``CLIP_MARGIN_ULPS``. An example whose
+        ``s_i`` is not finite, or is not ``valid``, or whose coefficient is below ``ALPHA_MIN``
+        gets 0: its contribution is the zero vector, inside the C ball, so the sensitivity C
+        holds whatever the inputs, and nothing non-finite reaches the sum. An example with
+        ``s_i = 0`` gets 1.
     """
-    if not max_norm > 0:
+    if not (max_norm > 0 and math.isfinite(max_norm)):
         raise PrivacyParameterError(f"max_norm={max_norm!r} is invalid: the clip C must be > 0")
     stacked = norms_sq if isinstance(norms_sq, Tensor) else torch.stack(list(norms_sq))
     if stacked.dim() != 2:
         raise ValueError(f"norms_sq must be (L, b), got shape {tuple(stacked.shape)}")
-    total = stacked.to(work_dtype(stacked)).sum(dim=0).clamp_min(0.0).sqrt()
-    return (max_norm / total.clamp_min(torch.finfo(total.dtype).tiny)).clamp(max=1.0)
+    dtype = work_dtype(stacked)
+    norm = stacked.to(torch.float64).sum(dim=0).clamp_min(0.0).sqrt()
+    bound = max_norm * (1.0 - CLIP_MARGIN_ULPS * torch.finfo(dtype).eps)
+    alpha = (bound / norm.clamp_min(torch.finfo(torch.float64).tiny)).clamp(max=1.0)
+    keep = torch.isfinite(norm) & (alpha >= ALPHA_MIN)
+    if valid is not None:
+        keep = keep & valid.to(keep.device)
+    return torch.where(keep, alpha, torch.zeros_like(alpha)).to(dtype)
 
 
 @dataclass(frozen=True)
@@ -297,14 +344,16 @@ def _coefficients(
     euclidean: Sequence[Tensor],
     max_norm: float,
     euclidean_max_norm: float | None,
+    valid: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Per-example clip coefficients ``(alpha_tangent, alpha_euclidean)``, each (b,).
 
     Joint clip (``euclidean_max_norm=None``): one coefficient for everything, eq. (16).
     Split clip: the tangent part to ``C_tangent``, the Euclidean part to ``C_euclidean``.
+    ``valid``: examples with finite inputs; the others get 0 in both (``clip_coefficients``).
     """
     if euclidean_max_norm is None:
-        alpha = clip_coefficients(_with_euclidean(norms_sq, euclidean), max_norm)
+        alpha = clip_coefficients(_with_euclidean(norms_sq, euclidean), max_norm, valid=valid)
         return alpha, alpha
     if not euclidean:
         raise ValueError(
@@ -313,7 +362,16 @@ def _coefficients(
         )
     c_tangent, c_euclidean = split_max_norm(max_norm, euclidean_max_norm)
     extra = _with_euclidean(norms_sq[:0], euclidean)
-    return clip_coefficients(norms_sq, c_tangent), clip_coefficients(extra, c_euclidean)
+    alpha = clip_coefficients(norms_sq, c_tangent, valid=valid)
+    alpha_euclidean = clip_coefficients(extra, c_euclidean, valid=valid)
+    both = (alpha > 0) & (alpha_euclidean > 0)  # a dropped example is dropped everywhere
+    return alpha * both.to(alpha.dtype), alpha_euclidean * both.to(alpha_euclidean.dtype)
+
+
+def _finite(t: Tensor) -> Tensor:
+    """``t`` with every non-finite entry set to 0 (a copy): the rows ``finite_rows`` rejects
+    get coefficient 0, and ``0 * inf`` would be NaN."""
+    return torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def _accumulate(
@@ -381,8 +439,11 @@ def clip_and_sum(
         ``<= C`` over all modules and tensors together: the L2 sensitivity of the sum under
         add/remove adjacency.
     """
+    valid = finite_rows([t for lifted in lifts for t in lifted] + list(euclidean))
+    lifts = [Tangent(_finite(t.dA), _finite(t.dB)) for t in lifts]
+    euclidean = [_finite(g) for g in euclidean]
     alphas = _coefficients(
-        per_example_norms_sq(points, lifts), euclidean, max_norm, euclidean_max_norm
+        per_example_norms_sq(points, lifts), euclidean, max_norm, euclidean_max_norm, valid
     )
     alpha = alphas[0]
     parts = []
@@ -502,15 +563,20 @@ def clip_and_sum_grads(
         frames = step_frames(points)
     rows: list[Tensor | None] = [None] * len(points)
     stacks = []
+    valid = finite_rows(euclidean) if euclidean else None
     for chunk in _chunks(frames, grads):
         gA = _stack_grads([grads[i][0] for i in chunk.indices])
         gB = _stack_grads([grads[i][1] for i in chunk.indices])
+        ok = finite_rows([gA, gB], leading=2)
+        valid = ok if valid is None else valid & ok
+        gA, gB = gA.nan_to_num_(0.0, 0.0, 0.0), gB.nan_to_num_(0.0, 0.0, 0.0)  # our own copies
         norms = lift_norm_sq_from_moments(lift_moments_stacked(chunk.frame, gA, gB))
         for j, i in enumerate(chunk.indices):
             rows[i] = norms[j]
         stacks.append((chunk, gA, gB))
     norms_sq = torch.stack([r for r in rows if r is not None])
-    alphas = _coefficients(norms_sq, euclidean, max_norm, euclidean_max_norm)
+    euclidean = [_finite(g) for g in euclidean]
+    alphas = _coefficients(norms_sq, euclidean, max_norm, euclidean_max_norm, valid)
     alpha = alphas[0]
     parts: list[Tangent | None] = [None] * len(points)
     for chunk, gA, gB in stacks:  # alpha's dtype is the widest: the moments' or the head's

@@ -87,7 +87,9 @@ REFUSAL_REASONS: dict[str, str] = {
     "batch-above-site-data": "the run's expected batch is larger than the site's N examples",
     "nondp-not-allowed": "the run asks for a non-private method; the site does not allow it",
     "nonprivate-metrics-not-allowed": "the run asks for non-private metrics; not allowed",
-    "bad-broadcast": "the broadcast adapter is not finite, of the wrong shape, or not of rank r",
+    "bad-broadcast": "the broadcast adapter is not finite, of the wrong shape, above the site's "
+    "magnitude limits, or not of rank r with a bounded condition number",
+    "bad-round": "the round number is not an integer in the range the site accepts",
 }
 """Codes a site may put in ``reason`` of a ``refused`` reply, with their fixed meaning."""
 

@@ -495,16 +495,26 @@ class PrivateTrainer:
             self.optimizer.zero_grad(set_to_none=True)
         return total / max(acc.count, 1), released.record
 
-    def _factor_step(self, batch: dict[str, Tensor]) -> tuple[float, PrivacyEvent]:
+    def factor_release(self, batch: dict[str, Tensor]) -> tuple[list[Tensor], PrivacyEvent, float]:
+        """The DP release of one factor-space baseline step (``dp-adamw``, ``ffa``) on ``batch``.
+
+        Factor-space clip of each example's trainable LoRA factor gradients and DP-head
+        gradients (the head within its share ``head_max_norm`` of C when the clip is split) over
+        every micro-batch, then i.i.d. ``N(0, sigma^2 C^2)`` noise once on every entry, divided by
+        the EXPECTED batch size (``prism_core.baselines.factor_privatize``).
+
+        Returns:
+            The released gradients (LoRA tensors, then head tensors, as ``self.params``), the
+            mechanism's ``PrivacyEvent`` and the summed per-sequence loss (private, local only).
+        """
         cfg = self.config
         acc: list[Tensor] | None = None
-        total, count = 0.0, 0
+        total = 0.0
         n_head = len(self.loaded.head_params)
         split = {"euclidean_max_norm": cfg.head_max_norm} if n_head and cfg.head_max_norm else {}
         for micro in micro_batches(batch, cfg.micro_batch_size, by_length=True):
             total += self._backward(micro)
             n = int(micro["labels"].shape[0])
-            count += n
             grads = [fold_text_rows(_grad_sample(p).to(torch.float32), n) for p in self.params]
             lora, head = grads[: len(grads) - n_head], grads[len(grads) - n_head :]
             acc, _ = factor_clip_and_sum(
@@ -522,12 +532,16 @@ class PrivateTrainer:
             generator=self.noise,
             mechanism=MECHANISMS[cfg.method],
         )
+        return noisy, record, total
+
+    def _factor_step(self, batch: dict[str, Tensor]) -> tuple[float, PrivacyEvent]:
+        noisy, record, total = self.factor_release(batch)
         for p, g in zip(self.params, noisy, strict=True):
             p.grad = g.to(p.dtype)
         assert self.optimizer is not None  # set by _setup_method for every method but prism
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return total / max(count, 1), record
+        return total / max(int(batch["labels"].shape[0]), 1), record
 
     def _nondp_step(self, batch: dict[str, Tensor]) -> float:
         count = int(batch["labels"].shape[0])
@@ -572,7 +586,7 @@ class PrivateTrainer:
                         frames=frames,
                     )
                     count, below = count + acc.count, below + acc.count - acc.clipped
-                else:  # as _factor_step
+                else:  # as factor_release
                     rows = [
                         fold_text_rows(_grad_sample(p).to(torch.float32), n) for p in self.params
                     ]

@@ -111,3 +111,27 @@ def test_factor_split_clip_bounds_each_part_and_the_whole_by_C(seed):
     together, _ = factor_clip_and_sum([*grads, *head], max_norm=C)
     for a, b in zip(joint, together, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan, 3e38])
+@pytest.mark.parametrize("split", [None, 0.3])
+def test_a_non_finite_example_contributes_zero_to_the_factor_sum(value, split):
+    """Factor-space clip: an example with an infinite, NaN or overflowing entry (in a factor or
+    the head) counts as zero; the sums are those of the other examples, finite."""
+    g = torch.Generator().manual_seed(7)
+    grads = [torch.randn(4, 6, 2, generator=g), torch.randn(4, 5, 2, generator=g)]
+    head = [torch.randn(4, 3, generator=g)]
+    for spoiled_head in (False, True):
+        bad_grads, bad_head = [t.clone() for t in grads], [t.clone() for t in head]
+        target = bad_head[0] if spoiled_head else bad_grads[1]
+        if value == 3e38:
+            target[0] = value
+        else:
+            target[0].view(-1)[0] = value
+        kw = {"max_norm": 1.0, "euclidean_max_norm": split}
+        got, alpha = factor_clip_and_sum(bad_grads, euclidean=bad_head, **kw)
+        rest, _ = factor_clip_and_sum([t[1:] for t in grads], euclidean=[head[0][1:]], **kw)
+        assert alpha[0] == 0
+        for s, e in zip(got, rest, strict=True):
+            assert torch.isfinite(s).all()
+            torch.testing.assert_close(s, e, rtol=1e-6, atol=1e-7)

@@ -29,6 +29,7 @@ from prism_core.manifold import (
     tangent_to_dense,
 )
 from prism_core.mechanism import (
+    CLIP_MARGIN_ULPS,
     clip_and_sum,
     clip_and_sum_grads,
     clip_coefficients,
@@ -61,10 +62,21 @@ def _random_lifts(points, b, seed, scale=1.0):
     return lifts
 
 
+def _aim(dtype: torch.dtype) -> float:
+    """The fraction of C the clip aims at in ``dtype`` (its safety factor)."""
+    return 1.0 - CLIP_MARGIN_ULPS * torch.finfo(dtype).eps
+
+
+def _as_float32_clip(max_norm: float) -> float:
+    """The float64 clip that aims where a float32 clip at ``max_norm`` aims."""
+    return max_norm * _aim(torch.float32) / _aim(torch.float64)
+
+
 def test_clip_coefficients_formula():
     norms_sq = [torch.tensor([9.0, 0.25, 0.0]), torch.tensor([16.0, 0.0, 0.0])]  # s = 5, 0.5, 0
     alpha = clip_coefficients(norms_sq, 2.0)
-    torch.testing.assert_close(alpha, torch.tensor([0.4, 1.0, 1.0]), rtol=1e-6, atol=0)
+    expected = torch.tensor([0.4 * _aim(torch.float32), 1.0, 1.0])
+    torch.testing.assert_close(alpha, expected, rtol=1e-6, atol=0)
     torch.testing.assert_close(clip_coefficients(torch.stack(norms_sq), 2.0), alpha)
     with pytest.raises(PrivacyParameterError, match="max_norm"):
         clip_coefficients(norms_sq, 0.0)
@@ -384,7 +396,7 @@ def test_clip_and_sum_grads_accepts_opacus_layout_in_float32():
     """gB as a transposed view (Opacus' lora_A layout) and float32 give the float64 result."""
     points = _module_points(3, DIMS_WITH_REPEATS)
     grads = _random_grads(points, 7, 4, scale=3.0)
-    exact = clip_and_sum_grads(points, grads, max_norm=1.0)
+    exact = clip_and_sum_grads(points, grads, max_norm=_as_float32_clip(1.0))
     points32 = [Point(p.A.float(), p.B.float()) for p in points]
     grads32 = [(gA.float(), gB.float().mT.contiguous().mT) for gA, gB in grads]
     assert not grads32[0][1].is_contiguous()
@@ -874,7 +886,7 @@ def test_clipped_counts_every_example_whose_coefficient_is_below_one():
     lifts = _random_lifts(points, 6, 3)
     norms = per_example_norms_sq(points, lifts).sum(0).sqrt()
     C = norms.median().item()  # half of them above C
-    expected = int((norms > C).sum())
+    expected = int((norms > C * _aim(torch.float64)).sum())  # the one AT C is clipped too
     assert 0 < expected < 6
     got = clip_and_sum(points, lifts, max_norm=C)
     assert (got.count, got.clipped) == (6, expected)
@@ -956,7 +968,7 @@ def test_mixed_precision_inputs_are_computed_in_the_widest_dtype():
     low = _upcast(points)
     mixed = clip_and_sum(low, lifts32, max_norm=0.5, euclidean=[head])
     assert mixed.euclidean[0].dtype == torch.float64
-    ref = clip_and_sum(points, lifts64, max_norm=0.5, euclidean=[head])
+    ref = clip_and_sum(points, lifts64, max_norm=_as_float32_clip(0.5), euclidean=[head])
     torch.testing.assert_close(mixed.euclidean[0], ref.euclidean[0], rtol=1e-5, atol=1e-6)
     A, B = points[0]
     for a, b in ((A, B.float()), (A.float(), B)):
@@ -1003,3 +1015,91 @@ def test_shape_errors_name_what_was_wrong():
     bad = [(torch.zeros(3, gA.shape[1] + 1, gA.shape[2], dtype=gA.dtype), gB), grads[1]]
     with pytest.raises(ValueError, match=re.escape("module 0: per-example gradients")):
         clip_and_sum_grads(points, bad, max_norm=1.0)
+
+
+# -- numbers from the coordinator: non-finite contributions and the clip in low precision ------
+
+_BAD_VALUES = [math.inf, -math.inf, math.nan, 3e38]
+
+
+def _spoil(t: torch.Tensor, value: float) -> torch.Tensor:
+    """A copy of per-example ``t`` (b, ...) whose example 0 holds ``value`` in one entry (and
+    3e38 everywhere for the huge-finite case, so its float sums overflow)."""
+    out = t.clone()
+    if value == 3e38:
+        out[0] = value
+    else:
+        out[0].view(-1)[0] = value
+    return out
+
+
+@pytest.mark.parametrize("value", _BAD_VALUES)
+@pytest.mark.parametrize("where", ["lora", "head"])
+@pytest.mark.parametrize("split", [None, 0.3])
+def test_a_non_finite_example_contributes_zero_to_the_fused_sum(value, where, split):
+    """An example whose gradient is infinite, NaN or overflows counts as zero: the clipped sum is
+    that of the other examples (finite), in the tangents and the head alike."""
+    points = _module_points(11, DIMS_WITH_REPEATS)
+    grads = [(gA.float(), gB.float()) for gA, gB in _random_grads(points, 5, 3, scale=2.0)]
+    head = torch.randn(5, 3, 4, generator=torch.Generator().manual_seed(4))
+    if where == "lora":
+        grads[1] = (_spoil(grads[1][0], value), grads[1][1])
+    else:
+        head = _spoil(head, value)
+    low = [Point(p.A.float(), p.B.float()) for p in points]
+    kw = {"max_norm": 1.0, "euclidean_max_norm": split}
+    got = clip_and_sum_grads(low, grads, euclidean=[head], **kw)
+    rest = clip_and_sum_grads(low, [(a[1:], b[1:]) for a, b in grads], euclidean=[head[1:]], **kw)
+    for s, e in zip(got.sums, rest.sums, strict=True):
+        assert torch.isfinite(s.dA).all() and torch.isfinite(s.dB).all()
+        torch.testing.assert_close(s.dA, e.dA, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(s.dB, e.dB, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(got.euclidean[0], rest.euclidean[0], rtol=1e-5, atol=1e-7)
+    assert got.count - got.clipped == rest.count - rest.clipped  # not counted below C
+
+
+@pytest.mark.parametrize("value", _BAD_VALUES)
+def test_a_non_finite_lift_contributes_zero_to_the_sum(value):
+    """The same for ``clip_and_sum`` on per-example lifts."""
+    points = _module_points(12)
+    lifts = _random_lifts(points, 4, 5)
+    spoiled = [Tangent(_spoil(lifts[0].dA, value), lifts[0].dB), *lifts[1:]]
+    got = clip_and_sum(points, spoiled, max_norm=0.5)
+    rest = clip_and_sum(points, [Tangent(t.dA[1:], t.dB[1:]) for t in lifts], max_norm=0.5)
+    for s, e in zip(got.sums, rest.sums, strict=True):
+        torch.testing.assert_close(s.dA, e.dA, rtol=1e-12, atol=0)
+        torch.testing.assert_close(s.dB, e.dB, rtol=1e-12, atol=0)
+
+
+def _conditioned_factor(rows, r, cond, generator):
+    Q, _ = torch.linalg.qr(torch.randn(rows, r, generator=generator, dtype=torch.float64))
+    return Q @ torch.diag(torch.logspace(0, -math.log10(cond), r, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("max_norm", [1e-6, 1e-2, 1.0])
+@pytest.mark.parametrize("scale", [1e-20, 1.0, 1e20])
+@pytest.mark.parametrize("head", [False, True])
+def test_one_clipped_contribution_has_norm_at_most_c_in_low_precision(dtype, max_norm, scale, head):
+    """One example's clipped contribution, its exact norm taken in float64 at the (rounded)
+    point, is at most C: in float32 and bfloat16, for C down to the smallest a site runs
+    (``prism_runtime.ranges.MAX_NORM_MIN``), gradients from 1e-20 to 1e20 and factors of
+    condition number up to ``FACTOR_COND_MAX`` (the safety factor covers the rounding)."""
+    from prism_runtime.ranges import FACTOR_COND_MAX, MAX_NORM_MIN
+
+    assert MAX_NORM_MIN == 1e-6  # the smallest case above is the lower bound
+    for seed in range(4):
+        g = torch.Generator().manual_seed(seed)
+        m, n, r = 40, 24, 4
+        A, B = (_conditioned_factor(k, r, FACTOR_COND_MAX, g) for k in (m, n))
+        G = scale * torch.randn(1, m, n, generator=g, dtype=torch.float64)
+        point = Point(A.to(dtype), B.to(dtype))
+        extra = [(scale * torch.randn(1, 5, generator=g)).to(dtype)] if head else []
+        got = clip_and_sum_grads(
+            [point], [((G @ B).to(dtype), (G.mT @ A).to(dtype))], max_norm=max_norm, euclidean=extra
+        )
+        t = got.sums[0]
+        norm_sq = tangent_norm_sq(point.A.double(), point.B.double(), t.dA.double(), t.dB.double())
+        if head:
+            norm_sq = norm_sq + got.euclidean[0].double().square().sum()
+        assert norm_sq.sqrt().item() <= max_norm
