@@ -10,7 +10,7 @@ export FLWR_TELEMETRY_ENABLED := 0
 export FLWR_DISABLE_UPDATE_CHECK := 1
 
 .PHONY: install demo test lint typecheck pytest test-slow test-gpu test-compose mutation bench-mechanism clean
-.PHONY: bench-server bench-diagnostics bench-utility bench-gpu
+.PHONY: bench-server bench-diagnostics bench-utility bench-gpu bench-accountant
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -80,6 +80,10 @@ mutation: $(STAMP)
 
 bench-mechanism: $(STAMP)
 	$(BIN)/python bench/mechanism.py
+
+bench-accountant: $(STAMP)
+	mkdir -p $(BENCH_OUT)
+	$(BIN)/python bench/accountant.py --out $(BENCH_OUT)/accountant.json
 
 # Benchmarks of docs/benchmarks.md (one thread each: the machine is shared).
 BENCH_OUT ?= bench-results

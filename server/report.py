@@ -66,6 +66,8 @@ CSV_COLUMNS: Final = (
     "epsilon_rdp",
     "epsilon_cap",
     "delta",
+    "epsilon_replace_one",
+    "delta_replace_one",
     "rounds",
     "steps",
     "sigma",
@@ -228,6 +230,8 @@ def _site_row(
         "site_id": site_id,
         "epsilon": math.inf,
         "epsilon_rdp": math.inf,
+        "epsilon_replace_one": math.inf,
+        "delta_replace_one": 1.0,
         "epsilon_cap": cap,
         "delta": delta,
         "rounds": len({(e.run_id, e.round) for e in ran}),
@@ -279,6 +283,7 @@ def _site_row(
         return row, []
     row["note"] = row["note"].strip()
     row["epsilon"], row["epsilon_rdp"] = report.prv, report.rdp
+    row["epsilon_replace_one"], row["delta_replace_one"] = replace_one(report.prv, delta)
     series = [{"run_id": run_id, "round": rnd, "epsilon": eps} for run_id, rnd, eps in by_round]
     if cap is None:
         return row, series
@@ -302,6 +307,28 @@ def _site_row(
     return row, series
 
 
+GUARANTEE = {
+    "unit": "record",
+    "adjacency": "add-remove",
+    "against_coordinator": "replace-one, shard size public",
+    "text": (
+        "epsilon per record, add/remove adjacency at the site's sampling rate. Every reply states "
+        "q = b / N, so the coordinator (and whoever it tells) knows each shard's size N: against "
+        "it the guarantee is replace-one with N public, at most 2 epsilon at delta (1 + e^epsilon)"
+        " by group privacy (epsilon_replace_one, delta_replace_one)."
+    ),
+}
+"""What a report's epsilon means (``report["guarantee"]``; docs/security.md)."""
+
+
+def replace_one(epsilon_value: float, delta: float) -> tuple[float, float]:
+    """``(2 eps, (1 + e^eps) delta)``: an (eps, delta) add/remove guarantee for neighbours of
+    the same size (replace one record = remove it, then add another: group privacy of 2)."""
+    if not math.isfinite(epsilon_value):
+        return math.inf, 1.0
+    return 2.0 * epsilon_value, min(1.0, (1.0 + math.exp(epsilon_value)) * delta)
+
+
 def build_report(
     ledger: Ledger,
     *,
@@ -312,6 +339,8 @@ def build_report(
 
     Per site (``report["sites"]``, one dict per site in order of first appearance): ``site_id``;
     ``epsilon`` (PRV) and ``epsilon_rdp`` (RDP cross-check) over all the site's events;
+    ``epsilon_replace_one`` and ``delta_replace_one`` (``replace_one``: the guarantee against
+    the coordinator, which knows the shard size; ``guarantee`` says so);
     ``epsilon_cap`` (the smallest cap the site ever reported: a budget can be tightened, never
     loosened; None if none); ``delta`` (the smallest of the site's deltas, the one epsilon is
     accounted at); ``rounds`` (distinct (run, round) with training steps > 0); ``steps`` (the
@@ -366,7 +395,14 @@ def build_report(
     return {
         "generated_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "ledger": str(ledger.path),
-        "accountant": {"epsilon": "prv", "cross_check": "rdp", "prv_eps_error": PRV_EPS_ERROR},
+        "accountant": {
+            "epsilon": "prv",
+            "cross_check": "rdp",
+            "prv_eps_error": PRV_EPS_ERROR,
+            "rdp_where": "a history outside PRV's memory bounds (prism_core.accounting) is "
+            "accounted by RDP, an upper bound",
+        },
+        "guarantee": GUARANTEE,
         "run_ids": ledger.run_ids(),
         "planned_steps_per_round": planned_steps_per_round,
         "horizon_rounds": horizon_rounds,

@@ -174,6 +174,7 @@ def _render_html(report: Mapping[str, Any], png: bytes) -> str:
 {html.escape(report["generated_at"])} &middot; runs {html.escape(", ".join(report["run_ids"]))}
 &middot; epsilon by the {html.escape(acc["epsilon"].upper())} accountant, cross-checked by
 {html.escape(acc["cross_check"].upper())}; recomputed from every recorded event.</p>
+<p class="meta">{html.escape(report["guarantee"]["text"])}</p>
 {warnings}
 <table>
 <thead><tr>{head}</tr></thead>

@@ -255,3 +255,43 @@ def test_a_reply_states_the_shard_size_as_documented(tiny_bert, tmp_path):
     refused = _call(_start(run_config), _run_config(tiny_bert, **{"target-epsilon": 9.0}), node, 2)
     facts = refused.content[ACCOUNTING]
     assert facts["status"] == STATUS_REFUSED and 8 / facts["q"] == pytest.approx(N, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"max-norm": 1e4, "head-max-norm": 0.9e4, "noise-multiplier": 1e4},
+        {"max-norm": 2e-6, "head-max-norm": 1e-6, "noise-multiplier": 1.0},
+        {"max-norm": 1e4, "head-max-norm": -1, "noise-multiplier": 1.0, "lr": 10.0},
+        {"head-lr": 1000.0, "lr": 10.0, "noise-multiplier": 1e4},
+        {"head-optimizer": "adamw", "head-lr": 1000.0, "max-norm": 1e4, "head-max-norm": 1.0},
+        {"method": "fedavg-factors", "max-norm": 1e4, "noise-multiplier": 1e4, "lr": 10.0},
+    ],
+    ids=lambda extra: ",".join(f"{k}={v}" for k, v in extra.items()),
+)
+def test_numbers_at_the_edges_of_their_ranges_train_and_release_finite_values(
+    tiny_bert, tmp_path, extra
+):
+    """Nothing the coordinator controls makes a charged round fail: at the edges of the
+    accepted ranges, and at a broadcast at its limits, the round runs and releases finite
+    numbers (a failure after the charge would spend budget for nothing)."""
+    run_config = _run_config(tiny_bert, **extra)
+    run = parse_config(RunConfig, run_config, what="run config")
+    method = "prism" if run.method == "prism" else "dp-adamw"
+    start = to_arrays(load_model(model_config_for(run), method=method))
+    heads = [k for k in start if k.startswith(HEAD_PREFIX)]
+    at_limits = dict(start)
+    for name in heads:
+        signs = torch.where(torch.arange(start[name].numel()) % 2 == 0, 1.0, -1.0)
+        at_limits[name] = 0.99 * _head_limit(start, name) * signs.reshape(start[name].shape)
+    for name, value in start.items():
+        if name.endswith(("/A", "/B")):  # spectral norm 0.9 BROADCAST_SCALE_MAX (1 + ||F0||)
+            norm = float(torch.linalg.matrix_norm(value.double(), ord=2))
+            limit = BROADCAST_SCALE_MAX * (1.0 + norm)
+            at_limits[name] = value * (0.9 * limit / norm) if norm > 0 else value
+    node = _site(tmp_path, "hospital", 1)
+    for server_round, arrays in enumerate((start, at_limits), start=1):
+        reply = _call(arrays, run_config, node, server_round)
+        assert _status(reply) == STATUS_OK
+        for key, value in _released(reply).items():
+            assert torch.isfinite(value).all(), key

@@ -20,6 +20,9 @@ from scipy.stats import norm
 
 from prism_core.accounting import (
     PRV_EPS_ERROR,
+    PRV_EPSILON_MAX,
+    PRV_STEPS_MAX,
+    SIGMA_MIN,
     PrivacyEvent,
     calibrate_noise_multiplier,
     compose_events,
@@ -453,3 +456,68 @@ def test_an_unreachable_calibration_says_what_to_change():
     message = str(info.value)
     for part in ("epsilon=0.001", "delta=1e-05", "q=1.0", "1000 steps", "Raise the budget"):
         assert part in message
+
+
+# -- bounded accountant calls (a coordinator's extreme numbers) ----------------------------------
+
+
+def _rdp(history, delta):
+    acc = RDPAccountant()
+    acc.history = [(e.noise_multiplier, e.sample_rate, e.steps) for e in history]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return acc.get_epsilon(delta=delta)
+
+
+@pytest.mark.parametrize(
+    ("sigma", "q", "steps", "why"),
+    [
+        (0.05, 0.2, 30, "sigma below SIGMA_MIN"),
+        (0.01, 1.0, 1, "sigma far below SIGMA_MIN (PRV understates here)"),
+        (0.5, 1.0, 3000, "RDP epsilon above PRV_EPSILON_MAX"),
+        (2.0, 0.01, PRV_STEPS_MAX + 1, "more steps than PRV_STEPS_MAX"),
+    ],
+)
+def test_epsilon_outside_prv_bounds_is_rdp_upper_bound(sigma, q, steps, why):
+    """Where PRV would need unbounded memory (or is not valid), epsilon is RDP's upper bound,
+    computed at once; inside, it is PRV's (smaller) value."""
+    history = [PrivacyEvent(sigma, q, steps)]
+    assert epsilon(history, 1e-5) == pytest.approx(_rdp(history, 1e-5), rel=1e-12), why
+
+
+def test_epsilon_inside_prv_bounds_is_prv():
+    history = [PrivacyEvent(SIGMA_MIN, 0.01, 30)]
+    acc = PRVAccountant()
+    acc.history = [(SIGMA_MIN, 0.01, 30)]
+    prv = acc.get_epsilon(delta=1e-5, eps_error=0.01)
+    assert prv < PRV_EPSILON_MAX
+    assert epsilon(history, 1e-5) == pytest.approx(prv, rel=1e-12)
+    assert epsilon(history, 1e-5) < _rdp(history, 1e-5)
+
+
+def test_calibration_never_goes_below_sigma_min():
+    """A target so large that less noise would do is met at SIGMA_MIN, with epsilon below it."""
+    sigma = calibrate_noise_multiplier(target_epsilon=500.0, delta=1e-5, sample_rate=0.2, steps=3)
+    assert sigma == SIGMA_MIN
+    assert epsilon([PrivacyEvent(sigma, 0.2, 3)], 1e-5) <= 500.0
+
+
+@pytest.mark.parametrize(("target", "q", "steps"), [(3.0, 0.05, 300), (8.0, 0.25, 30)])
+def test_calibration_matches_opacus_search(target, q, steps):
+    """The calibration runs Opacus' search through the bounded ``epsilon``: inside PRV's bounds
+    it finds Opacus' own sigma."""
+    from opacus.accountants.utils import get_noise_multiplier
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = get_noise_multiplier(
+            target_epsilon=target,
+            target_delta=1e-5,
+            sample_rate=q,
+            steps=steps,
+            accountant="prv",
+            epsilon_tolerance=0.005 * target,
+            eps_error=0.01,
+        )
+    got = calibrate_noise_multiplier(target_epsilon=target, delta=1e-5, sample_rate=q, steps=steps)
+    assert got == pytest.approx(expected, rel=1e-12)

@@ -30,6 +30,7 @@ from prism_core.manifold import (
 )
 from prism_core.mechanism import (
     CLIP_MARGIN_ULPS,
+    ClippedSum,
     clip_and_sum,
     clip_and_sum_grads,
     clip_coefficients,
@@ -1103,3 +1104,32 @@ def test_one_clipped_contribution_has_norm_at_most_c_in_low_precision(dtype, max
         if head:
             norm_sq = norm_sq + got.euclidean[0].double().square().sum()
         assert norm_sq.sqrt().item() <= max_norm
+
+
+@pytest.mark.parametrize("cond", [1.0, 1e3])
+def test_the_release_hardly_depends_on_the_gauge_part_at_accepted_conditioning(cond):
+    """The release is the min-norm lift of the noisy dZ, a function of dZ alone: adding a gauge
+    direction ``(A X, -B X.T)`` (no change of dZ) to the clipped sum moves the float32 release
+    by rounding only, below 1e-5 of its norm, at condition numbers up to FACTOR_COND_MAX."""
+    from prism_runtime.ranges import FACTOR_COND_MAX
+
+    assert cond <= FACTOR_COND_MAX
+    kw = {"noise_multiplier": 1.0, "max_norm": 1.0, "expected_batch_size": 8.0}
+    for seed in range(5):
+        g = torch.Generator().manual_seed(seed)
+        A, B = (_conditioned_factor(k, 4, cond, g).float() for k in (64, 48))
+        dA, dB = torch.randn(64, 4, generator=g), torch.randn(48, 4, generator=g)
+        X = 10 * torch.randn(4, 4, generator=g)
+        releases = []
+        for s in (Tangent(dA, dB), Tangent(dA + A @ X, dB - B @ X.T)):
+            step = privatize(
+                [Point(A, B)],
+                ClippedSum((s,), 1, 0),
+                sample_rate=0.25,
+                generator=torch.Generator().manual_seed(9),
+                **kw,
+            )
+            releases.append(
+                torch.cat([step.tangents[0].dA.flatten(), step.tangents[0].dB.flatten()])
+            )
+        assert (releases[0] - releases[1]).norm() <= 1e-5 * releases[0].norm()

@@ -243,3 +243,21 @@ def test_round_rows_give_the_reports_epsilon_and_cap_and_the_strategys_status(
         "a",
         f"{by_site['a']['epsilon']:.3f}",
     ]
+
+
+def test_the_report_states_the_guarantee_against_the_coordinator(report, tmp_path):
+    """Every reply states q = b / N: the report says the guarantee against the coordinator is
+    replace-one with N public, and gives its (2 eps, (1 + e^eps) delta) per site."""
+    assert report["guarantee"]["against_coordinator"] == "replace-one, shard size public"
+    for row in report["sites"]:
+        eps = row["epsilon"]
+        if math.isfinite(eps):
+            assert row["epsilon_replace_one"] == pytest.approx(2 * eps, rel=1e-12)
+            expected = min(1.0, (1 + math.exp(eps)) * row["delta"])
+            assert row["delta_replace_one"] == pytest.approx(expected, rel=1e-12)
+        else:
+            assert row["epsilon_replace_one"] == math.inf
+    paths = write_reports(report, tmp_path)
+    assert "replace-one with N public" in paths["html"].read_text(encoding="utf-8")
+    with paths["csv"].open(encoding="utf-8") as f:
+        assert "epsilon_replace_one" in next(csv.reader(f))
