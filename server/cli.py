@@ -8,9 +8,10 @@ Subcommands:
 
 - ``audit --ledger FILE [--run-config FILE] [--out DIR] [--canaries N] ...``: the privacy
   self-audit (``server.audit``): the run's configuration and the sites' facts (a non-private
-  run fails), accountant cross-check per site, record/replay checks of the mechanism with
-  per-block noise tests, canaries with a one-run lower bound on epsilon and per-block noise
-  tests; prints tables, the verdict and why, and writes ``audit.json``.
+  run, or a setting or fact outside its accepted range, fails), accountant cross-check per
+  site, record/replay checks of the mechanism with per-block noise tests, canaries with a
+  one-run lower bound on epsilon and per-block noise tests; prints tables, the verdict and
+  why, and writes ``audit.json``.
 
 - ``evaluate RUN_DIR --data FILE [--json OUT] [--predictions FILE]``: load the run's exported
   model (peft adapter on the original base, plus pooling and head for a classifier), print its
@@ -145,7 +146,9 @@ def _add_audit(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="privacy self-audit: accountants, mechanism record/replay, canary lower bound",
         description="Check that the run was private at all (its recorded config and "
         "run-config.json: method nondp, report-train-loss true, noise-multiplier 0, or a site "
-        "reporting rng=reproducible fail); cross-check every site's epsilon (PRV, RDP, "
+        "reporting rng=reproducible fail) and within the accepted ranges (a run config the "
+        "current model refuses, or a sigma, clip, step count or round outside them, fails); "
+        "cross-check every site's epsilon (PRV, RDP, "
         "dp_accounting PLD) and cap; run record/replay checks of one real PRISM step "
         "(sensitivity C/b with the global clip, noise independent of the realised batch, noise "
         "std sigma C/b in every block: core, A-perp, B-perp, head); and canaries with a known "

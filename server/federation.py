@@ -217,6 +217,8 @@ def run_federation(grid: Grid, run: RunConfig, *, faults: Faults = NO_FAULTS) ->
             target_epsilon=run.target_epsilon,
             delta=run.delta,
             aggregation=run.aggregation,
+            # a fixed sigma every DP reply must state (-1: each site calibrates its own)
+            noise_multiplier=run.noise_multiplier if run.noise_multiplier >= 0 else None,
             # a fixed C every reply must state; with max-norm = auto, AutoClip checks its range
             max_norm=run.max_norm if isinstance(run.max_norm, float) else None,
             expected_batch_size=float(run.batch_size),

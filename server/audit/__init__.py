@@ -2,9 +2,11 @@
 
 Four parts, each in its own module:
 
-- ``runs`` (0): was the run private at all? The run configs recorded in the ledger, the run
-  folder's ``run-config.json`` and the sites' facts: ``method = nondp``,
-  ``report-train-loss = true``, ``noise-multiplier = 0``, ``rng = reproducible`` fail the audit;
+- ``runs`` (0): was the run private at all, and within the accepted ranges? The run configs
+  recorded in the ledger, the run folder's ``run-config.json`` and the sites' facts:
+  ``method = nondp``, ``report-train-loss = true``, ``noise-multiplier = 0``,
+  ``rng = reproducible`` fail the audit, and so do a run config the current ``RunConfig``
+  refuses and a sigma, clip, step count or round outside ``prism_runtime.ranges``;
 - ``accountants`` (a): every site's epsilon by PRV, RDP and an independent PLD implementation
   (Google's ``dp_accounting``), against each other and the site's cap;
 - ``replay`` (b): record/replay checks of one real PRISM step through the trainer's release path
@@ -70,7 +72,7 @@ class AuditReport:
 
     def reasons(self) -> list[str]:
         """One line per failed check, saying why (empty when the audit passed)."""
-        out = [f"non-private run: {f.line()}" for f in self.run.findings]
+        out = [f"{f.kind} run: {f.line()}" for f in self.run.findings]
         out += [f"site {s.site_id}: {'; '.join(s.reasons)}" for s in self.sites if not s.passed]
         out += [
             f"mechanism check failed: {m.name}: measured {m.measured:.4g}, bound {m.bound}"
@@ -168,11 +170,17 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def _run_lines(run: RunCheck) -> list[str]:
-    lines = ["(0) run configuration and site facts: is the run private at all?"]
+    lines = [
+        "(0) run configuration and site facts: is the run private at all, and within the "
+        "accepted ranges?"
+    ]
     lines += [f"  read: {source}" for source in run.sources]
-    lines += [f"  FAIL {f.line()}" for f in run.findings]
+    lines += [f"  FAIL ({f.kind}) {f.line()}" for f in run.findings]
     if run.passed:
-        lines.append("  pass: no non-private setting or fact found")
+        lines.append(
+            "  pass: no non-private setting or fact found, and every setting and fact lies in "
+            "its accepted range"
+        )
     return lines
 
 

@@ -93,6 +93,8 @@ class PrismStrategy(Strategy):
             (``prism_runtime.trainer.MECHANISMS[prism_runtime.config.site_method(method)]``);
             a reply reporting another is rejected.
         dp: whether that mechanism adds noise; a DP reply must report sigma > 0.
+        noise_multiplier: the run's sigma when the run config fixes it (a DP reply must report
+            it); None when each site calibrates its own.
         auto_clip: set for a run with ``max-norm = auto`` (see ``AutoClip``).
         lr_schedule, num_rounds: the server lr of round ``t`` is
             ``scheduled_lr(server_lr, lr_schedule, t, num_rounds)`` (run-config
@@ -114,6 +116,7 @@ class PrismStrategy(Strategy):
         target_epsilon: float,
         delta: float,
         aggregation: Aggregation = "inverse-noise",
+        noise_multiplier: float | None = None,
         max_norm: float | None = None,
         expected_batch_size: float | None = None,
         server_optimizer: ServerOptimizerConfig | None = None,
@@ -155,6 +158,7 @@ class PrismStrategy(Strategy):
             dp=dp,
             local_steps=local_steps,
             delta=delta,
+            noise_multiplier=noise_multiplier,
             max_norm=max_norm,
             expected_batch_size=expected_batch_size,
             auto_clip=auto_clip,

@@ -32,6 +32,7 @@ from prism_runtime.protocol import (
     STATUS_OK,
     STATUS_REFUSED,
 )
+from prism_runtime.ranges import SIGMA_MAX, SIGMA_MIN
 from server.errors import ReplyError
 from server.strategy.bounds import AutoClip
 
@@ -46,9 +47,8 @@ __all__ = [
 ]
 
 _MAX_STEPS = 10**6  # more local steps than any real round; larger is a garbled fact
-_MAX_SIGMA = 1e4
 _MAX_SCALE = 1e9  # largest C or expected batch a reply may state
-_SCALE_RTOL = 1e-6  # a reply's C and b must equal the run's to this relative tolerance
+_SCALE_RTOL = 1e-6  # a reply's sigma, C and b must equal the run's to this relative tolerance
 _MAX_COUNT_SIGMA = 1e8  # a clip estimate's count noise (sigma_b = noise * b) grows with b
 _QUANTILE_FACTS = ("quantile-sigma", "quantile-q", "quantile-steps")
 _SAMPLING = "poisson"  # the only sampling the accountant composes
@@ -94,6 +94,9 @@ def validate_facts(facts: dict[str, Any]) -> dict[str, Any]:
 
     Required: ``site-id``, ``status``, ``sigma``, ``q``, ``steps``; every other key must be one
     of ``prism_runtime.protocol.ACCOUNTING_KEYS`` with the right type; values must be in range.
+    A noise multiplier (``sigma``, ``quantile-sigma``) is at least ``SIGMA_MIN``, the smallest a
+    site runs (``prism_runtime.ranges``); ``sigma`` may also be 0, for a refusal or a non-DP
+    method (``RunTerms.check`` refuses 0 in an ok reply of a DP run).
     """
     unknown = sorted(set(facts) - set(ACCOUNTING_KEYS))
     if unknown:
@@ -111,9 +114,15 @@ def validate_facts(facts: dict[str, Any]) -> dict[str, Any]:
     if facts["status"] not in (STATUS_OK, STATUS_REFUSED):
         raise ReplyError(f"unknown status {facts['status'][:20]!r}", "facts")
     sigma, q, steps = float(facts["sigma"]), float(facts["q"]), int(facts["steps"])
-    if not (0 <= sigma <= _MAX_SIGMA and 0 < q <= 1 and 0 <= steps <= _MAX_STEPS):
+    if not (0 <= sigma <= SIGMA_MAX and 0 < q <= 1 and 0 <= steps <= _MAX_STEPS):
         raise ReplyError(
             f"impossible mechanism parameters sigma={sigma}, q={q}, steps={steps}", "facts"
+        )
+    if 0 < sigma < SIGMA_MIN:
+        raise ReplyError(
+            f"sigma={sigma} is neither 0 (no noise) nor in [{SIGMA_MIN:g}, {SIGMA_MAX:g}], the "
+            "noise multipliers a site runs",
+            "facts",
         )
     if "delta" in facts and not 0 < float(facts["delta"]) < 1:
         raise ReplyError(f"delta={facts['delta']!r} is not in (0, 1)", "facts")
@@ -137,7 +146,7 @@ def _check_quantile_facts(facts: dict[str, Any]) -> None:
         raise ReplyError(f"clip-estimate facts {given} without the others", "facts")
     sigma, q = float(facts["quantile-sigma"]), float(facts["quantile-q"])
     steps = int(facts["quantile-steps"])
-    if not (0 < sigma <= _MAX_COUNT_SIGMA and 0 < q <= 1 and 1 <= steps <= _MAX_STEPS):
+    if not (SIGMA_MIN <= sigma <= _MAX_COUNT_SIGMA and 0 < q <= 1 and 1 <= steps <= _MAX_STEPS):
         raise ReplyError(
             f"impossible clip-estimate parameters sigma={sigma}, q={q}, steps={steps}", "facts"
         )
@@ -209,6 +218,7 @@ class RunTerms:
         dp: whether it adds noise (a DP reply must report sigma > 0, the run's C and b).
         local_steps: the steps a round asks for.
         delta: the run's delta (a reply's may be smaller, never larger).
+        noise_multiplier: the run's sigma (None: not fixed by the run, each site calibrates).
         max_norm, expected_batch_size: the run's C and b (None: not fixed by the run).
         auto_clip: set for a run with ``max-norm = auto``.
     """
@@ -217,6 +227,7 @@ class RunTerms:
     dp: bool
     local_steps: int
     delta: float
+    noise_multiplier: float | None = None
     max_norm: float | None = None
     expected_batch_size: float | None = None
     auto_clip: AutoClip | None = None
@@ -226,8 +237,9 @@ class RunTerms:
 
         ``facts-mismatch``: steps other than the round's (0 for a refusal), another mechanism,
         sampling other than Poisson, adjacency other than add/remove, an ``rng`` not in
-        ``prism_runtime.protocol.RNG_MODES``, sigma 0 for a DP method, delta above the run's, or one
-        of these facts missing. ``refusal-reason``: a refusal whose reason is not one of
+        ``prism_runtime.protocol.RNG_MODES``, sigma 0 for a DP method, a sigma, C or b other than
+        the run's where the run fixes it, delta above the run's, or one of these facts missing.
+        ``refusal-reason``: a refusal whose reason is not one of
         ``prism_runtime.protocol.REFUSAL_REASONS`` (a malformed refusal). No site text is echoed.
         """
         refused = facts["status"] == STATUS_REFUSED
@@ -255,6 +267,14 @@ class RunTerms:
         # A refusal spent nothing: a site that refused up front never calibrated (sigma 0).
         if self.dp and not refused and not float(facts["sigma"]) > 0:
             raise ReplyError("sigma = 0 for a differentially private method", "facts-mismatch")
+        if self.dp and not refused and self.noise_multiplier is not None:
+            sigma = float(facts["sigma"])
+            if not math.isclose(sigma, self.noise_multiplier, rel_tol=_SCALE_RTOL):
+                raise ReplyError(
+                    f"fact sigma {sigma!r} is not the run's noise-multiplier "
+                    f"{self.noise_multiplier!r}",
+                    "facts-mismatch",
+                )
         if self.dp and not refused:
             for name, value in (
                 ("max-norm", self.max_norm),

@@ -24,7 +24,7 @@ def _digest(path) -> str:
 def ledger(tmp_path):
     path = tmp_path / "ledger.sqlite"
     with Ledger.open(path) as led:
-        for r in range(2):
+        for r in (1, 2):
             for site in ("hospital-a", "hospital-b"):
                 led.append(
                     LedgerEvent(
@@ -105,7 +105,7 @@ def _run_ledger(path, config):
         led.record_run("run-1", config)
         led.append(
             LedgerEvent(
-                run_id="run-1", round=0, site_id="a", event=PrivacyEvent(1.2, 0.1, 5), delta=1e-5
+                run_id="run-1", round=1, site_id="a", event=PrivacyEvent(1.2, 0.1, 5), delta=1e-5
             )
         )
     return path
@@ -124,6 +124,29 @@ def test_a_run_recorded_as_nondp_fails_with_the_reason(tmp_path, capsys):
     assert _digest(ledger) == before
     audit = json.loads((tmp_path / "out" / "audit.json").read_text())
     assert audit["verdict"] == "FAIL" and audit["run"]["findings"][0]["key"] == "method"
+
+
+def test_a_recorded_config_the_model_refuses_fails_as_non_private_and_out_of_range(
+    tmp_path, capsys
+):
+    """``noise-multiplier = 0`` (refused by the current run config, as an older or hostile
+    coordinator may have recorded it): the audit reads it, names both findings and fails."""
+    ledger = _run_ledger(tmp_path / "ledger.sqlite", {"method": "prism", "noise-multiplier": 0.0})
+    code = main(["audit", "--ledger", str(ledger), "--out", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert code == EXIT_AUDIT_FAILED
+    assert (
+        "why: non-private run: run run-1: noise-multiplier = 0.0 (ledger run config): no noise"
+        in out
+    )
+    assert (
+        "why: out-of-range run: run run-1: noise-multiplier = 0.0 (ledger run config): must be "
+        "in [0.3, 10000]" in out
+    )
+    assert "(allowed: a number in [0.3, 10000], or -1 to calibrate)" in out
+    audit = json.loads((tmp_path / "out" / "audit.json").read_text())
+    kinds = [(f["kind"], f["key"]) for f in audit["run"]["findings"]]
+    assert kinds == [("non-private", "noise-multiplier"), ("out-of-range", "noise-multiplier")]
 
 
 def test_the_run_folders_run_config_is_read(tmp_path, capsys):

@@ -9,6 +9,8 @@ rank-r approximation (truncated dense SVD) of ``Z_0 + mean dZ`` (eq. 22, Prop. 3
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
@@ -26,6 +28,7 @@ from prism_runtime.protocol import (
     UPDATE,
 )
 from server.federation import run_federation
+from server.ledger import Ledger
 
 pytestmark = pytest.mark.usefixtures("flower_identity")
 
@@ -86,7 +89,8 @@ class _ScriptedGrid(LoopbackSites):
         return Message(content=content, reply_to=msg)
 
 
-def _run(tiny_bert: str, tmp_path, aggregation: str) -> tuple[_ScriptedGrid, dict, dict]:
+def _run_dir(tiny_bert: str, tmp_path, aggregation: str, **overrides):
+    """The run folder of one round on the scripted grid (run config ``values`` + overrides)."""
     values = {
         "model": tiny_bert,
         "lora-rank": 4,
@@ -100,10 +104,15 @@ def _run(tiny_bert: str, tmp_path, aggregation: str) -> tuple[_ScriptedGrid, dic
         "max-length": 24,
         "aggregation": aggregation,
         "run-dir": str(tmp_path / aggregation),
+        **overrides,
     }
     run = parse_config(RunConfig, values, what="run config")
     grid = _ScriptedGrid()
-    run_dir = run_federation(grid, run)  # type: ignore[arg-type]
+    return grid, run_federation(grid, run)  # type: ignore[arg-type]
+
+
+def _run(tiny_bert: str, tmp_path, aggregation: str) -> tuple[_ScriptedGrid, dict, dict]:
+    grid, run_dir = _run_dir(tiny_bert, tmp_path, aggregation)
     summary = (run_dir / "summary.json").read_text()
     assert '"applied": true' in summary, summary
     adapter = load_file(str(run_dir / "adapter" / ADAPTER_WEIGHTS))
@@ -172,3 +181,19 @@ def test_the_exported_adapter_is_the_aggregated_round_with_the_configured_weight
     the initial point."""
     grid, adapter, head = _run(tiny_bert, tmp_path, aggregation)
     _check_export(grid, adapter, head, aggregation)
+
+
+def test_a_fixed_noise_multiplier_rejects_a_site_stating_another(tiny_bert, tmp_path):
+    """``noise-multiplier = 1.0`` in the run config: every DP reply must state sigma 1.0.
+    Site 12 states 3.0 and is rejected (``facts-mismatch``); site 11's round is applied and only
+    its charge is confirmed."""
+    _, run_dir = _run_dir(tiny_bert, tmp_path, "uniform", **{"noise-multiplier": 1.0})
+    (round_1,) = json.loads((run_dir / "summary.json").read_text())["rounds"]
+    assert round_1["accepted"] == ["site-11"] and round_1["applied"] is True
+    assert round_1["rejected"] == [
+        ["site-12", "fact sigma 3.0 is not the run's noise-multiplier 1.0"]
+    ]
+    assert round_1["rejected_by_reason"] == {"facts-mismatch": 1}
+    with Ledger.open(run_dir / "ledger.sqlite", create=False, read_only=True) as ledger:
+        confirmed = [(e.site_id, e.sigma) for e in ledger.events() if e.confirmed]
+    assert confirmed == [("site-11", 1.0)]

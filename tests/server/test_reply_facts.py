@@ -15,6 +15,7 @@ from reply_facts import honest_facts
 
 from prism_core.bounds import FLOAT32_SLACK
 from prism_runtime.protocol import ACCOUNTING, MAX_EXAMPLES, REFUSAL_REASONS, RNG_MODES
+from prism_runtime.ranges import SIGMA_MAX, SIGMA_MIN
 from server.errors import ReplyError
 from server.strategy.bounds import AutoClip
 from server.strategy.replies import (
@@ -150,6 +151,19 @@ def test_mechanism_parameters_at_the_edges_of_their_ranges(change, ok):
         assert f"{name}={float(value) if name != 'steps' else value}" in message
 
 
+@pytest.mark.parametrize("status", ["ok", "refused"])
+def test_a_noise_multiplier_is_zero_or_in_the_range_a_site_runs(status):
+    """0 (no noise: a refusal, or a non-DP method) or ``[SIGMA_MIN, SIGMA_MAX]``, whatever the
+    status: a positive sigma below ``SIGMA_MIN`` is no multiplier any site runs."""
+    for sigma in (0.0, SIGMA_MIN, 1.0, SIGMA_MAX):
+        assert validate_facts(honest_facts("a", status=status, sigma=sigma))["sigma"] == sigma
+    for sigma in (SIGMA_MIN * (1 - 1e-12), 0.5 * SIGMA_MIN, 1e-9, 5e-324):
+        assert _rejected(honest_facts("a", status=status, sigma=sigma)) == (
+            f"sigma={sigma} is neither 0 (no noise) nor in [{SIGMA_MIN:g}, {SIGMA_MAX:g}], the "
+            "noise multipliers a site runs"
+        )
+
+
 @pytest.mark.parametrize(
     ("name", "good", "bad", "says"),
     [
@@ -187,6 +201,9 @@ def test_clip_estimate_facts_come_all_three_or_none():
     ("change", "ok"),
     [
         ({"quantile_sigma": 0.5}, True),
+        ({"quantile_sigma": SIGMA_MIN}, True),
+        ({"quantile_sigma": SIGMA_MIN * (1 - 1e-12)}, False),
+        ({"quantile_sigma": 1e-9}, False),
         ({"quantile_sigma": 1e8}, True),
         ({"quantile_sigma": 1e8 * (1 + 1e-12)}, False),
         ({"quantile_sigma": 0.0}, False),
@@ -274,6 +291,38 @@ def test_sigma_zero_in_a_dp_run_is_a_mismatch_and_fine_in_a_non_dp_run():
     assert _mismatch(_terms(), facts) == "sigma = 0 for a differentially private method"
     nondp = honest_facts("a", sigma=0.0, max_norm=None, expected_batch_size=None)
     _terms(dp=False, max_norm=None, expected_batch_size=None).check(nondp)
+
+
+def test_a_fixed_noise_multiplier_is_matched_to_one_part_in_a_million():
+    terms = _terms(noise_multiplier=2.0)
+    for sigma in (2.0, 2.0 * (1 + 5e-7), 2.0 * (1 - 5e-7)):
+        terms.check(honest_facts("a", sigma=sigma))
+    for sigma in (1.0, 2.0 * (1 + 5e-6), 2.0 * (1 - 5e-6), 4.0):  # 1.0: half the run's sigma
+        assert _mismatch(terms, honest_facts("a", sigma=sigma)) == (
+            f"fact sigma {sigma!r} is not the run's noise-multiplier 2.0"
+        )
+
+
+def test_a_calibrated_noise_multiplier_is_any_sigma_a_site_runs():
+    """Each site calibrates its own sigma: any in ``[SIGMA_MIN, SIGMA_MAX]`` matches the run,
+    and one below ``SIGMA_MIN`` never reaches the terms (``validate_facts`` refuses it)."""
+    terms = _terms()
+    assert terms.noise_multiplier is None
+    for sigma in (SIGMA_MIN, 0.8, 37.0, SIGMA_MAX):
+        terms.check(validate_facts(honest_facts("a", sigma=sigma)))
+    for sigma in (SIGMA_MIN * (1 - 1e-9), 0.1):
+        message = _rejected(honest_facts("a", sigma=sigma))
+        assert message.startswith(f"sigma={sigma} is neither 0 (no noise) nor in [0.3, 10000]")
+
+
+def test_a_fixed_noise_multiplier_binds_no_refusal_and_no_non_dp_reply():
+    refusal = honest_facts("a", status="refused", reason=next(iter(REFUSAL_REASONS)), steps=0)
+    _terms(noise_multiplier=2.0).check({**refusal, "sigma": 0.0})
+    nondp = honest_facts("a", sigma=0.0, max_norm=None, expected_batch_size=None)
+    _terms(dp=False, noise_multiplier=2.0, max_norm=None, expected_batch_size=None).check(nondp)
+    assert _mismatch(_terms(noise_multiplier=2.0), honest_facts("a", sigma=0.0)) == (
+        "sigma = 0 for a differentially private method"
+    )
 
 
 def test_the_runs_clip_and_batch_are_matched_to_one_part_in_a_million():

@@ -22,6 +22,7 @@ from test_strategy import MODULES, SHAPES, _facts, _global, _Grid, _reply, _stra
 import server.strategy.core as core
 from prism_runtime.faults import NO_FAULTS, Faults
 from prism_runtime.protocol import key
+from prism_runtime.ranges import SIGMA_MIN
 from server.ledger import Ledger
 from server.optimizer import ServerOptimizerConfig
 from server.strategy import UpdateBound
@@ -99,6 +100,8 @@ def test_the_defaults_a_caller_gets_by_leaving_a_setting_out(tmp_path) -> None:
         assert strategy.selection.connect_timeout == 600.0
         assert strategy.selection.rng.getstate() == random.Random(0).getstate()
         assert (strategy.aggregator.local_lr, strategy.aggregator.num_rounds) == (1.0, 1)
+        # no noise multiplier given: each site calibrates its own, any in range is the run's
+        assert strategy.terms.noise_multiplier is None
 
 
 @pytest.mark.parametrize(("min_sites", "sites_per_round"), [(0, 2), (3, 2), (-1, 1)])
@@ -212,6 +215,50 @@ def test_one_site_with_a_weight_below_one_updates_the_model(tmp_path) -> None:
     assert metrics["sites-accepted"] == 1
     assert 0 < strategy.aggregator.total_weight < 1
     assert new is not None and metrics["applied"] == 1
+
+
+def test_a_fixed_noise_multiplier_is_the_sigma_every_dp_reply_must_state(tmp_path) -> None:
+    """The run fixes sigma = 2.0: a reply stating half of it is rejected (``facts-mismatch``) and
+    never charged as confirmed; one within a part in a million of it counts."""
+    strategy, ledger = _strategy(tmp_path, sites_per_round=3, noise_multiplier=2.0)
+    assert strategy.terms.noise_multiplier == 2.0
+    requests = _ask(strategy)
+    sigmas = {"site-a": 2.0, "site-b": 1.0, "site-c": 2.0 * (1 + 5e-7)}
+    replies = [
+        _reply(request, _zero_update(), {**_facts(site), "sigma": sigma})
+        for request, (site, sigma) in zip(requests, sigmas.items(), strict=True)
+    ]
+    _, metrics = strategy.aggregate_train(1, replies)
+    summary = strategy.summaries[-1]
+    assert sorted(summary.accepted) == ["site-a", "site-c"]
+    assert summary.rejected == [("site-b", "fact sigma 1.0 is not the run's noise-multiplier 2.0")]
+    assert summary.rejected_by_reason == {"facts-mismatch": 1}
+    assert metrics["rejected-facts-mismatch"] == 1
+    assert sorted(e.site_id for e in ledger.events() if e.confirmed) == ["site-a", "site-c"]
+    assert [e.event.noise_multiplier for e in ledger.events(site_id="site-a")] == [2.0]
+
+
+def test_a_calibrated_sigma_below_the_smallest_a_site_runs_is_rejected(tmp_path) -> None:
+    """No fixed sigma (each site calibrates): ``SIGMA_MIN`` counts, just below it is rejected
+    (``facts``) and never charged as confirmed."""
+    strategy, ledger = _strategy(tmp_path, sites_per_round=2)
+    requests = _ask(strategy, nodes=[11, 12])
+    sigmas = {"site-a": SIGMA_MIN, "site-b": SIGMA_MIN * (1 - 1e-9)}
+    replies = [
+        _reply(request, _zero_update(), {**_facts(site), "sigma": sigma})
+        for request, (site, sigma) in zip(requests, sigmas.items(), strict=True)
+    ]
+    strategy.aggregate_train(1, replies)
+    summary = strategy.summaries[-1]
+    assert summary.accepted == ["site-a"]
+    assert summary.rejected_by_reason == {"facts": 1}
+    says = (
+        f"sigma={SIGMA_MIN * (1 - 1e-9)} is neither 0 (no noise) nor in [0.3, 10000], the "
+        "noise multipliers a site runs"
+    )
+    assert summary.rejected == [("node-12", says)]  # refused before its site id is bound
+    assert [e.site_id for e in ledger.events() if e.confirmed] == ["site-a"]
+    assert [e.event.noise_multiplier for e in ledger.events(site_id="site-a")] == [SIGMA_MIN]
 
 
 def test_a_second_reply_of_a_site_is_rejected_as_a_duplicate_and_the_first_counts(

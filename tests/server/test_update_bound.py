@@ -110,6 +110,7 @@ def _strategy(run, site, tmp_path):
             lr=run.lr, max_norm=run.max_norm, expected_batch_size=run.batch_size
         ),
         mechanism=MECHANISMS[site_method(run.method)],
+        noise_multiplier=run.noise_multiplier,  # the real site must state the run's sigma
     )
 
 
