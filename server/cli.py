@@ -3,7 +3,8 @@
 Subcommands:
 
 - ``report --ledger FILE --out DIR [--planned-steps-per-round N]``: write ``report.json``,
-  ``report.csv`` and ``report.html`` (budget per site, epsilon recomputed from the ledger). The
+  ``report.csv`` and ``report.html`` (budget per site, epsilon recomputed from the ledger; the
+  held-out metric per round from ``summary.json`` beside the ledger when the run has one). The
   ledger is opened read-only and never modified.
 
 - ``audit --ledger FILE [--run-config FILE] [--out DIR] [--canaries N] ...``: the privacy
@@ -37,7 +38,7 @@ from typing import Any
 from server.errors import ConfigError, LedgerError
 from server.ledger import Ledger
 from server.report import build_report, format_round_table
-from server.report_files import write_reports
+from server.report_files import read_server_eval, write_reports
 
 __all__ = ["EXIT_AUDIT_FAILED", "EXIT_ERROR", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
 
@@ -62,7 +63,11 @@ def _positive_int(text: str) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     with Ledger.open(args.ledger, create=False, read_only=True) as ledger:
-        report = build_report(ledger, planned_steps_per_round=args.planned_steps_per_round)
+        report = build_report(
+            ledger,
+            planned_steps_per_round=args.planned_steps_per_round,
+            server_eval=read_server_eval(Path(args.ledger).parent),
+        )
     try:
         paths = write_reports(report, args.out)
     except OSError as exc:
@@ -317,7 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
         "report",
         help="write JSON, CSV and HTML budget reports from a ledger",
         description="Budget report per site; epsilon is recomputed from the ledger's events "
-        "(PRV accountant, RDP cross-check). The ledger is opened read-only.",
+        "(PRV accountant, RDP cross-check). The ledger is opened read-only. When the ledger's "
+        "folder is a finished run's (summary.json), the page also plots the coordinator's "
+        "held-out metric per round.",
     )
     report.add_argument("--ledger", required=True, metavar="FILE", help="the ledger (SQLite)")
     report.add_argument("--out", required=True, metavar="DIR", help="output folder")

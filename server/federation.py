@@ -299,9 +299,12 @@ def run_federation(grid: Grid, run: RunConfig, *, faults: Faults = NO_FAULTS) ->
         )
         load_arrays(loaded, result.arrays.to_torch_state_dict())
         adapter = _export(loaded, run_dir, strategy.summaries)
-        report_files = write_reports(
-            build_report(ledger, planned_steps_per_round=run.local_steps), run_dir
+        report = build_report(
+            ledger,
+            planned_steps_per_round=run.local_steps,
+            server_eval=result.evaluate_metrics_serverapp,
         )
+        report_files = write_reports(report, run_dir)
         summary = {
             "run-id": run_id,
             **adapter,

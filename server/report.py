@@ -53,6 +53,7 @@ __all__ = [
     "format_round_table",
     "projected_rounds_left",
     "round_rows",
+    "server_eval_series",
     "site_marks",
 ]
 
@@ -89,6 +90,9 @@ CSV_COLUMNS: Final = (
     "marks",
     "note",
 )
+SERVER_EVAL_METRICS: Final = ("accuracy", "exact_match")
+"""The held-out metrics a report shows per round, in order of preference
+(``prism_runtime.evaluate.evaluate``: accuracy for seq-cls, exact match for causal-lm)."""
 MARK_UNCONFIRMED: Final = "unconfirmed charges counted (worst case)"
 MARK_EPSILON_UNKNOWN: Final = "epsilon unknown (worst case)"
 MARK_NOT_PRIVATE: Final = "not private against the coordinator (reproducible rng)"
@@ -271,7 +275,7 @@ def _site_row(
             "randomness. "
         )
     if len(set(caps)) > 1:
-        row["note"] = f"caps changed {_distinct(caps)}; the smallest applies. "
+        row["note"] += f"caps changed {_distinct(caps)}; the smallest applies. "
     if len({e.delta for e in events}) > 1:
         row["note"] += "deltas differ; accounted at the smallest. "
     try:
@@ -329,11 +333,42 @@ def replace_one(epsilon_value: float, delta: float) -> tuple[float, float]:
     return 2.0 * epsilon_value, min(1.0, (1.0 + math.exp(epsilon_value)) * delta)
 
 
+def server_eval_series(
+    metrics: Mapping[Any, Mapping[str, Any]] | None,
+) -> dict[str, Any] | None:
+    """The coordinator's held-out metric per round, as a report holds it.
+
+    Args:
+        metrics: round -> the coordinator's evaluation of the global model after that round
+            (round 0: before training), as Flower's ``Result.evaluate_metrics_serverapp`` or
+            ``summary.json``'s ``server-eval`` (round numbers as strings) hold it; values that
+            are not numbers are left out.
+
+    Returns:
+        ``{"metric": name, "rounds": [{"round": r, **metrics}, ...]}`` in round order, with
+        ``metric`` the first of ``SERVER_EVAL_METRICS`` present (else the first key that is
+        not ``loss`` or ``examples``); None when ``metrics`` is empty or holds no such key.
+    """
+    if not metrics:
+        return None
+    rounds = sorted(
+        (int(r), {str(k): float(v) for k, v in m.items() if isinstance(v, int | float)})
+        for r, m in metrics.items()
+    )
+    keys = _distinct([k for _, m in rounds for k in m])
+    others = [k for k in keys if k not in ("loss", "examples")]
+    name = next((k for k in SERVER_EVAL_METRICS if k in keys), others[0] if others else None)
+    if name is None:
+        return None
+    return {"metric": name, "rounds": [{"round": r, **m} for r, m in rounds]}
+
+
 def build_report(
     ledger: Ledger,
     *,
     planned_steps_per_round: int | None = None,
     horizon_rounds: int = DEFAULT_HORIZON_ROUNDS,
+    server_eval: Mapping[Any, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """A budget report of every site in the ledger.
 
@@ -365,7 +400,8 @@ def build_report(
     ``run_ids``, ``generated_at`` (UTC ISO-8601), ``ledger`` (path), ``accountant``,
     ``unconfirmed_charges`` (their number over all sites), ``epsilon_unknown`` (sites),
     ``not_private_against_coordinator`` (``{"sites": [...], "runs": [...]}``: sites and runs
-    with an event of the reproducible rng).
+    with an event of the reproducible rng), ``server_eval`` (``server_eval_series`` of
+    ``server_eval``, the coordinator's held-out metric per round of the run, or None).
 
     A site whose events cannot be accounted (non-Poisson sampling) gets epsilon inf and status
     "exhausted" with the reason in ``note``.
@@ -414,6 +450,7 @@ def build_report(
         },
         "sites": sites,
         "series": series,
+        "server_eval": server_eval_series(server_eval),
     }
 
 
