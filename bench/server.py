@@ -207,10 +207,25 @@ def strategy_for(spec: dict[str, tuple], sites: int, folder: Path) -> PrismStrat
         sites_per_round=sites,
         min_sites=1,
         server_lr=1.0,
+        lr_schedule="constant",
+        num_rounds=1,
+        server_optimizer="sgd",
         local_steps=10,
+        local_lr=1.0,
         target_epsilon=8.0,
         delta=1e-5,
+        aggregation="inverse-noise",
+        # C, b and sigma as the replies state them (``facts``), not fixed by a run config
+        noise_multiplier=None,
+        max_norm=None,
+        expected_batch_size=None,
+        seed=0,
         wait_for_nodes=0.0,
+        connect_timeout=600.0,
+        update_bound=None,  # the replies' shapes and values are checked, not their norm
+        mechanism="prism-tangent-gaussian",
+        dp=True,
+        auto_clip=None,
     )
 
 

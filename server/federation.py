@@ -42,7 +42,6 @@ from prism_runtime.export import export_adapter
 from prism_runtime.faults import NO_FAULTS, Faults
 from prism_runtime.model import LoadedModel, load_model, model_config_for
 from prism_runtime.synthetic import synthetic_examples, synthetic_stream
-from prism_runtime.trainer import MECHANISMS, site_train_config
 from server.checkpoint import (
     CHECKPOINT,
     Checkpoint,
@@ -53,10 +52,9 @@ from server.checkpoint import (
 from server.errors import ConfigError
 from server.ledger import Ledger
 from server.optimizer import STATE_PREFIX as OPTIMIZER_STATE
-from server.optimizer import ServerOptimizerConfig
 from server.report import build_report, format_round_table, round_rows
 from server.report_files import write_reports
-from server.strategy import AutoClip, PrismStrategy, RoundSummary, UpdateBound
+from server.strategy import PrismStrategy, RoundSummary
 
 __all__ = ["ADAPTER_DIR", "make_run_dir", "no_adapter_reason", "run_federation"]
 
@@ -129,19 +127,6 @@ def _previous_result(ckpt: Checkpoint) -> Result:
     return result
 
 
-def _auto_clip(run: RunConfig) -> AutoClip | None:
-    """What the coordinator checks of the sites' private clips (``max-norm = auto``)."""
-    if not run.auto_clip or run.method == "nondp":  # nondp: no clip, nothing estimated
-        return None
-    low, high = run.auto_clip_range
-    return AutoClip(
-        low=low,
-        high=high,
-        steps=run.clip_quantile_steps,
-        noise_multiplier=run.clip_quantile_noise * run.batch_size,
-    )
-
-
 def no_adapter_reason(summaries: list[RoundSummary]) -> str:
     """Why no round was applied, from the rounds' summaries (empty when one was)."""
     if any(s.applied for s in summaries):
@@ -196,52 +181,12 @@ def run_federation(grid: Grid, run: RunConfig, *, faults: Faults = NO_FAULTS) ->
     initial = to_arrays(loaded)
     modules = [h.name for h in loaded.handles]
     head = [name for name, _ in head_named(loaded)]
-    auto_clip = _auto_clip(run)
     ledger = Ledger.open(run_dir / "ledger.sqlite", faults=faults)
     try:
         run_id = run_dir.name
         ledger.record_run(run_id, config)
-        strategy = PrismStrategy(
-            modules=modules,
-            head=head,
-            mode="tangent" if run.method == "prism" else "factor-average",
-            ledger=ledger,
-            run_id=run_id,
-            sites_per_round=run.sites_per_round,
-            min_sites=run.min_sites,
-            connect_timeout=run.connect_timeout,
-            server_lr=run.server_lr,
-            lr_schedule=run.server_lr_schedule,
-            num_rounds=run.num_rounds,
-            local_steps=run.local_steps,
-            target_epsilon=run.target_epsilon,
-            delta=run.delta,
-            aggregation=run.aggregation,
-            # a fixed sigma every DP reply must state (-1: each site calibrates its own)
-            noise_multiplier=run.noise_multiplier if run.noise_multiplier >= 0 else None,
-            # a fixed C every reply must state; with max-norm = auto, AutoClip checks its range
-            max_norm=run.max_norm if isinstance(run.max_norm, float) else None,
-            expected_batch_size=float(run.batch_size),
-            server_optimizer=ServerOptimizerConfig(kind=run.server_optimizer, lr=run.server_lr),
-            local_lr=run.lr,
-            seed=run.seed,
-            # from the TrainConfig the sites derive from this run config (PRISM's adaptive
-            # transform, the head's SGD or AdamW, AdamW for the baselines); with max-norm = auto,
-            # at the largest clip a site's estimate can give (AutoClip.high)
-            update_bound=UpdateBound.for_sites(
-                site_train_config(
-                    run,
-                    method=site_method(run.method),
-                    max_norm=run.max_norm
-                    if isinstance(run.max_norm, float)
-                    else run.auto_clip_range[1],
-                    epsilon=run.target_epsilon,
-                )
-            ),
-            # what the sites must report: the mechanism the run's method runs there
-            mechanism=MECHANISMS[site_method(run.method)],
-            dp=run.method != "nondp",
-            auto_clip=auto_clip,
+        strategy = PrismStrategy.from_run(
+            run, modules=modules, head=head, ledger=ledger, run_id=run_id
         )
 
         first_round, initial_record, previous = 1, ArrayRecord(initial), None

@@ -266,7 +266,7 @@ EQUIVALENT: dict[str, dict[str, str]] = {
             f"server.strategy.replies.xǁRunTermsǁ_check_clip__mutmut_{i}": "the default of "
             "max-norm's lookup (nan -> None or none): a DP reply without max-norm is rejected "
             "by check() before _check_clip, and the coordinator makes an AutoClip for DP "
-            "methods only (server/federation.py _auto_clip)"
+            "methods only (AutoClip.for_run)"
             for i in (41, 43)
         },
         "server.strategy.bounds.xǁUpdateBoundǁfor_sites__mutmut_16": "bias_correction= dropped: "

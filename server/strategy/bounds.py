@@ -24,9 +24,9 @@ from prism_core.bounds import (
     tangent_dimension,
 )
 from prism_core.manifold import Point, tangent_norm_sq
-from prism_runtime.config import HEAD_MOMENTUM, SGD_HEADS
+from prism_runtime.config import HEAD_MOMENTUM, SGD_HEADS, RunConfig, site_method
 from prism_runtime.protocol import HEAD_PREFIX, key
-from prism_runtime.train_config import ADAMW_BETAS, TrainConfig
+from prism_runtime.train_config import ADAMW_BETAS, TrainConfig, site_train_config
 from server.errors import ConfigError, ReplyError
 from server.strategy.aggregator import Mode
 
@@ -82,6 +82,18 @@ class UpdateBound:
             failure=failure,
         )
 
+    @classmethod
+    def for_run(cls, run: RunConfig) -> UpdateBound:
+        """The bound for the honest sites of ``run``: ``for_sites`` of the ``TrainConfig`` each
+        of them derives from it (``site_train_config``: PRISM's adaptive transform, the head's
+        SGD or AdamW, AdamW for the baselines); with ``max-norm = auto``, at the largest clip a
+        site's estimate can give (``AutoClip.high``)."""
+        clip = run.max_norm if isinstance(run.max_norm, float) else run.auto_clip_range[1]
+        train = site_train_config(
+            run, method=site_method(run.method), max_norm=clip, epsilon=run.target_epsilon
+        )
+        return cls.for_sites(train)
+
     def __post_init__(self) -> None:
         if self.optimizer not in ("adaptive", "sgd"):
             raise ConfigError(f"optimizer={self.optimizer!r}: use 'adaptive' or 'sgd'")
@@ -120,6 +132,20 @@ class AutoClip:
     high: float
     steps: int
     noise_multiplier: float
+
+    @classmethod
+    def for_run(cls, run: RunConfig) -> AutoClip | None:
+        """What the coordinator checks of the private clips of ``run``'s sites; None when the
+        run fixes its clip or runs ``nondp`` (no clip, nothing estimated)."""
+        if not run.auto_clip or run.method == "nondp":
+            return None
+        low, high = run.auto_clip_range
+        return cls(
+            low=low,
+            high=high,
+            steps=run.clip_quantile_steps,
+            noise_multiplier=run.clip_quantile_noise * run.batch_size,
+        )
 
     def __post_init__(self) -> None:
         ok = 0 < self.low <= self.high < math.inf and self.steps >= 1

@@ -15,9 +15,9 @@ reason in the round summary and skipped (``PrismStrategy.aggregate_train``). No 
 reach the global adapter: the replies, their mean and the retracted result are all checked.
 Every site asked to run a round is charged in the ledger (``server.strategy.charges``).
 
-Just above ~400 lines on purpose: this is the thin wiring of selection, replies, charges, bounds
-and aggregation (each its own module) into Flower's ``Strategy`` interface, which fixes the
-methods it must have.
+Above ~400 lines on purpose: this is the thin wiring of a run config (``from_run``) and of
+selection, replies, charges, bounds and aggregation (each its own module) into Flower's
+``Strategy`` interface, which fixes the methods it must have.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.result import Result
 
 from prism_core.aggregation import Aggregation
+from prism_runtime.config import RunConfig, site_method
 from prism_runtime.faults import NO_FAULTS, Faults
 from prism_runtime.protocol import (
     ARRAYS,
@@ -43,9 +44,15 @@ from prism_runtime.protocol import (
     STATUS_REFUSED,
     UPDATE,
 )
+from prism_runtime.train_config import MECHANISMS
 from server.errors import ReplyError
-from server.ledger import DEFAULT_MECHANISM, Ledger
-from server.optimizer import ServerOptimizer, ServerOptimizerConfig, scheduled_lr
+from server.ledger import Ledger
+from server.optimizer import (
+    ServerOptimizer,
+    ServerOptimizerConfig,
+    ServerOptimizerKind,
+    scheduled_lr,
+)
 from server.strategy.aggregator import Mode, StreamingAggregator
 from server.strategy.binding import SiteBinding
 from server.strategy.bounds import AutoClip, UpdateBound, UpdateChecker
@@ -58,7 +65,7 @@ from server.strategy.replies import (
     unconfirmed_code,
 )
 from server.strategy.rounds import RoundSummary
-from server.strategy.selection import Selection
+from server.strategy.selection import WAIT_FOR_NODES, Selection
 
 __all__ = ["PrismStrategy"]
 
@@ -79,6 +86,9 @@ class _Tally:
 class PrismStrategy(Strategy):
     """Round orchestration for PRISM and the factor-averaging baselines.
 
+    ``from_run`` builds it from a run config, the one source of every setting's default; the
+    constructor has no defaults and takes every setting by keyword.
+
     Args:
         modules: LoRA module names (keys ``<module>/A``, ``<module>/B`` of the global arrays).
         head: names of the DP head tensors (keys ``head/<name>``), possibly empty.
@@ -86,19 +96,28 @@ class PrismStrategy(Strategy):
         ledger: the coordinator's privacy ledger.
         run_id: this run's id in the ledger.
         sites_per_round, min_sites, server_lr, aggregation, local_steps, default cap
-        (epsilon, delta) and seed: see ``prism_runtime.config.RunConfig``.
-        update_bound: the sites' local optimizer settings; when given, a reply whose update
-            norm exceeds what an honest site can produce (``prism_core.bounds``) is rejected.
-        mechanism: the mechanism the run's method runs on each site
-            (``prism_runtime.trainer.MECHANISMS[prism_runtime.config.site_method(method)]``);
-            a reply reporting another is rejected.
-        dp: whether that mechanism adds noise; a DP reply must report sigma > 0.
-        noise_multiplier: the run's sigma when the run config fixes it (a DP reply must report
-            it); None when each site calibrates its own.
-        auto_clip: set for a run with ``max-norm = auto`` (see ``AutoClip``).
+        (epsilon, delta), connect_timeout and seed: see ``prism_runtime.config.RunConfig``.
         lr_schedule, num_rounds: the server lr of round ``t`` is
             ``scheduled_lr(server_lr, lr_schedule, t, num_rounds)`` (run-config
             ``server-lr-schedule``), for every mode and server optimizer.
+        server_optimizer: the server step's kind (run-config ``server-optimizer``), at
+            ``server_lr``.
+        local_lr: the sites' local lr (run-config ``lr``), to express the aggregate's noise in
+            update units.
+        noise_multiplier: the run's sigma when the run config fixes it (a DP reply must report
+            it); None when each site calibrates its own.
+        max_norm, expected_batch_size: the run's C and b every DP reply must state (None: not
+            fixed by the run).
+        wait_for_nodes: seconds to wait for ``sites_per_round`` sites before going on with
+            ``min_sites`` (``Selection``).
+        update_bound: the sites' local optimizer settings; a reply whose update norm exceeds
+            what an honest site can produce (``prism_core.bounds``) is rejected. None: only the
+            update's keys, shapes and values are checked.
+        mechanism: the mechanism the run's method runs on each site
+            (``prism_runtime.train_config.MECHANISMS[prism_runtime.config.site_method(method)]``);
+            a reply reporting another is rejected.
+        dp: whether that mechanism adds noise; a DP reply must report sigma > 0.
+        auto_clip: set for a run with ``max-norm = auto`` (see ``AutoClip``).
     """
 
     def __init__(
@@ -112,24 +131,24 @@ class PrismStrategy(Strategy):
         sites_per_round: int,
         min_sites: int,
         server_lr: float,
+        lr_schedule: str,
+        num_rounds: int,
+        server_optimizer: ServerOptimizerKind,
         local_steps: int,
+        local_lr: float,
         target_epsilon: float,
         delta: float,
-        aggregation: Aggregation = "inverse-noise",
-        noise_multiplier: float | None = None,
-        max_norm: float | None = None,
-        expected_batch_size: float | None = None,
-        server_optimizer: ServerOptimizerConfig | None = None,
-        local_lr: float = 1.0,
-        seed: int = 0,
-        wait_for_nodes: float = 120.0,
-        connect_timeout: float = 600.0,
-        update_bound: UpdateBound | None = None,
-        mechanism: str = DEFAULT_MECHANISM,
-        dp: bool = True,
-        auto_clip: AutoClip | None = None,
-        lr_schedule: str = "constant",
-        num_rounds: int = 1,
+        aggregation: Aggregation,
+        noise_multiplier: float | None,
+        max_norm: float | None,
+        expected_batch_size: float | None,
+        seed: int,
+        wait_for_nodes: float,
+        connect_timeout: float,
+        update_bound: UpdateBound | None,
+        mechanism: str,
+        dp: bool,
+        auto_clip: AutoClip | None,
     ) -> None:
         scheduled_lr(server_lr, lr_schedule, 1, num_rounds)  # validates both
         if not 1 <= min_sites <= sites_per_round:
@@ -175,7 +194,7 @@ class PrismStrategy(Strategy):
             head=head,
             mode=mode,
             optimizer=ServerOptimizer(
-                server_optimizer or ServerOptimizerConfig(lr=server_lr), modules, head
+                ServerOptimizerConfig(kind=server_optimizer, lr=server_lr), modules, head
             ),
             server_lr=server_lr,
             lr_schedule=lr_schedule,
@@ -193,6 +212,61 @@ class PrismStrategy(Strategy):
             delta=delta,
             mechanism=mechanism,
             auto_clip=auto_clip,
+        )
+
+    @classmethod
+    def from_run(
+        cls,
+        run: RunConfig,
+        *,
+        modules: list[str],
+        head: list[str],
+        ledger: Ledger,
+        run_id: str,
+        wait_for_nodes: float = WAIT_FOR_NODES,
+    ) -> PrismStrategy:
+        """The strategy of the run ``run``: every setting the run config holds is read from it.
+
+        The mode and the mechanism every reply must state follow the run's method; sigma and C
+        are fixed when the run fixes them (``noise-multiplier = -1``: each site calibrates its
+        own sigma; ``max-norm = auto``: ``AutoClip.for_run`` checks the range of each site's
+        private clip); the update bound is the one of the ``TrainConfig`` the sites derive from
+        the run (``UpdateBound.for_run``).
+
+        Args:
+            run: the validated run config.
+            modules, head: the loaded model's LoRA module names and DP head tensor names.
+            ledger, run_id: the coordinator's privacy ledger and this run's id in it.
+            wait_for_nodes: seconds a round waits for ``sites-per-round`` sites before going
+                on with ``min-sites``.
+        """
+        return cls(
+            modules=modules,
+            head=head,
+            mode="tangent" if run.method == "prism" else "factor-average",
+            ledger=ledger,
+            run_id=run_id,
+            sites_per_round=run.sites_per_round,
+            min_sites=run.min_sites,
+            server_lr=run.server_lr,
+            lr_schedule=run.server_lr_schedule,
+            num_rounds=run.num_rounds,
+            server_optimizer=run.server_optimizer,
+            local_steps=run.local_steps,
+            local_lr=run.lr,
+            target_epsilon=run.target_epsilon,
+            delta=run.delta,
+            aggregation=run.aggregation,
+            noise_multiplier=run.noise_multiplier if run.noise_multiplier >= 0 else None,
+            max_norm=run.max_norm if isinstance(run.max_norm, float) else None,
+            expected_batch_size=float(run.batch_size),
+            seed=run.seed,
+            wait_for_nodes=wait_for_nodes,
+            connect_timeout=run.connect_timeout,
+            update_bound=UpdateBound.for_run(run),
+            mechanism=MECHANISMS[site_method(run.method)],
+            dp=run.method != "nondp",
+            auto_clip=AutoClip.for_run(run),
         )
 
     @property

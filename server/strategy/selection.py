@@ -17,9 +17,13 @@ from flwr.serverapp import Grid
 from server.errors import SitesUnavailableError
 from server.ledger import Ledger
 
-__all__ = ["Selection"]
+__all__ = ["WAIT_FOR_NODES", "Selection"]
 
 log = logging.getLogger("server.strategy")
+
+WAIT_FOR_NODES = 120.0
+"""Seconds a round waits for ``sites-per-round`` connected sites before it goes on with
+``min-sites`` (the grid's timing, not a run config key)."""
 
 
 class Selection:

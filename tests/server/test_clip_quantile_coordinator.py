@@ -16,6 +16,7 @@ import torch
 from conftest import random_point
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, RecordDict
 from reply_facts import honest_facts
+from strategy_helpers import strategy_for
 
 from client.policy import site_policy
 from client.site import Site
@@ -34,7 +35,6 @@ from prism_runtime.protocol import (
     key,
 )
 from server.audit.accountants import check_ledger
-from server.federation import _auto_clip
 from server.ledger import Ledger
 from server.report import build_report
 from server.report_files import write_reports
@@ -112,24 +112,17 @@ def test_the_estimate_is_charged_in_both_ledgers_and_in_the_report(tiny_bert, tm
     )
     site = Site(run, node, site_policy(node))
     ledger = Ledger.open(tmp_path / "ledger.sqlite")
-    strategy = PrismStrategy(
+    strategy = PrismStrategy.from_run(
+        run,
         modules=[h.name for h in site.loaded.handles],
         head=[name for name, _ in head_named(site.loaded)],
-        mode="tangent",
         ledger=ledger,
         run_id="run-1",
-        sites_per_round=1,
-        min_sites=1,
-        server_lr=1.0,
-        local_steps=run.local_steps,
-        target_epsilon=run.target_epsilon,
-        delta=run.delta,
         wait_for_nodes=0.0,
-        update_bound=UpdateBound(
-            lr=run.lr, max_norm=run.auto_clip_range[1], expected_batch_size=run.batch_size
-        ),
-        auto_clip=_auto_clip(run),
     )
+    assert strategy.terms.auto_clip == AutoClip.for_run(run)
+    assert strategy.update_bound == UpdateBound.for_run(run)
+    assert strategy.update_bound.max_norm == run.auto_clip_range[1]  # the largest clip
     arrays = to_arrays(site.loaded)
     for server_round in (1, 2):
         (request,) = _ask(strategy, server_round, arrays).values()
@@ -197,19 +190,13 @@ def _global():
 
 
 def _strategy(ledger, auto=AUTO):
-    return PrismStrategy(
+    return strategy_for(
         modules=[MODULE],
-        head=[],
-        mode="tangent",
         ledger=ledger,
-        run_id="run-1",
         sites_per_round=2,
-        min_sites=1,
-        server_lr=1.0,
         local_steps=TAU,
         target_epsilon=100.0,
         delta=DELTA,
-        wait_for_nodes=0.0,
         auto_clip=auto,
     )
 

@@ -42,7 +42,7 @@ SCALE = 2e-3  # entry size of the scripted updates: well inside the honest-updat
 
 
 def _weights(aggregation: str) -> dict[int, float]:
-    """Closed-form weights (DESIGN.md §3): (b / (sigma C))^2, 1, or N_k, normalised."""
+    """Closed-form weights (docs/design.md §3): (b / (sigma C))^2, 1, or N_k, normalised."""
     raw = {
         node: {"inverse-noise": (BATCH / (sigma * C)) ** 2, "uniform": 1.0, "examples": float(n)}[
             aggregation

@@ -27,6 +27,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRec
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from reply_facts import honest_facts
+from strategy_helpers import strategy_for
 
 from prism_runtime.protocol import (
     ACCOUNTING,
@@ -317,19 +318,13 @@ def _malform(kind, node, request, data, bound) -> Spec:
 
 
 def _strategy(folder: Path) -> PrismStrategy:
-    return PrismStrategy(
+    return strategy_for(
         modules=MODULES,
-        head=HEAD,
-        mode="tangent",
         ledger=Ledger.open(folder / "ledger.sqlite"),
+        head=HEAD,
         run_id="fuzz",
         sites_per_round=len(NODES),
-        min_sites=1,
-        server_lr=1.0,
         local_steps=TAU,
-        target_epsilon=10.0,
-        delta=1e-5,
-        wait_for_nodes=0.0,
         update_bound=UpdateBound(lr=0.05),
     )
 
@@ -484,19 +479,13 @@ def test_fuzzed_hostile_replies_never_reach_the_adapter_and_ledger_is_exact():
 def test_an_update_that_annihilates_a_direction_keeps_the_old_adapter(tmp_path, caplog):
     """A valid-looking tangent update ``-s_r u_r v_r^T`` makes the retraction lose rank."""
     glob = _global(3)
-    strategy = PrismStrategy(
+    strategy = strategy_for(
         modules=MODULES,
-        head=HEAD,
-        mode="tangent",
         ledger=Ledger.open(tmp_path / "ledger.sqlite"),
+        head=HEAD,
         run_id="rank",
         sites_per_round=1,
-        min_sites=1,
-        server_lr=1.0,
         local_steps=TAU,
-        target_epsilon=10.0,
-        delta=1e-5,
-        wait_for_nodes=0.0,
     )
 
     class _One:

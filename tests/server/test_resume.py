@@ -224,9 +224,9 @@ def test_a_site_that_never_replies_is_charged_unconfirmed_and_the_round_goes_on(
     import torch
     from flwr.app import ArrayRecord
     from flwr.supercore.task_identity import TaskIdentity
+    from strategy_helpers import strategy_for
 
     from prism_runtime.protocol import key
-    from server.strategy import PrismStrategy
 
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
     g = torch.Generator().manual_seed(0)
@@ -235,20 +235,7 @@ def test_a_site_that_never_replies_is_charged_unconfirmed_and_the_round_goes_on(
         key("m", "B"): torch.randn(5, 2, generator=g),
     }
     with Ledger.open(tmp_path / "ledger.sqlite") as ledger:
-        strategy = PrismStrategy(
-            modules=["m"],
-            head=[],
-            mode="tangent",
-            ledger=ledger,
-            run_id="r",
-            sites_per_round=2,
-            min_sites=1,
-            server_lr=1.0,
-            local_steps=2,
-            target_epsilon=10.0,
-            delta=1e-5,
-            wait_for_nodes=0.0,
-        )
+        strategy = strategy_for(modules=["m"], ledger=ledger, run_id="r", sites_per_round=2)
         shapes = {key("m", "dA"): (6, 2), key("m", "dB"): (5, 2)}
         result = strategy.start(
             _HalfGrid([7, 8], shapes), ArrayRecord(glob), num_rounds=1, timeout=0.2

@@ -26,6 +26,7 @@ from conftest import random_point
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, RecordDict
 from reply_facts import honest_facts
 from sitegrid import LoopbackSites
+from strategy_helpers import strategy_for
 
 from prism_core.accounting import PrivacyEvent, epsilon
 from prism_runtime.protocol import (
@@ -48,7 +49,6 @@ from server.report import (
     round_rows,
 )
 from server.report_files import write_reports
-from server.strategy import PrismStrategy
 
 pytestmark = pytest.mark.usefixtures("flower_identity")
 
@@ -76,22 +76,9 @@ def _global():
 
 
 def _strategy(ledger, **kw):
-    params = dict(
-        modules=[MODULE],
-        head=[],
-        mode="tangent",
-        ledger=ledger,
-        run_id="run-1",
-        sites_per_round=len(NODES),
-        min_sites=1,
-        server_lr=1.0,
-        local_steps=TAU,
-        target_epsilon=100.0,
-        delta=DELTA,
-        wait_for_nodes=0.0,
-    )
+    params = dict(sites_per_round=len(NODES), local_steps=TAU, target_epsilon=100.0, delta=DELTA)
     params.update(kw)
-    return PrismStrategy(**params)
+    return strategy_for(modules=[MODULE], ledger=ledger, **params)
 
 
 def _site(node):

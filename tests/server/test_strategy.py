@@ -8,12 +8,13 @@ from conftest import random_point
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from reply_facts import honest_facts
 from sitegrid import LoopbackSites
+from strategy_helpers import strategy_for
 
 from prism_core.accounting import PrivacyEvent, epsilon
 from prism_core.manifold import project_dense, tangent_displacement, tangent_to_dense
 from prism_runtime.protocol import ACCOUNTING, CONFIG, ROUND_NONCE, SERVER_ROUND, UPDATE, key
 from server.ledger import Ledger
-from server.strategy import PrismStrategy, UpdateBound
+from server.strategy import UpdateBound
 
 pytestmark = pytest.mark.usefixtures("flower_identity")
 
@@ -40,22 +41,7 @@ def _global(seed=0):
 
 def _strategy(tmp_path, mode="tangent", **kw):
     ledger = Ledger.open(tmp_path / "ledger.sqlite")
-    params = dict(
-        modules=MODULES,
-        head=[],
-        mode=mode,
-        ledger=ledger,
-        run_id="run-1",
-        sites_per_round=3,
-        min_sites=1,
-        server_lr=1.0,
-        local_steps=2,
-        target_epsilon=10.0,
-        delta=1e-5,
-        wait_for_nodes=0.0,
-    )
-    params.update(kw)
-    return PrismStrategy(**params), ledger
+    return strategy_for(modules=MODULES, ledger=ledger, mode=mode, **kw), ledger
 
 
 def _facts(site, steps=2, status="ok"):
@@ -287,7 +273,7 @@ SIGMAS, SHARDS = [0.7, 2.1, 17.0], [500, 150, 40]  # a small site needs tenfold 
 
 
 def _closed_form_weights(aggregation):
-    """DESIGN.md §3: (b_k / (sigma_k C_k))^2, 1 or N_k, normalised (here C = 0.05, b = 16)."""
+    """docs/design.md §3: (b_k / (sigma_k C_k))^2, 1 or N_k, normalised (here C = 0.05, b = 16)."""
     raw = {
         "inverse-noise": [(16.0 / (s * 0.05)) ** 2 for s in SIGMAS],
         "uniform": [1.0] * len(SIGMAS),

@@ -1,14 +1,15 @@
 """``PrismStrategy`` (``server/strategy/core.py``): how the strategy wires its settings into its
-parts, the defaults a caller that leaves them out gets, and what a round does with a reply the
-checks refuse (a duplicate, a ledger conflict, an unexpected error), with the code, the log line
-and the charge of each.
+parts, how ``from_run`` reads every setting from a run config (the constructor has no defaults),
+and what a round does with a reply the checks refuse (a duplicate, a ledger conflict, an
+unexpected error), with the code, the log line and the charge of each.
 
-Written for the survivors of the mutation run of ``server/strategy/core.py`` (issue 17,
-docs/testing.md). Helpers and the tiny two-module adapter come from ``test_strategy.py``.
+Written for the survivors of the mutation run of ``server/strategy/core.py`` (docs/testing.md).
+Helpers and the tiny two-module adapter come from ``test_strategy.py``.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import random
 
@@ -20,13 +21,17 @@ from ledger_events import ledger_event
 from test_strategy import MODULES, SHAPES, _facts, _global, _Grid, _reply, _strategy
 
 import server.strategy.core as core
+from prism_runtime.config import RunConfig, parse_config
 from prism_runtime.faults import NO_FAULTS, Faults
 from prism_runtime.protocol import key
 from prism_runtime.ranges import SIGMA_MIN
+from prism_runtime.train_config import site_train_config
 from server.ledger import Ledger
 from server.optimizer import ServerOptimizerConfig
 from server.strategy import UpdateBound
 from server.strategy.bounds import AutoClip, UpdateChecker
+from server.strategy.replies import RunTerms
+from server.strategy.selection import WAIT_FOR_NODES
 
 pytestmark = pytest.mark.usefixtures("flower_identity")
 
@@ -76,32 +81,153 @@ def test_the_strategy_hands_its_settings_to_its_parts(tmp_path) -> None:
     assert sel.rng.getstate() == random.Random(1234).getstate()
     assert strategy.terms.auto_clip is auto
     assert strategy.charges.auto_clip is auto
-    # no server optimizer given: plain SGD at the server lr (the lr its checkpoint records)
+    # the server optimizer steps at the server lr (the lr its checkpoint records)
     assert strategy.optimizer.config == ServerOptimizerConfig(kind="sgd", lr=0.25)
 
 
-def test_the_defaults_a_caller_gets_by_leaving_a_setting_out(tmp_path) -> None:
+def test_the_constructor_takes_every_setting_by_keyword_and_has_no_default() -> None:
+    parameters = inspect.signature(core.PrismStrategy).parameters.values()
+    assert [p.name for p in parameters if p.kind is not p.KEYWORD_ONLY] == []
+    assert [p.name for p in parameters if p.default is not p.empty] == []
+
+
+def test_a_default_run_config_gives_the_products_settings(tmp_path) -> None:
+    run = RunConfig()
     with Ledger.open(tmp_path / "ledger.sqlite") as ledger:
-        strategy = core.PrismStrategy(
-            modules=MODULES,
-            head=[],
-            mode="tangent",
-            ledger=ledger,
-            run_id="run-1",
-            sites_per_round=2,
-            min_sites=1,
-            server_lr=1.0,
-            local_steps=2,
-            target_epsilon=10.0,
-            delta=1e-5,
+        strategy = core.PrismStrategy.from_run(
+            run, modules=MODULES, head=[], ledger=ledger, run_id="run-1"
         )
-        # the coordinator (server.federation) leaves wait_for_nodes out: 120 s is the product's
-        assert strategy.selection.wait_for_nodes == 120.0
+        # the grid's wait is not a run config key: 120 s is the coordinator's
+        assert strategy.selection.wait_for_nodes == WAIT_FOR_NODES == 120.0
         assert strategy.selection.connect_timeout == 600.0
+        assert (strategy.selection.sites_per_round, strategy.selection.min_sites) == (3, 1)
         assert strategy.selection.rng.getstate() == random.Random(0).getstate()
-        assert (strategy.aggregator.local_lr, strategy.aggregator.num_rounds) == (1.0, 1)
-        # no noise multiplier given: each site calibrates its own, any in range is the run's
-        assert strategy.terms.noise_multiplier is None
+        aggregator = strategy.aggregator
+        assert (aggregator.local_lr, aggregator.local_steps) == (0.002, 1)
+        assert (aggregator.server_lr, aggregator.lr_schedule, aggregator.num_rounds) == (
+            1.0,
+            "constant",
+            30,
+        )
+        assert (aggregator.aggregation, aggregator.expected_batch_size) == ("examples", 128.0)
+        assert strategy.optimizer.config == ServerOptimizerConfig(kind="sgd", lr=1.0)
+        # noise-multiplier = -1: each site calibrates its own, any in range is the run's
+        assert strategy.terms == RunTerms(
+            mechanism="prism-tangent-gaussian",
+            dp=True,
+            local_steps=1,
+            delta=1e-5,
+            noise_multiplier=None,
+            max_norm=1.0,
+            expected_batch_size=128.0,
+            auto_clip=None,
+        )
+        assert (strategy.charges.target_epsilon, strategy.charges.delta) == (3.0, 1e-5)
+        assert strategy.mode == "tangent" and strategy.dp
+
+
+def test_from_run_reads_every_setting_from_the_run_config(tmp_path) -> None:
+    run = parse_config(
+        RunConfig,
+        {
+            "method": "fedavg-factors",
+            "sites-per-round": 4,
+            "min-sites": 2,
+            "server-lr": 0.5,
+            "server-lr-schedule": "cosine",
+            "num-rounds": 7,
+            "local-steps": 3,
+            "lr": 0.01,
+            "target-epsilon": 5.0,
+            "delta": 1e-6,
+            "aggregation": "uniform",
+            "noise-multiplier": 2.0,
+            "max-norm": 0.8,
+            "head-max-norm": 0.3,
+            "batch-size": 32,
+            "seed": 9,
+            "connect-timeout": 42.0,
+        },
+        what="run config",
+    )
+    with Ledger.open(tmp_path / "ledger.sqlite") as ledger:
+        strategy = core.PrismStrategy.from_run(
+            run, modules=MODULES, head=["w"], ledger=ledger, run_id="run-9", wait_for_nodes=3.0
+        )
+        assert (strategy.modules, strategy.head, strategy.mode) == (
+            MODULES,
+            ["w"],
+            "factor-average",
+        )
+        assert (strategy.ledger, strategy.run_id) == (ledger, "run-9")
+        sel = strategy.selection
+        assert (sel.sites_per_round, sel.min_sites, sel.local_steps) == (4, 2, 3)
+        assert (sel.wait_for_nodes, sel.connect_timeout) == (3.0, 42.0)
+        assert sel.rng.getstate() == random.Random(9).getstate()
+        aggregator = strategy.aggregator
+        assert (aggregator.server_lr, aggregator.lr_schedule, aggregator.num_rounds) == (
+            0.5,
+            "cosine",
+            7,
+        )
+        assert (aggregator.local_lr, aggregator.local_steps) == (0.01, 3)
+        assert (aggregator.aggregation, aggregator.dp, aggregator.expected_batch_size) == (
+            "uniform",
+            True,
+            32.0,
+        )
+        assert strategy.optimizer.config == ServerOptimizerConfig(kind="sgd", lr=0.5)
+        # the mechanism the run's method runs on the sites (fedavg-factors: dp-adamw there)
+        assert strategy.terms == RunTerms(
+            mechanism="factor-gaussian",
+            dp=True,
+            local_steps=3,
+            delta=1e-6,
+            noise_multiplier=2.0,
+            max_norm=0.8,
+            expected_batch_size=32.0,
+            auto_clip=None,
+        )
+        charges = strategy.charges
+        assert (charges.target_epsilon, charges.delta, charges.mechanism) == (
+            5.0,
+            1e-6,
+            "factor-gaussian",
+        )
+        # the bound of the TrainConfig the sites derive from the same run config
+        train = site_train_config(run, method="dp-adamw", max_norm=0.8, epsilon=5.0)
+        assert strategy.update_bound == UpdateBound.for_sites(train) == UpdateBound.for_run(run)
+        assert strategy.update_bound.lr == 0.01 and strategy.update_bound.max_norm == 0.8
+
+
+def test_from_run_checks_a_private_clip_and_bounds_it_at_its_largest(tmp_path) -> None:
+    run = parse_config(
+        RunConfig,
+        {"max-norm": "auto", "server-optimizer": "momentum", "batch-size": 64},
+        what="run config",
+    )
+    low, high = run.auto_clip_range
+    with Ledger.open(tmp_path / "ledger.sqlite") as ledger:
+        strategy = core.PrismStrategy.from_run(
+            run, modules=MODULES, head=[], ledger=ledger, run_id="run-1"
+        )
+        auto = AutoClip(low=low, high=high, steps=30, noise_multiplier=0.05 * 64)
+        assert strategy.terms.auto_clip == auto and strategy.charges.auto_clip == auto
+        assert strategy.terms.max_norm is None  # each site reports its own estimate
+        assert strategy.update_bound is not None and strategy.update_bound.max_norm == high
+        assert strategy.optimizer.config == ServerOptimizerConfig(kind="momentum", lr=1.0)
+
+
+def test_from_run_of_a_nondp_run_expects_no_noise_and_no_clip_estimate(tmp_path) -> None:
+    run = parse_config(RunConfig, {"method": "nondp", "max-norm": "auto"}, what="run config")
+    with Ledger.open(tmp_path / "ledger.sqlite") as ledger:
+        strategy = core.PrismStrategy.from_run(
+            run, modules=MODULES, head=[], ledger=ledger, run_id="run-1"
+        )
+        assert (strategy.dp, strategy.mode) == (False, "factor-average")
+        assert (strategy.terms.mechanism, strategy.terms.dp) == ("none", False)
+        assert strategy.terms.auto_clip is None and strategy.charges.auto_clip is None
+        assert AutoClip.for_run(run) is None
 
 
 @pytest.mark.parametrize(("min_sites", "sites_per_round"), [(0, 2), (3, 2), (-1, 1)])

@@ -12,10 +12,10 @@ from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.task_identity import TaskIdentity
 from reply_facts import honest_facts
 from sitegrid import Arrival, FlowerSites
+from strategy_helpers import strategy_for
 
 from prism_runtime.protocol import ACCOUNTING, CONFIG, UPDATE, key
 from server.ledger import Ledger
-from server.strategy import PrismStrategy
 from server.strategy.loop import run_rounds, stream_replies
 
 MODULES = ["layer.0.q", "layer.0.v"]
@@ -60,22 +60,9 @@ def _reply(index, request, update=None):
 def _strategy(folder, sites, **kw):
     folder.mkdir(parents=True, exist_ok=True)
     ledger = Ledger.open(folder / "ledger.sqlite")
-    params = dict(
-        modules=MODULES,
-        head=[],
-        mode="tangent",
-        ledger=ledger,
-        run_id="run-1",
-        sites_per_round=sites,
-        min_sites=1,
-        server_lr=1.0,
-        local_steps=TAU,
-        target_epsilon=100.0,
-        delta=1e-5,
-        wait_for_nodes=0.0,
-    )
+    params = dict(sites_per_round=sites, local_steps=TAU, target_epsilon=100.0)
     params.update(kw)
-    return PrismStrategy(**params), ledger
+    return strategy_for(modules=MODULES, ledger=ledger, **params), ledger
 
 
 def _charges(ledger):

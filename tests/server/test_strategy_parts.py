@@ -2,8 +2,8 @@
 checks (``server.strategy.bounds``), the clip a reply's DP steps are bounded with, the text of an
 error reply and the fixed summation order of replies (``server.strategy.replies``).
 
-Written for the strategy's mutation run (issue 17): each test pins what a surviving mutant of
-the session-13 partial run changed (docs/results/mutation-strategy-partial.txt).
+Written for the strategy's mutation run (docs/testing.md): each test pins what a surviving
+mutant changed.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.serverapp.strategy import Strategy
 from reply_facts import honest_facts
+from strategy_helpers import strategy_for
 
 from prism_runtime.protocol import (
     ACCOUNTING,
@@ -241,22 +242,9 @@ class _Grid:
 
 
 def _strategy(tmp_path: Path, **kw: object) -> PrismStrategy:
-    params: dict[str, object] = dict(
-        modules=[MODULE],
-        head=[],
-        mode="tangent",
-        ledger=Ledger.open(tmp_path / "ledger.sqlite"),
-        run_id="run-1",
-        sites_per_round=2,
-        min_sites=1,
-        server_lr=0.5,
-        local_steps=2,
-        target_epsilon=10.0,
-        delta=1e-5,
-        wait_for_nodes=0.0,
-    )
+    params: dict[str, object] = dict(sites_per_round=2, server_lr=0.5)
     params.update(kw)
-    return PrismStrategy(**params)  # type: ignore[arg-type]
+    return strategy_for(modules=[MODULE], ledger=Ledger.open(tmp_path / "ledger.sqlite"), **params)
 
 
 def _broadcast() -> ArrayRecord:

@@ -13,13 +13,13 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from reply_facts import honest_facts
+from strategy_helpers import strategy_for
 
 from client.policy import site_policy
 from client.site import Site
-from prism_runtime.config import RunConfig, SiteConfig, parse_config, site_method
+from prism_runtime.config import RunConfig, SiteConfig, parse_config
 from prism_runtime.exchange import head_named, to_arrays
 from prism_runtime.protocol import ACCOUNTING, CONFIG, ROUND_NONCE, SERVER_ROUND, UPDATE
-from prism_runtime.trainer import MECHANISMS
 from server.ledger import Ledger
 from server.strategy import PrismStrategy, UpdateBound
 
@@ -93,24 +93,15 @@ def _run(tiny_bert, seed, **overrides):
 
 
 def _strategy(run, site, tmp_path):
-    return PrismStrategy(
+    """The coordinator's strategy of ``run`` (its update bound: the sites' own optimizer
+    settings, ``UpdateBound.for_run``; the sigma every reply must state: the run's)."""
+    return PrismStrategy.from_run(
+        run,
         modules=[h.name for h in site.loaded.handles],
         head=[n for n, _ in head_named(site.loaded)],
-        mode="tangent" if run.method == "prism" else "factor-average",
         ledger=Ledger.open(tmp_path / "ledger.sqlite"),
         run_id="run",
-        sites_per_round=1,
-        min_sites=1,
-        server_lr=1.0,
-        local_steps=run.local_steps,
-        target_epsilon=run.target_epsilon,
-        delta=run.delta,
         wait_for_nodes=0.0,
-        update_bound=UpdateBound(
-            lr=run.lr, max_norm=run.max_norm, expected_batch_size=run.batch_size
-        ),
-        mechanism=MECHANISMS[site_method(run.method)],
-        noise_multiplier=run.noise_multiplier,  # the real site must state the run's sigma
     )
 
 
@@ -216,19 +207,12 @@ def test_sgd_bound_follows_the_reported_noise_and_rejects_past_it(tmp_path):
     step = _dp_step_bound(C=C, sigma=sigma, b=b, q=q, dimension=dimension, failure=1e-9 / tau)
     bound = 2 * lr * tau * step
     for factor, accepted in ((0.9, 1), (1.1, 0)):
-        strategy = PrismStrategy(
+        strategy = strategy_for(
             modules=["mod"],
-            head=[],
-            mode="tangent",
             ledger=Ledger.open(tmp_path / f"ledger-{factor}.sqlite"),
             run_id="run",
             sites_per_round=1,
-            min_sites=1,
-            server_lr=1.0,
             local_steps=tau,
-            target_epsilon=10.0,
-            delta=1e-5,
-            wait_for_nodes=0.0,
             update_bound=UpdateBound(lr=lr, optimizer="sgd", max_norm=C, expected_batch_size=b),
         )
         (request,) = strategy.configure_train(1, ArrayRecord(glob), ConfigRecord(), _Grid([3]))
