@@ -1,6 +1,6 @@
 """Time one PRISM mechanism step against the dense reference it replaces.
 
-One step (DESIGN.md §2, steps 2-5 and 7) for every LoRA module of a configuration:
+One step (docs/design.md §2, steps 2-5 and 7) for every LoRA module of a configuration:
 
 * low-dimensional path (``prism_core``, as the trainer runs it): per-step thin-QR frames of
   all modules (``step_frames``, phase "lift / project"), the fused lift + intrinsic norm +
@@ -77,7 +77,7 @@ PHASES = ("lift / project", "norm + clip + sum", "noise", "retract")
 
 @dataclass(frozen=True)
 class Module:
-    """One LoRA module: ``m = out_features``, ``n = in_features`` (DESIGN.md §1)."""
+    """One LoRA module: ``m = out_features``, ``n = in_features`` (docs/design.md §1)."""
 
     name: str
     m: int

@@ -1,4 +1,4 @@
-"""Time one local training step of PRISM against its baselines on MiniLM (DESIGN.md §5).
+"""Time one local training step of PRISM against its baselines on MiniLM (docs/design.md §5).
 
 The trainers, each with its own model, are built before timing and then stepped in turn
 (round-robin, the starting method rotating every round) so that load from other jobs on the
@@ -6,7 +6,7 @@ machine falls on all of them alike. Every step goes through ``PrivateTrainer.ste
 
 * ``prism``: PRISM DP, spectral-residual initialisation;
 * ``prism-inorder``: the same PRISM trainer with length-aware micro-batching turned off: while
-  its step runs, ``prism_runtime.trainer.micro_batches`` is swapped for a wrapper that forces
+  its step runs, ``prism_runtime.trainer.base.micro_batches`` is swapped for a wrapper that forces
   ``by_length=False`` (each Poisson batch is split in its own order), product code unchanged;
 * ``dp-adamw``: factor-space DP-AdamW, standard LoRA initialisation;
 * ``nondp``: plain LoRA with AdamW, standard initialisation.
@@ -79,11 +79,13 @@ import torch
 import transformers
 from opacus import GradSampleModule
 
-import prism_runtime.trainer as trainer_module
+import prism_runtime.trainer.base as trainer_module
+import prism_runtime.trainer.factor
+import prism_runtime.trainer.prism
 from prism_runtime.config import RunConfig
 from prism_runtime.data import TokenizedDataset, load_examples
 from prism_runtime.model import LoadedModel, ModelConfig, load_model, load_tokenizer
-from prism_runtime.trainer import PrivateTrainer, TrainConfig
+from prism_runtime.trainer import DPTrainer, PrivateTrainer, TrainConfig
 
 METHODS = ("prism", "prism-inorder", "dp-adamw", "nondp")
 DEFAULT_METHODS = ("prism", "dp-adamw", "nondp")
@@ -170,7 +172,7 @@ DECODER_LORA = {
     "alpha": 32.0,
     "target_modules": ("q_proj", "k_proj", "v_proj", "up_proj", "down_proj"),
 }
-"""LoRA of the decoder runs (issue 16's Gemma comparison): r = 16 on q, k, v, up, down."""
+"""LoRA of the decoder runs (the Gemma comparison): r = 16 on q, k, v, up, down."""
 DECODER_SVD_NITER = 4
 """Randomised SVD iterations of the decoders' spectral-residual start (the exact SVD of 170
 Gemma-sized weights would dominate the run; the start is not what is timed)."""
@@ -371,10 +373,11 @@ def real_tokens(micro: Mapping[str, torch.Tensor]) -> int:
 
 @contextmanager
 def micro_batch_probe(*, in_order: bool) -> Iterator[list[tuple[int, int]]]:
-    """While open, ``prism_runtime.trainer.micro_batches`` records (padded, real) tokens per split.
+    """While open, the trainers' micro-batch split records (padded, real) tokens per split.
 
-    With ``in_order`` it also forces ``by_length=False`` (the batch split in its own order), so
-    a ``prism-inorder`` step runs under its own setting between the other methods' steps. The
+    The split is ``prism_runtime.trainer.base.micro_batches``, every method's. With
+    ``in_order`` it also forces ``by_length=False`` (the batch split in its own order), so a
+    ``prism-inorder`` step runs under its own setting between the other methods' steps. The
     trainer's function is restored on exit; the product code is not touched.
     """
     original = trainer_module.micro_batches
@@ -451,11 +454,14 @@ def instrument(clock: PhaseClock) -> None:
         "adaptive_direction": "adaptive",
         "retract_modules": "retract",
     }
-    for attr, phase in names.items():
-        setattr(trainer_module, attr, _timed(clock, phase, getattr(trainer_module, attr)))
+    modules = (trainer_module, prism_runtime.trainer.prism, prism_runtime.trainer.factor)
+    for module in modules:
+        for attr, phase in names.items():
+            if hasattr(module, attr):
+                setattr(module, attr, _timed(clock, phase, getattr(module, attr)))
     torch.Tensor.backward = _timed(clock, "backward", torch.Tensor.backward)  # type: ignore[method-assign]
     torch.optim.AdamW.step = _timed(clock, "optimizer", torch.optim.AdamW.step)  # type: ignore[method-assign]
-    PrivateTrainer._clear_grads = _timed(clock, "clear grads", PrivateTrainer._clear_grads)  # type: ignore[method-assign]
+    DPTrainer._clear_grads = _timed(clock, "clear grads", DPTrainer._clear_grads)  # type: ignore[method-assign]
     GradSampleModule.capture_activations_hook = _timed(  # type: ignore[method-assign]
         clock, "opacus: capture activations", GradSampleModule.capture_activations_hook
     )

@@ -1,4 +1,4 @@
-"""Noise-aware aggregation of site updates in the tangent space (DESIGN.md §3, post-processing).
+"""Noise-aware aggregation of site updates in the tangent space (post-processing; design §3).
 
 Site k releases an update whose Gaussian noise has per-coordinate std ``sigma_k C_k / b_k``
 (noise multiplier, clip, EXPECTED batch size: public facts of its mechanism). All sites of a
@@ -61,7 +61,7 @@ def aggregation_weights(
 ) -> list[float]:
     """Normalised weights (summing to 1) of the sites' updates.
 
-    Implements the weighting of DESIGN.md §3: ``inverse-noise`` gives
+    Implements the weighting of docs/design.md §3: ``inverse-noise`` gives
     ``w_k = s_k^-2 / sum_j s_j^-2`` with ``s_k = sigma_k C_k / b_k`` (the minimum-variance
     unbiased combination of updates with a common mean and independent noise); ``uniform``
     gives ``1 / K``; ``examples`` gives ``N_k / sum_j N_j`` (FedAvg; the sites' shard sizes,

@@ -1,4 +1,4 @@
-"""Comparison mechanisms on the same per-example inputs as PRISM (§2, DESIGN.md §2).
+"""Comparison mechanisms on the same per-example inputs as PRISM (§2, docs/design.md §2).
 
 - Factor-space DP-LoRA (Yu et al. 2022; "DP-AdamW" in the paper): clip the concatenated
   per-example factor gradients ``(gA, gB)`` of every module to C with one coefficient per
@@ -6,7 +6,7 @@
   the expected batch size, then step with AdamW.
 - FFA-LoRA (Sun et al. 2024): the randomly initialised down-projection is frozen and DP-SGD
   runs on the up-projection only. In peft terms ``lora_A`` is frozen and ``lora_B`` trained,
-  which in PRISM notation (DESIGN.md §1) means ``B`` frozen and DP on ``A`` only: pass just
+  which in PRISM notation (docs/design.md §1) means ``B`` frozen and DP on ``A`` only: pass just
   the ``gA`` tensors to ``factor_dp_gradient``.
 - Non-DP LoRA: the plain mean gradient of the realised batch.
 

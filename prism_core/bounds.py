@@ -196,7 +196,7 @@ def round_update_norm_bound(
     """Bound on the intrinsic norm of the tangent update one PRISM site sends for one round.
 
     Implements the composition of ``tau`` local steps of Algorithm 1 of PRISM (retraction
-    eq. 22) from the broadcast point ``Z_0`` and the displacement of DESIGN.md §3. Per module:
+    eq. 22) from the broadcast point ``Z_0`` and the displacement of docs/design.md §3. Per module:
 
     - Retraction slack (factor 2, exact): ``Z_{k+1} = Retr_r(Y)`` is the best rank-r
       approximation of ``Y = Z_k - lr xi_k`` and ``Z_k`` itself has rank r, so

@@ -1,17 +1,13 @@
 """Fixed-rank geometry of LoRA adapters (PRISM §3.1, §3.2, Appendix A).
 
 One LoRA module holds ``Z = A @ B.T`` with ``A`` (m x r) and ``B`` (n x r), both of full column
-rank (see DESIGN.md §1 for the mapping to peft tensors). Tangent vectors at ``Z`` are written in
+rank (docs/design.md §1 maps them to peft tensors). Tangent vectors at ``Z`` are written in
 factor form ``(dA, dB)`` and stand for ``dZ = dA @ B.T + A @ dB.T``.
 
 Every function here is a pure function on tensors: it never forms an m x n matrix (except
 ``project_dense``, which exists for tests), it works in float32 or better for every r x r solve,
 and it broadcasts over optional leading (example) dimensions of the tangent arguments. The base
 point ``(A, B)`` is normally unbatched and shared by all examples.
-
-Above ~400 lines on purpose: the fixed-rank geometry is one set of formulas (frames,
-projections, lift, retraction, displacement) that refer to each other and to the paper's
-appendix equation by equation; split up, one derivation would be read across several files.
 """
 
 from __future__ import annotations
@@ -241,9 +237,8 @@ gradient is whitened first, and the rounding grows like ``cond(R) eps`` only."""
 
 TRANSPOSE_MAX_RANK = 8
 """Largest r for which a row-major (..., m, r) gradient is copied to the (..., r, m) layout
-before its raw-moment GEMMs. Measured with MKL on the AVX-512 EPYC of ``docs/benchmarks.md``
-(b = 64, one thread): for r <= 8 the copy pays for itself (m = 384: 0.20 ms with it, 0.32 ms
-without), for r = 16 it does not (m = 384: 0.49 vs 0.31 ms; m = 10240: 34 vs 11 ms)."""
+before its raw-moment GEMMs: for r <= 8 the copy costs less than the strided GEMMs it saves;
+for larger r the GEMMs on the original layout are faster."""
 
 
 def _coords(rows: Tensor, Q: Tensor) -> Tensor:
@@ -473,7 +468,7 @@ def tangent_displacement(A: Tensor, B: Tensor, A1: Tensor, B1: Tensor) -> Tangen
     """Tangent update at ``(A, B)`` that moves toward ``Z1 = A1 @ B1.T``.
 
     Implements eq. (14) applied to ``G = Z1 - Z`` (the displacement a federated site sends,
-    DESIGN.md §3): the lift of ``P_{A,B}(A1 B1.T - A B.T)``. The factor gradients of that
+    docs/design.md §3): the lift of ``P_{A,B}(A1 B1.T - A B.T)``. The factor gradients of that
     ``G`` are ``G B = A1 (B1.T B) - A N`` and ``G.T A = B1 (A1.T A) - B M``, so only r x r
     products are needed.
 

@@ -21,10 +21,6 @@ What is released: the Gaussian mechanism protects the tangent vector
 nothing there, so the factor pair ``(sum + noise) / b`` carries an un-noised component. The
 release of ``privatize`` is therefore the minimum-norm lift (App. A.7) of the noisy ``dZ``: a
 function of ``dZ`` alone, and every part of it (``Pi_A dA`` and the rest) is noised.
-
-Above ~400 lines on purpose: everything that touches un-noised per-example gradients (lift,
-global clip, accumulation, noise, division by the EXPECTED batch) stays in this one module, the
-DP boundary, so it can be audited (and mutation-tested) in one place.
 """
 
 from __future__ import annotations
@@ -555,7 +551,7 @@ def clip_and_sum_grads(
         coordinates; ``lift_moments``) and one weighted sum. Modules of equal shape are stacked
         (chunks of at most ``STACK_BYTES_MAX`` bytes) so that their moments, weighted sums and
         lifts are one batched call per chunk, not one per module (no Python loop over
-        modules; on MiniLM the clip went from 3.1% to 2.5% of a step, docs/benchmarks.md).
+        modules).
         Cost O((m + n) r^2) per example and module.
     """
     _check_grads(points, grads)

@@ -1,6 +1,6 @@
 """Sentence classifier on a peft-wrapped encoder: the model's own pooling and a linear head.
 
-A classification head is only as good as the representation it reads (DESIGN.md §3, heads
+A classification head is only as good as the representation it reads (docs/design.md §3, heads
 under DP). ``PooledClassifier`` pools the encoder's token states the way the model was trained
 to, optionally L2-normalises, and applies one ``nn.Linear`` (the DP head):
 
@@ -31,9 +31,6 @@ to, optionally L2-normalises, and applies one ``nn.Linear`` (the DP head):
   the ``u * v`` block of the features, so the head expresses it exactly (no extra feature).
   The label texts are sent to every site in the run config: they must be public, never
   derived from private data.
-
-Above ~400 lines on purpose: pooling, siamese pairs and the zero-shot head are parts of one
-model (``PooledClassifier``) whose shapes depend on each other.
 """
 
 from __future__ import annotations

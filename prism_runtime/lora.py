@@ -1,4 +1,4 @@
-"""The one place where peft's LoRA layout meets PRISM's notation (DESIGN.md §1).
+"""The one place where peft's LoRA layout meets PRISM's notation (docs/design.md §1).
 
 peft stores a module's adapter as ``lora_A.weight`` (r x n) and ``lora_B.weight`` (m x r) with
 ``W = W0 + s * lora_B @ lora_A``. PRISM writes ``Z = A @ B.T`` with ``A = lora_B.weight``

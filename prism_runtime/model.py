@@ -1,4 +1,4 @@
-"""Load a Hugging Face model and attach a full-rank LoRA adapter for PRISM (DESIGN.md §2).
+"""Load a Hugging Face model and attach a full-rank LoRA adapter for PRISM (docs/design.md §2).
 
 Tasks: ``seq-cls`` (sequence classification, single texts or pairs) and ``causal-lm``
 (instruction tuning). Models come from a local path or the local Hugging Face cache only; nothing
@@ -65,8 +65,10 @@ from prism_runtime.config import (
     DEFAULT_LORA_RANK,
     DEFAULT_LORA_TARGETS,
     RunConfig,
+    check_label_texts,
     resolve_model,
 )
+from prism_runtime.data.settings import data_settings
 from prism_runtime.errors import ConfigError
 from prism_runtime.init_cache import attach_lora
 from prism_runtime.lora import LoraHandle, lora_handles, read_points
@@ -401,11 +403,7 @@ def _check_label_texts(config: ModelConfig) -> None:
             "derive them from private data: they are sent to every site. Or use "
             "head-init=random."
         )
-    if len(config.label_texts) != config.num_labels:
-        raise ConfigError(
-            f"label-texts has {len(config.label_texts)} descriptions but num-labels="
-            f"{config.num_labels}: give exactly one per class, in label order, separated by '|'"
-        )
+    check_label_texts(config.label_texts, config.num_labels)
 
 
 def _check_trainable(model: nn.Module, handles: list[LoraHandle], head: list[nn.Parameter]) -> None:
@@ -417,11 +415,13 @@ def _check_trainable(model: nn.Module, handles: list[LoraHandle], head: list[nn.
 
 
 def model_config_for(run: RunConfig) -> ModelConfig:
-    """The ``ModelConfig`` every participant derives from the run config."""
+    """The ``ModelConfig`` every participant derives from the run config (its ``auto`` data
+    settings resolved by ``prism_runtime.data.settings.data_settings``)."""
+    data = data_settings(run)
     return ModelConfig(
         model=resolve_model(run.model),
         task=run.task,
-        num_labels=run.num_labels,
+        num_labels=data.num_labels,
         rank=run.lora_rank,
         alpha=run.lora_alpha,
         target_modules=run.targets,
@@ -429,9 +429,9 @@ def model_config_for(run: RunConfig) -> ModelConfig:
         head=run.lora_head,
         pooling=run.pooling,
         pair_encoding=run.pair_encoding,
-        text_pairs=run.text_pairs,
-        head_init=run.head_init,
-        label_texts=run.label_texts,  # 'a|b': ModelConfig splits it
+        text_pairs=data.text_pairs,
+        head_init=data.head_init,
+        label_texts=data.label_texts,  # 'a|b': ModelConfig splits it
         device="auto",
         seed=run.seed,
     )

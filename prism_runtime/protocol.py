@@ -2,7 +2,7 @@
 
 Server -> site (train): RecordDict with
   ``ARRAYS``   ArrayRecord: per LoRA module ``<module>/A`` (m, r) and ``<module>/B`` (n, r)
-               float32 in PRISM layout (DESIGN.md §1), and ``head/<name>`` for a DP head;
+               float32 in PRISM layout (docs/design.md §1), and ``head/<name>`` for a DP head;
   ``CONFIG``   ConfigRecord: ``server-round``, ``run-id`` (the coordinator run: a site resends
                its stored reply to a re-asked round), ``run-dir`` (simulation only).
 Site -> server (train reply): RecordDict with

@@ -17,9 +17,6 @@ Two marks (JSON fields, CSV columns, HTML text, the per-round table and ``prism-
 - NOT PRIVATE AGAINST THE COORDINATOR: a site that reported ``rng = reproducible`` (sampling,
   dropout and noise seeded for tests and benchmarks) and every run it took part in that way: its
   epsilon holds against outsiders only, not against a coordinator that could learn the seed.
-
-Above ~400 lines on purpose: the report's rows, marks and projections are one computation over
-the ledger's events (every epsilon recomputed); writing the files is ``server.report_files``.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ The diff of every mutant that was not killed goes to ``.mutation/<name>/survivor
 numbers to ``.mutation/<name>/summary.json``.
 
 A surviving mutant is either a missing test (write one that asserts a real property) or an
-equivalent mutant (same behaviour as the original); ``EQUIVALENT`` and docs/testing.md,
-"Mutation testing", list the equivalent ones with the reason. Mutants that only change the
+equivalent mutant (same behaviour as the original); ``EQUIVALENT`` lists the equivalent ones
+with the reason. Mutants that only change the
 case of a string or wrap it in ``XX`` (error-message text that keeps every word) are counted
 apart as "message text". The script exits 1 when any other mutant survived.
 
@@ -64,8 +64,8 @@ MODULES: dict[str, Target] = {
         (
             "tests/server/test_strategy.py",
             "tests/server/test_hostile_replies.py",
-            # since session 14: the strategy's other fast test files (not test_resume.py, whose
-            # SIGKILL test takes a minute) and the tests written for this run's survivors
+            # the strategy's other fast test files (not test_resume.py, whose SIGKILL test
+            # takes a minute)
             "tests/server/test_strategy_loop.py",
             "tests/server/test_site_owned_privacy.py",
             "tests/server/test_update_bound.py",
@@ -73,13 +73,13 @@ MODULES: dict[str, Target] = {
             "tests/server/test_charges.py",
             "tests/server/test_aggregator.py",
             "tests/server/test_strategy_parts.py",
-            "tests/server/test_update_checker.py",  # session 15: bounds.py survivors
-            "tests/server/test_reply_facts.py",  # session 16: replies.py survivors
-            "tests/server/test_selection_wait.py",  # session 16: selection.py survivors
-            "tests/server/test_selection_eligible.py",  # session 17: selection.py, a real ledger
-            "tests/server/test_strategy_core.py",  # session 17: core.py survivors
-            "tests/server/test_site_binding.py",  # session 17: binding.py survivors
-            "tests/server/test_round_loop.py",  # session 17: loop.py survivors
+            "tests/server/test_update_checker.py",
+            "tests/server/test_reply_facts.py",
+            "tests/server/test_selection_wait.py",
+            "tests/server/test_selection_eligible.py",
+            "tests/server/test_strategy_core.py",
+            "tests/server/test_site_binding.py",
+            "tests/server/test_round_loop.py",
         ),
     ),
     "ledger": Target(
@@ -205,7 +205,7 @@ EQUIVALENT: dict[str, dict[str, str]] = {
         "implicit BEGIN is added, and the two PRAGMAs run before it, outside any transaction",
         "server.ledger.schema.x_migrate__mutmut_50": "not reached: INSERT ... SELECT copies "
         "every row or raises (no OR IGNORE); the count check guards against a future change",
-        "server.ledger.checks.x_validate_rows__mutmut_47": "not reached since session 18: the "
+        "server.ledger.checks.x_validate_rows__mutmut_47": "not reached: the "
         "SELECT could fail before its first row only on a missing column, which "
         "validate_ledger now refuses before validate_rows runs",
         **{
@@ -219,7 +219,7 @@ EQUIVALENT: dict[str, dict[str, str]] = {
         "server.ledger.store.xǁLedgerǁ__init____mutmut_7": "None for False: the same falsy "
         "'not closed'",
     },
-    "strategy": {  # session 15: bounds.py; 16: replies.py; 17: binding, loop, aggregator.py
+    "strategy": {
         "server.strategy.core.xǁPrismStrategyǁ__init____mutmut_19": "scheduled_lr called at "
         "round 2 instead of 1 only to validate the schedule and num_rounds: the round number "
         "enters none of its checks",
@@ -302,7 +302,7 @@ EQUIVALENT: dict[str, dict[str, str]] = {
         "server.strategy.bounds.xǁUpdateCheckerǁ_set_bounds__mutmut_133": "an SGD head's AdamW "
         "bound in factor-average mode: check_norm replaces it by the head's own SGD bound",
     },
-    "accounting": {  # session 17: the rerun with the 20 s alarm
+    "accounting": {
         "prism_core.accounting.x__calibrate_after__mutmut_31": "the fresh calibration that "
         "brackets the search at the default tolerance: any lower end that does not fit gives a "
         "sigma in the same band [(1 - tol) target, target] that the function promises",
@@ -341,8 +341,8 @@ EQUIVALENT: dict[str, dict[str, str]] = {
         },
     },
 }
-"""Per module, surviving mutants that are equivalent (same behaviour), with the reason; the
-same list is in docs/testing.md. Mutmut names mutants by function and position, so a change of
+"""Per module, surviving mutants that are equivalent (same behaviour), with the reason. Mutmut
+names mutants by function and position, so a change of
 the module renumbers them: rerun and re-check after editing a module."""
 
 

@@ -20,7 +20,7 @@ What exactly runs (``canary_experiment``):
   of its ``L + 1`` elements: the auditor knows it exactly.
 - Each canary is included independently with probability 1/2 (the audit's secret ``S``). The
   included canaries are the batch of ``steps`` mechanism steps at the same point, run as the
-  trainer runs them (``PrivateTrainer.release``): per-example factor gradients
+  trainer runs them (``PrismTrainer.release``): per-example factor gradients
   ``(G_i B, G_i.T A)`` and head gradients, micro-batch by micro-batch, through the fused
   ``clip_and_sum_grads`` with the step's frames, then ``privatize``, expected batch
   ``b = k / 2``, seeded noise.
@@ -49,9 +49,6 @@ detects with probability ``POWER`` at this sample size.
 
 Dividing by the realised batch size rescales signal and noise by ``b / |batch|`` (a few per
 cent here), which these statistics barely see: record/replay check (b) catches that bug.
-
-Just above ~400 lines on purpose: the experiment, its two statistics and the one-run bound
-share the canary construction above and are read together by ``server.audit``.
 """
 
 from __future__ import annotations

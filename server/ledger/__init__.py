@@ -1,4 +1,4 @@
-"""The coordinator's durable, append-only privacy ledger (DESIGN.md §3, STYLE.md habit 2).
+"""The coordinator's durable, append-only privacy ledger (docs/design.md §3).
 
 One SQLite file holds every accounting fact the server configured and the sites reported: per
 site and round, the mechanism, neighbouring relation, sampling method, sigma, q, steps and delta
@@ -38,7 +38,7 @@ write in one ``BEGIN IMMEDIATE`` transaction. A new ledger is built in a tempora
 linked into place, so a half-initialised ledger never appears under the real name.
 
 The triggers guard against accidents (a stray ``DELETE``), not against someone with write access
-to the file, who can drop them; the trust model is in the README.
+to the file, who can drop them; the trust model is in docs/security.md.
 
 Modules: ``events`` (the event record and its validation), ``schema`` (tables, triggers, row
 conversion, creation, migration), ``checks`` (opening a file read-only first, refusing anything

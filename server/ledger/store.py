@@ -1,10 +1,6 @@
 """The ledger: one SQLite file, opened after its checks, written in one transaction per append.
 
 See ``server.ledger`` for the file layout and the rules of confirmed and unconfirmed charges.
-
-Just above ~400 lines on purpose: every read and write of the file goes through this one class,
-so its transaction, locking and check-on-open rules are in one place (the schema, events,
-checks and budget maths are already their own modules).
 """
 
 from __future__ import annotations

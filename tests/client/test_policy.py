@@ -18,6 +18,7 @@ from client.policy import (
     SIMULATION_DELTA,
     SIMULATION_EPSILON_CAP,
     SitePolicy,
+    delta_below_one_over_n,
     site_policy,
 )
 from prism_runtime.config import RunConfig, SiteConfig, parse_config
@@ -72,6 +73,24 @@ def test_delta_must_be_strictly_below_one_over_n():
     assert lenient.refusal(_run(delta=1.0 / N), N) == "delta-not-below-1/n"
     assert lenient.refusal(_run(delta=0.99 / N), N) is None
     assert lenient.refusal(_run(delta=0.99 / N), 102) == "delta-not-below-1/n"  # 1/102 < 0.0099
+
+
+def test_the_site_and_prism_train_apply_one_delta_rule(monkeypatch, tmp_path, capsys):
+    """``delta < 1/N`` is one function: the site's refusal and prism-train's error follow it."""
+    import client.cli
+    import client.policy
+
+    assert not delta_below_one_over_n(1.0 / N, N) and delta_below_one_over_n(0.99 / N, N)
+    run = _run(delta=0.99 / N)
+    assert _policy(delta=0.5).refusal(run, N) is None
+    monkeypatch.setattr(client.policy, "delta_below_one_over_n", lambda delta, n: False)
+    monkeypatch.setattr(client.cli, "delta_below_one_over_n", lambda delta, n: False)
+    assert _policy(delta=0.5).refusal(run, N) == "delta-not-below-1/n"
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(f'{{"text": "t{i}", "label": {i % 2}}}\n' for i in range(N)))
+    args = ["--model", "unused", "--data", str(train), "--epsilon", "3", "--delta", "1e-9"]
+    assert client.cli.main(args) == client.cli.EXIT_CONFIG_ERROR
+    assert "--delta=1e-09 is not below 1/N" in capsys.readouterr().err
 
 
 def test_an_expected_batch_larger_than_the_sites_data_is_refused_whatever_the_method():
@@ -229,7 +248,7 @@ def test_a_deployed_site_refuses_a_secret_by_default_and_only_an_explicit_opt_ou
 
 
 def test_the_cache_folder_is_the_node_configs_then_the_envs_then_under_the_state_dir(tmp_path):
-    """Written for the policy's session-17 mutation run (issue 17): never from the run config."""
+    """The site's cache folder comes from its own settings, never from the run config."""
     state = {"site-id": "h", "epsilon-cap": 2.0, "delta": 1e-7, "state-dir": str(tmp_path)}
     stated = _node(**state, **{"cache-dir": "/node/cache"})
     assert site_policy(stated, env_cache_dir="/env/cache").cache_dir == Path("/node/cache")

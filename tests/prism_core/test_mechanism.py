@@ -775,9 +775,8 @@ def test_split_clip_rejects_bad_shares():
     assert split_max_norm(0.5, None) == (0.5, 0.5)
 
 
-# --------------------------------------------------------------------------- mutation gaps
-# Tests written against the survivors of `make mutation MUTATION_ARGS=mechanism` (docs/testing.md,
-# "Mutation testing"): the record a step emits, the parameter ranges at their edges, the head's
+# --------------------------------------------------------------------------- edges
+# The record a step emits, the parameter ranges at their edges, the head's
 # sums across micro-batches, the clipped-example count, the dtype rules and the error texts.
 
 

@@ -1,8 +1,7 @@
 """``StreamingAggregator``: a site's shard size for ``aggregation = examples``, from its checked
 facts (``N = b / q``, or a stated ``num-examples`` that must agree with it), at the edges of what
 it accepts; the factor-average and tangent steps, the noise std the server step is told, and the
-guards that discard a round (non-finite, overflow, lost rank) without moving the optimizer.
-Written for the strategy's mutation runs (issue 17)."""
+guards that discard a round (non-finite, overflow, lost rank) without moving the optimizer."""
 
 from __future__ import annotations
 
@@ -79,7 +78,7 @@ def test_a_stated_size_that_disagrees_with_b_over_q_is_refused_naming_both(
     assert message.startswith(f"num-examples {int(stated)} disagrees with b / q = {b / q:.6g}")
 
 
-# -- the round's sums, the server step and its guards (session 17: aggregator.py's full run) -----
+# -- the round's sums, the server step and its guards -----------------------------------------
 
 M, N, R = 6, 5, 3
 

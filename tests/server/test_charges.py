@@ -1,9 +1,6 @@
 """The coordinator's unconfirmed charges (``server.strategy.charges.Charges.unconfirmed``) on a
 real SQLite ledger: what is recorded for a site that was asked and gave no valid answer, at
 which parameters, when nothing is added, and what is logged.
-
-Written for the strategy's mutation run (issue 17): these are the survivors of
-``Charges.unconfirmed`` and ``Charges._estimate`` in docs/results/mutation-strategy-partial.txt.
 """
 
 from __future__ import annotations
@@ -247,7 +244,7 @@ def test_without_auto_clip_no_estimate_row_is_charged(ledger: Ledger) -> None:
     assert [e.mechanism for e in new] == [MECHANISM]
 
 
-# -- Charges.confirmed: a reply's own facts (session 17, the survivors of charges.py's full run) --
+# -- Charges.confirmed: a reply's own facts --------------------------------------------------
 
 
 def reply(site: str = "a", **changes: object) -> dict[str, object]:

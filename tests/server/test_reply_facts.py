@@ -1,8 +1,7 @@
 """A reply's accounting facts as the coordinator reads them (``server.strategy.replies``): every
 range at its edges from both sides, the code and the message of each rejection, and the run's
-terms (``RunTerms``) including a private clip estimate's. Written for the survivors of the
-mutation run of ``replies.py`` (docs/testing.md): each threshold is tested on both sides and each
-message is checked for what it names, since both are what an operator reads."""
+terms (``RunTerms``) including a private clip estimate's. Each threshold is tested on both sides
+and each message is checked for what it names, since both are what an operator reads."""
 
 from __future__ import annotations
 

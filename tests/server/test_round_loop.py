@@ -2,9 +2,8 @@
 sleeps, when it stops at the timeout, the order it pulls in, the crash points it reaches, what it
 evaluates and keeps in the ``Result``, and its log lines.
 
-Written for the survivors of the mutation run of ``loop.py`` (issue 17, docs/testing.md). The
-grid and the strategy are small fakes (Flower's own grid is driven by ``test_strategy_loop.py``):
-the clock moves only when the loop sleeps, a reply reaches the grid at a set time after the
+The grid and the strategy are small fakes (Flower's own grid is driven by
+``test_strategy_loop.py``): the clock moves only when the loop sleeps, a reply reaches the grid at a set time after the
 push, and both fakes fail a loop that never ends (a bounded number of pulls and sleeps) instead
 of hanging.
 """

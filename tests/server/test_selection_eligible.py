@@ -1,7 +1,6 @@
 """``Selection.eligible`` on a real SQLite ledger: which sites a round may ask.
 
-Written for the survivors of the mutation run of ``server/strategy/selection.py`` in
-``eligible`` (docs/testing.md): a site refused once is never asked again in the run, a re-run
+A site refused once is never asked again in the run, a re-run
 round decides against the ledger as it stood before that round, a non-DP site and a site with no
 mechanism yet are always eligible. The caps are set from ``prism_core.accounting.epsilon`` of
 the exact histories, halfway between the two answers a test tells apart.

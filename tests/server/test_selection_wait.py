@@ -1,6 +1,5 @@
-"""``Selection.nodes`` (waiting for sites) on a clock the test controls, and the seeded choice:
-written for the survivors of the mutation run of ``server/strategy/selection.py``
-(docs/testing.md). Times are exact: the fake clock moves only when the code sleeps."""
+"""``Selection.nodes`` (waiting for sites) on a clock the test controls, and the seeded choice.
+Times are exact: the fake clock moves only when the code sleeps."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """``SiteBinding`` (``server/strategy/binding.py``): which node speaks for which site, and whether
 a reply belongs to this round. Each refusal with its code and message; a site that moves from
 a node that left, and one claimed by a node while its own is still connected (a hijack).
-
-Written for the survivors of the mutation run of ``server/strategy/binding.py`` (issue 17,
-docs/testing.md).
 """
 
 from __future__ import annotations

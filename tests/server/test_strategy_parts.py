@@ -1,9 +1,7 @@
 """The strategy's small parts at their edges: the update bound's and the private clip range's
 checks (``server.strategy.bounds``), the clip a reply's DP steps are bounded with, the text of an
-error reply and the fixed summation order of replies (``server.strategy.replies``).
-
-Written for the strategy's mutation run (docs/testing.md): each test pins what a surviving
-mutant changed.
+error reply and the fixed summation order of replies (``server.strategy.replies``), each at
+both sides of its threshold.
 """
 
 from __future__ import annotations
