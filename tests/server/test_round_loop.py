@@ -3,9 +3,9 @@ sleeps, when it stops at the timeout, the order it pulls in, the crash points it
 evaluates and keeps in the ``Result``, and its log lines.
 
 The grid and the strategy are small fakes (Flower's own grid is driven by
-``test_strategy_loop.py``): the clock moves only when the loop sleeps, a reply reaches the grid at a set time after the
-push, and both fakes fail a loop that never ends (a bounded number of pulls and sleeps) instead
-of hanging.
+``test_strategy_loop.py``): the clock moves only when the loop sleeps, a reply reaches the grid at
+a set time after the push, and both fakes fail a loop that never ends (a bounded number of pulls
+and sleeps) instead of hanging.
 """
 
 from __future__ import annotations
