@@ -1,6 +1,6 @@
 """The mechanism under audit, and deliberately broken variants for the audit's self-test.
 
-The audit runs PRISM's DP release through ``prism_runtime.trainer.PrivateTrainer.release`` (the same
+The audit runs PRISM's DP release through ``prism_runtime.trainer.PrismTrainer.release`` (the same
 code path as training) with a ``Mechanism``: the pair of functions that clip-and-sum and
 privatize. ``CORRECT`` is ``prism_core``'s pair. The ``BROKEN`` variants reproduce bugs that
 published DP code has shipped with, or that a change to the sampler could introduce; they

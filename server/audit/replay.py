@@ -1,6 +1,6 @@
 """Audit part (b): record/replay checks of ONE real PRISM step (sensitivity, noise scale).
 
-The step runs through ``prism_runtime.trainer.PrivateTrainer.release``, the code path of training:
+The step runs through ``prism_runtime.trainer.PrismTrainer.release``, the code path of training:
 Opacus ``GradSampleModule`` per-example gradients of a per-sequence loss, micro-batching, lift,
 global clip, tangent noise, division by the expected batch size. The model is a small BERT
 built from a config (2 layers, hidden 32, no dropout, LoRA r=4 on query/value plus the DP
@@ -47,7 +47,7 @@ from prism_runtime.data import TokenizedDataset, make_collate
 from prism_runtime.lora import read_points
 from prism_runtime.model import LoadedModel, ModelConfig, load_model
 from prism_runtime.synthetic import synthetic_examples
-from prism_runtime.trainer import PrivateTrainer, TrainConfig
+from prism_runtime.trainer import PrismTrainer, TrainConfig
 from server.audit.blocks import BLOCKS, POWER, VarianceTest, tangent_block_energies, variance_test
 from server.audit.mechanisms import CORRECT, Mechanism
 
@@ -176,7 +176,7 @@ class _Replayer:
             seed=settings.seed,
             progress=False,
         )
-        self.trainer = PrivateTrainer(loaded, self.dataset, config)
+        self.trainer = PrismTrainer(loaded, self.dataset, config)
         self.points = read_points(loaded.handles)
 
     def batch(self, indices: Sequence[int]) -> dict[str, Tensor]:

@@ -91,7 +91,7 @@ def test_token_counts(step):
 @pytest.mark.parametrize(("in_order", "padded"), [(False, 2 * 1 + 2 * 4), (True, 2 * 4 + 2 * 4)])
 def test_probe_counts_and_forces_batch_order(step, in_order, padded):
     """Rows of 1, 4, 1, 4 tokens in micro-batches of 2: by length [1, 1] [4, 4], else [1, 4] x 2."""
-    import prism_runtime.trainer as trainer_module
+    import prism_runtime.trainer.base as trainer_module
 
     original = trainer_module.micro_batches
     with step.micro_batch_probe(in_order=in_order) as seen:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import prism_core.mechanism
-import prism_runtime.trainer
+import prism_runtime.trainer.base
 from client.policy import SIMULATION_DELTA, SIMULATION_EPSILON_CAP, site_policy
 from client.reply import released_event
 from client.site import Site
@@ -388,7 +388,7 @@ class _Draws:
 
     def __init__(self, monkeypatch):
         self.noise, self.batches = [], []
-        draw, split = prism_core.mechanism.standard_normal, prism_runtime.trainer.micro_batches
+        draw, split = prism_core.mechanism.standard_normal, prism_runtime.trainer.base.micro_batches
 
         def recording_draw(*args, **kwargs):
             out = draw(*args, **kwargs)
@@ -400,7 +400,7 @@ class _Draws:
             return split(batch, *args, **kwargs)
 
         monkeypatch.setattr(prism_core.mechanism, "standard_normal", recording_draw)
-        monkeypatch.setattr(prism_runtime.trainer, "micro_batches", recording_split)
+        monkeypatch.setattr(prism_runtime.trainer.base, "micro_batches", recording_split)
 
     def take(self):
         noise, batches = torch.cat(self.noise), list(self.batches)

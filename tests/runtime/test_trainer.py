@@ -26,8 +26,14 @@ from prism_runtime.model import ModelConfig, load_model
 from prism_runtime.protocol import RNG_SECURE
 from prism_runtime.trainer import (
     MECHANISMS,
+    METHODS,
+    TRAINERS,
+    FactorTrainer,
+    NonDPTrainer,
+    PrismTrainer,
     PrivateTrainer,
     TrainConfig,
+    make_trainer,
     noise_records,
     per_example_loss,
 )
@@ -121,7 +127,7 @@ def test_length_aware_micro_batches_give_the_same_clipped_sum(C, tiny_bert, sst2
     """Grouping the batch's rows by length (the trainer's default) changes only the order and
     the padding of the terms: the clipped sum, its count and its clip count are those of the
     batch split in its own order, within float tolerance."""
-    import prism_runtime.trainer as trainer_module
+    import prism_runtime.trainer.base as trainer_module
 
     lm = load_model(ModelConfig(model=tiny_bert, rank=4))
     rows = sst2_rows[:11]
@@ -362,6 +368,36 @@ def test_bad_settings_give_clear_errors(tiny_bert, sst2_rows):
             _dataset(lm, sst2_rows[:10]),
             TrainConfig(noise_multiplier=1.0, batch_size=64, progress=False),
         )
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_each_method_runs_in_its_own_trainer_class(method, tiny_bert, sst2_rows):
+    """``make_trainer`` and ``PrivateTrainer(...)`` build the method's class, which holds only
+    its own state (PRISM's adaptive states, the others' AdamW parameters); a class refuses
+    another method's config, and only a DP method has a clip to count within."""
+    own = {"prism": PrismTrainer, "dp-adamw": FactorTrainer, "ffa": FactorTrainer}
+    expected = own.get(method, NonDPTrainer)
+    assert TRAINERS[method] is expected
+    sigma = None if method == "nondp" else 1.0
+    config = TrainConfig(
+        method=method, noise_multiplier=sigma, batch_size=4, seed=0, progress=False
+    )
+    for build in (make_trainer, PrivateTrainer):
+        lm = load_model(ModelConfig(model=tiny_bert, rank=2), method=method)
+        trainer = build(lm, _dataset(lm, sst2_rows[:16]), config)
+        assert type(trainer) is expected
+        assert trainer.is_private is (method != "nondp")
+        assert hasattr(trainer, "states") is (method == "prism")
+        assert hasattr(trainer, "params") is (method != "prism")
+    other = PrismTrainer if method == "nondp" else NonDPTrainer
+    with pytest.raises(ConfigError, match=f"not method='{method}'"):
+        other(lm, _dataset(lm, sst2_rows[:16]), config)
+    if method == "nondp":
+        with pytest.raises(ConfigError, match="nondp' clips nothing"):
+            trainer.count_within(1.0, lora_only=False)
+    else:
+        count, below = trainer.count_within(1e6, lora_only=False)
+        assert count == below > 0  # a huge clip: every example is within it
 
 
 @pytest.mark.parametrize(("method", "sigma", "lr"), [("prism", 0.5, 1e-2), ("nondp", None, 1e-3)])

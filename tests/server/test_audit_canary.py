@@ -156,14 +156,14 @@ def test_the_canaries_run_the_trainers_fused_clip_path():
     """The same functions the trainer calls (prism_core's clip_and_sum_grads and privatize),
     micro-batch by micro-batch with one set of frames, never the per-example-lift path."""
     import prism_core.mechanism as mech
-    import prism_runtime.trainer
+    import prism_runtime.trainer.prism
 
     assert (
         CORRECT.clip_and_sum_grads
         is mech.clip_and_sum_grads
-        is prism_runtime.trainer.clip_and_sum_grads
+        is prism_runtime.trainer.prism.clip_and_sum_grads
     )
-    assert CORRECT.privatize is mech.privatize is prism_runtime.trainer.privatize
+    assert CORRECT.privatize is mech.privatize is prism_runtime.trainer.prism.privatize
     clips, releases = [], []
 
     def clip(points, grads, **kw):

@@ -114,17 +114,17 @@ def test_the_audited_release_is_the_one_every_training_step_uses(model_dir, monk
     from prism_runtime.data import TokenizedDataset
     from prism_runtime.model import ModelConfig, load_model
     from prism_runtime.synthetic import synthetic_examples
-    from prism_runtime.trainer import PrivateTrainer, TrainConfig
+    from prism_runtime.trainer import PrismTrainer, PrivateTrainer, TrainConfig
 
     calls = []
-    original = PrivateTrainer.release
+    original = PrismTrainer.release
 
     def spy(self, batch, points, **kw):
         out = original(self, batch, points, **kw)
         calls.append((kw, out[0].record))
         return out
 
-    monkeypatch.setattr(PrivateTrainer, "release", spy)
+    monkeypatch.setattr(PrismTrainer, "release", spy)
     lm = load_model(ModelConfig(model=model_dir, rank=4, head="train"))
     rows = synthetic_examples(32, seed=1)
     config = TrainConfig(noise_multiplier=1.3, max_norm=0.2, batch_size=8, steps=2, progress=False)

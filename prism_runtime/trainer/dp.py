@@ -1,0 +1,142 @@
+"""What the DP methods share: per-example gradients, the noise multiplier and the accountant.
+
+Each micro-batch runs forward/backward through Opacus' ``GradSampleModule`` (hooks mode) with a
+PER-SEQUENCE loss summed over examples, so ``grad_sample`` holds exact per-example gradients
+(``DPTrainer._example_passes``); each subclass clips them and noises the sum in its own release
+(``PrismTrainer.release``, ``FactorTrainer.factor_release``). The history is the mechanisms'
+``PrivacyEvent`` records (composed by ``prism_core.accounting``), epsilon by PRV; a step that
+would take epsilon past the target is refused with ``BudgetExceededError``
+(``PrivateTrainer.step``).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import ClassVar
+
+from opacus import GradSampleModule
+from torch import Tensor, nn
+from torch.utils.data import Dataset
+
+from prism_core.accounting import PrivacyEvent, calibrate_noise_multiplier, epsilon, max_steps
+from prism_runtime.errors import ConfigError
+from prism_runtime.model import LoadedModel
+from prism_runtime.train_config import TrainConfig
+from prism_runtime.trainer.base import PrivateTrainer
+
+__all__ = ["DPTrainer", "grad_sample"]
+
+log = logging.getLogger(__name__)
+
+
+def grad_sample(p: Tensor) -> Tensor:
+    """The per-example gradients of ``p`` that Opacus' hooks stored as ``p.grad_sample``."""
+    rows: Tensor = p.grad_sample  # type: ignore[attr-defined]  # set by Opacus at runtime
+    return rows
+
+
+class DPTrainer(PrivateTrainer):
+    """A trainer whose every step is a DP release of clipped per-example gradients.
+
+    Takes ``PrivateTrainer``'s arguments. Without ``config.noise_multiplier`` sigma is calibrated
+    to ``config.epsilon`` over ``config.steps`` (a fresh history only).
+    """
+
+    is_private: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        dataset: Dataset[dict[str, object]],
+        config: TrainConfig,
+        *,
+        history: Sequence[PrivacyEvent] = (),
+    ) -> None:
+        super().__init__(loaded, dataset, config, history=history)
+        self._allowed: int | None = None  # steps left under the cap, computed on demand
+
+    def _train_module(self, model: nn.Module) -> nn.Module:
+        module: nn.Module = GradSampleModule(model, batch_first=True, loss_reduction="sum")
+        module.train()
+        return module
+
+    # -- privacy ---------------------------------------------------------------------------
+
+    def _noise_multiplier(self) -> float:
+        cfg = self.config
+        if cfg.noise_multiplier is not None:
+            return cfg.noise_multiplier
+        assert cfg.epsilon is not None  # validated by TrainConfig
+        if self.history:
+            raise ConfigError(
+                "a site with spent budget must be given noise_multiplier; calibration assumes "
+                "a fresh history"
+            )
+        sigma = calibrate_noise_multiplier(
+            target_epsilon=cfg.epsilon,
+            delta=cfg.delta,
+            sample_rate=self.sample_rate,
+            steps=cfg.steps,
+        )
+        log.info(
+            "calibrated sigma=%.4f for epsilon=%s over %d steps", sigma, cfg.epsilon, cfg.steps
+        )
+        return sigma
+
+    def epsilon(self) -> float:
+        """Epsilon spent so far (PRV over the whole history, at ``config.delta``)."""
+        return epsilon(self.history, self.config.delta)
+
+    def steps_allowed(self) -> int:
+        """How many more steps fit under ``config.epsilon`` (the planned steps if no cap)."""
+        cfg = self.config
+        if cfg.epsilon is None:
+            return max(cfg.steps - self.steps_done, 0)
+        if self._allowed is None:
+            self._allowed = self.steps_done + max_steps(
+                self.history,
+                noise_multiplier=self.noise_multiplier,
+                sample_rate=self.sample_rate,
+                delta=cfg.delta,
+                target_epsilon=cfg.epsilon,
+                limit=max(cfg.steps, 1) * 4,
+            )
+        return self._allowed - self.steps_done
+
+    def begin_round(self, history: Sequence[PrivacyEvent], steps: int) -> None:
+        super().begin_round(history, steps)
+        self._allowed = None
+
+    # -- per-example gradients -------------------------------------------------------------
+
+    def _backward(self, micro: dict[str, Tensor]) -> float:
+        losses = self._losses(micro)
+        with warnings.catch_warnings():  # Opacus' hooks on a frozen-input first layer
+            warnings.filterwarnings("ignore", "Full backward hook is firing", UserWarning)
+            losses.sum().backward()  # type: ignore[no-untyped-call]  # unannotated in torch
+        return float(losses.detach().sum())
+
+    def _clear_grads(self) -> None:
+        """Drop the summed and per-example gradients of the last backward. Only the LoRA factors
+        and the head can hold any (``_check_trainable``: nothing else trains), so only they are
+        visited, not every tensor of the base model at every micro-batch."""
+        handles, head = self.loaded.handles, self.loaded.head_params
+        for p in [*(t for h in handles for t in (h.lora_A, h.lora_B)), *head]:
+            p.grad = None
+            if hasattr(p, "grad_sample"):
+                p.grad_sample = None
+
+    def _example_passes(self, batch: dict[str, Tensor]) -> Iterator[tuple[int, float]]:
+        """Backward each micro-batch of ``batch``; yields its ``(examples, summed loss)`` while
+        its per-example gradients are set, and clears them when the caller asks for the next."""
+        for micro in self._micro_batches(batch):
+            loss = self._backward(micro)
+            yield int(micro["labels"].shape[0]), loss
+            self._clear_grads()
+
+    def _head_split(self) -> dict[str, float]:
+        """The clip's keyword for the head's share ``head_max_norm`` of C ({}: one joint clip)."""
+        share = self.config.head_max_norm
+        return {"euclidean_max_norm": share} if self.loaded.head_params and share else {}

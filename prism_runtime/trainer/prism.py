@@ -1,0 +1,201 @@
+"""PRISM's local step (Algorithm 1): a DP release in the tangent space of the LoRA factors.
+
+Per step: each example's factor gradients are lifted to the tangent space at the current point
+and globally clipped together with its DP-head gradient (or with the head held to its own share
+``head_max_norm`` of C), summed over every micro-batch, fused in
+``prism_core.mechanism.clip_and_sum_grads`` with the QR frames computed once per step
+(``PrismTrainer.clipped_sum``); then tangent noise once, divided by the EXPECTED batch size
+(``PrismTrainer.release``); then the DP-aware adaptive transform and the retraction. The head
+steps with AdamW or (heavy-ball) SGD (``head_optimizer``). Siamese text pairs: the encoder's
+per-text gradient rows are folded into one per example
+(``prism_runtime.classifier.fold_text_rows``) before the clip.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset
+
+from prism_core.accounting import PrivacyEvent
+from prism_core.adaptive import AdaptiveState, adaptive_direction, init_state
+from prism_core.manifold import Point, Tangent
+from prism_core.mechanism import (
+    ClippedSum,
+    PrivateStep,
+    StepFrames,
+    clip_and_sum_grads,
+    empty_sum,
+    privatize,
+    retract_modules,
+    step_frames,
+)
+from prism_runtime.classifier import fold_text_rows
+from prism_runtime.lora import per_example_factor_grads, read_points, write_points_
+from prism_runtime.model import LoadedModel
+from prism_runtime.train_config import TrainConfig
+from prism_runtime.trainer.dp import DPTrainer, grad_sample
+from prism_runtime.trainer.optimizers import head_optimizer
+
+__all__ = ["ClipFn", "PrismTrainer", "PrivatizeFn"]
+
+ClipFn = Callable[..., ClippedSum]
+"""Signature of ``prism_core.mechanism.clip_and_sum_grads``."""
+PrivatizeFn = Callable[..., PrivateStep]
+"""Signature of ``prism_core.mechanism.privatize``."""
+
+
+class PrismTrainer(DPTrainer):
+    """PRISM: tangent-space clip and noise, adaptive transform, retraction of the LoRA factors.
+
+    Takes ``PrivateTrainer``'s arguments. ``states`` holds the adaptive transform's moments of
+    every LoRA module (post-processing of DP releases: a site keeps them across rounds);
+    ``optimizer`` steps the DP head (None without one).
+    """
+
+    methods: ClassVar[frozenset[str]] = frozenset({"prism"})
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        dataset: Dataset[dict[str, object]],
+        config: TrainConfig,
+        *,
+        history: Sequence[PrivacyEvent] = (),
+    ) -> None:
+        super().__init__(loaded, dataset, config, history=history)
+        self.states: list[AdaptiveState] = [
+            init_state(p.A, p.B) for p in read_points(loaded.handles)
+        ]
+        self.adaptive = config.adaptive.to_config()
+        self.optimizer = head_optimizer(loaded.head_params, config)
+
+    # -- the clip and the release ----------------------------------------------------------
+
+    def _example_grads(self, n: int) -> tuple[list[tuple[Tensor, Tensor]], list[Tensor]]:
+        """Per-example factor gradients ``(gA, gB)`` of every LoRA module and the head's, for
+        the ``n`` examples of the last backward (siamese pairs: 2 encoder rows folded into 1)."""
+        grads = [
+            (fold_text_rows(gA, n), fold_text_rows(gB, n))
+            for gA, gB in per_example_factor_grads(self.loaded.handles)
+        ]
+        return grads, [grad_sample(p).to(torch.float32) for p in self.loaded.head_params]
+
+    def clipped_sum(
+        self,
+        batch: dict[str, Tensor],
+        points: Sequence[Point],
+        *,
+        frames: StepFrames | None = None,
+        clip_fn: ClipFn | None = None,
+    ) -> tuple[ClippedSum, float]:
+        """Globally clipped sum of per-example lifts (and DP-head grads) over micro-batches.
+
+        The lifts are fused into the clip (``clip_and_sum_grads``); ``frames`` (the per-step QR
+        frames of ``points``) are computed once per step, not per micro-batch. ``clip_fn``
+        defaults to ``prism_core.mechanism.clip_and_sum_grads``; the privacy self-audit
+        (``server.audit``) passes deliberately broken variants to prove it catches them.
+
+        Returns the ``ClippedSum`` and the summed per-sequence loss (private, local only).
+        """
+        clip = clip_and_sum_grads if clip_fn is None else clip_fn
+        if frames is None:
+            frames = step_frames(points)
+        acc, total = None, 0.0
+        split = self._head_split()
+        for n, loss in self._example_passes(batch):
+            total += loss
+            grads, head_grads = self._example_grads(n)
+            acc = clip(
+                points,
+                grads,
+                max_norm=self.config.max_norm,
+                previous=acc,
+                euclidean=head_grads,
+                frames=frames,
+                **split,
+            )
+        return (acc if acc is not None else empty_sum(points, self.loaded.head_params)), total
+
+    def release(
+        self,
+        batch: dict[str, Tensor],
+        points: Sequence[Point],
+        *,
+        frames: StepFrames | None = None,
+        clip_fn: ClipFn | None = None,
+        privatize_fn: PrivatizeFn | None = None,
+    ) -> tuple[PrivateStep, ClippedSum, float]:
+        """The DP release of one PRISM step on ``batch`` at ``points`` (before post-processing).
+
+        Global clip over every micro-batch, then tangent noise once, divided by the EXPECTED
+        batch size. ``clip_fn``/``privatize_fn`` default to ``prism_core``'s functions; only the
+        privacy self-audit replaces them (with deliberately broken variants).
+
+        Returns:
+            The released ``PrivateStep``, the (private) ``ClippedSum`` and the summed loss.
+        """
+        if frames is None:
+            frames = step_frames(points)
+        noisy = privatize if privatize_fn is None else privatize_fn
+        acc, total = self.clipped_sum(batch, points, frames=frames, clip_fn=clip_fn)
+        released = noisy(
+            points,
+            acc,
+            noise_multiplier=self.noise_multiplier,
+            max_norm=self.config.max_norm,
+            expected_batch_size=self.expected_batch_size,
+            sample_rate=self.sample_rate,
+            generator=self.noise,
+            frames=frames,
+        )
+        return released, acc, total
+
+    def count_within(self, max_norm: float, *, lora_only: bool) -> tuple[int, int]:
+        """On the next Poisson batch: ``(examples, examples whose clipped norm is <= max_norm)``.
+
+        The norm is the one ``clipped_sum`` clips: the intrinsic norm of the lift (eq. 15),
+        joined by the DP head's gradient unless ``lora_only`` (a split clip estimates the LoRA
+        part alone); an example is below when its clip coefficient is 1. No parameter moves.
+        """
+        batch = self._next_batch()
+        points = read_points(self.loaded.handles)
+        frames = step_frames(points)
+        count = below = 0
+        with self._autocast():
+            for n, _ in self._example_passes(batch):
+                grads, head_grads = self._example_grads(n)
+                acc = clip_and_sum_grads(
+                    points,
+                    grads,
+                    max_norm=max_norm,
+                    euclidean=[] if lora_only else head_grads,
+                    frames=frames,
+                )
+                count, below = count + acc.count, below + acc.count - acc.clipped
+        return count, below
+
+    # -- post-processing -------------------------------------------------------------------
+
+    def _run_step(self, batch: dict[str, Tensor]) -> tuple[float, PrivacyEvent]:
+        cfg, handles, head = self.config, self.loaded.handles, self.loaded.head_params
+        points = read_points(handles)
+        frames = step_frames(points)
+        released, acc, total = self.release(batch, points, frames=frames)
+        noise_std = self.noise_multiplier * cfg.max_norm / self.expected_batch_size
+        directions: list[Tangent] = []
+        for index, (point, update) in enumerate(zip(points, released.tangents, strict=True)):
+            direction, self.states[index] = adaptive_direction(
+                point, update, self.states[index], noise_std=noise_std, config=self.adaptive
+            )
+            directions.append(direction)
+        write_points_(handles, retract_modules(frames, directions, -cfg.lr))
+        if self.optimizer is not None:
+            for p, g in zip(head, released.euclidean, strict=True):
+                p.grad = g.to(p.dtype)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return total / max(acc.count, 1), released.record
