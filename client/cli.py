@@ -21,9 +21,10 @@ alone seeds only public choices (the head and orthonormal initialisation); it se
 dropout and noise too only with ``--reproducible``, which is for tests and benchmarks: anyone
 who knows the seed can predict the noise. ``metrics.json`` records which (``rng``).
 
-Above ~400 lines on purpose: ``prism-train``'s whole command surface (parser, config-file
-merge with per-option error reports, the run, its metrics); each part only makes sense with the
-others' option names.
+Classes (seq-cls): ``--num-labels``, else one per ``--label-texts``, else the training labels'
+classes 0..K-1 (``prism_runtime.data.labels``); a label outside them is a data error naming its
+rows, never its value. ``--label-texts auto`` and ``--head-init auto`` follow the data as the
+run config's keys do (``prism_runtime.data.settings``).
 """
 
 from __future__ import annotations
@@ -37,13 +38,14 @@ import time
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, get_args
+from typing import TYPE_CHECKING, Any
 
-import annotated_types
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from client.policy import delta_below_one_over_n
 from prism_runtime.config import (
+    AUTO,
     DEFAULT_BATCH_SIZE,
     DEFAULT_DELTA,
     DEFAULT_HEAD_LR,
@@ -56,9 +58,14 @@ from prism_runtime.config import (
     DEFAULT_MAX_NORM,
     DEFAULT_MICRO_BATCH_SIZE,
     HEAD_MOMENTUM,
+    check_label_texts,
+    describe_allowed,
 )
 from prism_runtime.errors import ConfigError, DataError
 from prism_runtime.train_config import DEFAULT_HEAD_SHARE
+
+if TYPE_CHECKING:
+    from prism_runtime.data import ExampleFile
 
 __all__ = ["EXIT_CONFIG_ERROR", "EXIT_DATA_ERROR", "EXIT_OK", "RunOptions", "build_parser", "main"]
 
@@ -73,6 +80,8 @@ DEFAULT_INIT = {"prism": "spectral-residual"}  # the baselines start from peft's
 BASELINE_INIT = "standard"
 JOINT_CLIP = -1
 """``--head-max-norm -1``: one joint clip of LoRA and head (the run config's convention)."""
+FOLLOW_DATA = ("label_texts", "head_init")
+"""Options that may be ``auto``: resolved from the data once it is read (``_classifier_config``)."""
 
 # Option (snake_case, as in the config file) -> field of ModelConfig / TrainConfig.
 MODEL_FIELDS = {
@@ -148,7 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--data", metavar="FILE", help="training data (.jsonl, .csv, save_to_disk)")
     io.add_argument("--eval-data", metavar="FILE", help="held-out evaluation data")
     io.add_argument("--task", choices=["seq-cls", "causal-lm"], help="default seq-cls")
-    io.add_argument("--num-labels", type=int, help="classes (seq-cls; default: max label + 1)")
+    io.add_argument(
+        "--num-labels",
+        type=int,
+        help="classes (seq-cls; default: one per --label-texts, else the training labels' "
+        "classes 0..K-1, where a label above a gap is refused)",
+    )
     io.add_argument(
         "--max-length", type=int, help=f"tokens per example (default {DEFAULT_MAX_LENGTH})"
     )
@@ -231,14 +245,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cls.add_argument(
         "--head-init",
-        choices=["random", "zero-shot"],
-        help="head start: seeded random (default) or zero-shot from --label-texts",
+        choices=[AUTO, "random", "zero-shot"],
+        help="head start: seeded random (default), zero-shot from --label-texts, or auto: "
+        "zero-shot where a public start exists (as the run config's head-init)",
     )
     cls.add_argument(
         "--label-texts",
         metavar="'A|B|...'",
         help="PUBLIC description of each class in label order, '|'-separated (zero-shot); "
-        "never derived from private data",
+        "never derived from private data; auto: as the run config's label-texts (the "
+        "sentiment texts for two-class single texts, else none)",
     )
     cls.add_argument(
         "--head-max-norm",
@@ -323,30 +339,6 @@ def read_config_file(path: Path, valid: Sequence[str]) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
-def _allowed(model: type[BaseModel], field: str) -> str:
-    """Human description of a field's allowed values, e.g. ``a number > 0 and < 1``."""
-    info = model.model_fields[field]
-    choices = [a for a in get_args(info.annotation) if isinstance(a, str)]
-    if choices:
-        return "one of " + ", ".join(choices)
-    kinds = {int: "an integer", float: "a number", bool: "true or false"}
-    args = get_args(info.annotation) or (info.annotation,)
-    kind = next((kinds[a] for a in args if a in kinds), "")
-    symbols = {
-        annotated_types.Gt: ("gt", ">"),
-        annotated_types.Ge: ("ge", ">="),
-        annotated_types.Lt: ("lt", "<"),
-        annotated_types.Le: ("le", "<="),
-    }
-    bounds = [
-        f"{symbol} {getattr(m, attr)}"
-        for m in info.metadata
-        for cls, (attr, symbol) in symbols.items()
-        if isinstance(m, cls)
-    ]
-    return " ".join(filter(None, [kind, " and ".join(bounds)]))
-
-
 def _problems(
     exc: ValidationError,
     model: type[BaseModel],
@@ -367,7 +359,7 @@ def _problems(
             continue
         value = err.get("input")
         where = f" (from {sources[option]})" if option in sources else ""
-        allowed = _allowed(model, field) if field in model.model_fields else ""
+        allowed = describe_allowed(model, field) if field in model.model_fields else ""
         hint = f" (allowed: {allowed})" if allowed else ""
         lines.append(f"{flag}={value!r}{where}: {err['msg']}{hint}.")
     return lines
@@ -400,7 +392,7 @@ def build_configs(values: Mapping[str, Any], sources: Mapping[str, str]) -> tupl
     from prism_runtime.model import ModelConfig
     from prism_runtime.trainer import TrainConfig
 
-    merged = dict(values)
+    merged = {k: v for k, v in values.items() if not (k in FOLLOW_DATA and v == AUTO)}
     if merged.get("head_max_norm") == JOINT_CLIP:  # as the run config's head-max-norm = -1
         merged["head_max_norm"] = None
     if "init" not in merged:
@@ -425,23 +417,73 @@ def build_configs(values: Mapping[str, Any], sources: Mapping[str, str]) -> tupl
 # --------------------------------------------------------------------------------------------
 
 
-def _load_data(path: Path, task: str, limit: int | None, what: str) -> list[dict[str, Any]]:
-    from prism_runtime.data import load_examples
+def _load_data(path: Path, task: str, limit: int | None, what: str) -> ExampleFile:
+    from prism_runtime.data import read_examples
 
-    examples = load_examples(path, task)
-    if limit is not None and limit < len(examples):
-        log.info("using the first %d of %d %s examples", limit, len(examples), what)
-        examples = examples[:limit]
-    return examples
+    read = read_examples(path, task)
+    if limit is not None and limit < len(read.examples):
+        log.info("using the first %d of %d %s examples", limit, len(read.examples), what)
+    return read.head(limit)
 
 
-def _check_labels(examples: Sequence[Mapping[str, Any]], num_labels: int, source: Path) -> None:
-    top = max(int(ex["label"]) for ex in examples)
-    if top >= num_labels:
-        raise DataError(
-            f"{source}: label {top} is out of range for num_labels={num_labels} (labels must be "
-            f"0..{num_labels - 1}). Raise --num-labels or fix the labels."
+LABELS_FIX = "Fix those rows' labels, or set --num-labels to the number of classes."
+
+
+def _classes(values: Mapping[str, Any], model_cfg: Any, train: ExampleFile) -> int:
+    """K: ``--num-labels``, else one class per ``--label-texts``, else the training labels'
+    classes (``prism_runtime.data.labels``: a stray label is refused, naming its rows)."""
+    from prism_runtime.data.labels import derived_class_count
+
+    if "num_labels" in values:
+        return int(model_cfg.num_labels)
+    if model_cfg.label_texts and values.get("label_texts") != AUTO:
+        return max(2, len(model_cfg.label_texts))
+    k = derived_class_count(
+        train.source,
+        train.labels,
+        train.where,
+        fix="set --num-labels to the number of classes (and --label-texts to one text per class).",
+    )
+    log.info("num_labels=%d (the training labels' classes 0..%d)", k, k - 1)
+    return k
+
+
+def _classifier_config(
+    values: Mapping[str, Any], model_cfg: Any, train: ExampleFile, held_out: ExampleFile | None
+) -> Any:
+    """``model_cfg`` with the classes and text pairs of the data, every label checked, and
+    ``--label-texts auto`` / ``--head-init auto`` resolved as the run config resolves them
+    (``prism_runtime.data.settings``).
+
+    Raises:
+        DataError: a label outside the classes (naming its rows, never its value).
+        ConfigError: label texts whose count is not the number of classes.
+    """
+    from prism_runtime.classifier import resolve_pair_encoding
+    from prism_runtime.config import split_label_texts
+    from prism_runtime.data.labels import check_labels
+    from prism_runtime.data.settings import auto_head_init, auto_label_texts
+
+    k = _classes(values, model_cfg, train)
+    pairs = "text_a" in train.examples[0]
+    texts = model_cfg.label_texts
+    if values.get("label_texts") == AUTO:
+        texts = split_label_texts(auto_label_texts(pairs, k))
+    check_label_texts(texts, k, texts_key="--label-texts", labels_key="--num-labels")
+    for data in (train, held_out):
+        if data is not None:
+            check_labels(data.source, data.labels, data.where, k, fix=LABELS_FIX)
+    head_init = model_cfg.head_init
+    if values.get("head_init") == AUTO:
+        siamese = pairs and resolve_pair_encoding(model_cfg.model, model_cfg.pair_encoding) == (
+            "siamese"
         )
+        head_init = auto_head_init(
+            pairs=pairs, siamese=siamese, num_labels=k, label_texts="|".join(texts)
+        )
+    return model_cfg.model_copy(
+        update={"num_labels": k, "text_pairs": pairs, "label_texts": texts, "head_init": head_init}
+    )
 
 
 def _max_length(loaded: Any, given: int | None) -> int:
@@ -477,20 +519,15 @@ def run(values: Mapping[str, Any], sources: Mapping[str, str]) -> int:
     from prism_runtime.trainer import PrivateTrainer
 
     task = model_cfg.task
-    train = _load_data(opts.data, task, opts.train_limit, "training")
-    held_out = (
+    train_file = _load_data(opts.data, task, opts.train_limit, "training")
+    eval_file = (
         _load_data(opts.eval_data, task, opts.eval_limit, "evaluation") if opts.eval_data else None
     )
     if task == "seq-cls":
-        if "num_labels" not in values:
-            inferred = max(2, max(int(ex["label"]) for ex in train) + 1)
-            log.info("num_labels=%d (max training label + 1)", inferred)
-            model_cfg = model_cfg.model_copy(update={"num_labels": inferred})
-        model_cfg = model_cfg.model_copy(update={"text_pairs": "text_a" in train[0]})
-        _check_labels(train, model_cfg.num_labels, opts.data)
-        if held_out is not None and opts.eval_data is not None:
-            _check_labels(held_out, model_cfg.num_labels, opts.eval_data)
-    if train_cfg.method != "nondp" and train_cfg.delta >= 1 / len(train):
+        model_cfg = _classifier_config(values, model_cfg, train_file, eval_file)
+    train = train_file.examples
+    held_out = eval_file.examples if eval_file is not None else None
+    if train_cfg.method != "nondp" and not delta_below_one_over_n(train_cfg.delta, len(train)):
         raise ConfigError(
             f"--delta={train_cfg.delta:g} is not below 1/N = {1 / len(train):g} for N={len(train)} "
             "training examples: such a guarantee allows leaking a whole record with probability "

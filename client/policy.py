@@ -40,6 +40,7 @@ __all__ = [
     "SIMULATION_DELTA",
     "SIMULATION_EPSILON_CAP",
     "SitePolicy",
+    "delta_below_one_over_n",
     "site_policy",
 ]
 
@@ -51,6 +52,12 @@ SIMULATION_EPSILON_CAP = 8.0
 
 SIMULATION_DELTA = 1e-5
 """A simulated site's delta when its node config sets none."""
+
+
+def delta_below_one_over_n(delta: float, num_examples: int) -> bool:
+    """Whether ``delta < 1/N`` for a site's ``N`` examples (a guarantee with a larger delta
+    allows leaking a whole record with probability delta): the rule of every private run."""
+    return delta < 1.0 / num_examples
 
 
 @dataclass(frozen=True)
@@ -103,7 +110,7 @@ class SitePolicy:
             return "epsilon-above-site-cap"
         elif run.delta > self.delta:
             return "delta-above-site-policy"
-        elif run.delta >= 1.0 / num_examples:
+        elif not delta_below_one_over_n(run.delta, num_examples):
             return "delta-not-below-1/n"
         if run.batch_size > num_examples:  # q = b / N would exceed 1: no such Poisson batch
             return "batch-above-site-data"

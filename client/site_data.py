@@ -1,24 +1,33 @@
-"""A site's training rows: its own file, or its partition of the run's data in a simulation."""
+"""A site's training rows: its own file, or its partition of the run's data in a simulation.
+
+The rows are checked against the run's resolved data settings
+(``prism_runtime.data.settings.data_settings``), which the coordinator's model is built from: a
+label outside 0..num-labels-1 is a ``DataError`` naming its line, pairs that disagree with
+``text-pairs`` a ``ConfigError`` naming the key (the site's error replies 4002 and 4001).
+"""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-from prism_runtime.config import RunConfig, SiteConfig
+from prism_runtime.config import AUTO, RunConfig, SiteConfig
 from prism_runtime.data import dirichlet_partition, iid_partition, load_examples
+from prism_runtime.data.settings import data_settings, pairs_problem
 from prism_runtime.errors import ConfigError
 from prism_runtime.synthetic import synthetic_examples, synthetic_stream
 
-log = logging.getLogger(__name__)
-
 
 def _num_labels(run: RunConfig) -> int | None:
-    return run.num_labels if run.task == "seq-cls" else None
+    return data_settings(run).num_labels if run.task == "seq-cls" else None
 
 
 def site_examples(run: RunConfig, site: SiteConfig) -> list[dict[str, Any]]:
-    """The site's training rows: its own file, or its partition of the run's data (simulation)."""
+    """The site's training rows: its own file, or its partition of the run's data (simulation).
+
+    Raises:
+        DataError: the rows cannot be read, or a label lies outside 0..num-labels-1.
+        ConfigError: no data for this site, or the run's data settings cannot be resolved.
+    """
     if site.data_path:
         return load_examples(site.data_path, run.task, num_labels=_num_labels(run))
     if site.partition_id < 0 or site.num_partitions < 1:
@@ -42,17 +51,16 @@ def site_examples(run: RunConfig, site: SiteConfig) -> list[dict[str, Any]]:
 
 
 def check_text_pairs(run: RunConfig, rows: list[dict[str, Any]]) -> None:
-    """The site's rows are pairs exactly when the run says so (``text-pairs`` sizes the head)."""
+    """The site's rows are pairs exactly when the run's resolved ``text-pairs`` says so (it
+    sizes the head every participant builds).
+
+    Raises:
+        ConfigError: pairs under ``text-pairs=false``, or single texts under ``true``.
+    """
     if run.task != "seq-cls" or not rows:
         return
+    origin = f" (auto, from the run's data {run.data!r})" if run.text_pairs == AUTO else ""
     pairs = "text_a" in rows[0]
-    if pairs and not run.text_pairs and run.pair_encoding != "joint":
-        log.warning(
-            "this site's data are text pairs but the run has text-pairs=false: each pair is "
-            "encoded as one joint sequence; set text-pairs=true for siamese encoding"
-        )
-    if run.text_pairs and not pairs:
-        raise ConfigError(
-            "the run has text-pairs=true but this site's data are single texts ('text'): give "
-            "text_a/text_b pairs, or run with text-pairs=false"
-        )
+    problem = pairs_problem(pairs, data_settings(run).text_pairs, "this site's data", origin)
+    if problem:
+        raise ConfigError(problem)

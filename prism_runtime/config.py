@@ -4,14 +4,14 @@ Flower hands both over as flat dicts with kebab-case keys; they are validated he
 top of the ServerApp and the ClientApp. Unknown keys are an error listing the valid ones, and
 every error names the key, the value found and what is allowed.
 
-Above ~400 lines on purpose: the ONE configuration model (run config, node config and the one
-set of defaults), every key with its range and its error text in one place.
+``docs/configuration.md`` is generated from these models (``prism_runtime.config_docs``): every
+key with its type, default, allowed values, meaning (the field's description) and who sets it.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Literal, get_args
 
 import annotated_types
@@ -74,18 +74,40 @@ DEFAULT_MAX_LENGTH = 64
 """Tokens per text (capped by the model's position embeddings)."""
 
 __all__ = [
+    "AUTO",
     "AUTO_CLIP",
+    "SENTIMENT_LABEL_TEXTS",
+    "SITE_BOUNDS",
     "RunConfig",
     "SiteConfig",
+    "check_label_texts",
     "describe_allowed",
     "parse_config",
     "resolve_model",
     "site_method",
+    "split_label_texts",
 ]
 
 FedMethod = Literal["prism", "fedavg-factors", "ffa", "nondp"]
-AUTO_CLIP = "auto"
+AUTO: Literal["auto"] = "auto"
+"""The value of a key derived from something else: ``text-pairs``, ``num-labels``,
+``label-texts`` and ``head-init`` from the run's data (``prism_runtime.data.settings``)."""
+AUTO_CLIP: Literal["auto"] = AUTO
 """``max-norm = auto``: the clip is estimated privately at each site (``client.clip_quantile``)."""
+SENTIMENT_LABEL_TEXTS = "this is bad|this is great"
+"""``label-texts = auto`` of two-class single-text data: the built-in task's classes
+(0 negative, 1 positive), a public zero-shot start for sentiment-like data."""
+
+SITE_BOUNDS: dict[str, tuple[str, ...]] = {
+    "target-epsilon": ("epsilon-above-site-cap",),
+    "local-steps": ("cap-exhausted",),
+    "delta": ("delta-above-site-policy", "delta-not-below-1/n"),
+    "batch-size": ("batch-above-site-data",),
+    "method": ("nondp-not-allowed",),
+    "report-train-loss": ("nonprivate-metrics-not-allowed",),
+}
+"""Run-config keys a site's own policy bounds, with the ``REFUSAL_REASONS`` codes of a site that
+refuses the request (``client.policy.SitePolicy.refusal``; ``cap-exhausted``: the site's cap)."""
 MINILM = "minilm"
 
 
@@ -96,6 +118,41 @@ def resolve_model(name: str) -> str:
 
         return str(get_model_path())
     return name
+
+
+def split_label_texts(value: str) -> tuple[str, ...]:
+    """The class descriptions of a ``label-texts`` value ('a|b'): none for ``''`` and ``auto``."""
+    if value == AUTO or not value.strip():
+        return ()
+    return tuple(text.strip() for text in value.split("|"))
+
+
+def check_label_texts(
+    texts: Sequence[str],
+    num_labels: int,
+    *,
+    texts_key: str = "label-texts",
+    labels_key: str = "num-labels",
+    origin: str = "",
+) -> None:
+    """One public text per class: refuse label texts whose count is not the number of classes.
+
+    Args:
+        texts: the class descriptions (none: nothing to check).
+        num_labels: the number of classes K.
+        texts_key, labels_key: the names the user set them by (run-config keys, or
+            ``prism-train``'s ``--label-texts`` and ``--num-labels``).
+        origin: where K came from when the user did not set it, e.g. `` (auto: from data.jsonl)``.
+
+    Raises:
+        ConfigError: naming both keys, the count and K.
+    """
+    if texts and len(texts) != num_labels:
+        raise ConfigError(
+            f"{texts_key} has {len(texts)} descriptions but {labels_key}={num_labels}{origin}: "
+            f"give exactly one per class, in label order, separated by '|', or set {labels_key} "
+            "to the number of classes"
+        )
 
 
 class _Kebab(BaseModel):
@@ -123,23 +180,43 @@ class RunConfig(_Kebab):
     )
 
     model: str = Field(MINILM, description="HF model folder/name; 'minilm' = the bundled MiniLM")
-    task: Literal["seq-cls", "causal-lm"] = "seq-cls"
-    num_labels: int = Field(2, ge=2)
-    lora_rank: int = Field(DEFAULT_LORA_RANK, ge=1)
-    lora_alpha: float = Field(DEFAULT_LORA_ALPHA, gt=0)
+    task: Literal["seq-cls", "causal-lm"] = Field(
+        "seq-cls",
+        description="seq-cls: text (or text-pair) classification with a DP-trained head; "
+        "causal-lm: instruction tuning of a causal language model",
+    )
+    num_labels: int | Literal["auto"] = Field(
+        AUTO,
+        description="seq-cls classes K (labels 0..K-1); auto = the classes of the run's data: "
+        "0..K-1 up to the first label no row holds (at least 2; 2 for the built-in task), and a "
+        "row above that gap is refused as a stray label, never taken for a new class",
+        json_schema_extra=_allowed_note("an integer >= 2, or 'auto'"),
+    )
+    lora_rank: int = Field(DEFAULT_LORA_RANK, ge=1, description="LoRA rank r")
+    lora_alpha: float = Field(
+        DEFAULT_LORA_ALPHA, gt=0, description="LoRA alpha: the adapter is scaled by alpha / r"
+    )
     lora_targets: str = Field(
         ",".join(DEFAULT_LORA_TARGETS),
         min_length=1,
-        description="comma-separated names",
+        description="module names LoRA attaches to, comma-separated (BERT-style attention)",
         json_schema_extra=_allowed_note("comma-separated module names, at least one"),
     )
-    lora_init: Literal["auto", "spectral-residual", "orthonormal", "standard"] = "auto"
+    lora_init: Literal["auto", "spectral-residual", "orthonormal", "standard"] = Field(
+        "auto",
+        description="adapter start: auto = spectral-residual for prism, peft's standard init "
+        "for the baselines",
+    )
     lora_head: Literal["frozen", "train"] = Field(
         "train", description="seq-cls head: DP-trained inside the global clip, or frozen"
     )
-    method: FedMethod = "prism"
-    num_rounds: int = Field(30, ge=1, le=NUM_ROUNDS_MAX)
-    sites_per_round: int = Field(3, ge=1)
+    method: FedMethod = Field(
+        "prism",
+        description="prism (Riemannian LoRA updates, tangent-space aggregation), fedavg-factors "
+        "(DP-AdamW on the factors, averaged), ffa (frozen A, DP B), or nondp (no privacy)",
+    )
+    num_rounds: int = Field(30, ge=1, le=NUM_ROUNDS_MAX, description="federated rounds")
+    sites_per_round: int = Field(3, ge=1, description="sites asked to train in each round")
     min_sites: int = Field(1, ge=1, description="fewest valid replies that update the model")
     local_steps: int = Field(
         1, ge=1, le=LOCAL_STEPS_MAX, description="tau: private steps per site per round"
@@ -147,7 +224,11 @@ class RunConfig(_Kebab):
     batch_size: int = Field(
         DEFAULT_BATCH_SIZE, ge=1, description="expected Poisson batch per local step"
     )
-    micro_batch_size: int = Field(DEFAULT_MICRO_BATCH_SIZE, ge=1)
+    micro_batch_size: int = Field(
+        DEFAULT_MICRO_BATCH_SIZE,
+        ge=1,
+        description="examples per forward/backward pass at a site (memory only)",
+    )
     max_norm: float | Literal["auto"] = Field(
         DEFAULT_MAX_NORM,
         description="clip C: the total sensitivity (LoRA + head), or 'auto': each site "
@@ -181,11 +262,22 @@ class RunConfig(_Kebab):
         lt=1,
         description="delta the run asks for; a site refuses above its own",
     )
-    data: str = Field("synthetic", description="'synthetic' or a JSONL/CSV file to partition")
-    partitioner: Literal["iid", "dirichlet"] = "iid"
-    dirichlet_alpha: float = Field(0.5, gt=0)
+    data: str = Field(
+        "synthetic",
+        description="'synthetic' (the built-in task) or a JSONL/CSV file a simulation "
+        "partitions over its sites; the auto keys (text-pairs, num-labels) are derived from it",
+    )
+    partitioner: Literal["iid", "dirichlet"] = Field(
+        "iid",
+        description="simulation: how data is split over the sites: iid, or dirichlet label skew",
+    )
+    dirichlet_alpha: float = Field(
+        0.5, gt=0, description="simulation: Dirichlet concentration (small = strong label skew)"
+    )
     synthetic_examples: int = Field(720, ge=8, description="rows per site of the built-in task")
-    max_length: int = Field(DEFAULT_MAX_LENGTH, ge=8)
+    max_length: int = Field(
+        DEFAULT_MAX_LENGTH, ge=8, description="tokens per text (longer texts are truncated)"
+    )
     seed: int = Field(
         0,
         description="seeds PUBLIC choices only: the simulation partition, synthetic data, the "
@@ -226,16 +318,27 @@ class RunConfig(_Kebab):
     pair_encoding: Literal["auto", "siamese", "joint"] = Field(
         "auto", description="text pairs: auto = siamese for sentence-transformers models"
     )
-    text_pairs: bool = Field(
-        False, description="the data are text pairs (text_a, text_b): sizes the siamese head"
+    text_pairs: bool | Literal["auto"] = Field(
+        AUTO,
+        description="the data are text pairs (text_a, text_b): sizes the siamese head; auto = "
+        "whether the run's data are pairs (false for the built-in task); a site whose rows "
+        "disagree refuses the run",
+        json_schema_extra=_allowed_note("true, false, or 'auto'"),
     )
-    head_init: Literal["random", "zero-shot"] = Field(
-        "zero-shot", description="head start: zero-shot from label-texts, or seeded random"
+    head_init: Literal["auto", "random", "zero-shot"] = Field(
+        AUTO,
+        description="head start: zero-shot (from label-texts; for siamese text pairs of 2 "
+        "classes the cosine rule), seeded random, or auto = zero-shot where such a public start "
+        "exists, else random",
     )
     label_texts: str = Field(
-        "this is bad|this is great",
+        AUTO,
         description="PUBLIC description of each class, '|'-separated, in label order (zero-shot);"
-        " never derived from private data: every site receives them",
+        f" never derived from private data: every site receives them. auto = "
+        f"'{SENTIMENT_LABEL_TEXTS}' for 2-class single-text data, else none; '' = none",
+        json_schema_extra=_allowed_note(
+            "'auto', '' (none), or one non-empty text per class separated by '|'"
+        ),
     )
     head_max_norm: float = Field(
         DEFAULT_HEAD_MAX_NORM,
@@ -315,6 +418,22 @@ class RunConfig(_Kebab):
             raise ValueError("has an empty description (separate non-empty texts with '|')")
         return value
 
+    @field_validator("num_labels", mode="before")
+    @classmethod
+    def _classes_or_auto(cls, value: Any) -> Any:
+        if value == AUTO:
+            return value
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 2:
+            return value
+        raise ValueError(f"is neither an integer >= 2 nor {AUTO!r}")
+
+    @field_validator("text_pairs", mode="before")
+    @classmethod
+    def _pairs_or_auto(cls, value: Any) -> Any:
+        if isinstance(value, bool) or value == AUTO:
+            return value
+        raise ValueError(f"is neither true, false nor {AUTO!r}")
+
     REMOVED_KEYS: ClassVar[dict[str, str]] = {
         "secure-rng": (
             "randomness is the site's choice, not the run's: every site draws its sampling, "
@@ -365,6 +484,9 @@ class RunConfig(_Kebab):
             )
         if self.auto_clip:
             self._check_auto_clip()
+        texts = split_label_texts(self.label_texts)
+        if self.task == "seq-cls" and isinstance(self.num_labels, int) and texts:
+            check_label_texts(texts, self.num_labels)
         if self.min_sites > self.sites_per_round:
             raise ValueError(
                 f"min-sites={self.min_sites} exceeds sites-per-round={self.sites_per_round} "

@@ -83,7 +83,7 @@ def _server_eval(run: RunConfig, loaded: LoadedModel) -> Any:
     if run.server_eval_data == "synthetic":  # a held-out draw of the built-in task
         examples = synthetic_examples(200, seed=synthetic_stream(run.seed, "server-eval"))
     else:
-        labels = run.num_labels if run.task == "seq-cls" else None
+        labels = loaded.config.num_labels if run.task == "seq-cls" else None
         examples = load_examples(run.server_eval_data, run.task, num_labels=labels)
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:

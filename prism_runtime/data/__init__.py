@@ -15,7 +15,9 @@ Supported inputs are JSON Lines, CSV with a header row, and a folder written by
 ``datasets.Dataset.save_to_disk``. Two tasks are supported:
 
 * ``"seq-cls"``: ``text`` + ``label``, or the pair ``text_a`` + ``text_b`` + ``label``; labels are
-  integers ``>= 0`` (CSV cells such as ``"1"`` are accepted).
+  integers ``>= 0`` (CSV cells such as ``"1"`` are accepted). ``prism_runtime.data.labels`` says
+  how many classes they make; ``prism_runtime.data.settings`` resolves the run config's data
+  settings (``text-pairs``, ``num-labels``, ``label-texts``, ``head-init``) from them.
 * ``"causal-lm"``: instruction tuning with ``instruction``, optional ``input``, ``output`` and an
   optional ``answer``. When ``output`` is empty or absent the ``answer`` becomes the training
   target (MAWPS-style data ships an empty ``output`` and the result in ``answer``).
@@ -41,7 +43,9 @@ from prism_runtime.data.reading import (
     TASKS,
     Collate,
     Example,
+    ExampleFile,
     load_examples,
+    read_examples,
 )
 from prism_runtime.data.tokenize import TokenizedDataset, format_prompt
 
@@ -54,6 +58,7 @@ __all__ = [
     "TASKS",
     "Collate",
     "Example",
+    "ExampleFile",
     "TokenizedDataset",
     "dirichlet_partition",
     "format_prompt",
@@ -63,4 +68,5 @@ __all__ = [
     "make_collate",
     "micro_batches",
     "poisson_loader",
+    "read_examples",
 ]

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from os import PathLike
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
@@ -78,6 +78,30 @@ def _kind(value: Any) -> str:
     return f"a JSON {type(value).__name__}"
 
 
+@dataclass(frozen=True)
+class ExampleFile:
+    """The examples of one file or folder and where each was read, for error messages.
+
+    ``where[i]`` is the 1-based place of ``examples[i]`` (``"line 3"`` in a JSONL or CSV file,
+    ``"row 3"`` in a ``datasets`` folder): an error can name a row without quoting its content.
+    """
+
+    source: Path
+    examples: list[Example]
+    where: list[str]
+
+    def head(self, limit: int | None) -> ExampleFile:
+        """The first ``limit`` examples (all of them for ``None``)."""
+        if limit is None or limit >= len(self.examples):
+            return self
+        return ExampleFile(self.source, self.examples[:limit], self.where[:limit])
+
+    @property
+    def labels(self) -> list[int]:
+        """The ``seq-cls`` label of every example, in order."""
+        return [int(ex["label"]) for ex in self.examples]
+
+
 def load_examples(
     path: str | PathLike[str],
     task: str,
@@ -86,7 +110,7 @@ def load_examples(
     num_labels: int | None = None,
     with_labels: bool = True,
 ) -> list[Example]:
-    """Read and validate the examples of one site.
+    """Read and validate the examples of one site (``read_examples`` without the places).
 
     Args:
         path: A ``.jsonl``/``.ndjson``/``.json`` file (one JSON object per line, blank lines
@@ -97,7 +121,7 @@ def load_examples(
             text pair, e.g. ``("question1", "question2")``. By default ``("text_a", "text_b")``
             when the first record has ``text_a``, else ``("text",)``.
         num_labels: Only for ``"seq-cls"``: the number of classes K; a label outside 0..K-1 is
-            a ``DataError`` naming its file and line.
+            a ``DataError`` naming its file and line (never the label).
         with_labels: ``False`` for rows to predict: ``seq-cls`` rows need no ``label`` (one
             that is present is ignored) and ``causal-lm`` rows no ``output``/``answer``.
 
@@ -112,10 +136,25 @@ def load_examples(
             record is invalid (the message names the file and its 1-based line or row).
         ConfigError: Unknown ``task`` or invalid ``text_fields``.
     """
+    return read_examples(
+        path, task, text_fields=text_fields, num_labels=num_labels, with_labels=with_labels
+    ).examples
+
+
+def read_examples(
+    path: str | PathLike[str],
+    task: str,
+    *,
+    text_fields: Sequence[str] | None = None,
+    num_labels: int | None = None,
+    with_labels: bool = True,
+) -> ExampleFile:
+    """``load_examples``, keeping where each example was read (arguments and errors the same)."""
     check_task(task)
     fields = _check_text_fields(task, text_fields)
     source = Path(path)
     examples: list[Example] = []
+    where: list[str] = []
     for row in _read_rows(source):
         if task == "seq-cls":
             if fields is None:
@@ -124,20 +163,21 @@ def load_examples(
             if with_labels and num_labels is not None and int(example["label"]) >= num_labels:
                 raise _row_error(
                     row,
-                    f"label {example['label']} is out of range for num-labels={num_labels} "
+                    f"the label is out of range for num-labels={num_labels} "
                     f"(allowed: 0..{num_labels - 1})",
                     "Fix the label, or raise num-labels to the number of classes.",
                 )
-            examples.append(example)
         else:
-            examples.append(_parse_causal_lm(row, with_labels))
+            example = _parse_causal_lm(row, with_labels)
+        examples.append(example)
+        where.append(row.where)
     if not examples:
         raise DataError(
             f"{source}: the file has no examples (it is empty, blank, or only has a header). "
             "Add at least one example."
         )
     logger.info("Loaded %d %s examples from %s", len(examples), task, source)
-    return examples
+    return ExampleFile(source, examples, where)
 
 
 def check_task(task: str) -> None:
@@ -180,13 +220,8 @@ def _read_rows(source: Path) -> Iterator[_Row]:
     )
 
 
-def _open_text(source: Path) -> Any:
-    # utf-8-sig drops a byte-order mark written by some spreadsheet exports.
-    return source.open(encoding="utf-8-sig", newline="")
-
-
 def _read_jsonl(source: Path) -> Iterator[_Row]:
-    with _open_text(source) as handle:
+    with source.open("rb") as handle:
         for line_no, line in enumerate(_decoded_lines(source, handle), start=1):
             if not line.strip():
                 continue
@@ -206,20 +241,29 @@ def _read_jsonl(source: Path) -> Iterator[_Row]:
             yield _Row(source, where, values, from_csv=False)
 
 
-def _decoded_lines(source: Path, handle: Any) -> Iterator[str]:
+def _decoded_lines(source: Path, handle: BinaryIO) -> Iterator[str]:
+    """The text lines of a binary file, each decoded on its own, with its line ending.
+
+    Lines end at ``\n``, ``\r\n`` or a lone ``\r`` (universal newlines, as ``csv`` wants them
+    with ``newline=""``). Neither byte occurs inside a UTF-8 sequence, so decoding line by line
+    is exact, and invalid UTF-8 is reported on the line that holds it. A byte-order mark at the
+    start of the file (some spreadsheet exports write one) is dropped.
+    """
     line_no = 0
-    try:
-        for line_no, line in enumerate(handle, start=1):  # noqa: B007 (used in the handler)
-            yield line
-    except UnicodeDecodeError as err:
-        raise DataError(
-            f"{source}, line {line_no + 1}: the file is not valid UTF-8 ({err.reason}). "
-            "Save it as UTF-8."
-        ) from err
+    for chunk in handle:
+        for raw in chunk.splitlines(keepends=True):  # a lone \r inside the chunk ends a line
+            line_no += 1
+            try:
+                yield raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(
+                    f"{source}, line {line_no}: the file is not valid UTF-8 ({err.reason}). "
+                    "Save it as UTF-8."
+                ) from err
 
 
 def _read_csv(source: Path) -> Iterator[_Row]:
-    with _open_text(source) as handle:
+    with source.open("rb") as handle:
         reader = csv.DictReader(_decoded_lines(source, handle))
         try:
             for record in reader:

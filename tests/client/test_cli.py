@@ -261,7 +261,66 @@ def test_eval_label_out_of_range_exit_1(
     args = ["--model", str(tiny_bert), "--data", str(sst2[0]), "--eval-data", str(bad)]
     assert main([*args, "--epsilon", "3", "--out", str(tmp_path / "o")]) == EXIT_DATA_ERROR
     err = capsys.readouterr().err
-    assert str(bad) in err and "label 5" in err
+    assert f"{bad}: 1 row holds a label outside 0..1 (line 2)" in err
+    assert "--num-labels" in err and "5" not in err.replace(str(bad), "")  # never the label
+
+
+def _labelled(path: Path, labels: list[int]) -> Path:
+    rows = [{"text": f"row {i}", "label": y} for i, y in enumerate(labels)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def test_a_stray_label_is_refused_naming_its_rows_not_an_eight_class_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two classes and one stray 7: refused before any model is loaded, naming the line."""
+    train = _labelled(tmp_path / "train.jsonl", [0, 1] * 20 + [7] + [1, 0] * 20)
+    args = ["--model", "unused", "--data", str(train), "--epsilon", "3"]
+    for extra in ([], ["--label-texts", "this is bad|this is great"]):
+        assert main([*args, *extra, "--out", str(tmp_path / "o")]) == EXIT_DATA_ERROR
+        err = capsys.readouterr().err
+        assert f"{train}: 1 row holds a label outside 0..1 (line 41)" in err
+        assert "--num-labels" in err and "7" not in err.replace(str(train), "")
+    assert not (tmp_path / "o").exists()
+
+
+def test_label_texts_of_another_count_than_the_classes_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    train = _labelled(tmp_path / "train.jsonl", [0, 1, 2] * 20)
+    args = ["--model", "unused", "--data", str(train), "--epsilon", "3"]
+    assert main([*args, "--num-labels", "3", "--label-texts", "bad|good"]) == EXIT_CONFIG_ERROR
+    assert "--label-texts has 2 descriptions but --num-labels=3" in capsys.readouterr().err
+    assert main([*args, "--label-texts", "bad|good"]) == EXIT_DATA_ERROR  # 2 classes: 2 is stray
+    assert "rows hold a label outside 0..1" in capsys.readouterr().err
+
+
+def test_auto_label_texts_and_head_init_follow_the_data_as_in_the_run_config(
+    tiny_bert: str, sst2: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Two-class single texts: the sentiment texts and a zero-shot head, as a run config's
+    ``label-texts = auto`` and ``head-init = auto`` give them."""
+    out = tmp_path / "run"
+    args = [*_base_args(tiny_bert, sst2, out), "--epsilon", "3", *FAST, "--eval-limit", "4"]
+    assert main([*args, "--label-texts", "auto", "--head-init", "auto"]) == EXIT_OK
+    classifier = json.loads((out / "metrics.json").read_text())["classifier"]
+    assert classifier["head_init"] == "zero-shot"
+    assert classifier["label_texts"] == ["this is bad", "this is great"]
+
+
+def test_option_errors_state_the_allowed_values_of_the_run_config() -> None:
+    """prism-train and the run config describe a field's allowed values the same way."""
+    from client.cli import build_configs
+    from prism_runtime.config import describe_allowed
+    from prism_runtime.errors import ConfigError
+    from prism_runtime.train_config import TrainConfig
+
+    values = {"model": "m", "data": "d.jsonl", "epsilon": 3.0, "head_optimizer": "lion"}
+    with pytest.raises(ConfigError) as info:
+        build_configs(values, {})
+    assert f"(allowed: {describe_allowed(TrainConfig, 'head_optimizer')})" in str(info.value)
+    assert "one of 'adamw', 'sgd', 'momentum'" in str(info.value)
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,9 @@ _CUSTOM = {  # fields whose rule is not a plain bound: a value just outside it
     "head_max_norm": [0.0, -2.0],
     "head_lr": [0.0, -0.5],
     "max_norm": [0.0, -1.0, "automatic", math.inf],
+    "num_labels": [1, 0, 2.5, True, "automatic"],
+    "text_pairs": ["maybe", 2, "yes"],
+    "label_texts": ["a||b", "|", "a| "],
 }
 
 
@@ -150,4 +153,4 @@ def test_prism_train_refuses_non_finite_numbers_naming_flag_value_and_range(opti
         build_configs(values, {})
     message = str(info.value)
     assert f"--{option.replace('_', '-')}={value!r}" in message
-    assert "finite number" in message and "(allowed: a number >" in message
+    assert "finite number" in message and "(allowed: a finite number >" in message

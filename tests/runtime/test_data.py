@@ -206,6 +206,41 @@ def test_bad_csv_label_names_line(tmp_path: Path) -> None:
         load_examples(path, "seq-cls")
 
 
+def _row(suffix: str, i: int) -> bytes:
+    if suffix == ".csv":
+        return f"row {i},{i % 2}\n".encode()
+    return (json.dumps({"text": f"row {i}", "label": i % 2}) + "\n").encode()
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
+def test_invalid_utf8_is_reported_on_its_own_line(tmp_path: Path, suffix: str) -> None:
+    """The text layer decodes in blocks of several lines; the error still names the line that
+    holds the bad byte (line 51, after 50 valid lines), not the first line of its block."""
+    header = [b"text,label\n"] if suffix == ".csv" else []
+    before = [_row(suffix, i) for i in range(len(header) + 1, 51)]
+    bad = _row(suffix, 51).replace(b"row", b"r\xffw")
+    after = [_row(suffix, i) for i in range(52, 300)]
+    path = tmp_path / f"latin1{suffix}"
+    path.write_bytes(b"".join([*header, *before, bad, *after]))
+    assert path.read_bytes().splitlines()[50] == bad.rstrip(b"\n")  # the bad byte is on line 51
+    with pytest.raises(DataError) as info:
+        load_examples(path, "seq-cls")
+    assert str(info.value).startswith(f"{path}, line 51: the file is not valid UTF-8")
+
+
+def test_crlf_lone_cr_and_byte_order_mark_are_read(tmp_path: Path) -> None:
+    """Decoding line by line keeps universal newlines (a quoted CSV cell may hold a line break)
+    and drops a leading byte-order mark."""
+    path = tmp_path / "excel.csv"
+    path.write_bytes(b'\xef\xbb\xbftext,label\r\ngood,1\rbad,0\r\n"two\r\nlines",1\n')
+    rows = load_examples(path, "seq-cls")
+    assert [r["label"] for r in rows] == [1, 0, 1]
+    assert rows[0]["text"] == "good" and rows[2]["text"] == "two\r\nlines"
+    jsonl = tmp_path / "bom.jsonl"
+    jsonl.write_bytes(b"\xef\xbb\xbf" + GOOD.encode() + b"\r\n")
+    assert load_examples(jsonl, "seq-cls") == [json.loads(GOOD)]
+
+
 def test_bad_datasets_row_names_row(tmp_path: Path) -> None:
     from datasets import Dataset
 
@@ -634,10 +669,11 @@ def test_label_out_of_range_names_file_line_and_range(tmp_path: Path) -> None:
     path = tmp_path / "site.jsonl"
     rows = [{"text": "good", "label": 1}, {"text": "bad", "label": 0}, {"text": "odd", "label": 5}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    message = f"{path}, line 3: label 5 is out of range for num-labels=2 (allowed: 0..1)"
+    message = f"{path}, line 3: the label is out of range for num-labels=2 (allowed: 0..1)"
     with pytest.raises(DataError) as info:
         load_examples(path, "seq-cls", num_labels=2)
     assert str(info.value).startswith(message)
+    assert "5" not in str(info.value).removeprefix(str(path))  # never the label itself
     assert len(load_examples(path, "seq-cls", num_labels=6)) == 3
     run = parse_config(RunConfig, {"num-labels": 2}, what="run config")
     site = parse_config(SiteConfig, {"data-path": str(path)}, what="node config")

@@ -5,6 +5,8 @@ prism_runtime.train_config)."""
 from __future__ import annotations
 
 import math
+import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -83,3 +85,15 @@ def test_the_update_bound_reads_the_sites_optimizer_settings() -> None:
     moved = UpdateBound.for_sites(other)
     assert (moved.beta1, moved.beta2) == (0.5, 0.99)
     assert math.isclose(moved.lr, bound.lr)
+
+
+def test_the_apps_run_config_is_the_run_configs_defaults() -> None:
+    """``[tool.flwr.app.config]`` in pyproject.toml lists every run-config key at its default."""
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    table = tomllib.loads(pyproject.read_text(encoding="utf-8"))["tool"]["flwr"]["app"]["config"]
+    keys = {name.replace("_", "-") for name in RunConfig.model_fields}
+    assert set(table) == keys, (sorted(keys - set(table)), sorted(set(table) - keys))
+    parsed = parse_config(RunConfig, table, what="run config")
+    assert parsed == RunConfig()
+    for key, value in table.items():  # the same values, not only equal after validation
+        assert value == RunConfig().model_dump(by_alias=True)[key], key
