@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from prism_runtime.config import AUTO, RunConfig, SiteConfig
+from prism_runtime.config import RunConfig, SiteConfig
 from prism_runtime.data import dirichlet_partition, iid_partition, load_examples
-from prism_runtime.data.settings import data_settings, pairs_problem
+from prism_runtime.data.settings import data_settings, pairs_problem, text_pairs_origin
 from prism_runtime.errors import ConfigError
 from prism_runtime.synthetic import synthetic_examples, synthetic_stream
 
@@ -59,8 +59,7 @@ def check_text_pairs(run: RunConfig, rows: list[dict[str, Any]]) -> None:
     """
     if run.task != "seq-cls" or not rows:
         return
-    origin = f" (auto, from the run's data {run.data!r})" if run.text_pairs == AUTO else ""
-    pairs = "text_a" in rows[0]
-    problem = pairs_problem(pairs, data_settings(run).text_pairs, "this site's data", origin)
+    pairs, resolved = "text_a" in rows[0], data_settings(run).text_pairs
+    problem = pairs_problem(pairs, resolved, "this site's data", text_pairs_origin(run))
     if problem:
         raise ConfigError(problem)

@@ -78,6 +78,7 @@ __all__ = [
     "AUTO_CLIP",
     "SENTIMENT_LABEL_TEXTS",
     "SITE_BOUNDS",
+    "SYNTHETIC",
     "RunConfig",
     "SiteConfig",
     "check_label_texts",
@@ -93,6 +94,8 @@ AUTO: Literal["auto"] = "auto"
 """The value of a key derived from something else: ``text-pairs``, ``num-labels``,
 ``label-texts`` and ``head-init`` from the run's data (``prism_runtime.data.settings``)."""
 AUTO_CLIP: Literal["auto"] = AUTO
+SYNTHETIC = "synthetic"
+"""``data`` / ``server-eval-data`` of the built-in task (``prism_runtime.synthetic``)."""
 """``max-norm = auto``: the clip is estimated privately at each site (``client.clip_quantile``)."""
 SENTIMENT_LABEL_TEXTS = "this is bad|this is great"
 """``label-texts = auto`` of two-class single-text data: the built-in task's classes
@@ -285,7 +288,9 @@ class RunConfig(_Kebab):
     )
     run_dir: str = Field("", description="output folder; '' = runs/<UTC timestamp>")
     server_eval_data: str = Field(
-        "", description="held-out JSONL/CSV the coordinator owns; 'synthetic' for the built-in task"
+        "",
+        description="held-out JSONL/CSV the coordinator owns, of the kind of data (pairs or "
+        "single texts, the same classes); 'synthetic' for the built-in task (data = synthetic)",
     )
     report_train_loss: bool = Field(
         False, description="NON-PRIVATE opt-in: sites send their un-noised mean training loss"
@@ -487,6 +492,12 @@ class RunConfig(_Kebab):
         texts = split_label_texts(self.label_texts)
         if self.task == "seq-cls" and isinstance(self.num_labels, int) and texts:
             check_label_texts(texts, self.num_labels)
+        if self.server_eval_data == SYNTHETIC and self.data != SYNTHETIC:
+            raise ValueError(
+                f"server-eval-data={SYNTHETIC!r} is a held-out draw of the built-in task, but "
+                f"data={self.data!r}: set server-eval-data to a held-out file of the same kind "
+                "as data, or '' for no server-side evaluation"
+            )
         if self.min_sites > self.sites_per_round:
             raise ValueError(
                 f"min-sites={self.min_sites} exceeds sites-per-round={self.sites_per_round} "

@@ -4,8 +4,11 @@ Runs ``flwr run . local`` (the bundled MiniLM, the built-in synthetic task, a co
 synthetic held-out set), waits for it, stops the local SuperLink that ``flwr run`` leaves running,
 and prints where the adapter (or why there is none: no round was applied) and the budget report
 are. Extra arguments are passed to ``--run-config`` (e.g. ``python -m server.demo "num-rounds=5
-data='/path/train.jsonl'"``); a key the user gives replaces the demo's own default for it
-(``run-dir``, ``server-eval-data``), since Flower refuses a run config that names a key twice.
+data='/path/train.jsonl' server-eval-data='/path/dev.jsonl'"``); a key the user gives replaces the
+demo's own default for it (``run-dir``, ``server-eval-data``), since Flower refuses a run config
+that names a key twice. The synthetic held-out set is the default only for the built-in task: with
+the user's own ``data`` there is no server-side evaluation unless ``server-eval-data`` names a
+held-out file of the same kind.
 
 The three simulated sites use the simulation defaults of their policy (``client.policy``: cap
 8.0, delta 1e-5, state in ``<run-dir>/sites/<site-id>``) and draw their randomness from the OS.
@@ -23,6 +26,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from prism_runtime.config import SYNTHETIC
 
 __all__ = ["demo_env", "demo_run_config", "main", "stop_local_superlinks"]
 
@@ -100,8 +105,9 @@ def demo_run_config(extra: str, default_run_dir: Path) -> tuple[str, Path]:
     """The ``--run-config`` string of the demo and the run folder it writes to.
 
     The user's ``extra`` (``key=value`` pairs, Flower's syntax) wins over the demo's defaults
-    (``run-dir``, ``server-eval-data='synthetic'``): each key appears once. A relative
-    ``run-dir`` is made absolute from the repository root, so the demo finds its report.
+    (``run-dir``; ``server-eval-data='synthetic'`` while ``data`` is the built-in task): each key
+    appears once. A relative ``run-dir`` is made absolute from the repository root, so the demo
+    finds its report.
 
     Raises:
         ValueError: ``extra`` is not Flower's ``key=value ...`` syntax.
@@ -112,7 +118,9 @@ def demo_run_config(extra: str, default_run_dir: Path) -> tuple[str, Path]:
         given = parse_config_args([extra]) if extra.strip() else {}
     except Exception as exc:  # Flower raises click's ClickException for a malformed string
         raise ValueError(str(getattr(exc, "message", exc))) from exc
-    values: dict[str, object] = {"run-dir": str(default_run_dir), "server-eval-data": "synthetic"}
+    values: dict[str, object] = {"run-dir": str(default_run_dir)}
+    if given.get("data", SYNTHETIC) == SYNTHETIC:  # the built-in task's own held-out draw
+        values["server-eval-data"] = SYNTHETIC
     values.update(given)
     run_dir = Path(str(values["run-dir"]) or default_run_dir)
     values["run-dir"] = str(run_dir if run_dir.is_absolute() else ROOT / run_dir)

@@ -35,6 +35,7 @@ from flwr.serverapp.strategy.result import Result
 
 from prism_runtime.config import RunConfig, site_method
 from prism_runtime.data import load_examples
+from prism_runtime.data.settings import pairs_problem, text_pairs_origin
 from prism_runtime.durable import atomic_write
 from prism_runtime.evaluate import evaluate
 from prism_runtime.exchange import head_named, load_arrays, to_arrays
@@ -85,6 +86,11 @@ def _server_eval(run: RunConfig, loaded: LoadedModel) -> Any:
     else:
         labels = loaded.config.num_labels if run.task == "seq-cls" else None
         examples = load_examples(run.server_eval_data, run.task, num_labels=labels)
+        pairs = "text_a" in examples[0]  # the model reads what it trains on: pairs or not
+        origin = text_pairs_origin(run)
+        problem = pairs_problem(pairs, loaded.config.text_pairs, run.server_eval_data, origin)
+        if run.task == "seq-cls" and problem:
+            raise ConfigError(f"server-eval-data: {problem}")
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         load_arrays(loaded, arrays.to_torch_state_dict())

@@ -40,6 +40,7 @@ from prism_runtime.classifier import resolve_pair_encoding
 from prism_runtime.config import (
     AUTO,
     SENTIMENT_LABEL_TEXTS,
+    SYNTHETIC,
     RunConfig,
     check_label_texts,
     resolve_model,
@@ -50,18 +51,16 @@ from prism_runtime.data.reading import read_examples
 from prism_runtime.errors import ConfigError
 
 __all__ = [
-    "SYNTHETIC",
     "DataSettings",
     "auto_head_init",
     "auto_label_texts",
     "data_settings",
     "pairs_problem",
+    "text_pairs_origin",
 ]
 
 log = logging.getLogger(__name__)
 
-SYNTHETIC = "synthetic"
-"""``data = synthetic``: the built-in task (``prism_runtime.synthetic``), 2 classes of texts."""
 BINARY = 2
 """The classes of the built-in task, of the sentiment label texts and of the pairs' cosine rule."""
 
@@ -140,6 +139,11 @@ def pairs_problem(pairs: bool, text_pairs: bool, data: str, origin: str = "") ->
             "text_a/text_b pairs, or run with text-pairs=false"
         )
     return None
+
+
+def text_pairs_origin(run: RunConfig) -> str:
+    """Where the run's ``text-pairs`` came from, for ``pairs_problem``: '' when it is set."""
+    return f" (auto, from the run's data {run.data!r})" if run.text_pairs == AUTO else ""
 
 
 def auto_label_texts(pairs: bool, num_labels: int) -> str:

@@ -38,6 +38,20 @@ def test_defaults_apply_when_not_given_and_a_relative_run_dir_is_rooted():
     assert values["server-eval-data"] == "synthetic"
 
 
+def test_the_users_own_data_get_no_synthetic_held_out_set():
+    """The built-in task's held-out draw does not evaluate another task's model: with the
+    user's data and no server-eval-data the demo asks for none, and the run config is valid."""
+    from prism_runtime.config import RunConfig, parse_config
+    from prism_runtime.errors import ConfigError
+
+    config, _ = demo_run_config("data='/d/pairs.jsonl'", Path("/runs/demo-3"))
+    values = parse_config_args([config])
+    assert values == {"run-dir": "/runs/demo-3", "data": "/d/pairs.jsonl"}
+    assert parse_config(RunConfig, values, what="run config").server_eval_data == ""
+    with pytest.raises(ConfigError, match="server-eval-data='synthetic' is a held-out draw"):
+        parse_config(RunConfig, {**values, "server-eval-data": "synthetic"}, what="run config")
+
+
 def test_a_malformed_run_config_is_a_clear_error():
     with pytest.raises(ValueError, match="invalid format"):
         demo_run_config("num-rounds=5 lr=0.5.5", Path("/x"))
