@@ -12,18 +12,22 @@ check reads the broadcast and the site's public start only, never its data.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from client.request import RoundRequest
 from prism_runtime.exchange import head_named
 from prism_runtime.lora import read_points
 from prism_runtime.model import LoadedModel
 from prism_runtime.protocol import HEAD_PREFIX, key
 from prism_runtime.ranges import BROADCAST_SCALE_MAX, FACTOR_COND_MAX
 
-__all__ = ["BroadcastLimits", "broadcast_limits", "broadcast_problem"]
+__all__ = ["BroadcastLimits", "broadcast_limits", "broadcast_problem", "check_broadcast"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -120,3 +124,20 @@ def broadcast_problem(
         if problem:
             return problem
     return None
+
+
+def check_broadcast(
+    limits: BroadcastLimits, request: RoundRequest, *, full_rank: bool, site_id: str
+) -> bool:
+    """Whether the round's broadcast can be used; a problem goes to the site's own log.
+
+    Args:
+        limits: ``broadcast_limits`` of the site's model.
+        request: the round's checked request, whose arrays are the broadcast.
+        full_rank: PRISM's rank and conditioning check (``broadcast_problem``).
+        site_id: this site, for its log.
+    """
+    problem = broadcast_problem(limits, request.arrays, full_rank=full_rank)
+    if problem is not None:
+        log.warning("site %s, round %d: %s", site_id, request.server_round, problem)
+    return problem is None

@@ -18,16 +18,29 @@ Durability (``ClipStore``): the estimate is stored atomically in the state folde
 coordinator's run id, so a restarted site of the same run (and every round of a deployed site,
 whose ClientApp is a fresh process per message) reuses it and spends nothing again; a new run
 estimates again. The estimate is DP output: reusing it is post-processing.
+
+In a round (``AutoClip``): ``pending`` says whether this run's clip is still to be estimated
+(before the cap check, which covers the estimate too, so it is never spent on a round that cannot
+run); ``resolve`` then charges the estimate's event (fsync'ed), runs the K steps at the broadcast
+point, checks their records against the charge, stores the estimate atomically and gives the
+trainer the clip, all before the round's training charge. A crash before the store makes a
+restarted site estimate (and charge) again: counted twice, never zero.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from client.charge import charge, check_charged
+from client.reply import released_event
+from client.request import RoundRequest
+from client.site_ledger import SiteLedger, SiteLedgerEntry
 from prism_core.quantile import (
     QUANTILE_MECHANISM,
     clip_range,
@@ -38,10 +51,14 @@ from prism_core.quantile import (
 from prism_core.records import PrivacyEvent
 from prism_runtime.config import RunConfig
 from prism_runtime.durable import atomic_write
-from prism_runtime.errors import ConfigError
+from prism_runtime.errors import AccountingMismatchError, ConfigError
+from prism_runtime.exchange import load_arrays
+from prism_runtime.model import LoadedModel
 from prism_runtime.trainer import PrivateTrainer
 
-__all__ = ["ClipEstimate", "ClipPlan", "ClipStore", "StoredClip", "estimate_clip"]
+__all__ = ["AutoClip", "ClipEstimate", "ClipPlan", "ClipStore", "StoredClip", "estimate_clip"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -207,3 +224,131 @@ class ClipStore:
             f.write(text)
 
         atomic_write(self.path, write)
+
+
+class AutoClip:
+    """The round stage that resolves ``max-norm = auto``: this run's clip C is reused (held by
+    this process, or stored for this run id) or estimated privately, all before the round's
+    training charge.
+
+    Args:
+        plan: the run's estimate at this site; None when the run fixes C (nothing to resolve).
+        store: the site's ``ClipStore``.
+        trainer: the site's trainer; it gets the clip.
+        site_id: this site, for its log and errors.
+    """
+
+    def __init__(
+        self, plan: ClipPlan | None, store: ClipStore, trainer: PrivateTrainer, *, site_id: str
+    ) -> None:
+        self.plan, self.store, self.trainer, self.site_id = plan, store, trainer, site_id
+        self.run_id: str | None = None  # the run whose clip the trainer holds
+
+    def pending(self, run_id: str) -> ClipPlan | None:
+        """The estimate this round must run first, or None: no auto clip, or this run's
+        estimate is known.
+
+        Known: held by this process, or stored in the state folder for this run id (a
+        restarted site, or a deployed site's fresh ClientApp process): reused, nothing spent.
+        Without a run id a stored estimate is never reused (the run cannot be told apart).
+
+        Raises:
+            ConfigError: the stored estimate is damaged (``ClipStore.load``).
+        """
+        if self.plan is None or self.run_id == run_id:
+            return None
+        stored = self.store.load()
+        if stored is not None and run_id and stored.run_id == run_id:
+            if stored.plan == self.plan:
+                log.info(
+                    "site %s: reusing the clip C=%.6g estimated in round %d of run %s",
+                    self.site_id,
+                    stored.max_norm,
+                    stored.server_round,
+                    run_id,
+                )
+                self._use(run_id, stored.max_norm)
+                return None
+            log.warning(
+                "site %s: the stored clip estimate of run %s was made with another plan (%s); "
+                "estimating again",
+                self.site_id,
+                run_id,
+                stored.plan,
+            )
+        return self.plan
+
+    def resolve(
+        self,
+        pending: ClipPlan | None,
+        request: RoundRequest,
+        ledger: SiteLedger,
+        *,
+        delta: float,
+        loaded: LoadedModel,
+        round_seed: Callable[[int, int], int | None],
+    ) -> PrivacyEvent | None:
+        """Run the ``pending`` estimate, if any; on return the trainer holds this run's clip.
+
+        Order (crash-safe): the estimate's event is fsync'ed to the ledger, then the K steps
+        run at the broadcast point, seeded by ``round_seed(round, position of the charge in
+        the ledger)``, their records are checked against the charge, and the estimate is
+        stored atomically.
+
+        Args:
+            pending: ``pending(request.run_id)``, once the cap check has passed.
+            request: the round's checked request.
+            ledger: the site's ledger.
+            delta: the delta the run spends at.
+            loaded: the site's model (the broadcast is written into it).
+            round_seed: ``client.policy.SitePolicy.round_seed``.
+
+        Returns:
+            The estimate's released event (the reply states it), None if none ran.
+
+        Raises:
+            AccountingMismatchError: the estimate's records differ from its charge, or an
+                auto-clip run's clip is still not resolved.
+        """
+        event = None
+        if pending is not None:
+            event = self._estimate(pending, request, ledger, delta, loaded, round_seed)
+        if self.plan is not None and self.run_id != request.run_id:
+            raise AccountingMismatchError("max-norm = auto, but the clip was not resolved")
+        return event
+
+    def _estimate(
+        self,
+        plan: ClipPlan,
+        request: RoundRequest,
+        ledger: SiteLedger,
+        delta: float,
+        loaded: LoadedModel,
+        round_seed: Callable[[int, int], int | None],
+    ) -> PrivacyEvent:
+        entry = SiteLedgerEntry(request.server_round, plan.event(), delta)
+        charged = charge(ledger, entry)
+        load_arrays(loaded, request.arrays)
+        self.trainer.reseed(round_seed(request.server_round, charged.attempt))
+        estimate = estimate_clip(self.trainer, plan)
+        event = released_event(estimate.records, QUANTILE_MECHANISM)
+        check_charged(event, entry, what="the clip estimate", site_id=self.site_id)
+        server_round, run_id = request.server_round, request.run_id
+        self.store.save(
+            StoredClip(run_id, server_round, estimate.estimate, estimate.max_norm, plan)
+        )
+        self._use(run_id, estimate.max_norm)
+        log.info(
+            "site %s: private clip C=%.6g (quantile %.2f, %d steps, sigma_b=%.4g, q=%.4g)",
+            self.site_id,
+            estimate.max_norm,
+            plan.target_quantile,
+            plan.steps,
+            plan.noise_multiplier,
+            plan.sample_rate,
+        )
+        return event
+
+    def _use(self, run_id: str, max_norm: float) -> None:
+        self.trainer.set_max_norm(max_norm)
+        self.run_id = run_id

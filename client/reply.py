@@ -1,9 +1,11 @@
 """What a site sends for a round: the reply, the digest that identifies the broadcast it answers,
-and the accounting facts read from the mechanism's own records."""
+the facts every reply carries, a refusal, and the accounting facts read from the mechanism's own
+records."""
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,9 +13,22 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from client.site_ledger import SiteLedger
 from prism_core.accounting import compose_events
-from prism_core.records import PrivacyEvent
+from prism_core.records import ADJACENCY, PrivacyEvent
 from prism_runtime.errors import AccountingMismatchError
+from prism_runtime.protocol import REFUSAL_REASONS, STATUS_REFUSED
+
+__all__ = [
+    "RoundReply",
+    "SiteFacts",
+    "broadcast_digest",
+    "noise_scale_facts",
+    "refuse",
+    "released_event",
+]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -23,6 +38,75 @@ class RoundReply:
     arrays: dict[str, Tensor]
     accounting: dict[str, Any]
     nonprivate: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SiteFacts:
+    """What every reply of a site states about it for one run, fixed when the site starts.
+
+    Attributes:
+        site_id: the site.
+        delta: the delta this run spends at (the site's own when it refuses the run).
+        epsilon_cap: the epsilon this run may spend (the site's own when it refuses the run).
+        rng: where the site's randomness comes from (``client.policy.SitePolicy.rng``).
+        num_examples: the shard size, or None when the site does not share it.
+        mechanism: the ``PrivacyEvent.mechanism`` of the site's method.
+        sigma: the noise multiplier of the run's steps (0 for a refused or non-private run).
+        sample_rate: q of the site's Poisson sampler.
+    """
+
+    site_id: str
+    delta: float
+    epsilon_cap: float
+    rng: str
+    num_examples: int | None
+    mechanism: str
+    sigma: float
+    sample_rate: float
+
+    def common(
+        self, server_round: int, status: str, reason: str = "", *, spent: float
+    ) -> dict[str, Any]:
+        """Facts every reply carries: who, what happened, the budget (``spent``: epsilon on the
+        site's ledger at ``delta``), where randomness came from."""
+        facts: dict[str, Any] = {
+            "site-id": self.site_id,
+            "status": status,
+            "reason": reason,
+            "server-round": server_round,
+            "delta": float(self.delta),
+            "epsilon-cap": float(self.epsilon_cap),
+            "epsilon": float(spent),
+            "rng": self.rng,
+        }
+        if self.num_examples is not None:
+            facts["num-examples"] = self.num_examples
+        return facts
+
+
+def refuse(facts: SiteFacts, ledger: SiteLedger, server_round: int, reason: str) -> RoundReply:
+    """A refusal with its ``REFUSAL_REASONS`` code: nothing was charged, nothing is sent; the
+    facts report the site's current spend (the ledger is read again)."""
+    log.warning(
+        "site %s refuses round %d (%s): %s",
+        facts.site_id,
+        server_round,
+        reason,
+        REFUSAL_REASONS[reason],
+    )
+    ledger.reload()
+    out = facts.common(server_round, STATUS_REFUSED, reason, spent=ledger.epsilon(facts.delta))
+    out.update(
+        {
+            "mechanism": facts.mechanism,
+            "adjacency": ADJACENCY,
+            "sampling": "poisson",
+            "sigma": float(facts.sigma),
+            "q": float(min(facts.sample_rate, 1.0)),
+            "steps": 0,
+        }
+    )
+    return RoundReply({}, out)
 
 
 def broadcast_digest(arrays: dict[str, Tensor]) -> str:

@@ -1,0 +1,60 @@
+"""Facts every reply of a site carries, and a refusal: a code, nothing charged, nothing sent."""
+
+from __future__ import annotations
+
+import logging
+
+from client.reply import SiteFacts, refuse
+from client.site_ledger import SiteLedger, SiteLedgerEntry
+from prism_core.accounting import epsilon
+from prism_core.records import PrivacyEvent
+from prism_runtime.protocol import ACCOUNTING_KEYS, RNG_SECURE, STATUS_OK, STATUS_REFUSED
+
+FACTS = SiteFacts(
+    site_id="s",
+    delta=1e-5,
+    epsilon_cap=8.0,
+    rng=RNG_SECURE,
+    num_examples=None,
+    mechanism="prism-tangent-gaussian",
+    sigma=1.2,
+    sample_rate=2.0,  # a refused run's q can pass 1 (batch-above-site-data)
+)
+
+
+def test_common_facts_state_the_site_its_budget_and_its_randomness():
+    facts = FACTS.common(4, STATUS_OK, spent=1.5)
+    assert facts == {
+        "site-id": "s",
+        "status": STATUS_OK,
+        "reason": "",
+        "server-round": 4,
+        "delta": 1e-5,
+        "epsilon-cap": 8.0,
+        "epsilon": 1.5,
+        "rng": RNG_SECURE,
+    }
+    shared = SiteFacts(**{**vars(FACTS), "num_examples": 64})
+    assert shared.common(4, STATUS_OK, spent=1.5)["num-examples"] == 64
+
+
+def test_a_refusal_sends_its_code_and_the_current_spend_and_charges_nothing(tmp_path, caplog):
+    ledger = SiteLedger(tmp_path)
+    event = PrivacyEvent(1.0, 0.25, 2)
+    SiteLedger(tmp_path).charge(SiteLedgerEntry(1, event, 1e-5))  # another process charged
+    before = ledger.path.read_bytes()
+    with caplog.at_level(logging.WARNING, logger="client.reply"):
+        reply = refuse(FACTS, ledger, 3, "cap-exhausted")
+    assert "site s refuses round 3 (cap-exhausted)" in caplog.text
+    assert reply.arrays == {} and reply.nonprivate == {}
+    facts = reply.accounting
+    assert set(facts) <= set(ACCOUNTING_KEYS)
+    assert (facts["status"], facts["reason"], facts["server-round"]) == (
+        STATUS_REFUSED,
+        "cap-exhausted",
+        3,
+    )
+    assert facts["epsilon"] == epsilon([event], 1e-5)  # the ledger is read again
+    assert (facts["sigma"], facts["q"], facts["steps"]) == (1.2, 1.0, 0)
+    assert (facts["mechanism"], facts["sampling"]) == ("prism-tangent-gaussian", "poisson")
+    assert ledger.path.read_bytes() == before
