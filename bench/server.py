@@ -136,7 +136,7 @@ def site_update(spec: dict[str, tuple], seed: int) -> dict[str, torch.Tensor]:
 
 
 def facts(site: str, steps: int = 10) -> dict[str, Any]:
-    """Accounting facts as a site sends them (``client.site.Site._facts``)."""
+    """Accounting facts as a site sends them (``client.reply.SiteFacts.common``)."""
     return {
         "site-id": site,
         "status": "ok",
