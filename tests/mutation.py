@@ -62,32 +62,31 @@ MODULES: dict[str, Target] = {
     "strategy": Target(
         "server/strategy/*.py",
         (
-            "tests/server/test_strategy.py",
-            "tests/server/test_hostile_replies.py",
+            "tests/server/test_strategy.py",  # the whole strategy, with the hostile-reply fuzz
+            # one test module per product module of the strategy
+            "tests/server/strategy/test_aggregator.py",
+            "tests/server/strategy/test_binding.py",
+            "tests/server/strategy/test_bounds.py",
+            "tests/server/strategy/test_charges.py",
+            "tests/server/strategy/test_core.py",
+            "tests/server/strategy/test_loop.py",
+            "tests/server/strategy/test_replies.py",
+            "tests/server/strategy/test_rounds.py",
+            "tests/server/strategy/test_selection.py",
             # the strategy's other fast test files (not test_resume.py, whose SIGKILL test
             # takes a minute)
-            "tests/server/test_strategy_loop.py",
-            "tests/server/test_site_owned_privacy.py",
-            "tests/server/test_update_bound.py",
             "tests/server/test_federation.py",
-            "tests/server/test_charges.py",
-            "tests/server/test_aggregator.py",
-            "tests/server/test_strategy_parts.py",
-            "tests/server/test_update_checker.py",
-            "tests/server/test_reply_facts.py",
-            "tests/server/test_selection_wait.py",
-            "tests/server/test_selection_eligible.py",
-            "tests/server/test_strategy_core.py",
-            "tests/server/test_site_binding.py",
-            "tests/server/test_round_loop.py",
+            "tests/server/test_report.py",  # a reproducible-rng site through the strategy
         ),
     ),
     "ledger": Target(
         "server/ledger/*.py",
         (
-            "tests/server/test_ledger.py",
-            "tests/server/test_ledger_schema3.py",
-            "tests/server/test_ledger_unconfirmed.py",
+            "tests/server/ledger/test_budget.py",
+            "tests/server/ledger/test_checks.py",
+            "tests/server/ledger/test_events.py",
+            "tests/server/ledger/test_schema.py",
+            "tests/server/ledger/test_store.py",
             "tests/runtime/test_faults.py",  # the ledger-write crash point
         ),
     ),

@@ -277,7 +277,7 @@ def test_calibration_with_an_empty_or_zero_step_history_is_the_fresh_one():
         assert again == fresh
 
 
-# -- edges and cross-checks the mutation run found untested (docs/testing.md) --------------------
+# -- edges and cross-checks ----------------------------------------------------------------------
 
 
 def test_a_zero_step_event_is_not_accounted_whatever_it_states():

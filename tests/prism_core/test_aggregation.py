@@ -82,8 +82,8 @@ def test_transport_is_the_projection_onto_the_new_tangent_space(seed: int) -> No
     )
 
 
-# Boundaries of the inputs (from mutation testing, docs/testing.md): every rule of the
-# docstrings holds at its edge, and a refusal names the value it refused.
+# Boundaries of the inputs: every rule of the docstrings holds at its edge, and a refusal
+# names the value it refused.
 
 
 @pytest.mark.parametrize(

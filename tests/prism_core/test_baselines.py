@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import random_point
+from helpers.points import random_point
 
 from prism_core.baselines import (
     factor_clip_and_sum,

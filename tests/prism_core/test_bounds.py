@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import SEEDS, random_point
+from helpers.points import SEEDS, random_point
 
 from prism_core.adaptive import AdaptiveConfig, adaptive_direction, init_state
 from prism_core.bounds import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import SEEDS, SHAPES, ill_conditioned, random_point
+from helpers.points import SEEDS, SHAPES, ill_conditioned, random_point
 
 from prism_core.manifold import (
     GRAM_COND_MAX,

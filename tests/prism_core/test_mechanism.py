@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import SEEDS, ill_conditioned, random_point
+from helpers.points import SEEDS, ill_conditioned, random_point
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

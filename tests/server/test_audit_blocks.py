@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import SEEDS, random_point
+from helpers.points import SEEDS, random_point
 
 from prism_core.manifold import project_dense, tangent_norm_sq, tangent_to_dense
 from prism_core.mechanism import tangent_noise

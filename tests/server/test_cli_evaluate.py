@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import shared_data_file
+from helpers.shared_data import shared_data_file
 from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModel

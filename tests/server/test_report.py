@@ -11,11 +11,13 @@ from pathlib import Path
 
 import pytest
 from ledger_events import ledger_event
+from strategy import three_sites
 
 from prism_core.accounting import PrivacyEvent, epsilon
 from server.cli import main
 from server.ledger import Ledger, LedgerEvent
 from server.report import (
+    MARK_NOT_PRIVATE,
     build_report,
     format_round_table,
     projected_rounds_left,
@@ -261,3 +263,52 @@ def test_the_report_states_the_guarantee_against_the_coordinator(report, tmp_pat
     assert "replace-one with N public" in paths["html"].read_text(encoding="utf-8")
     with paths["csv"].open(encoding="utf-8") as f:
         assert "epsilon_replace_one" in next(csv.reader(f))
+
+
+# -- through the strategy: reproducible randomness ---------------------------------------------
+
+
+@pytest.mark.usefixtures("flower_identity")
+def test_a_reproducible_rng_site_is_marked_not_private_against_the_coordinator(tmp_path, capsys):
+    with Ledger.open(tmp_path / "ledger.sqlite") as ledger:
+        strategy = three_sites.new_strategy(ledger)
+        requests = three_sites.ask(strategy, 1)
+        replies = [
+            three_sites.reply(r, rng="reproducible" if n == 12 else "os-csprng")
+            for n, r in requests.items()
+        ]
+        _, metrics = strategy.aggregate_train(1, replies)
+        assert metrics["sites-accepted"] == 3  # allowed, and reported
+        assert [e.rng for e in ledger.events("site-12")] == ["reproducible"]
+        report = build_report(ledger)
+        rows = three_sites.rows(report)
+        assert rows["site-12"]["private_against_coordinator"] is False
+        assert rows["site-12"]["rng"] == ["reproducible"]
+        assert MARK_NOT_PRIVATE in rows["site-12"]["marks"]
+        assert "NOT private against the coordinator" in rows["site-12"]["note"]
+        assert rows["site-11"]["private_against_coordinator"] is True
+        assert rows["site-11"]["marks"] == []
+        assert report["not_private_against_coordinator"] == {
+            "sites": ["site-12"],
+            "runs": ["run-1"],
+        }
+        paths = write_reports(report, tmp_path / "report")
+        with paths["csv"].open(newline="") as f:
+            table = {r["site_id"]: r for r in csv.DictReader(f)}
+        assert table["site-12"]["private_against_coordinator"] == "False"
+        assert MARK_NOT_PRIVATE in table["site-12"]["marks"]
+        assert table["site-11"]["private_against_coordinator"] == "True"
+        html = paths["html"].read_text()
+        assert "NOT PRIVATE AGAINST THE COORDINATOR: site-12 (runs run-1)" in html
+        for text in (
+            format_round_table(report["sites"]),
+            format_round_table(round_rows(ledger)),
+        ):
+            line = next(x for x in text.splitlines() if x.startswith("site-12"))
+            assert MARK_NOT_PRIVATE in line
+            assert "not private against the coordinator" in text.splitlines()[-1]
+            assert MARK_NOT_PRIVATE not in next(
+                x for x in text.splitlines() if x.startswith("site-11")
+            )
+        assert main(["report", "--ledger", str(ledger.path), "--out", str(tmp_path / "c")]) == 0
+        assert MARK_NOT_PRIVATE in capsys.readouterr().out

@@ -1,38 +1,60 @@
-"""A reply's accounting facts as the coordinator reads them (``server.strategy.replies``): every
-range at its edges from both sides, the code and the message of each rejection, and the run's
-terms (``RunTerms``) including a private clip estimate's. Each threshold is tested on both sides
-and each message is checked for what it names, since both are what an operator reads."""
+"""A site's reply as the coordinator reads it (``server.strategy.replies``): its accounting
+facts, every range at its edges from both sides, the code and the message of each
+rejection, and the run's terms (``RunTerms``) including a private clip estimate's; the
+text of an error reply (a code and its fixed text, never the site's own words) and the
+fixed summation order of replies. Each threshold is tested on both sides and each message
+is checked for what it names, since both are what an operator reads.
+
+Through ``PrismStrategy.aggregate_train`` with real Flower messages and a real SQLite
+ledger: an error reply's ``Error.reason`` (free text) is never logged or stored; facts
+that do not match the configuration (steps, mechanism, sampling, adjacency, rng, sigma,
+delta, refusal reason, a private clip or its estimate) are rejected and charged
+unconfirmed; valid refusals and a non-DP run pass."""
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 
 import pytest
-from flwr.app import ConfigRecord, Error, Message, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
+from flwr.app import ArrayRecord, ConfigRecord, Error, Message, RecordDict
+from flwr.common.constant import ErrorCode
 from reply_facts import honest_facts
 
 from prism_core.bounds import FLOAT32_SLACK
-from prism_runtime.protocol import ACCOUNTING, MAX_EXAMPLES, REFUSAL_REASONS, RNG_MODES
+from prism_runtime.protocol import (
+    ACCOUNTING,
+    MAX_EXAMPLES,
+    REFUSAL_REASONS,
+    RNG_MODES,
+    SITE_ERROR_CODES,
+    UPDATE,
+)
 from prism_runtime.ranges import SIGMA_MAX, SIGMA_MIN
+from server.checkpoint import Checkpoint, save_checkpoint
 from server.errors import ReplyError
+from server.ledger import Ledger
+from server.report import build_report
+from server.report_files import write_reports
 from server.strategy.bounds import AutoClip
 from server.strategy.replies import (
     RunTerms,
+    error_reply,
+    error_reply_text,
     facts_of,
+    in_order,
     unconfirmed_code,
     validate_facts,
 )
+from strategy import clip_estimate, three_sites
+
+pytestmark = pytest.mark.usefixtures("flower_identity")
+
 
 MECHANISM = "prism-tangent-gaussian"
 AUTO = AutoClip(low=0.02, high=0.5, steps=3, noise_multiplier=6.4)
 ESTIMATE = {"quantile_sigma": 6.4, "quantile_q": 0.05, "quantile_steps": 3}
-
-
-@pytest.fixture(autouse=True)
-def _task_identity():
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-    yield
 
 
 def _rejected(facts: dict, code: str = "facts") -> str:
@@ -60,9 +82,6 @@ def _mismatch(terms: RunTerms, facts: dict, code: str = "facts-mismatch") -> str
         terms.check(facts)
     assert info.value.code == code, str(info.value)
     return str(info.value)
-
-
-# -- validate_facts: names, types, ranges -----------------------------------------------------
 
 
 def test_honest_facts_pass_and_come_back_as_given():
@@ -247,9 +266,6 @@ def test_the_unconfirmed_code_names_the_error_code_only_for_an_error_reply():
     assert unconfirmed_code(ReplyError("e", "facts"), error) == "facts"
 
 
-# -- RunTerms.check: the facts against the run ------------------------------------------------
-
-
 def test_a_refusal_needs_a_known_reason_code():
     facts = honest_facts("a", status="refused", reason="because", steps=0, sigma=0.0)
     message = _mismatch(_terms(), facts, code="refusal-reason")
@@ -346,9 +362,6 @@ def test_a_delta_above_the_runs_or_missing_is_named():
     _terms().check(honest_facts("a", delta=1e-6))
 
 
-# -- RunTerms._check_clip: max-norm = auto ----------------------------------------------------
-
-
 def test_an_auto_clip_reply_with_its_estimate_and_a_clip_in_range_passes():
     terms = _terms(max_norm=None, auto_clip=AUTO)
     terms.check(honest_facts("a", max_norm=0.1, **ESTIMATE))  # round 1: the estimate
@@ -388,3 +401,247 @@ def test_a_refusal_in_an_auto_clip_run_states_no_clip():
         "a", status="refused", reason=next(iter(REFUSAL_REASONS)), steps=0, max_norm=None
     )
     _terms(max_norm=None, auto_clip=AUTO).check(refusal)
+
+
+# -- error replies: a code and its fixed text, never the site's own words ----------------------
+
+
+def _request(node: int) -> Message:
+    return Message(RecordDict(), dst_node_id=node, message_type="train")
+
+
+def _error(code: object, node: int = 7) -> Message:
+    error = Error(code=code, reason="Traceback: secret-row-17")  # type: ignore[arg-type]
+    return Message(error, reply_to=_request(node))
+
+
+@pytest.mark.parametrize("code", sorted(SITE_ERROR_CODES))
+def test_a_site_error_reply_shows_its_code_and_fixed_text(code: int) -> None:
+    error = error_reply(_error(code))
+    assert str(error) == f"error reply {code}: {SITE_ERROR_CODES[code]}"
+    assert error.code == "error-reply"
+    assert unconfirmed_code(error, _error(code)) == f"error-reply-{code}"
+
+
+def test_a_flower_error_reply_shows_flowers_name_and_an_unknown_code_says_so() -> None:
+    raised = ErrorCode.CLIENT_APP_RAISED_EXCEPTION
+    assert str(error_reply(_error(raised))) == (
+        f"error reply {raised}: Flower error CLIENT_APP_RAISED_EXCEPTION "
+        "(the site's ClientApp or node failed)"
+    )
+    assert str(error_reply(_error(777))) == "error reply 777: unknown site error code 777"
+    assert "secret-row-17" not in str(error_reply(_error(4003)))
+
+
+@pytest.mark.parametrize("code", [True, "4003", 4003.0, None])
+def test_a_code_that_is_not_an_integer_is_named_so(code: object) -> None:
+    assert error_reply_text(code) == "site error code is not an integer"
+
+
+@pytest.mark.parametrize("code", [True, "4003"])  # a bool is an int to Python, not a code
+def test_an_error_reply_whose_code_is_not_an_integer_shows_a_question_mark(code: object) -> None:
+    message = _error(code)
+    error = error_reply(message)
+    assert str(error) == "error reply ?: site error code is not an integer"
+    assert unconfirmed_code(error, message) == "error-reply"
+
+
+# -- the summation order: by claimed site id, then node, whatever the arrival order ------------
+
+
+def _ok(node: int, facts: dict[str, str] | None) -> Message:
+    content = RecordDict()
+    if facts is not None:
+        content[ACCOUNTING] = ConfigRecord(facts)
+    return Message(content, reply_to=_request(node))
+
+
+def test_replies_are_summed_in_the_order_of_their_site_id_then_node() -> None:
+    replies = [
+        _ok(3, {"site-id": "zed"}),
+        _error(4003, node=9),
+        _ok(7, {"site-id": "Alpha"}),
+        _ok(2, {"status": "ok"}),  # facts without a site id: sorted as ""
+        _ok(1, None),  # no facts at all: sorted as ""
+        _ok(5, {"site-id": "zed"}),
+    ]
+    for arrival in (replies, replies[::-1], replies[2:] + replies[:2]):
+        ordered = in_order(arrival)
+        assert [m.metadata.src_node_id for m in ordered] == [1, 2, 9, 7, 3, 5]
+
+
+# -- through the strategy: error replies, the facts' cross-check, a private clip ---------------
+
+
+def test_an_error_reason_is_never_logged_or_stored(tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    ledger = Ledger.open(run_dir / "ledger.sqlite")
+    strategy = three_sites.new_strategy(ledger)
+    three_sites.honest_round(strategy, 1)
+    requests = three_sites.ask(strategy, 2)
+    replies = [
+        three_sites.error(requests[11], 4003),  # a site error code
+        three_sites.error(
+            requests[12], 2, reason=f"Exception: {three_sites.SECRET}\n  File ..."
+        ),  # Flower's own
+        three_sites.error(requests[13], 9999, reason=three_sites.SECRET),  # an unknown code
+    ]
+    with caplog.at_level(logging.DEBUG):
+        strategy.aggregate_train(2, replies)
+        requests = three_sites.ask(strategy, 3)
+        refusal = three_sites.reply(
+            requests[11], status="refused", steps=0, reason=three_sites.SECRET
+        )
+        strategy.aggregate_train(3, [refusal])
+    texts = dict(strategy.summaries[1].rejected)
+    assert texts["site-11"] == f"error reply 4003: {SITE_ERROR_CODES[4003]}"
+    assert texts["site-12"].startswith("error reply 2: Flower error CLIENT_APP_RAISED_EXCEPTION")
+    assert texts["site-13"] == "error reply 9999: unknown site error code 9999"
+    assert {e.code for e in ledger.records() if not e.confirmed} >= {
+        "error-reply-4003",
+        "error-reply-2",
+        "error-reply-9999",
+        "refusal-reason",
+    }
+
+    summary = json.dumps({"rounds": [vars(s) for s in strategy.summaries]}, default=str)
+    (run_dir / "summary.json").write_text(summary)
+    save_checkpoint(
+        run_dir,
+        Checkpoint(
+            server_round=3,
+            arrays=three_sites.adapter(),
+            run_config={},
+            strategy=strategy.state_dict(),
+            server_optimizer={},
+        ),
+    )
+    write_reports(build_report(ledger), run_dir)
+    ledger.close()
+    assert "error reply 4003" in caplog.text  # the rejections were logged, by code
+    assert three_sites.SECRET not in caplog.text
+    assert three_sites.SECRET.encode() not in b"".join(p.read_bytes() for p in run_dir.iterdir())
+    assert {p.name for p in run_dir.iterdir()} >= {
+        "summary.json",
+        "checkpoint.safetensors",
+        "ledger.sqlite",
+        "report.json",
+    }
+
+
+MISMATCHES = [
+    ({"steps": 3}, "facts-mismatch"),
+    ({"steps": 1}, "facts-mismatch"),
+    ({"mechanism": "factor-gaussian"}, "facts-mismatch"),
+    ({"mechanism": None}, "facts-mismatch"),
+    ({"sampling": "shuffle"}, "facts-mismatch"),
+    ({"adjacency": "replace-one"}, "facts-mismatch"),
+    ({"rng": "seeded"}, "facts-mismatch"),
+    ({"rng": None}, "facts-mismatch"),
+    ({"sigma": 0.0}, "facts-mismatch"),
+    ({"delta": 1e-4}, "facts-mismatch"),
+    ({"delta": None}, "facts-mismatch"),
+    ({"status": "refused", "steps": 0, "reason": "cap reached"}, "refusal-reason"),
+    ({"status": "refused", "steps": 0, "reason": ""}, "refusal-reason"),
+    ({"status": "refused", "steps": three_sites.TAU, "reason": "cap-exhausted"}, "facts-mismatch"),
+]
+
+
+@pytest.mark.parametrize(("changes", "code"), MISMATCHES, ids=[str(c) for c, _ in MISMATCHES])
+def test_facts_that_do_not_match_the_configuration_are_rejected_and_charged_unconfirmed(
+    tmp_path, changes, code
+):
+    with Ledger.open(tmp_path / "ledger.sqlite") as ledger:
+        strategy = three_sites.new_strategy(ledger)
+        three_sites.honest_round(strategy, 1)
+        requests = three_sites.ask(strategy, 2)
+        replies = [
+            three_sites.reply(requests[11]),
+            three_sites.reply(requests[12], **changes),
+            three_sites.reply(requests[13]),
+        ]
+        new, metrics = strategy.aggregate_train(2, replies)
+        assert new is not None and metrics["sites-accepted"] == 2
+        assert metrics[f"rejected-{code}"] == 1 and metrics["replies-rejected"] == 1
+        assert strategy.summaries[-1].rejected[0][0] == "site-12"
+        last = ledger.records("site-12")[-1]
+        steps = max(three_sites.TAU, changes.get("steps", three_sites.TAU))
+        assert (last.round, last.confirmed, last.code, last.steps) == (2, False, code, steps)
+        assert (last.sigma, last.q, last.rng) == (
+            three_sites.SIGMA,
+            three_sites.Q,
+            "os-csprng",
+        )  # last confirmed
+        assert "site-12" not in strategy.summaries[-1].refused
+
+
+def test_valid_refusals_and_a_non_dp_run_pass_the_cross_check(tmp_path):
+    with Ledger.open(tmp_path / "ledger.sqlite") as ledger:
+        strategy = three_sites.new_strategy(ledger)
+        three_sites.honest_round(strategy, 1)
+        requests = three_sites.ask(strategy, 2)
+        reason = sorted(REFUSAL_REASONS)[0]
+        refusal = three_sites.reply(requests[12], status="refused", steps=0, reason=reason)
+        _, metrics = strategy.aggregate_train(
+            2, [three_sites.reply(requests[11]), refusal, three_sites.reply(requests[13])]
+        )
+        summary = strategy.summaries[-1]
+        assert (metrics["sites-refused"], metrics["replies-rejected"]) == (1, 0)
+        assert summary.refusal_codes == {"site-12": reason} and summary.unconfirmed == []
+        assert [e.round for e in ledger.records("site-12")] == [1]  # a refusal charges nothing
+    with Ledger.open(tmp_path / "nondp.sqlite") as ledger:
+        strategy = three_sites.new_strategy(
+            ledger, mode="factor-average", mechanism="none", dp=False
+        )
+        requests = three_sites.ask(strategy, 1)
+        replies = [
+            three_sites.reply(r, mechanism="none", sigma=0.0).content for r in requests.values()
+        ]
+        for content in replies:  # a factor-average reply carries end factors, not tangents
+            content[UPDATE] = ArrayRecord(three_sites.adapter())
+        _, metrics = strategy.aggregate_train(
+            1,
+            [Message(c, reply_to=r) for c, r in zip(replies, requests.values(), strict=True)],
+        )
+        assert metrics["sites-accepted"] == 3
+
+
+@pytest.mark.parametrize(
+    ("changes", "auto", "code"),
+    [
+        (
+            {"max-norm": 1.5},
+            clip_estimate.AUTO,
+            "facts-mismatch",
+        ),  # above every clip the estimate can give
+        ({"max-norm": 0.001}, clip_estimate.AUTO, "facts-mismatch"),
+        ({"max-norm": None}, clip_estimate.AUTO, "facts-mismatch"),
+        (
+            {**clip_estimate.ESTIMATED, "quantile-steps": clip_estimate.K + 1},
+            clip_estimate.AUTO,
+            "facts-mismatch",
+        ),
+        (
+            {"quantile-sigma": 6.4, "quantile-steps": clip_estimate.K},
+            clip_estimate.AUTO,
+            "facts",
+        ),  # q missing
+        ({**clip_estimate.ESTIMATED, "quantile-sigma": 0.0}, clip_estimate.AUTO, "facts"),
+        (
+            {**clip_estimate.ESTIMATED, "max-norm": 0.05},
+            None,
+            "facts-mismatch",
+        ),  # no estimate in this run
+    ],
+)
+def test_a_reply_with_an_impossible_clip_or_estimate_is_rejected_and_charged(
+    tmp_path, changes, auto, code
+):
+    with Ledger.open(tmp_path / "ledger.sqlite") as ledger:
+        strategy = clip_estimate.new_strategy(ledger, auto)
+        requests = clip_estimate.ask(strategy, 1, clip_estimate.adapter(), nodes=(11,))
+        _, metrics = strategy.aggregate_train(1, [clip_estimate.reply(requests[11], **changes)])
+        assert metrics["sites-accepted"] == 0 and metrics[f"rejected-{code}"] == 1
+        assert metrics["sites-unconfirmed"] == 1
+        assert not any(e.confirmed for e in ledger.records())

@@ -1,39 +1,57 @@
-"""``PrismStrategy`` (``server/strategy/core.py``): how the strategy wires its settings into its
-parts, how ``from_run`` reads every setting from a run config (the constructor has no defaults),
-and what a round does with a reply the checks refuse (a duplicate, a ledger conflict, an
-unexpected error), with the code, the log line and the charge of each.
+"""``PrismStrategy`` (``server/strategy/core.py``): how the strategy wires its settings into
+its parts, how ``from_run`` reads every setting from a run config (the constructor has no
+defaults), and what a round does with a reply the checks refuse (a duplicate, a ledger
+conflict, an unexpected error), with the code, the log line and the charge of each; a
+refusal, the settings' log line, the strategy's state across a restart and Flower's
+``start`` signature; a conflicting ledger record on a resumed run rejects one reply, never
+the round.
 
-Written for the survivors of the mutation run of ``server/strategy/core.py`` (docs/testing.md).
-Helpers and the tiny two-module adapter come from ``test_strategy.py``.
-"""
+The tiny two-module adapter comes from ``strategy.two_modules``, the three sites of the
+resumed run from ``strategy.three_sites``."""
 
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import random
+from pathlib import Path
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.result import Result
+from helpers.points import random_point
 from ledger_events import ledger_event
-from test_strategy import MODULES, SHAPES, _facts, _global, _Grid, _reply, _strategy
+from reply_facts import honest_facts
+from strategy_helpers import strategy_for
 
 import server.strategy.core as core
 from prism_runtime.config import RunConfig, parse_config
 from prism_runtime.faults import NO_FAULTS, Faults
-from prism_runtime.protocol import key
+from prism_runtime.protocol import ACCOUNTING, CONFIG, REFUSAL_REASONS, UPDATE, key
 from prism_runtime.ranges import SIGMA_MIN
 from prism_runtime.train_config import site_train_config
 from server.ledger import Ledger
 from server.optimizer import ServerOptimizerConfig
-from server.strategy import UpdateBound
-from server.strategy.bounds import AutoClip, UpdateChecker
+from server.strategy import PrismStrategy
+from server.strategy.bounds import AutoClip, UpdateBound, UpdateChecker
 from server.strategy.replies import RunTerms
 from server.strategy.selection import WAIT_FOR_NODES
+from strategy import three_sites
+from strategy.two_modules import (
+    MODULES,
+    SHAPES,
+    Grid,
+    adapter,
+    site_facts,
+    site_reply,
+    strategy_and_ledger,
+)
 
 pytestmark = pytest.mark.usefixtures("flower_identity")
+
 
 NODES = [11, 12, 13]
 
@@ -50,7 +68,7 @@ def _zero_update() -> dict[str, torch.Tensor]:
 
 def _ask(strategy, server_round=1, nodes=NODES):
     return list(
-        strategy.configure_train(server_round, ArrayRecord(_global()), ConfigRecord(), _Grid(nodes))
+        strategy.configure_train(server_round, ArrayRecord(adapter()), ConfigRecord(), Grid(nodes))
     )
 
 
@@ -58,12 +76,9 @@ def _messages(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "server.strategy"]
 
 
-# -- wiring and defaults -------------------------------------------------------------------
-
-
 def test_the_strategy_hands_its_settings_to_its_parts(tmp_path) -> None:
     auto = AutoClip(low=0.1, high=10.0, steps=3, noise_multiplier=7.5)
-    strategy, ledger = _strategy(
+    strategy, ledger = strategy_and_ledger(
         tmp_path,
         run_id="run-7",
         sites_per_round=3,
@@ -235,14 +250,16 @@ def test_min_sites_outside_one_to_sites_per_round_is_refused(
     tmp_path, min_sites: int, sites_per_round: int
 ) -> None:
     with pytest.raises(ValueError, match=f"min-sites={min_sites} with sites-per-round="):
-        _strategy(tmp_path, min_sites=min_sites, sites_per_round=sites_per_round)
+        strategy_and_ledger(tmp_path, min_sites=min_sites, sites_per_round=sites_per_round)
 
 
 @pytest.mark.parametrize(("min_sites", "sites_per_round"), [(1, 1), (2, 2), (1, 3)])
 def test_min_sites_from_one_to_sites_per_round_is_accepted(
     tmp_path, min_sites: int, sites_per_round: int
 ) -> None:
-    strategy, _ = _strategy(tmp_path, min_sites=min_sites, sites_per_round=sites_per_round)
+    strategy, _ = strategy_and_ledger(
+        tmp_path, min_sites=min_sites, sites_per_round=sites_per_round
+    )
     assert strategy.min_sites == min_sites
 
 
@@ -251,8 +268,8 @@ def test_start_hands_every_argument_and_flowers_defaults_to_the_round_loop(
 ) -> None:
     calls: list[tuple[tuple, dict]] = []
     monkeypatch.setattr(core, "run_rounds", lambda *a, **kw: calls.append((a, kw)) or "result")
-    strategy, _ = _strategy(tmp_path)
-    grid, arrays = _Grid(NODES), ArrayRecord(_global())
+    strategy, _ = strategy_and_ledger(tmp_path)
+    grid, arrays = Grid(NODES), ArrayRecord(adapter())
 
     assert strategy.start(grid, arrays) == "result"
     args, kw = calls[-1]
@@ -306,24 +323,21 @@ def test_each_round_sets_the_update_bound_of_its_own_round_number(tmp_path) -> N
     """With b1^2 >= b2 the bound grows with the steps a site can have taken (round x tau), so
     the checker must be told the round being configured."""
     bound = UpdateBound(lr=0.05, beta1=0.9, beta2=0.5)
-    strategy, _ = _strategy(tmp_path, update_bound=bound)
+    strategy, _ = strategy_and_ledger(tmp_path, update_bound=bound)
     bounds = {}
     for server_round in (1, 3):
         _ask(strategy, server_round)
         reference = UpdateChecker(
             modules=MODULES, head=[], mode="tangent", local_steps=2, update_bound=bound
         )
-        reference.begin_round(server_round, _global())
+        reference.begin_round(server_round, adapter())
         assert strategy.checker.norm_bound == reference.norm_bound
         bounds[server_round] = strategy.checker.norm_bound
     assert bounds[3] > bounds[1] * 1.01
 
 
-# -- what a round does with each reply -------------------------------------------------------
-
-
 def test_a_round_reports_how_many_sites_it_asked(tmp_path) -> None:
-    strategy, _ = _strategy(tmp_path, sites_per_round=2)
+    strategy, _ = strategy_and_ledger(tmp_path, sites_per_round=2)
     requests = _ask(strategy)
     assert len(requests) == 2
     _, metrics = strategy.aggregate_train(1, [])
@@ -333,11 +347,11 @@ def test_a_round_reports_how_many_sites_it_asked(tmp_path) -> None:
 
 def test_one_site_with_a_weight_below_one_updates_the_model(tmp_path) -> None:
     """The weight of a noisy site, ``(b / (sigma C))^2``, is far below 1: it still counts."""
-    strategy, _ = _strategy(tmp_path, sites_per_round=1)
+    strategy, _ = strategy_and_ledger(tmp_path, sites_per_round=1)
     (request,) = _ask(strategy, nodes=[11])
-    facts = {**_facts("site-a"), "sigma": 50.0, "max-norm": 1.0}  # (16 / 50)^2 = 0.1
+    facts = {**site_facts("site-a"), "sigma": 50.0, "max-norm": 1.0}  # (16 / 50)^2 = 0.1
     # the run's clip must match the reply's: a run without a fixed C accepts any
-    new, metrics = strategy.aggregate_train(1, [_reply(request, _zero_update(), facts)])
+    new, metrics = strategy.aggregate_train(1, [site_reply(request, _zero_update(), facts)])
     assert metrics["sites-accepted"] == 1
     assert 0 < strategy.aggregator.total_weight < 1
     assert new is not None and metrics["applied"] == 1
@@ -346,12 +360,12 @@ def test_one_site_with_a_weight_below_one_updates_the_model(tmp_path) -> None:
 def test_a_fixed_noise_multiplier_is_the_sigma_every_dp_reply_must_state(tmp_path) -> None:
     """The run fixes sigma = 2.0: a reply stating half of it is rejected (``facts-mismatch``) and
     never charged as confirmed; one within a part in a million of it counts."""
-    strategy, ledger = _strategy(tmp_path, sites_per_round=3, noise_multiplier=2.0)
+    strategy, ledger = strategy_and_ledger(tmp_path, sites_per_round=3, noise_multiplier=2.0)
     assert strategy.terms.noise_multiplier == 2.0
     requests = _ask(strategy)
     sigmas = {"site-a": 2.0, "site-b": 1.0, "site-c": 2.0 * (1 + 5e-7)}
     replies = [
-        _reply(request, _zero_update(), {**_facts(site), "sigma": sigma})
+        site_reply(request, _zero_update(), {**site_facts(site), "sigma": sigma})
         for request, (site, sigma) in zip(requests, sigmas.items(), strict=True)
     ]
     _, metrics = strategy.aggregate_train(1, replies)
@@ -367,11 +381,11 @@ def test_a_fixed_noise_multiplier_is_the_sigma_every_dp_reply_must_state(tmp_pat
 def test_a_calibrated_sigma_below_the_smallest_a_site_runs_is_rejected(tmp_path) -> None:
     """No fixed sigma (each site calibrates): ``SIGMA_MIN`` counts, just below it is rejected
     (``facts``) and never charged as confirmed."""
-    strategy, ledger = _strategy(tmp_path, sites_per_round=2)
+    strategy, ledger = strategy_and_ledger(tmp_path, sites_per_round=2)
     requests = _ask(strategy, nodes=[11, 12])
     sigmas = {"site-a": SIGMA_MIN, "site-b": SIGMA_MIN * (1 - 1e-9)}
     replies = [
-        _reply(request, _zero_update(), {**_facts(site), "sigma": sigma})
+        site_reply(request, _zero_update(), {**site_facts(site), "sigma": sigma})
         for request, (site, sigma) in zip(requests, sigmas.items(), strict=True)
     ]
     strategy.aggregate_train(1, replies)
@@ -390,9 +404,9 @@ def test_a_calibrated_sigma_below_the_smallest_a_site_runs_is_rejected(tmp_path)
 def test_a_second_reply_of_a_site_is_rejected_as_a_duplicate_and_the_first_counts(
     tmp_path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    strategy, ledger = _strategy(tmp_path, sites_per_round=1)
+    strategy, ledger = strategy_and_ledger(tmp_path, sites_per_round=1)
     (request,) = _ask(strategy, nodes=[11])
-    reply = _reply(request, _zero_update(), _facts("site-a"))
+    reply = site_reply(request, _zero_update(), site_facts("site-a"))
     with caplog.at_level(logging.INFO, logger="server.strategy"):
         _, metrics = strategy.aggregate_train(1, [reply, reply])
     summary = strategy.summaries[-1]
@@ -410,7 +424,7 @@ def test_a_second_reply_of_a_site_is_rejected_as_a_duplicate_and_the_first_count
 def test_a_reply_the_ledger_holds_another_record_of_is_rejected_and_not_charged_again(
     tmp_path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    strategy, ledger = _strategy(tmp_path, sites_per_round=1)
+    strategy, ledger = strategy_and_ledger(tmp_path, sites_per_round=1)
     other = ledger_event(
         run_id="run-1",
         round=1,
@@ -427,7 +441,7 @@ def test_a_reply_the_ledger_holds_another_record_of_is_rejected_and_not_charged_
     (request,) = _ask(strategy, nodes=[11])
     with caplog.at_level(logging.INFO, logger="server.strategy"):
         _, metrics = strategy.aggregate_train(
-            1, [_reply(request, _zero_update(), _facts("site-a"))]
+            1, [site_reply(request, _zero_update(), site_facts("site-a"))]
         )
     summary = strategy.summaries[-1]
     assert summary.rejected_by_reason == {"ledger-conflict": 1}
@@ -442,7 +456,7 @@ def test_a_reply_the_ledger_holds_another_record_of_is_rejected_and_not_charged_
 def test_an_unexpected_error_on_one_reply_rejects_it_as_invalid_and_the_round_goes_on(
     tmp_path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    strategy, ledger = _strategy(tmp_path, sites_per_round=2, min_sites=1)
+    strategy, ledger = strategy_and_ledger(tmp_path, sites_per_round=2, min_sites=1)
     requests = _ask(strategy, nodes=[11, 12])
     real = strategy.aggregator.weight
 
@@ -453,8 +467,8 @@ def test_an_unexpected_error_on_one_reply_rejects_it_as_invalid_and_the_round_go
 
     strategy.aggregator.weight = weight
     replies = [
-        _reply(requests[0], _zero_update(), _facts("site-a")),
-        _reply(requests[1], _zero_update(), _facts("site-b")),
+        site_reply(requests[0], _zero_update(), site_facts("site-a")),
+        site_reply(requests[1], _zero_update(), site_facts("site-b")),
     ]
     with caplog.at_level(logging.INFO, logger="server.strategy"):
         new, _ = strategy.aggregate_train(1, replies)
@@ -471,16 +485,20 @@ def test_an_unexpected_error_on_one_reply_rejects_it_as_invalid_and_the_round_go
 def test_a_node_that_never_replied_is_named_in_the_warning_and_charged_unconfirmed(
     tmp_path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    strategy, ledger = _strategy(tmp_path, sites_per_round=2, min_sites=1)
+    strategy, ledger = strategy_and_ledger(tmp_path, sites_per_round=2, min_sites=1)
     requests = _ask(strategy, nodes=[11, 12])
     # bind node 12 to its site in round 1, then ask again in round 2, where it stays silent
     strategy.aggregate_train(
-        1, [_reply(r, _zero_update(), _facts(f"site-{r.metadata.dst_node_id}")) for r in requests]
+        1,
+        [
+            site_reply(r, _zero_update(), site_facts(f"site-{r.metadata.dst_node_id}"))
+            for r in requests
+        ],
     )
     requests = _ask(strategy, server_round=2, nodes=[11, 12])
     (first,) = [r for r in requests if r.metadata.dst_node_id == 11]
     with caplog.at_level(logging.INFO, logger="server.strategy"):
-        strategy.aggregate_train(2, [_reply(first, _zero_update(), _facts("site-11"))])
+        strategy.aggregate_train(2, [site_reply(first, _zero_update(), site_facts("site-11"))])
     assert (
         "round 2: no reply from site-12 before the timeout; the round goes on without it"
         in _messages(caplog)
@@ -492,17 +510,160 @@ def test_a_node_that_never_replied_is_named_in_the_warning_and_charged_unconfirm
 
 
 def test_a_refusal_keeps_no_mechanism_and_a_valid_reply_keeps_its_own(tmp_path) -> None:
-    strategy, _ = _strategy(tmp_path, sites_per_round=2)
+    strategy, _ = strategy_and_ledger(tmp_path, sites_per_round=2)
     requests = _ask(strategy, nodes=[11, 12])
     # a site refusing mid-run states the mechanism it would run: exhausted, it is not kept
-    refusal = {**_facts("site-b", status="refused", steps=0), "reason": "cap-exhausted"}
+    refusal = {**site_facts("site-b", status="refused", steps=0), "reason": "cap-exhausted"}
     strategy.aggregate_train(
         1,
         [
-            _reply(requests[0], _zero_update(), {**_facts("site-a"), "epsilon-cap": 7.0}),
-            _reply(requests[1], {}, refusal),
+            site_reply(requests[0], _zero_update(), {**site_facts("site-a"), "epsilon-cap": 7.0}),
+            site_reply(requests[1], {}, refusal),
         ],
     )
     assert strategy.summaries[-1].refused == ["site-b"]
     assert strategy.selection.site_mechanism == {"site-a": (1.0, 0.05, 7.0, 1e-5)}
     assert strategy.exhausted == {"site-b"}
+
+
+# -- a refusal, the settings' log line, the state across a restart, Flower's start -------------
+
+
+MODULE, M, N, R = "layer.0.q", 12, 10, 3
+
+
+def one_module_strategy(tmp_path: Path, **kw: object) -> PrismStrategy:
+    params: dict[str, object] = dict(sites_per_round=2, server_lr=0.5)
+    params.update(kw)
+    return strategy_for(modules=[MODULE], ledger=Ledger.open(tmp_path / "ledger.sqlite"), **params)
+
+
+def _broadcast() -> ArrayRecord:
+    A, B = random_point(M, N, R, 0, dtype=torch.float32)
+    return ArrayRecord({key(MODULE, "A"): A, key(MODULE, "B"): B})
+
+
+def _answer(request: Message, **changes: object) -> Message:
+    facts = honest_facts(f"site-{request.metadata.dst_node_id}", request.content[CONFIG], **changes)
+    update = {key(MODULE, "dA"): torch.full((M, R), 1e-3), key(MODULE, "dB"): torch.zeros(N, R)}
+    content = RecordDict({UPDATE: ArrayRecord(update), ACCOUNTING: ConfigRecord(facts)})
+    return Message(content=content, reply_to=request)
+
+
+def test_a_refusal_is_summarised_logged_and_ends_the_sites_rounds(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    strategy = one_module_strategy(tmp_path)
+    requests = list(strategy.configure_train(1, _broadcast(), ConfigRecord(), Grid([11, 12])))
+    by_node = {r.metadata.dst_node_id: r for r in requests}
+    refusal = _answer(by_node[11], status="refused", steps=0, reason="cap-exhausted")
+    with caplog.at_level(logging.INFO, logger="server.strategy"):
+        strategy.aggregate_train(1, [refusal, _answer(by_node[12])])
+    summary = strategy.summaries[-1]
+    assert (summary.refused, summary.refusal_codes) == (["site-11"], {"site-11": "cap-exhausted"})
+    assert strategy.selection.exhausted == {"site-11"}
+    lines = [r.getMessage() for r in caplog.records if r.name == "server.strategy"]
+    assert (
+        f"site site-11 refused round 1: cap-exhausted ({REFUSAL_REASONS['cap-exhausted']})" in lines
+    )
+    nodes = [
+        r.metadata.dst_node_id
+        for r in strategy.configure_train(2, _broadcast(), ConfigRecord(), Grid([11, 12]))
+    ]
+    assert nodes == [12]  # the refusing site is not asked again
+
+
+def test_the_strategy_logs_its_settings_once_at_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    strategy = one_module_strategy(tmp_path, lr_schedule="cosine", server_lr=0.25, min_sites=2)
+    with caplog.at_level(logging.INFO, logger="server.strategy"):
+        strategy.summary()
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "server.strategy"]
+    assert line == (
+        "PrismStrategy(mode=tangent, modules=1, head=0, sites/round=2, min-sites=2, "
+        "server-lr=0.25 cosine)"
+    )
+
+
+def test_the_strategys_state_survives_a_restart_through_json(tmp_path: Path) -> None:
+    strategy = one_module_strategy(tmp_path)
+    for rnd in (1, 2):
+        requests = list(
+            strategy.configure_train(rnd, _broadcast(), ConfigRecord(), Grid([11, 12, 13]))
+        )
+        replies = [_answer(r) for r in requests]
+        if rnd == 2:
+            replies[0] = _answer(requests[0], status="refused", steps=0, reason="cap-exhausted")
+        strategy.aggregate_train(rnd, replies)
+    state = json.loads(json.dumps(strategy.state_dict()))  # as a checkpoint stores it
+    restarted = one_module_strategy(tmp_path / "restarted")
+    restarted.load_state_dict(state)
+    assert restarted.state_dict() == strategy.state_dict()
+    assert restarted.binding.node_site == strategy.binding.node_site
+    assert restarted.selection.site_mechanism == strategy.selection.site_mechanism
+    assert restarted.selection.exhausted == strategy.selection.exhausted != set()
+    assert [vars(s) for s in restarted.summaries] == [vars(s) for s in strategy.summaries]
+    # the selection's random stream goes on where it stopped
+    assert restarted.selection.rng.random() == strategy.selection.rng.random()
+
+
+def test_start_keeps_flowers_signature_and_defaults() -> None:
+    ours = inspect.signature(PrismStrategy.start).parameters
+    flowers = inspect.signature(Strategy.start).parameters
+    assert list(ours)[: len(flowers)] == list(flowers)
+    assert {n: ours[n].default for n in flowers} == {n: p.default for n, p in flowers.items()}
+    assert (ours["first_round"].default, ours["previous"].default) == (1, None)
+
+
+# -- a conflicting ledger record is a rejected reply, never a crash loop -----------------------
+
+
+def test_a_conflicting_record_rejects_the_reply_the_round_completes_and_resume_goes_on(
+    tmp_path,
+):
+    with Ledger.open(tmp_path / "ledger.sqlite") as ledger:
+        strategy = three_sites.new_strategy(ledger)
+        three_sites.honest_round(strategy, 1)
+        state = json.loads(json.dumps(strategy.state_dict()))
+        glob = three_sites.adapter()
+        # round 2 is charged, then the coordinator dies before its checkpoint
+        requests = three_sites.ask(strategy, 2, glob)
+        strategy.aggregate_train(2, [three_sites.reply(r) for r in requests.values()])
+        # on resume, site-12 lost its stored reply and answers round 2 with other facts
+        resumed = three_sites.new_strategy(ledger)
+        resumed.load_state_dict(state)
+
+        def answer(msg):
+            node = msg.metadata.dst_node_id
+            return three_sites.reply(msg, sigma=1.5) if node == 12 else three_sites.reply(msg)
+
+        checkpoints = []
+        result = resumed.start(
+            three_sites.Grid(answer=answer),
+            ArrayRecord(glob),
+            num_rounds=3,
+            first_round=2,
+            on_round_end=lambda rnd, arrays, summary, res: checkpoints.append(
+                (rnd, resumed.state_dict())
+            ),
+        )
+        assert [rnd for rnd, _ in checkpoints] == [2, 3]  # the run went on past round 2
+        round2 = dict(result.train_metrics_clientapp[2])
+        assert round2["rejected-ledger-conflict"] == 1 and round2["sites-accepted"] == 2
+        assert round2["applied"] == 1 and round2["sites-unconfirmed"] == 0
+        ((who, why),) = next(s for s in resumed.summaries if s.server_round == 2).rejected
+        assert who == "site-12" and "different record" in why
+        stored = [e for e in ledger.events("site-12") if e.round == 2]
+        assert [(e.sigma, e.confirmed) for e in stored] == [
+            (three_sites.SIGMA, True)
+        ]  # the first kept
+        round3 = dict(result.train_metrics_clientapp[3])
+        assert round3["sites-accepted"] == 3 and round3["replies-rejected"] == 0
+        # resuming from round 2's checkpoint replays round 3 cleanly too
+        again = three_sites.new_strategy(ledger)
+        again.load_state_dict(json.loads(json.dumps(checkpoints[0][1])))
+        result = again.start(
+            three_sites.Grid(answer=answer), ArrayRecord(glob), num_rounds=3, first_round=3
+        )
+        assert dict(result.train_metrics_clientapp[3])["sites-accepted"] == 3
