@@ -30,10 +30,13 @@ from prism_runtime.config import (
 __all__ = [
     "ADAMW_BETAS",
     "DEFAULT_HEAD_SHARE",
+    "DEFAULT_MAX_RECORDS_PER_USER",
     "MECHANISMS",
     "METHODS",
+    "PRIVACY_UNITS",
     "AdaptiveSettings",
     "Method",
+    "PrivacyUnit",
     "TrainConfig",
     "site_train_config",
 ]
@@ -47,6 +50,16 @@ MECHANISMS: dict[str, str] = {
     "nondp": "none",
 }
 """The ``PrivacyEvent.mechanism`` each training method runs."""
+
+PrivacyUnit = Literal["record", "user"]
+PRIVACY_UNITS: tuple[str, ...] = ("record", "user")
+
+DEFAULT_MAX_RECORDS_PER_USER = 4
+"""The most records one person contributes to a person-level batch (``max_records_per_user``):
+a person with more gives a random chunk of this many at each step they are sampled. A larger k
+costs no privacy (a person's records share one clip of C); it gives each sampled person more
+records per step, whose summed gradient the clip shrinks more often, and the micro-batches more
+rows (docs/design.md §3.2)."""
 
 ADAMW_BETAS: tuple[float, float] = (0.9, 0.999)
 """The betas of every AdamW a site runs (an AdamW head, the factor-space baselines); the
@@ -87,7 +100,10 @@ class TrainConfig(BaseModel):
     noise_multiplier: float | None = Field(None, ge=0, description="sigma; else calibrated")
     steps: int = Field(100, ge=1, description="planned logical steps")
     batch_size: int = Field(
-        DEFAULT_BATCH_SIZE, ge=1, description="EXPECTED (Poisson) batch size b = q N"
+        DEFAULT_BATCH_SIZE,
+        ge=1,
+        description="EXPECTED (Poisson) batch size b = q N, in privacy units: records, or "
+        "people under privacy_unit='user'",
     )
     micro_batch_size: int = Field(
         DEFAULT_MICRO_BATCH_SIZE, ge=1, description="examples per forward/backward (memory)"
@@ -110,6 +126,18 @@ class TrainConfig(BaseModel):
         description="the head's share C_head < max_norm of the clip (LoRA gets "
         "sqrt(C^2 - C_head^2)); not given: DEFAULT_HEAD_SHARE x max_norm; None = one joint "
         "clip of LoRA and head at max_norm",
+    )
+    privacy_unit: PrivacyUnit = Field(
+        "record",
+        description="the unit of the guarantee: 'record' (each row; Poisson sampling of rows) "
+        "or 'user' (each person: people Poisson-sampled at q = batch_size / N_users, at most "
+        "max_records_per_user records each, one clip of C per person; needs every row's person)",
+    )
+    max_records_per_user: int = Field(
+        DEFAULT_MAX_RECORDS_PER_USER,
+        ge=1,
+        description="privacy_unit='user': the most records of one person in a batch (a random "
+        "chunk of a person with more, drawn afresh at each step)",
     )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (baselines, head)")
     adaptive: AdaptiveSettings = AdaptiveSettings()

@@ -234,7 +234,11 @@ bookkeeping), in padded tokens of compute: what a further split must save to be 
 
 
 def length_groups(
-    lengths: Sequence[int], cap: int, overhead: float = MICRO_BATCH_OVERHEAD_TOKENS
+    lengths: Sequence[int],
+    cap: int,
+    overhead: float = MICRO_BATCH_OVERHEAD_TOKENS,
+    *,
+    counts: Sequence[int] | None = None,
 ) -> list[int]:
     """Sizes of consecutive groups of the SORTED ``lengths`` (ascending), each of at most ``cap``
     rows, minimising the compute ``sum over groups of (rows x longest row + overhead)``.
@@ -242,14 +246,25 @@ def length_groups(
     A group is padded to its longest row, its last one. Exact, by dynamic programming over the
     cut points (``O(len(lengths) x cap)``): short rows get small groups only when the padding
     they save outweighs the extra passes.
+
+    ``counts``: item ``i`` is ``counts[i]`` rows of length at most ``lengths[i]`` that stay
+    together (a person's records, ``prism_runtime.data.units``); the sizes are then numbers of
+    items, a group holds at most ``cap`` rows, or one item alone when it has more. None: one
+    row per item.
     """
     n = len(lengths)
+    prefix = [0]
+    for rows in [1] * n if counts is None else counts:
+        prefix.append(prefix[-1] + rows)
     best = [0.0] + [math.inf] * n
     cut = [0] * (n + 1)
+    low = 0
     for end in range(1, n + 1):
         width = lengths[end - 1]
-        for begin in range(max(0, end - cap), end):
-            cost = best[begin] + (end - begin) * width + overhead
+        while low < end - 1 and prefix[end] - prefix[low] > cap:
+            low += 1
+        for begin in range(low, end):
+            cost = best[begin] + (prefix[end] - prefix[begin]) * width + overhead
             if cost < best[end]:
                 best[end], cut[end] = cost, begin
     sizes: list[int] = []
@@ -261,6 +276,7 @@ def length_groups(
 
 
 def _trim_padding(micro: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``micro`` without its trailing all-padding columns (right padding, see ``micro_batches``)."""
     mask = micro.get("attention_mask")
     if mask is None or mask.ndim < 2:
         return micro

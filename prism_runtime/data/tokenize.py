@@ -4,7 +4,7 @@ with the prompt tokens masked out of the loss) and the Alpaca prompt."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,10 @@ class TokenizedDataset(Dataset[dict[str, Any]]):
     without special tokens, so the prompt boundary is exact; generate from the same
     ``[bos] + format_prompt(...)`` tokens at inference time.
 
+    ``users`` is the person of each row when the examples carry a ``user`` field (one id per
+    row, for person-level privacy: ``prism_runtime.trainer.PrivateTrainer``), None when they do
+    not; it is not part of the items.
+
     Args:
         examples: Output of :func:`load_examples` for the same task.
         tokenizer: A Hugging Face tokenizer. ``"causal-lm"`` needs an eos token.
@@ -76,7 +80,8 @@ class TokenizedDataset(Dataset[dict[str, Any]]):
     Raises:
         ConfigError: Unknown task or pair encoding, ``max_length < 2``, or a causal-lm
             tokenizer without eos.
-        DataError: ``examples`` is empty or mixes single texts and pairs.
+        DataError: ``examples`` is empty, mixes single texts and pairs, or gives a ``user``
+            for some rows only.
     """
 
     def __init__(
@@ -99,6 +104,7 @@ class TokenizedDataset(Dataset[dict[str, Any]]):
             raise DataError("No examples to tokenize. Load a non-empty file first.")
         self.task = task
         self.max_length = max_length
+        self.users = _users(examples)
 
         def tokenize() -> list[dict[str, Any]]:
             if task == "seq-cls":
@@ -123,6 +129,19 @@ class TokenizedDataset(Dataset[dict[str, Any]]):
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         return self._items[index]
+
+
+def _users(examples: Sequence[Mapping[str, Any]]) -> list[Hashable] | None:
+    """Each row's ``user``, or None when no row has one."""
+    users = [ex.get("user") for ex in examples]
+    missing = sum(u is None for u in users)
+    if missing == len(users):
+        return None
+    if missing:
+        raise DataError(
+            f"{missing} of {len(users)} rows have no 'user': give every row its person, or none"
+        )
+    return users
 
 
 def _tokenize_seq_cls(

@@ -8,6 +8,13 @@ history with the budget check that refuses a step past the target epsilon, and `
 each method's subclass runs the body of one step (``_run_step``) on the batch this class draws,
 and the history grows by the ``PrivacyEvent`` that body's mechanism returns.
 
+The privacy unit (``config.privacy_unit``, docs/design.md §3.2) is a record or a person. At the
+person level the trainer needs each row's person (``units``, or the dataset's ``users``), the
+sampler draws PEOPLE at ``q = b_u / N_users`` with a random chunk of at most
+``config.max_records_per_user`` records each (``prism_runtime.data.units``), a micro-batch never
+splits a person, and the DP methods sum a person's per-record gradients into one contribution
+before the clip (``prism_runtime.trainer.dp.fold_units``).
+
 Randomness: by default (``seed=None``) the Poisson sampler and dropout draw from generators
 seeded by the OS (``os.urandom``, fresh at every ``reseed``) and the noise from the OS CSPRNG
 (``prism_core.rng.SecureRNG``). An integer ``seed`` makes all three reproducible: for tests and
@@ -16,9 +23,10 @@ benchmarks only, since anyone who knows the seed can predict the noise and the b
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -33,11 +41,17 @@ from prism_core.errors import BudgetExceededError
 from prism_core.manifold import Point
 from prism_core.rng import NoiseSource, SecureRNG
 from prism_runtime.data import IGNORE_INDEX, make_collate, micro_batches, poisson_loader
+from prism_runtime.data.units import (
+    UNIT_KEY,
+    person_records,
+    unit_micro_batches,
+    user_poisson_loader,
+)
 from prism_runtime.errors import ConfigError
 from prism_runtime.lora import read_points
 from prism_runtime.model import LoadedModel
 from prism_runtime.protocol import RNG_REPRODUCIBLE, RNG_SECURE
-from prism_runtime.train_config import TrainConfig
+from prism_runtime.train_config import PrivacyUnit, TrainConfig
 
 __all__ = [
     "TRAINERS",
@@ -48,6 +62,8 @@ __all__ = [
     "os_seed",
     "per_example_loss",
 ]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -78,9 +94,10 @@ def per_example_loss(model: nn.Module, batch: dict[str, Tensor], task: str) -> T
     """Per-SEQUENCE loss (b,): no token averaging across examples (privacy rule 3).
 
     seq-cls: cross-entropy of each example. causal-lm: mean token cross-entropy over that
-    sequence's supervised tokens (labels != -100), 0 for a sequence with none.
+    sequence's supervised tokens (labels != -100), 0 for a sequence with none. A person-level
+    batch's ``unit`` (``prism_runtime.data.units.UNIT_KEY``) is not a model input.
     """
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", UNIT_KEY)}
     logits = model(**inputs).logits.float()
     labels = batch["labels"]
     if task == "seq-cls":
@@ -114,9 +131,13 @@ class PrivateTrainer:
         dataset: the site's tokenized training set (``prism_runtime.data.TokenizedDataset``).
         config: training settings.
         history: privacy events this site already spent (e.g. earlier federated rounds).
+        units: ``config.privacy_unit='user'`` only: the person of each row of ``dataset`` (one
+            hashable id per row); None reads the dataset's ``users`` (``TokenizedDataset``
+            built from rows with a ``user`` field). Ignored at the record level.
 
     Raises:
-        ConfigError: the method is not the class's, or the batch is larger than the dataset.
+        ConfigError: the method is not the class's, the batch is larger than the dataset (or
+            the number of people), or a person-level trainer has no person for its rows.
     """
 
     methods: ClassVar[frozenset[str]] = frozenset()
@@ -136,6 +157,7 @@ class PrivateTrainer:
         config: TrainConfig,
         *,
         history: Sequence[PrivacyEvent] = (),
+        units: Sequence[Hashable] | None = None,
     ) -> PrivateTrainer:
         if cls is PrivateTrainer:
             cls = TRAINERS[config.method]
@@ -148,6 +170,7 @@ class PrivateTrainer:
         config: TrainConfig,
         *,
         history: Sequence[PrivacyEvent] = (),
+        units: Sequence[Hashable] | None = None,
     ) -> None:
         if config.method not in self.methods:
             raise ConfigError(
@@ -157,19 +180,61 @@ class PrivateTrainer:
         self.loaded, self.config = loaded, config
         self.task = loaded.config.task
         self.num_examples = len(dataset)  # type: ignore[arg-type]
-        if config.batch_size > self.num_examples:
+        self._records = self._person_records(dataset, units)
+        self.num_units = self.num_examples if self._records is None else len(self._records)
+        """N, the number of privacy units: records, or people at the person level."""
+        if self._records is None and config.batch_size > self.num_examples:
             raise ConfigError(
                 f"batch_size={config.batch_size} is larger than the dataset ({self.num_examples} "
                 "examples): lower batch_size or add data"
             )
+        if self._records is not None and config.batch_size > self.num_units:
+            raise ConfigError(
+                f"batch_size={config.batch_size} (the expected people per batch) is larger than "
+                f"the number of people ({self.num_units}): lower batch_size or add people"
+            )
         self._dataset = dataset
         self.reseed(config.seed)
-        self.expected_batch_size = self.sample_rate * self.num_examples
+        self.expected_batch_size = self.sample_rate * self.num_units
         self.history: list[PrivacyEvent] = list(history)
         self.noise_multiplier = self._noise_multiplier()
         self.steps_done = 0
         loaded.model.train()
         self.module: nn.Module = self._train_module(loaded.model)
+
+    @property
+    def privacy_unit(self) -> PrivacyUnit:
+        """The unit of this trainer's guarantee: ``record`` or ``user`` (``config.privacy_unit``);
+        its ``sample_rate`` and ``expected_batch_size`` are over these units."""
+        return self.config.privacy_unit
+
+    def _person_records(
+        self, dataset: Dataset[dict[str, object]], units: Sequence[Hashable] | None
+    ) -> list[list[int]] | None:
+        """The row indices of each person at the person level (None at the record level)."""
+        if self.config.privacy_unit == "record":
+            return None
+        if units is None:
+            units = getattr(dataset, "users", None)
+        if units is None:
+            raise ConfigError(
+                "privacy_unit='user' needs the person of every row: pass units=[...] (one id per "
+                "row) or a dataset whose rows carry a 'user' field"
+            )
+        if len(units) != self.num_examples:
+            raise ConfigError(
+                f"units has {len(units)} person ids for {self.num_examples} rows: give one per row"
+            )
+        records = person_records(units)
+        most = max(len(rows) for rows in records)
+        log.debug(  # private facts of the shard: the site's own log only
+            "person-level privacy: %d people, at most %d records each, %d per batch "
+            "(max_records_per_user)",
+            len(records),
+            most,
+            min(most, self.config.max_records_per_user),
+        )
+        return records
 
     def reseed(self, seed: int | None) -> None:
         """Restart Poisson sampling, dropout and noise: from the OS (None) or from ``seed``.
@@ -188,12 +253,24 @@ class PrivateTrainer:
             self.noise = torch.Generator().manual_seed(seed + 1)
             self.rng = RNG_REPRODUCIBLE
         torch.manual_seed(dropout)
-        self._loader, self.sample_rate = poisson_loader(
-            self._dataset,
-            expected_batch_size=self.config.batch_size,
-            collate_fn=make_collate(self.loaded.tokenizer, self.task),
-            generator=torch.Generator().manual_seed(sampling),
-        )
+        collate = make_collate(self.loaded.tokenizer, self.task)
+        generator = torch.Generator().manual_seed(sampling)
+        if self._records is None:
+            self._loader, self.sample_rate = poisson_loader(
+                self._dataset,
+                expected_batch_size=self.config.batch_size,
+                collate_fn=collate,
+                generator=generator,
+            )
+        else:
+            self._loader, self.sample_rate = user_poisson_loader(
+                self._dataset,
+                self._records,
+                expected_users=self.config.batch_size,
+                max_records=self.config.max_records_per_user,
+                collate_fn=collate,
+                generator=generator,
+            )
         self._batches = self._forever()
 
     # -- what each method defines -----------------------------------------------------------
@@ -267,8 +344,12 @@ class PrivateTrainer:
         return {k: v.to(self.loaded.device) for k, v in next(self._batches).items()}
 
     def _micro_batches(self, batch: dict[str, Tensor]) -> Iterator[dict[str, Tensor]]:
-        """``batch`` in micro-batches of ``config.micro_batch_size`` rows, grouped by length."""
-        return micro_batches(batch, self.config.micro_batch_size, by_length=True)
+        """``batch`` in micro-batches of ``config.micro_batch_size`` rows, grouped by length; at
+        the person level of whole people, each with its ``unit`` (a person with more rows is
+        alone in one)."""
+        if self.privacy_unit == "record":
+            return micro_batches(batch, self.config.micro_batch_size, by_length=True)
+        return unit_micro_batches(batch, self.config.micro_batch_size, by_length=True)
 
     def _losses(self, micro: dict[str, Tensor]) -> Tensor:
         """The per-sequence losses of ``micro`` through ``self.module``."""
@@ -322,7 +403,8 @@ def make_trainer(
     config: TrainConfig,
     *,
     history: Sequence[PrivacyEvent] = (),
+    units: Sequence[Hashable] | None = None,
 ) -> PrivateTrainer:
     """The trainer of ``config.method`` (``TRAINERS``) on ``dataset``; arguments as
     ``PrivateTrainer``."""
-    return TRAINERS[config.method](loaded, dataset, config, history=history)
+    return TRAINERS[config.method](loaded, dataset, config, history=history, units=units)

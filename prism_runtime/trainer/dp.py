@@ -7,26 +7,34 @@ PER-SEQUENCE loss summed over examples, so ``grad_sample`` holds exact per-examp
 ``PrivacyEvent`` records (composed by ``prism_core.accounting``), epsilon by PRV; a step that
 would take epsilon past the target is refused with ``BudgetExceededError``
 (``PrivateTrainer.step``).
+
+At the person level (``config.privacy_unit='user'``, docs/design.md §3.2) each micro-batch holds
+whole people and ``fold_units`` sums each person's per-record gradient rows (LoRA factors and
+head alike) into one row before the clip: the clip, its coefficient and the sensitivity C are
+then per person, whatever their number of records.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import ClassVar
 
+import torch
 from opacus import GradSampleModule
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
 from prism_core.accounting import PrivacyEvent, calibrate_noise_multiplier, epsilon, max_steps
+from prism_core.mechanism import finite_rows
+from prism_runtime.data.units import UNIT_KEY
 from prism_runtime.errors import ConfigError
 from prism_runtime.model import LoadedModel
 from prism_runtime.train_config import TrainConfig
 from prism_runtime.trainer.base import PrivateTrainer
 
-__all__ = ["DPTrainer", "grad_sample"]
+__all__ = ["DPTrainer", "fold_units", "grad_sample"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +43,40 @@ def grad_sample(p: Tensor) -> Tensor:
     """The per-example gradients of ``p`` that Opacus' hooks stored as ``p.grad_sample``."""
     rows: Tensor = p.grad_sample  # type: ignore[attr-defined]  # set by Opacus at runtime
     return rows
+
+
+def fold_units(rows: Sequence[Tensor], unit: Tensor) -> list[Tensor]:
+    """Per-PERSON gradient rows from per-example rows: the rows ``i`` with ``unit[i] == u`` of
+    every tensor summed into row ``u`` (docs/design.md §3.2).
+
+    The loss of a person is the sum of their records' per-sequence losses, so their gradient is
+    the sum of the rows; the lift is linear, so the lift of the summed factor gradients is the
+    sum of the records' lifts. A person with a record that is not finite in one of the tensors
+    (``prism_core.mechanism.finite_rows``, over all ``rows`` together) gets NaN rows in every
+    tensor: the clip then drops the whole person (contribution zero).
+
+    Args:
+        rows: per-example tensors (b, ...), the same b for all (LoRA factor gradients, head).
+        unit: (b,) long, each row's person 0..P-1 (every person with at least one row).
+
+    Returns:
+        One (P, ...) tensor per input, in the input's dtype.
+    """
+    if not rows:
+        return []
+    device = rows[0].device
+    unit = unit.to(device)
+    if any(int(t.shape[0]) != int(unit.shape[0]) for t in rows):
+        shapes = [tuple(t.shape) for t in rows]
+        raise ValueError(f"{UNIT_KEY} has {unit.shape[0]} rows but the gradients are {shapes}")
+    people = int(unit.max()) + 1 if unit.numel() else 0
+    bad_rows = (~finite_rows(rows)).to(torch.float32)
+    bad = torch.zeros(people, device=device).index_add_(0, unit, bad_rows) > 0
+    out = []
+    for t in rows:
+        folded = t.new_zeros((people, *t.shape[1:])).index_add_(0, unit, t)
+        out.append(folded.masked_fill(bad.view(-1, *[1] * (t.dim() - 1)), float("nan")))
+    return out
 
 
 class DPTrainer(PrivateTrainer):
@@ -53,8 +95,9 @@ class DPTrainer(PrivateTrainer):
         config: TrainConfig,
         *,
         history: Sequence[PrivacyEvent] = (),
+        units: Sequence[Hashable] | None = None,
     ) -> None:
-        super().__init__(loaded, dataset, config, history=history)
+        super().__init__(loaded, dataset, config, history=history, units=units)
         self._allowed: int | None = None  # steps left under the cap, computed on demand
 
     def _train_module(self, model: nn.Module) -> nn.Module:
@@ -128,12 +171,17 @@ class DPTrainer(PrivateTrainer):
             if hasattr(p, "grad_sample"):
                 p.grad_sample = None
 
-    def _example_passes(self, batch: dict[str, Tensor]) -> Iterator[tuple[int, float]]:
-        """Backward each micro-batch of ``batch``; yields its ``(examples, summed loss)`` while
-        its per-example gradients are set, and clears them when the caller asks for the next."""
+    def _example_passes(
+        self, batch: dict[str, Tensor]
+    ) -> Iterator[tuple[int, float, Tensor | None]]:
+        """Backward each micro-batch of ``batch``; yields its ``(examples, summed loss, unit)``
+        while its per-example gradients are set, and clears them when the caller asks for the
+        next. ``unit`` is each example's person (``fold_units``) at the person level, None at
+        the record level."""
         for micro in self._micro_batches(batch):
+            unit = micro[UNIT_KEY] if self.privacy_unit == "user" else None
             loss = self._backward(micro)
-            yield int(micro["labels"].shape[0]), loss
+            yield int(micro["labels"].shape[0]), loss, unit
             self._clear_grads()
 
     def _head_split(self) -> dict[str, float]:

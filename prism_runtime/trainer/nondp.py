@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import ClassVar
 
 from torch import Tensor
@@ -41,8 +41,9 @@ class NonDPTrainer(PrivateTrainer):
         config: TrainConfig,
         *,
         history: Sequence[PrivacyEvent] = (),
+        units: Sequence[Hashable] | None = None,
     ) -> None:
-        super().__init__(loaded, dataset, config, history=history)
+        super().__init__(loaded, dataset, config, history=history, units=units)
         self.params, self.optimizer = lora_optimizer(loaded, config)
 
     def _noise_multiplier(self) -> float:

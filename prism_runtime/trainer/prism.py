@@ -8,12 +8,14 @@ and globally clipped together with its DP-head gradient (or with the head held t
 (``PrismTrainer.release``); then the DP-aware adaptive transform and the retraction. The head
 steps with AdamW or (heavy-ball) SGD (``head_optimizer``). Siamese text pairs: the encoder's
 per-text gradient rows are folded into one per example
-(``prism_runtime.classifier.fold_text_rows``) before the clip.
+(``prism_runtime.classifier.fold_text_rows``) before the clip. At the person level a person's
+per-example factor and head gradients are then summed into one row (``fold_units``): one clip
+coefficient per person, in the intrinsic norm, the same split with the head.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import ClassVar
 
 import torch
@@ -37,7 +39,7 @@ from prism_runtime.classifier import fold_text_rows
 from prism_runtime.lora import per_example_factor_grads, read_points, write_points_
 from prism_runtime.model import LoadedModel
 from prism_runtime.train_config import TrainConfig
-from prism_runtime.trainer.dp import DPTrainer, grad_sample
+from prism_runtime.trainer.dp import DPTrainer, fold_units, grad_sample
 from prism_runtime.trainer.optimizers import head_optimizer
 
 __all__ = ["ClipFn", "PrismTrainer", "PrivatizeFn"]
@@ -65,8 +67,9 @@ class PrismTrainer(DPTrainer):
         config: TrainConfig,
         *,
         history: Sequence[PrivacyEvent] = (),
+        units: Sequence[Hashable] | None = None,
     ) -> None:
-        super().__init__(loaded, dataset, config, history=history)
+        super().__init__(loaded, dataset, config, history=history, units=units)
         self.states: list[AdaptiveState] = [
             init_state(p.A, p.B) for p in read_points(loaded.handles)
         ]
@@ -75,14 +78,22 @@ class PrismTrainer(DPTrainer):
 
     # -- the clip and the release ----------------------------------------------------------
 
-    def _example_grads(self, n: int) -> tuple[list[tuple[Tensor, Tensor]], list[Tensor]]:
+    def _example_grads(
+        self, n: int, unit: Tensor | None = None
+    ) -> tuple[list[tuple[Tensor, Tensor]], list[Tensor]]:
         """Per-example factor gradients ``(gA, gB)`` of every LoRA module and the head's, for
-        the ``n`` examples of the last backward (siamese pairs: 2 encoder rows folded into 1)."""
+        the ``n`` examples of the last backward (siamese pairs: 2 encoder rows folded into 1);
+        per person when ``unit`` is given (``fold_units``)."""
         grads = [
             (fold_text_rows(gA, n), fold_text_rows(gB, n))
             for gA, gB in per_example_factor_grads(self.loaded.handles)
         ]
-        return grads, [grad_sample(p).to(torch.float32) for p in self.loaded.head_params]
+        head = [grad_sample(p).to(torch.float32) for p in self.loaded.head_params]
+        if unit is None:
+            return grads, head
+        folded = fold_units([*(g for pair in grads for g in pair), *head], unit)
+        lora = 2 * len(grads)
+        return list(zip(folded[0:lora:2], folded[1:lora:2], strict=True)), folded[lora:]
 
     def clipped_sum(
         self,
@@ -92,7 +103,8 @@ class PrismTrainer(DPTrainer):
         frames: StepFrames | None = None,
         clip_fn: ClipFn | None = None,
     ) -> tuple[ClippedSum, float]:
-        """Globally clipped sum of per-example lifts (and DP-head grads) over micro-batches.
+        """Globally clipped sum of per-example lifts (and DP-head grads) over micro-batches; at
+        the person level of per-person sums (``batch`` then carries its ``unit``).
 
         The lifts are fused into the clip (``clip_and_sum_grads``); ``frames`` (the per-step QR
         frames of ``points``) are computed once per step, not per micro-batch. ``clip_fn``
@@ -106,9 +118,9 @@ class PrismTrainer(DPTrainer):
             frames = step_frames(points)
         acc, total = None, 0.0
         split = self._head_split()
-        for n, loss in self._example_passes(batch):
+        for n, loss, unit in self._example_passes(batch):
             total += loss
-            grads, head_grads = self._example_grads(n)
+            grads, head_grads = self._example_grads(n, unit)
             acc = clip(
                 points,
                 grads,
@@ -155,19 +167,20 @@ class PrismTrainer(DPTrainer):
         return released, acc, total
 
     def count_within(self, max_norm: float, *, lora_only: bool) -> tuple[int, int]:
-        """On the next Poisson batch: ``(examples, examples whose clipped norm is <= max_norm)``.
+        """On the next Poisson batch: ``(units, units whose clipped norm is <= max_norm)``, the
+        units being examples, or people at the person level.
 
         The norm is the one ``clipped_sum`` clips: the intrinsic norm of the lift (eq. 15),
         joined by the DP head's gradient unless ``lora_only`` (a split clip estimates the LoRA
-        part alone); an example is below when its clip coefficient is 1. No parameter moves.
+        part alone); a unit is below when its clip coefficient is 1. No parameter moves.
         """
         batch = self._next_batch()
         points = read_points(self.loaded.handles)
         frames = step_frames(points)
         count = below = 0
         with self._autocast():
-            for n, _ in self._example_passes(batch):
-                grads, head_grads = self._example_grads(n)
+            for n, _, unit in self._example_passes(batch):
+                grads, head_grads = self._example_grads(n, unit)
                 acc = clip_and_sum_grads(
                     points,
                     grads,
@@ -184,7 +197,7 @@ class PrismTrainer(DPTrainer):
         cfg, handles, head = self.config, self.loaded.handles, self.loaded.head_params
         points = read_points(handles)
         frames = step_frames(points)
-        released, acc, total = self.release(batch, points, frames=frames)
+        released, _, total = self.release(batch, points, frames=frames)
         noise_std = self.noise_multiplier * cfg.max_norm / self.expected_batch_size
         directions: list[Tangent] = []
         for index, (point, update) in enumerate(zip(points, released.tangents, strict=True)):
@@ -198,4 +211,4 @@ class PrismTrainer(DPTrainer):
                 p.grad = g.to(p.dtype)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        return total / max(acc.count, 1), released.record
+        return total / max(int(batch["labels"].shape[0]), 1), released.record
