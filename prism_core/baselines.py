@@ -28,6 +28,7 @@ from prism_core.mechanism import (
     finite_rows,
     split_max_norm,
     validate_noise_parameters,
+    without_autocast,
 )
 from prism_core.rng import NoiseSource, standard_normal
 
@@ -50,6 +51,7 @@ def factor_norms_sq(per_example_grads: Sequence[Tensor]) -> Tensor:
     return torch.stack([g.flatten(1).to(dtype).square().sum(dim=1) for g in per_example_grads])
 
 
+@without_autocast
 def factor_clip_and_sum(
     per_example_grads: Sequence[Tensor],
     *,
@@ -113,6 +115,7 @@ def _finite(t: Tensor) -> Tensor:
     return torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0)
 
 
+@without_autocast
 def factor_privatize(
     summed: Sequence[Tensor],
     *,

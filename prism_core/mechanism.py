@@ -25,10 +25,12 @@ function of ``dZ`` alone, and every part of it (``Pi_A dA`` and the rest) is noi
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, ParamSpec, TypeVar
 
 import torch
 from torch import Tensor
@@ -70,7 +72,29 @@ __all__ = [
     "step_frames",
     "tangent_noise",
     "validate_noise_parameters",
+    "without_autocast",
 ]
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def without_autocast(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Run ``fn`` with autocast off: the clip's norms, coefficients and sums, and the noise,
+    are computed in the dtypes this module chooses (float32 or better), never in the bfloat16
+    of a caller's autocast region, whose rounding (about 4e-3) would exceed the clip's safety
+    factor ``CLIP_MARGIN_ULPS``."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.autocast("cpu", enabled=False))
+            if torch.cuda.is_available():
+                stack.enter_context(torch.autocast("cuda", enabled=False))
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 @dataclass(frozen=True)
@@ -399,6 +423,7 @@ def _accumulate(
     return ClippedSum(tuple(sums), count, clipped, tuple(extra_sums))
 
 
+@without_autocast
 def clip_and_sum(
     points: Sequence[Point],
     lifts: Sequence[Tangent],
@@ -514,6 +539,7 @@ def _check_grads(points: Sequence[Point], grads: Sequence[tuple[Tensor, Tensor]]
             )
 
 
+@without_autocast
 def clip_and_sum_grads(
     points: Sequence[Point],
     grads: Sequence[tuple[Tensor, Tensor]],
@@ -648,6 +674,7 @@ def _min_norm_modules(frames: StepFrames, tangents: Sequence[Tangent]) -> list[T
     return [t for t in out if t is not None]
 
 
+@without_autocast
 def privatize(
     points: Sequence[Point],
     clipped: ClippedSum,

@@ -135,3 +135,14 @@ def test_a_non_finite_example_contributes_zero_to_the_factor_sum(value, split):
         for s, e in zip(got, rest, strict=True):
             assert torch.isfinite(s).all()
             torch.testing.assert_close(s, e, rtol=1e-6, atol=1e-7)
+
+
+def test_the_factor_clip_ignores_a_callers_bfloat16_autocast():
+    """The factor-space clip and noise compute in their own dtypes under a caller's autocast."""
+    g = torch.Generator().manual_seed(8)
+    grads = [torch.randn(5, 6, 2, generator=g), torch.randn(5, 4, 2, generator=g)]
+    plain, _ = factor_clip_and_sum(grads, max_norm=0.5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast, _ = factor_clip_and_sum(grads, max_norm=0.5)
+    for a, b in zip(plain, cast, strict=True):
+        assert torch.equal(a, b)

@@ -1132,3 +1132,25 @@ def test_the_release_hardly_depends_on_the_gauge_part_at_accepted_conditioning(c
                 torch.cat([step.tangents[0].dA.flatten(), step.tangents[0].dB.flatten()])
             )
         assert (releases[0] - releases[1]).norm() <= 1e-5 * releases[0].norm()
+
+
+def test_the_clip_ignores_a_callers_bfloat16_autocast():
+    """A trainer runs its step under bfloat16 autocast (on CUDA): the clip and the noise still
+    compute in their own dtypes, so the result is the one without autocast, bit for bit (in
+    bfloat16 the norms' rounding would exceed the clip's safety factor)."""
+    exact = _module_points(13, DIMS_WITH_REPEATS)
+    points = [Point(p.A.float(), p.B.float()) for p in exact]
+    grads = [(gA.float(), gB.float()) for gA, gB in _random_grads(exact, 6, 2, scale=3.0)]
+    head = [torch.randn(6, 3, 4, generator=torch.Generator().manual_seed(5))]
+    kw = {"max_norm": 0.7, "euclidean": head, "euclidean_max_norm": 0.3}
+    plain = clip_and_sum_grads(points, grads, **kw)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert (points[0].A @ points[0].A.mT).dtype == torch.bfloat16  # autocast is on here
+        cast = clip_and_sum_grads(points, grads, **kw)
+        noisy = privatize(points, cast, generator=torch.Generator().manual_seed(3), **_STEP)
+    for a, b in zip(plain.sums, cast.sums, strict=True):
+        assert torch.equal(a.dA, b.dA) and torch.equal(a.dB, b.dB)
+    assert torch.equal(plain.euclidean[0], cast.euclidean[0])
+    reference = privatize(points, plain, generator=torch.Generator().manual_seed(3), **_STEP)
+    for a, b in zip(reference.tangents, noisy.tangents, strict=True):
+        assert torch.equal(a.dA, b.dA) and torch.equal(a.dB, b.dB)
