@@ -56,16 +56,16 @@ test-gpu: $(STAMP)
 
 # The compose federation on a REAL Docker Engine (tests/deploy/test_compose_docker.py, marker
 # `docker`; not part of `make test`: CI has no engine). Builds prism-fl:cpu from this checkout
-# first. TORCH_CPU_INDEX: where the image gets the CPU torch wheel (on these machines the local
-# index of `../shared/tools/docker-here.sh up`); PRISM_UID/PRISM_GID: the containers' user
-# (never 0; default 10001).
+# first. TORCH_CPU_INDEX: where the image gets the CPU torch wheel (a local PEP 503 index on a
+# machine without internet access); PRISM_UID/PRISM_GID: the containers' user (never 0; default
+# 10001).
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PRISM_UID ?= 10001
 PRISM_GID ?= 10001
 
 test-compose: $(STAMP)
 	@docker info >/dev/null 2>&1 || { echo "make test-compose needs a running Docker Engine" \
-		"with Compose v2 (on these machines: ../shared/tools/docker-here.sh up)" >&2; exit 2; }
+		"with Compose v2" >&2; exit 2; }
 	docker build --network host --build-arg TORCH_CPU_INDEX=$(TORCH_CPU_INDEX) \
 		--build-arg PRISM_UID=$(PRISM_UID) --build-arg PRISM_GID=$(PRISM_GID) \
 		-f deploy/Dockerfile -t prism-fl:cpu .

@@ -1,8 +1,7 @@
 """``docker-compose.yml`` on a REAL Docker Engine: ``make test-compose`` (marker ``docker``).
 
 Not part of ``make test`` (CI has no engine). It needs a running engine with Compose v2 and the
-image ``prism-fl:cpu`` built from this checkout (``make test-compose`` builds it first; on these
-machines ``../shared/tools/docker-here.sh up`` provides the engine and a local torch index).
+image ``prism-fl:cpu`` built from this checkout (``make test-compose`` builds it first).
 
 What runs, as a hospital IT team would run it (deploy/README.md, section 1), in a throw-away
 compose project with its own volumes and a free host port:
@@ -57,8 +56,8 @@ def image_user() -> tuple[int, int]:
     info = _docker("info", "--format", "{{.ServerVersion}}", timeout=30)
     if info.returncode != 0:
         pytest.fail(
-            "no Docker Engine answers (`docker info` failed): start one (on these machines "
-            f"`../shared/tools/docker-here.sh up`), then `make test-compose`.\n{info.stderr}"
+            "no Docker Engine answers (`docker info` failed): start one, then "
+            f"`make test-compose`.\n{info.stderr}"
         )
     inspect = _docker("image", "inspect", IMAGE, "--format", "{{.Config.User}}", timeout=30)
     if inspect.returncode != 0:
