@@ -109,6 +109,7 @@ def load_examples(
     text_fields: Sequence[str] | None = None,
     num_labels: int | None = None,
     with_labels: bool = True,
+    user_field: str | None = None,
 ) -> list[Example]:
     """Read and validate the examples of one site (``read_examples`` without the places).
 
@@ -124,20 +125,32 @@ def load_examples(
             a ``DataError`` naming its file and line (never the label).
         with_labels: ``False`` for rows to predict: ``seq-cls`` rows need no ``label`` (one
             that is present is ignored) and ``causal-lm`` rows no ``output``/``answer``.
+        user_field: The field holding each row's person id (docs/design.md §3.2), a non-empty
+            string or an integer, carried as the example's ``user`` string (so ``3`` and
+            ``"3"`` are one person, and a CSV cell reads as its text); every row must have
+            one. None: no ``user``, the examples are those of a file without the field.
 
     Returns:
         One dict per example. ``"seq-cls"``: ``{"text", "label"}`` or
         ``{"text_a", "text_b", "label"}`` (label an ``int``). ``"causal-lm"``:
         ``{"instruction", "input", "output", "answer"}`` where ``output`` is the training target
-        (the ``answer`` when ``output`` is empty) and ``answer`` is a string or ``None``.
+        (the ``answer`` when ``output`` is empty) and ``answer`` is a string or ``None``. With
+        ``user_field``, each dict also has ``"user"`` (a ``str``).
 
     Raises:
         DataError: The path does not exist, has an unsupported type, holds no examples, or a
-            record is invalid (the message names the file and its 1-based line or row).
-        ConfigError: Unknown ``task`` or invalid ``text_fields``.
+            record is invalid (the message names the file and its 1-based line or row); with
+            ``user_field``, rows without a person id (missing, empty or null) are named by
+            their lines, never their content.
+        ConfigError: Unknown ``task``, invalid ``text_fields`` or ``user_field``.
     """
     return read_examples(
-        path, task, text_fields=text_fields, num_labels=num_labels, with_labels=with_labels
+        path,
+        task,
+        text_fields=text_fields,
+        num_labels=num_labels,
+        with_labels=with_labels,
+        user_field=user_field,
     ).examples
 
 
@@ -148,13 +161,17 @@ def read_examples(
     text_fields: Sequence[str] | None = None,
     num_labels: int | None = None,
     with_labels: bool = True,
+    user_field: str | None = None,
 ) -> ExampleFile:
     """``load_examples``, keeping where each example was read (arguments and errors the same)."""
     check_task(task)
     fields = _check_text_fields(task, text_fields)
+    if user_field is not None and not (isinstance(user_field, str) and user_field):
+        raise ConfigError(f"user_field must name a field, got {user_field!r}.")
     source = Path(path)
     examples: list[Example] = []
     where: list[str] = []
+    no_user: list[str] = []
     for row in _read_rows(source):
         if task == "seq-cls":
             if fields is None:
@@ -169,8 +186,15 @@ def read_examples(
                 )
         else:
             example = _parse_causal_lm(row, with_labels)
+        if user_field is not None:
+            user = _user(row, user_field)
+            if user is None:
+                no_user.append(row.where)
+            example["user"] = user
         examples.append(example)
         where.append(row.where)
+    if no_user:
+        raise _no_user_error(source, user_field, no_user, len(examples))
     if not examples:
         raise DataError(
             f"{source}: the file has no examples (it is empty, blank, or only has a header). "
@@ -400,6 +424,34 @@ def _label(row: _Row) -> int:
         row,
         f"label must be an integer >= 0, found {_kind(value)}",
         "Write class labels as integers 0..K-1 (map names such as 'pos' to ids first).",
+    )
+
+
+def _user(row: _Row, field: str) -> str | None:
+    """The row's person id as a string; None when it is missing, empty or null."""
+    value = row.values.get(field)
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if isinstance(value, str):
+        return value
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return str(int(value))
+    raise _row_error(
+        row,
+        f"the person id '{field}' must be a string or an integer, found {_kind(value)}",
+        f"Write '{field}' as a string or an integer.",
+    )
+
+
+_LISTED_PLACES = 20
+
+
+def _no_user_error(source: Path, field: str | None, places: list[str], rows: int) -> DataError:
+    listed = ", ".join(places[:_LISTED_PLACES])
+    more = f" and {len(places) - _LISTED_PLACES} more" if len(places) > _LISTED_PLACES else ""
+    return DataError(
+        f"{source}, {listed}{more}: {len(places)} of {rows} rows have no person id "
+        f"'{field}' (missing, empty or null). Give every row its person in '{field}'."
     )
 
 

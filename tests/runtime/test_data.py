@@ -251,6 +251,75 @@ def test_bad_datasets_row_names_row(tmp_path: Path) -> None:
         load_examples(tmp_path / "ds", "seq-cls")
 
 
+def _with_user(user: object, i: int = 0) -> str:
+    return json.dumps({"text": f"row {i}", "label": i % 2, "who": user})
+
+
+def test_user_field_carries_each_rows_person_as_a_string(tmp_path: Path, bert_tok) -> None:
+    path = _jsonl(
+        tmp_path / "u.jsonl", [_with_user(3, 0), _with_user("3", 1), _with_user("ann", 2)]
+    )
+    rows = load_examples(path, "seq-cls", user_field="who")
+    assert [r["user"] for r in rows] == ["3", "3", "ann"]  # 3 and "3" are one person
+    assert TokenizedDataset(rows, bert_tok, "seq-cls", max_length=8).users == ["3", "3", "ann"]
+    csv_path = tmp_path / "u.csv"
+    csv_path.write_text("text,label,who\ngood,1,7\nbad,0,ann\n", encoding="utf-8")
+    assert [r["user"] for r in load_examples(csv_path, "seq-cls", user_field="who")] == [
+        "7",
+        "ann",
+    ]
+    lm = _jsonl(
+        tmp_path / "lm.jsonl", [json.dumps({"instruction": "add", "output": "5", "who": 9})]
+    )
+    assert load_examples(lm, "causal-lm", user_field="who")[0]["user"] == "9"
+
+
+def test_without_user_field_the_rows_are_unchanged(tmp_path: Path) -> None:
+    path = _jsonl(tmp_path / "u.jsonl", [_with_user(3, 0), _with_user(None, 1)])
+    assert load_examples(path, "seq-cls") == [
+        {"text": "row 0", "label": 0},
+        {"text": "row 1", "label": 1},
+    ]
+    with pytest.raises(ConfigError, match="user_field must name a field"):
+        load_examples(path, "seq-cls", user_field="")
+
+
+def test_rows_without_a_person_are_refused_by_line_never_by_content(tmp_path: Path) -> None:
+    rows = [
+        _with_user("Jane-Roe-1984", 0),
+        json.dumps({"text": "row 1", "label": 1}),  # line 2: missing
+        _with_user("Jane-Roe-1984", 2),
+        _with_user("", 3),  # line 4: empty
+        _with_user(None, 4),  # line 5: null
+        _with_user("  ", 5),  # line 6: blank
+    ]
+    path = _jsonl(tmp_path / "u.jsonl", rows)
+    with pytest.raises(DataError) as info:
+        load_examples(path, "seq-cls", user_field="who")
+    message = str(info.value)
+    assert message.startswith(f"{path}, line 2, line 4, line 5, line 6: 4 of 6 rows have no ")
+    assert "'who'" in message and "Jane" not in message
+    assert not any(f"row {i}" in message for i in range(6))  # no text of the rows either
+    csv_path = tmp_path / "u.csv"
+    csv_path.write_text("text,label,who\ngood,1,Jane\nbad,0,\n", encoding="utf-8")
+    with pytest.raises(DataError, match=r"u\.csv, line 3: 1 of 2 rows have no person id 'who'"):
+        load_examples(csv_path, "seq-cls", user_field="who")
+    many = _jsonl(tmp_path / "many.jsonl", [_with_user(None, i) for i in range(25)])
+    with pytest.raises(DataError, match=r"line 20 and 5 more: 25 of 25 rows"):
+        load_examples(many, "seq-cls", user_field="who")
+
+
+@pytest.mark.parametrize(
+    ("user", "found"), [(True, "a boolean"), (1.5, "a non-integer"), ([1], "a JSON list")]
+)
+def test_a_person_id_of_another_type_is_refused_naming_its_line(
+    tmp_path: Path, user: object, found: str
+) -> None:
+    path = _jsonl(tmp_path / "u.jsonl", [_with_user("a", 0), _with_user(user, 1)])
+    with pytest.raises(DataError, match=f"line 2: the person id 'who' must be .*found {found}"):
+        load_examples(path, "seq-cls", user_field="who")
+
+
 @pytest.mark.parametrize(
     ("name", "content"), [("e.jsonl", ""), ("b.jsonl", "\n \n\n"), ("h.csv", "text,label\n")]
 )
