@@ -112,6 +112,7 @@ def released_facts(
             "mechanism": facts.mechanism,
             "adjacency": event.adjacency,
             "sampling": event.sampling,
+            "unit": event.unit,
             "sigma": float(event.noise_multiplier),
             "q": float(event.sample_rate),
             "steps": int(event.steps),

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from client.site_ledger import SiteLedger
 from prism_core.accounting import compose_events
-from prism_core.records import ADJACENCY, PrivacyEvent
+from prism_core.records import ADJACENCY, DEFAULT_UNIT, PrivacyEvent
 from prism_runtime.errors import AccountingMismatchError
 from prism_runtime.protocol import REFUSAL_REASONS, STATUS_REFUSED
 
@@ -101,6 +101,7 @@ def refuse(facts: SiteFacts, ledger: SiteLedger, server_round: int, reason: str)
             "mechanism": facts.mechanism,
             "adjacency": ADJACENCY,
             "sampling": "poisson",
+            "unit": DEFAULT_UNIT,
             "sigma": float(facts.sigma),
             "q": float(min(facts.sample_rate, 1.0)),
             "steps": 0,

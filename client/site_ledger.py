@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from prism_core.accounting import epsilon
-from prism_core.records import EventColumns, PrivacyEvent
+from prism_core.records import PRIVACY_UNITS, EventColumns, PrivacyEvent
 from prism_runtime.durable import fsync_dir, locked, make_dirs
 from prism_runtime.errors import ConfigError
 
@@ -48,8 +48,11 @@ _FIELDS: dict[str, type] = {
     "steps": int,
     "delta": float,
 }
-"""A ledger line: one JSON object with exactly these fields (the file format, unchanged since
-the first site ledger)."""
+"""A ledger line: one JSON object with these fields, and ``_OPTIONAL`` ones."""
+_OPTIONAL: dict[str, type] = {"unit": str}
+"""Fields a line may lack: ``unit`` (the event's privacy unit, ``PRIVACY_UNITS``) is written on
+every line, and a line without it reads as a record-level event
+(``prism_core.records.DEFAULT_UNIT``)."""
 
 _RANGES: dict[str, tuple[str, typing.Callable[[Any], bool]]] = {
     "server_round": (">= 0", lambda v: v >= 0),
@@ -57,6 +60,7 @@ _RANGES: dict[str, tuple[str, typing.Callable[[Any], bool]]] = {
     "q": ("in (0, 1]", lambda v: 0 < v <= 1),
     "steps": (">= 0", lambda v: v >= 0),
     "delta": ("in (0, 1)", lambda v: 0 < v < 1),
+    "unit": (f"one of {list(PRIVACY_UNITS)}", lambda v: v in PRIVACY_UNITS),
 }
 """Allowed values of the entry fields that the accountant reads."""
 
@@ -64,15 +68,15 @@ _RANGES: dict[str, tuple[str, typing.Callable[[Any], bool]]] = {
 @dataclass(frozen=True)
 class SiteLedgerEntry(EventColumns):
     """One charge: the privacy event of a round (``steps`` subsampled-Gaussian steps of one
-    mechanism), at the site's delta; ``mechanism``, ``sigma``, ``q`` and ``steps`` (the file's
-    fields) read through to the event (``EventColumns``)."""
+    mechanism), at the site's delta; ``mechanism``, ``sigma``, ``q``, ``steps`` and ``unit``
+    (the file's fields) read through to the event (``EventColumns``)."""
 
     server_round: int
     event: PrivacyEvent
     delta: float
 
     def to_json(self) -> dict[str, Any]:
-        """The entry's line in the ledger file (``_FIELDS``)."""
+        """The entry's line in the ledger file (``_FIELDS`` and ``unit``)."""
         return {
             "server_round": self.server_round,
             "mechanism": self.event.mechanism,
@@ -80,6 +84,7 @@ class SiteLedgerEntry(EventColumns):
             "q": self.event.sample_rate,
             "steps": self.event.steps,
             "delta": self.delta,
+            "unit": self.event.unit,
         }
 
     @classmethod
@@ -111,7 +116,8 @@ def _entry_problem(obj: Any) -> str | None:
     """Why a parsed JSON value is not a ``SiteLedgerEntry``, or None if it is one."""
     if not isinstance(obj, dict):
         return f"expected a JSON object, found {type(obj).__name__}"
-    unknown = sorted(set(obj) - set(_FIELDS))
+    kinds = {**_FIELDS, **_OPTIONAL}
+    unknown = sorted(set(obj) - set(kinds))
     required = [name for name in _FIELDS if name not in obj]
     problems = []
     if unknown:
@@ -119,10 +125,10 @@ def _entry_problem(obj: Any) -> str | None:
     if required:
         problems.append(f"missing fields {required}")
     for name, value in obj.items():
-        if name not in _FIELDS:
+        if name not in kinds:
             continue
-        if not _type_ok(value, _FIELDS[name]):
-            problems.append(f"{name}={value!r} is not of type {_FIELDS[name].__name__}")
+        if not _type_ok(value, kinds[name]):
+            problems.append(f"{name}={value!r} is not of type {kinds[name].__name__}")
         elif name in _RANGES and not _RANGES[name][1](value):
             problems.append(f"{name}={value!r} must be {_RANGES[name][0]}")
     return "; ".join(problems) if problems else None

@@ -19,7 +19,7 @@ from typing import Literal, get_args
 from opacus.accountants import PRVAccountant, RDPAccountant
 
 from prism_core.errors import AccountingError, PrivacyParameterError
-from prism_core.records import ADJACENCY, PrivacyEvent
+from prism_core.records import ADJACENCY, DEFAULT_UNIT, PrivacyEvent
 
 __all__ = [
     "EpsilonReport",
@@ -28,6 +28,7 @@ __all__ = [
     "compose_events",
     "epsilon",
     "epsilon_report",
+    "history_unit",
     "max_steps",
 ]
 
@@ -83,6 +84,12 @@ def compose_events(events: Iterable[PrivacyEvent]) -> list[PrivacyEvent]:
     return merged
 
 
+def history_unit(history: Sequence[PrivacyEvent]) -> str:
+    """The privacy unit of further steps after ``history``: its last event's (``DEFAULT_UNIT``
+    for an empty history), so that they compose with it (``epsilon`` refuses mixed units)."""
+    return history[-1].unit if history else DEFAULT_UNIT
+
+
 def _accountant_key(history: Sequence[PrivacyEvent]) -> tuple[tuple[float, float, int], ...]:
     """``(sigma, q, steps)`` runs of a history, equal neighbours merged whatever their mechanism
     or clip (the accountant sees only sigma and q)."""
@@ -106,7 +113,9 @@ def epsilon(
         0.0 for an empty history, ``inf`` if any step ran without noise.
 
     Raises:
-        AccountingError: for a sampling scheme other than Poisson or another adjacency, or an
+        AccountingError: for a sampling scheme other than Poisson or another adjacency, a
+            history that mixes privacy units (``PrivacyEvent.unit``: record-level events
+            convert to a person-level guarantee only by group privacy, never silently), or an
             accountant other than ``"prv"`` and ``"rdp"``.
     """
     _check_delta(delta)
@@ -120,6 +129,12 @@ def epsilon(
                 "subsampling with add/remove adjacency is supported (sample with Opacus' "
                 "DPDataLoader)"
             )
+    units = sorted({e.unit for e in history})
+    if len(units) > 1:
+        raise AccountingError(
+            f"cannot compose events of privacy units {units} into one epsilon: an epsilon per "
+            "record and one per user are different guarantees"
+        )
     if not history:
         return 0.0
     if any(e.noise_multiplier == 0 for e in history):
@@ -309,7 +324,8 @@ def _calibrate_after(
         )
 
     def eps_at(sigma: float) -> float:
-        return epsilon([*history, PrivacyEvent(sigma, sample_rate, steps)], delta)
+        more = PrivacyEvent(sigma, sample_rate, steps, unit=history_unit(history))
+        return epsilon([*history, more], delta)
 
     lo = calibrate_noise_multiplier(
         target_epsilon=target_epsilon,
@@ -351,7 +367,8 @@ def max_steps(
 
     Implements the budget check of Thm 3.4 of PRISM (composition of T steps).
 
-    The steps are Poisson-subsampled Gaussian steps with the given sigma and q, composed with
+    The steps are Poisson-subsampled Gaussian steps with the given sigma and q (of the
+    history's unit, ``history_unit``), composed with
     the whole history by PRV (the same accountant as ``epsilon``); found by bisection, since
     epsilon grows with k. Returns 0 when not even one more step fits.
     """
@@ -359,7 +376,7 @@ def max_steps(
         raise PrivacyParameterError(f"limit={limit!r} must be >= 0")
 
     def fits(k: int) -> bool:
-        extra = [PrivacyEvent(noise_multiplier, sample_rate, k)]
+        extra = [PrivacyEvent(noise_multiplier, sample_rate, k, unit=history_unit(history))]
         return epsilon([*history, *extra], delta) <= target_epsilon
 
     if limit == 0 or not fits(1):

@@ -5,7 +5,9 @@ an accountant needs, nothing private, no tensors. The mechanisms (``mechanism``,
 ``quantile``) emit one per step (with the clip and the expected batch that scaled the noise);
 ``accounting`` composes them; a site's ledger (``client.site_ledger.SiteLedgerEntry``) and the
 coordinator's (``server.ledger.LedgerEvent``) store one each, with the round, site and run it
-belongs to. Accounting depends on this record, never on tensor code.
+belongs to. Every event carries its privacy unit (``PRIVACY_UNITS``): events of different
+units never compose (``accounting.epsilon`` refuses a history that mixes them). Accounting
+depends on this record, never on tensor code.
 """
 
 from __future__ import annotations
@@ -17,13 +19,26 @@ from typing import Any, Final
 
 from prism_core.errors import PrivacyParameterError
 
-__all__ = ["ADJACENCY", "DEFAULT_MECHANISM", "EventColumns", "PrivacyEvent"]
+__all__ = [
+    "ADJACENCY",
+    "DEFAULT_MECHANISM",
+    "DEFAULT_UNIT",
+    "PRIVACY_UNITS",
+    "EventColumns",
+    "PrivacyEvent",
+]
 
 ADJACENCY: Final = "add-remove"
 """Neighbouring relation of every mechanism here: add or remove one example."""
 
 DEFAULT_MECHANISM: Final = "prism-tangent-gaussian"
 """The product's mechanism: PRISM's tangent-space Gaussian step (``prism_core.mechanism``)."""
+
+PRIVACY_UNITS: Final = ("record", "user")
+"""What one event's epsilon protects (docs/design.md §3.2): one record, or one person (a user
+and all of their records)."""
+DEFAULT_UNIT: Final = "record"
+"""The unit of every event a site runs today: one record."""
 
 _TEXT_FIELDS: Final = ("mechanism", "sampling", "adjacency")
 
@@ -49,6 +64,8 @@ class PrivacyEvent:
             mechanism emits it; None where it is not recorded (a ledger keeps sigma, q, steps).
         expected_batch_size: ``b = q * N``, the divisor of signal and noise; None where not
             recorded.
+        unit: what the event's epsilon protects, one of ``PRIVACY_UNITS``: ``"record"`` (q
+            samples records) or ``"user"`` (q samples people, each clipped once).
 
     Raises:
         PrivacyParameterError: on construction, naming every field out of its range.
@@ -62,6 +79,7 @@ class PrivacyEvent:
     mechanism: str = DEFAULT_MECHANISM
     max_norm: float | None = None
     expected_batch_size: float | None = None
+    unit: str = DEFAULT_UNIT
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -86,15 +104,17 @@ class PrivacyEvent:
             value = getattr(self, name)
             if value is not None and not (_real(value) and value > 0):
                 problems.append(f"{name}={value!r} must be a finite number > 0 or None")
+        if self.unit not in PRIVACY_UNITS:
+            problems.append(f"unit={self.unit!r} must be one of {list(PRIVACY_UNITS)}")
         return problems
 
     @classmethod
     def from_columns(cls, row: Mapping[str, Any]) -> PrivacyEvent:
         """The event of a ledger row or a reply's facts, under the ledgers' column names
-        (``sigma``, ``q``, ``steps``, ``mechanism``; ``sampling`` and ``adjacency`` where the
-        row has them, else the defaults), the inverse of ``EventColumns``. The numbers are
+        (``sigma``, ``q``, ``steps``, ``mechanism``; ``sampling``, ``adjacency`` and ``unit``
+        where the row has them, else the defaults), the inverse of ``EventColumns``. The numbers are
         converted as the ledgers store them; the texts are taken as they are (and checked)."""
-        optional = {k: row[k] for k in ("sampling", "adjacency") if k in row}
+        optional = {k: row[k] for k in ("sampling", "adjacency", "unit") if k in row}
         return cls(
             float(row["sigma"]),
             float(row["q"]),
@@ -103,8 +123,9 @@ class PrivacyEvent:
             **optional,
         )
 
-    def accounted(self) -> tuple[float, float, int, str, str, str]:
-        """The facts a charge commits to: sigma, q, steps, mechanism, sampling, adjacency."""
+    def accounted(self) -> tuple[float, float, int, str, str, str, str]:
+        """The facts a charge commits to: sigma, q, steps, mechanism, sampling, adjacency,
+        unit."""
         return (
             self.noise_multiplier,
             self.sample_rate,
@@ -112,6 +133,7 @@ class PrivacyEvent:
             self.mechanism,
             self.sampling,
             self.adjacency,
+            self.unit,
         )
 
     def same_but_steps(self, other: PrivacyEvent) -> bool:
@@ -125,8 +147,8 @@ class PrivacyEvent:
 
 class EventColumns:
     """Read-through of a ledger record's ``event`` under the ledgers' column names (``sigma``,
-    ``q``, ``steps``, ``mechanism``, ``sampling``, ``adjacency``): a record that adds the round,
-    site or run to a ``PrivacyEvent`` holds it, never copies its fields."""
+    ``q``, ``steps``, ``mechanism``, ``sampling``, ``adjacency``, ``unit``): a record that adds
+    the round, site or run to a ``PrivacyEvent`` holds it, never copies its fields."""
 
     event: PrivacyEvent
 
@@ -153,3 +175,7 @@ class EventColumns:
     @property
     def adjacency(self) -> str:
         return self.event.adjacency
+
+    @property
+    def unit(self) -> str:
+        return self.event.unit

@@ -122,6 +122,7 @@ ACCOUNTING_KEYS = (
     "quantile-sigma",
     "quantile-q",
     "quantile-steps",
+    "unit",
 )
 MAX_EXAMPLES = 10**12
 """The largest shard a reply may state: its ``num-examples``, or ``b / q`` for examples weights."""

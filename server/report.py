@@ -31,6 +31,7 @@ from prism_core.accounting import (
     PrivacyEvent,
     epsilon,
     epsilon_report,
+    history_unit,
     max_steps,
 )
 from prism_core.errors import AccountingError
@@ -45,6 +46,7 @@ __all__ = [
     "MARK_EPSILON_UNKNOWN",
     "MARK_NOT_PRIVATE",
     "MARK_UNCONFIRMED",
+    "UNIT_NAMES",
     "build_report",
     "format_number",
     "format_round_table",
@@ -64,6 +66,7 @@ CSV_COLUMNS: Final = (
     "epsilon_rdp",
     "epsilon_cap",
     "delta",
+    "unit",
     "epsilon_replace_one",
     "delta_replace_one",
     "rounds",
@@ -128,7 +131,8 @@ def projected_rounds_left(
         raise ConfigError(f"horizon_rounds={horizon_rounds!r} must be >= 1")
 
     def block(rounds: int) -> list[PrivacyEvent]:
-        return [PrivacyEvent(sigma, q, rounds * steps_per_round)] if rounds else []
+        steps = rounds * steps_per_round
+        return [PrivacyEvent(sigma, q, steps, unit=history_unit(history))] if rounds else []
 
     fitting, trial = 0, min(_FIRST_HORIZON, horizon_rounds)
     while epsilon([*history, *block(trial)], delta) <= epsilon_cap:
@@ -235,6 +239,7 @@ def _site_row(
         "delta_replace_one": 1.0,
         "epsilon_cap": cap,
         "delta": delta,
+        "unit": ", ".join(_distinct([e.unit for e in events])),
         "rounds": len({(e.run_id, e.round) for e in ran}),
         "steps": sum(e.steps for e in events if _training(e)),
         "sigma": last.sigma,
@@ -320,6 +325,9 @@ GUARANTEE = {
     ),
 }
 """What a report's epsilon means (``report["guarantee"]``; docs/security.md)."""
+UNIT_NAMES: Final = {"record": "record", "user": "patient"}
+"""How a report names the privacy unit of a site's epsilon (``prism_core.records.PRIVACY_UNITS``):
+"epsilon per record" or "epsilon per patient" (one person and all of their records)."""
 
 
 def replace_one(epsilon_value: float, delta: float) -> tuple[float, float]:
@@ -375,7 +383,9 @@ def build_report(
     the coordinator, which knows the shard size; ``guarantee`` says so);
     ``epsilon_cap`` (the smallest cap the site ever reported: a budget can be tightened, never
     loosened; None if none); ``delta`` (the smallest of the site's deltas, the one epsilon is
-    accounted at); ``rounds`` (distinct (run, round) with training steps > 0); ``steps`` (the
+    accounted at); ``unit`` (the privacy unit of the site's events, ``UNIT_NAMES``: ``record``
+    or ``user``; units joined by ", " for a history that mixes them, which cannot be accounted);
+    ``rounds`` (distinct (run, round) with training steps > 0); ``steps`` (the
     training steps, total);
     ``sigma`` and ``q`` of the last training event that ran steps, with
     ``sigma_values``/``q_values`` listing the distinct values in order of use; the private clip

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Final
 
 from prism_runtime.durable import atomic_write
-from server.report import CSV_COLUMNS, format_number
+from server.report import CSV_COLUMNS, UNIT_NAMES, format_number
 
 __all__ = ["SUMMARY_FILE", "read_server_eval", "write_reports"]
 
@@ -261,7 +261,8 @@ def _table_row(index: int, row: Mapping[str, Any]) -> str:
         )
     cells = (
         f'<td class="l site"><div title="{site}">{site}</div></td>',
-        f'<td title="PRV {row["epsilon"]!r}">{html.escape(budget)}</td>',
+        f'<td title="PRV {row["epsilon"]!r} {html.escape(_per_unit(row))}">'
+        f"{html.escape(budget)}</td>",
         f"<td>{_g(row['delta'])}</td>",
         f"<td>{row['rounds']:,}</td>",
         f"<td>{row['steps']:,}</td>",
@@ -276,9 +277,16 @@ def _table_row(index: int, row: Mapping[str, Any]) -> str:
     return f"<tr{marked}>{''.join(cells)}</tr>"
 
 
+def _per_unit(row: Mapping[str, Any]) -> str:
+    """ "epsilon per record" or "epsilon per patient": the unit of the site's events."""
+    unit = str(row.get("unit", "record"))
+    return f"epsilon per {UNIT_NAMES.get(unit, unit)}"
+
+
 def _site_details(row: Mapping[str, Any]) -> list[str]:
     """The parts of a site's line under the table, as plain text."""
     parts = [
+        _per_unit(row),
         f"epsilon (RDP cross-check) {_epsilon(row, 'epsilon_rdp')}",
         f"against the coordinator (replace-one) {_epsilon(row, 'epsilon_replace_one')} at delta "
         f"{_g(row['delta_replace_one'])}",

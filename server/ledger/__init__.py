@@ -1,13 +1,14 @@
 """The coordinator's durable, append-only privacy ledger (docs/design.md §3).
 
 One SQLite file holds every accounting fact the server configured and the sites reported: per
-site and round, the mechanism, neighbouring relation, sampling method, sigma, q, steps and delta
-(and the site's epsilon cap). Epsilon is never stored: ``Ledger.epsilon`` recomputes it from the
-site's whole history with ``prism_core.accounting`` (PRV, with the RDP cross-check) every time.
+site and round, the mechanism, neighbouring relation, sampling method, sigma, q, steps, delta
+and privacy unit (and the site's epsilon cap). Epsilon is never stored: ``Ledger.epsilon``
+recomputes it from the site's whole history with ``prism_core.accounting`` (PRV, with the RDP
+cross-check) every time.
 
-File layout (schema version 3):
+File layout (schema version 4):
 
-- ``meta(key, value)``: ``application = "prism-fl-ledger"``, ``schema_version = "3"``,
+- ``meta(key, value)``: ``application = "prism-fl-ledger"``, ``schema_version = "4"``,
   ``created_at`` (and ``migrated_from_<v>_at`` on a migrated file); the SQLite header also carries
   ``application_id = LEDGER_APPLICATION_ID`` and ``user_version = SCHEMA_VERSION``, so a foreign
   file is recognised from its first 100 bytes.
@@ -18,7 +19,8 @@ File layout (schema version 3):
   have charged itself, so the coordinator charges it at the site's last confirmed parameters, or
   with ``params_known = 0`` and sigma 0, i.e. epsilon infinite, when it has none). ``code`` says
   why a charge is unconfirmed (a coordinator code, never site text); ``rng`` is the site's
-  ``rng`` fact (``os-csprng`` or ``reproducible``; NULL when not known).
+  ``rng`` fact (``os-csprng`` or ``reproducible``; NULL when not known); ``unit`` the event's
+  privacy unit (``prism_core.records.PRIVACY_UNITS``: ``record`` or ``user``).
   ``UNIQUE (run_id, round, site_id, mechanism, confirmed)``: at most one confirmed and one
   unconfirmed row per (run, round, site, mechanism), so a replayed record is never counted twice,
   and a round can hold a training row and the row of a private clip estimate
@@ -28,10 +30,11 @@ File layout (schema version 3):
   every epsilon is computed from) leaves the superseded rows out; ``Ledger.records`` shows all.
 - ``runs(run_id, started_at, config_json)``: one row per federated run, append-only too.
 
-Schema versions 1 (before unconfirmed charges and the rng fact) and 2 (one row per (run, round,
-site, confirmed), before the private clip estimate) are still read: opened for writing they are
-migrated in place, in one transaction (every row kept; a version-1 row as confirmed with rng
-unknown); opened read-only they are read as they are.
+Schema versions 1 (before unconfirmed charges and the rng fact), 2 (one row per (run, round,
+site, confirmed), before the private clip estimate) and 3 (before the ``unit`` column) are still
+read: opened for writing they are migrated in place, in one transaction (every row kept; a
+version-1 row as confirmed with rng unknown; a row of version 1 to 3 as ``unit = 'record'``);
+opened read-only they are read as they are, their rows as record-level events.
 
 Durability: WAL journal, ``synchronous = FULL`` (a committed append survives power loss), every
 write in one ``BEGIN IMMEDIATE`` transaction. A new ledger is built in a temporary file and

@@ -44,10 +44,10 @@ class LedgerEvent(EventColumns):
         round: server round, ``>= 0``.
         site_id: the site, non-empty.
         event: the privacy event (``prism_core.records.PrivacyEvent``: mechanism, sigma, q,
-            steps, sampling, adjacency), the site's released facts or, unconfirmed, the
+            steps, sampling, adjacency, unit), the site's released facts or, unconfirmed, the
             coordinator's worst-case stand-in for them. ``sigma``, ``q``, ``steps``,
-            ``mechanism``, ``adjacency`` and ``sampling`` (the ledger's columns) read through
-            to it (``EventColumns``).
+            ``mechanism``, ``adjacency``, ``sampling`` and ``unit`` (the ledger's columns) read
+            through to it (``EventColumns``).
         delta: the site's delta, in ``(0, 1)``.
         epsilon_cap: the site's epsilon budget, ``> 0``, or None for no cap.
         recorded_at: UTC ISO-8601 time the ledger stored the event; set by the ledger (a value

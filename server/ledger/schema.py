@@ -38,10 +38,10 @@ log = logging.getLogger("server.ledger")
 
 APPLICATION: Final = "prism-fl-ledger"
 """Value of ``meta.application`` in every prism-fl ledger."""
-SCHEMA_VERSION: Final = 3
-"""Schema version written by this module (versions 1 and 2 are still read, and migrated on
+SCHEMA_VERSION: Final = 4
+"""Schema version written by this module (versions 1 to 3 are still read, and migrated on
 write)."""
-OLD_SCHEMA_VERSIONS: Final = (1, 2)
+OLD_SCHEMA_VERSIONS: Final = (1, 2, 3)
 """Older schema versions this module reads (read-only) and migrates (opened for writing)."""
 LEDGER_APPLICATION_ID: Final = 0x50524C47  # "PRLG"
 """``PRAGMA application_id`` of a prism-fl ledger (bytes 68-71 of the SQLite header)."""
@@ -66,6 +66,7 @@ _EVENTS_BODY: Final = """
     params_known INTEGER NOT NULL DEFAULT 1 CHECK (params_known IN (0, 1)),
     rng TEXT CHECK (rng IS NULL OR length(rng) > 0),
     code TEXT NOT NULL DEFAULT '',
+    unit TEXT NOT NULL DEFAULT 'record' CHECK (length(unit) > 0),
     CHECK (confirmed = 0 OR (params_known = 1 AND code = '')),
     CHECK (params_known = 1 OR (sigma = 0 AND q = 1)),
     UNIQUE (run_id, round, site_id, mechanism, confirmed)""".strip("\n")
@@ -137,11 +138,15 @@ _V2_DEFAULTS: Final[dict[str, str]] = {
     "code": "''",
 }
 """Columns added by schema version 2, with the value a version-1 row reads as."""
-EVENT_COLUMNS: Final = (*_V1_COLUMNS, *_V2_DEFAULTS)
+_V4_DEFAULTS: Final[dict[str, str]] = {"unit": "'record'"}
+"""Columns added by schema version 4 (the event's privacy unit), with the value an older row
+reads as."""
+_DEFAULTS: Final = {**_V2_DEFAULTS, **_V4_DEFAULTS}
+EVENT_COLUMNS: Final = (*_V1_COLUMNS, *_DEFAULTS)
 
 
 def event_from_row(row: Sequence[Any]) -> LedgerEvent:
-    """The event of a row of ``EVENT_COLUMNS`` (a version-1 row reads with the defaults)."""
+    """The event of a row of ``EVENT_COLUMNS`` (an older row reads with the defaults)."""
     values = dict(zip(EVENT_COLUMNS, row, strict=True))
     for name in ("confirmed", "params_known"):
         if values[name] not in (0, 1):
@@ -167,14 +172,18 @@ def event_from_row(row: Sequence[Any]) -> LedgerEvent:
 
 def columns(version: int) -> tuple[str, ...]:
     """The event columns stored by a schema version (version 3 changed only the UNIQUE key)."""
-    return _V1_COLUMNS if version == 1 else EVENT_COLUMNS
+    if version == 1:
+        return _V1_COLUMNS
+    if version in (2, 3):
+        return (*_V1_COLUMNS, *_V2_DEFAULTS)
+    return EVENT_COLUMNS
 
 
 def event_select(version: int) -> str:
     """SQL select list giving ``EVENT_COLUMNS`` of a stored row of ``version`` (with ``id``)."""
     stored = columns(version)
     return ", ".join(
-        ["id", *(c if c in stored else f"{_V2_DEFAULTS[c]} AS {c}" for c in EVENT_COLUMNS)]
+        ["id", *(c if c in stored else f"{_DEFAULTS[c]} AS {c}" for c in EVENT_COLUMNS)]
     )
 
 
@@ -229,13 +238,14 @@ def statements(script: str) -> list[str]:
 
 
 def migrate(conn: sqlite3.Connection, path: Path) -> bool:
-    """Migrate a version-1 or -2 ledger to ``SCHEMA_VERSION`` in place, in ONE transaction.
+    """Migrate a version-1, -2 or -3 ledger to ``SCHEMA_VERSION`` in place, in ONE transaction.
 
-    The events table is rebuilt with the new UNIQUE key (and, from version 1, the new columns;
-    SQLite cannot change a UNIQUE constraint in place): every row is copied with its id (a
-    version-1 row as a confirmed charge with the rng fact unknown), then the append-only
-    triggers are restored and ``meta`` records the new version and when it was migrated. A crash
-    leaves the file as it was before or as it is after, never between.
+    The events table is rebuilt with the current UNIQUE key and columns (SQLite cannot change a
+    UNIQUE constraint in place): every row is copied with its id (a version-1 row as a
+    confirmed charge with the rng fact unknown; a row of version 1 to 3 as a record-level
+    event), then the append-only triggers are restored and ``meta`` records the new version and
+    when it was migrated. A crash leaves the file as it was before or as it is after, never
+    between.
 
     Returns:
         True if this call migrated the file, False if it already had the current version (another

@@ -16,7 +16,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from prism_core.accounting import EpsilonReport, PrivacyEvent
+from prism_core.accounting import EpsilonReport, PrivacyEvent, history_unit
 from prism_core.quantile import QUANTILE_MECHANISM
 from prism_runtime.faults import NO_FAULTS, Faults
 from server.errors import InvalidEventError, LedgerConflictError, LedgerError
@@ -423,9 +423,10 @@ class Ledger:
     ) -> bool:
         """Would one more round of ``steps`` steps at (sigma, q) keep the site within its cap?
 
-        Composes the site's whole history plus the new steps with the PRV accountant at
-        ``delta`` and compares with ``epsilon_cap``. A history that cannot be accounted (e.g.
-        non-Poisson sampling) answers False, with a warning: its privacy loss is unknown.
+        Composes the site's whole history plus the new steps (of the history's privacy unit,
+        ``prism_core.accounting.history_unit``) with the PRV accountant at ``delta`` and
+        compares with ``epsilon_cap``. A history that cannot be accounted (e.g. non-Poisson
+        sampling, mixed units) answers False, with a warning: its privacy loss is unknown.
 
         Args:
             before: ``(run_id, round)``: leave out that run's events of that round and later.
@@ -435,9 +436,9 @@ class Ledger:
         Raises:
             prism_core.errors.PrivacyParameterError: sigma, q, steps or delta out of range.
         """
-        new = PrivacyEvent(sigma, q, steps)
         events = self.events(site_id=site_id)
         if before is not None:
             run_id, first = before
             events = [e for e in events if e.run_id != run_id or e.round < first]
+        new = PrivacyEvent(sigma, q, steps, unit=history_unit([e.event for e in events]))
         return within_cap(events, new, epsilon_cap=epsilon_cap, delta=delta, site_id=site_id)

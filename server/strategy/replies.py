@@ -18,7 +18,7 @@ from flwr.app import ConfigRecord, Message
 from flwr.common.constant import ErrorCode
 
 from prism_core.bounds import FLOAT32_SLACK
-from prism_core.records import ADJACENCY
+from prism_core.records import ADJACENCY, PRIVACY_UNITS
 from prism_runtime.protocol import (
     ACCOUNTING,
     ACCOUNTING_KEYS,
@@ -72,6 +72,7 @@ _OPTIONAL_FACTS: dict[str, type] = {
     "quantile-sigma": float,
     "quantile-q": float,
     "quantile-steps": int,
+    "unit": str,
 }
 
 
@@ -96,7 +97,8 @@ def validate_facts(facts: dict[str, Any]) -> dict[str, Any]:
     of ``prism_runtime.protocol.ACCOUNTING_KEYS`` with the right type; values must be in range.
     A noise multiplier (``sigma``, ``quantile-sigma``) is at least ``SIGMA_MIN``, the smallest a
     site runs (``prism_runtime.ranges``); ``sigma`` may also be 0, for a refusal or a non-DP
-    method (``RunTerms.check`` refuses 0 in an ok reply of a DP run).
+    method (``RunTerms.check`` refuses 0 in an ok reply of a DP run). A ``unit``, where given,
+    is one of ``prism_core.records.PRIVACY_UNITS`` (absent: the facts are per record).
     """
     unknown = sorted(set(facts) - set(ACCOUNTING_KEYS))
     if unknown:
@@ -131,6 +133,10 @@ def validate_facts(facts: dict[str, Any]) -> dict[str, Any]:
             raise ReplyError(f"{name}={facts[name]!r} is not in (0, {_MAX_SCALE:g}]", "facts")
     if "num-examples" in facts and not 1 <= int(facts["num-examples"]) <= MAX_EXAMPLES:
         raise ReplyError(f"num-examples={facts['num-examples']!r} is not in [1, 1e12]", "facts")
+    if "unit" in facts and facts["unit"] not in PRIVACY_UNITS:
+        raise ReplyError(
+            f"unit {facts['unit'][:20]!r} is not one of {list(PRIVACY_UNITS)}", "facts"
+        )
     if SERVER_ROUND in facts and int(facts[SERVER_ROUND]) < 0:
         raise ReplyError(f"server-round={facts[SERVER_ROUND]!r} is negative", "facts")
     _check_quantile_facts(facts)

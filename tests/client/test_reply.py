@@ -57,4 +57,5 @@ def test_a_refusal_sends_its_code_and_the_current_spend_and_charges_nothing(tmp_
     assert facts["epsilon"] == epsilon([event], 1e-5)  # the ledger is read again
     assert (facts["sigma"], facts["q"], facts["steps"]) == (1.2, 1.0, 0)
     assert (facts["mechanism"], facts["sampling"]) == ("prism-tangent-gaussian", "poisson")
+    assert facts["unit"] == "record"  # a site runs per record
     assert ledger.path.read_bytes() == before

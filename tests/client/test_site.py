@@ -83,6 +83,8 @@ def test_default_reply_carries_only_dp_update_and_accounting_facts(tiny_bert, tm
     assert reply.accounting["status"] == STATUS_OK
     assert set(reply.accounting) <= set(ACCOUNTING_KEYS)
     assert reply.accounting["rng"] == RNG_SECURE  # the default: the OS CSPRNG at the site
+    assert reply.accounting["unit"] == "record"  # from the mechanism's records, as charged
+    assert [e.unit for e in site.ledger.entries()] == ["record"]
     assert "num-examples" not in reply.accounting  # not shared unless the site allows it
     assert reply.nonprivate == {}
     modules = {h.name for h in site.loaded.handles}
@@ -135,6 +137,7 @@ def test_a_request_the_site_does_not_allow_is_refused_and_charges_nothing(
     reply = hostile.train_round(2, to_arrays(honest.loaded))
     assert reply.accounting["status"] == STATUS_REFUSED
     assert reply.accounting["reason"] == code and code in REFUSAL_REASONS
+    assert reply.accounting["unit"] == "record"
     assert reply.accounting["steps"] == 0 and reply.arrays == {} and reply.nonprivate == {}
     assert set(reply.accounting) <= set(ACCOUNTING_KEYS)
     assert _ledger_bytes(hostile) == before  # byte-identical: nothing charged

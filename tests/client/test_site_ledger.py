@@ -110,6 +110,8 @@ def test_a_bad_last_line_that_ends_in_a_newline_stops_the_site(tmp_path):
         ({"extra": 1}, "unknown fields ['extra']"),
         ({"sigma": None}, "sigma=None is not of type"),
         ({"mechanism": " "}, "mechanism=' ' must be a non-empty string"),  # the event refuses it
+        ({"unit": "household"}, "unit='household' must be one of ['record', 'user']"),
+        ({"unit": 1}, "unit=1 is not of type str"),
     ],
 )
 def test_wrong_fields_stop_the_site(tmp_path, change, what):
@@ -236,3 +238,20 @@ def test_charging_over_a_torn_line_warns_with_the_file(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="client.site_ledger"):
         ledger.charge(_entry(3))
     assert f"{path}: removing the incomplete last line" in caplog.text
+
+
+def test_every_entry_stores_its_unit_and_a_line_without_one_reads_as_a_record(tmp_path):
+    """New lines carry the event's privacy unit; a line written without ``unit`` (the format
+    before the unit) reads as a record-level event, and the file is left as it was."""
+    user = SiteLedgerEntry(2, PrivacyEvent(1.1, 0.05, 5, unit="user"), 1e-5)
+    old = {k: v for k, v in _entry(1).to_json().items() if k != "unit"}
+    path = tmp_path / SiteLedger.FILE
+    path.write_bytes(json.dumps(old, sort_keys=True).encode() + b"\n")
+    ledger = SiteLedger(tmp_path)
+    assert ledger.entries() == [_entry(1)] and ledger.entries()[0].unit == "record"
+    ledger.charge(user)
+    lines = path.read_bytes().splitlines()
+    assert json.loads(lines[0]) == old  # the old line is kept byte for byte
+    assert json.loads(lines[1])["unit"] == "user"
+    assert [e.unit for e in SiteLedger(tmp_path).entries()] == ["record", "user"]
+    assert _entry(3).to_json()["unit"] == "record"

@@ -28,9 +28,11 @@ from prism_core.accounting import (
     compose_events,
     epsilon,
     epsilon_report,
+    history_unit,
     max_steps,
 )
 from prism_core.errors import AccountingError, PrivacyParameterError
+from prism_core.records import PRIVACY_UNITS
 
 RDP_ORDERS = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64))
 """Opacus' default RDP orders (``RDPAccountant.DEFAULT_ALPHAS``), written out."""
@@ -166,6 +168,39 @@ def test_compose_events_merges_the_mechanisms_equal_steps():
     quantile = replace(rec, mechanism="quantile-count")
     assert len(compose_events([rec, quantile])) == 2
     assert epsilon([rec, quantile], 1e-5) == epsilon([replace(rec, steps=2)], 1e-5)
+
+
+def test_events_of_different_privacy_units_never_compose_into_one_epsilon():
+    """The unit is part of what an event commits to: a record-level and a person-level event
+    stay two events, and a history that mixes them is refused (a record-level epsilon converts
+    to a person-level one only by group privacy, never silently)."""
+    rec = PrivacyEvent(1.1, 0.01, 3)
+    user = replace(rec, unit="user")
+    assert rec.unit == "record" and PRIVACY_UNITS == ("record", "user")
+    assert not rec.same_but_steps(user) and rec.accounted() != user.accounted()
+    assert compose_events([rec, user]) == [rec, user]
+    assert epsilon([user, user], 1e-5) == epsilon([rec, rec], 1e-5) > 0  # same maths per unit
+    for history in ([rec, user], [user, rec], [rec, replace(user, steps=0), user]):
+        for accountant in ("prv", "rdp"):
+            with pytest.raises(AccountingError, match=r"privacy units \['record', 'user'\]"):
+                epsilon(history, 1e-5, accountant=accountant)  # type: ignore[arg-type]
+    assert epsilon([rec, replace(user, steps=0)], 1e-5) == epsilon([rec], 1e-5)  # no steps
+    # further steps are of the history's unit, so a person-level budget can be checked
+    assert (history_unit([]), history_unit([rec, user])) == ("record", "user")
+    more = {"noise_multiplier": 1.1, "sample_rate": 0.01, "delta": 1e-5, "limit": 10}
+    assert max_steps([user], target_epsilon=10.0, **more) == 10
+    with pytest.raises(PrivacyParameterError, match=r"unit='household' must be one of"):
+        PrivacyEvent(1.1, 0.01, 3, unit="household")
+    assert (
+        PrivacyEvent.from_columns({"sigma": 1.1, "q": 0.01, "steps": 3, "mechanism": rec.mechanism})
+        == rec
+    )
+    assert (
+        PrivacyEvent.from_columns(
+            {"sigma": 1.1, "q": 0.01, "steps": 3, "mechanism": rec.mechanism, "unit": "user"}
+        )
+        == user
+    )
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """Test helper: a coordinator ledger event from flat keywords (the ledger's column names).
 
-``sigma``, ``q``, ``steps``, ``mechanism``, ``sampling`` and ``adjacency`` build the event's one
-``PrivacyEvent``; every other keyword is a ``LedgerEvent`` field.
+``sigma``, ``q``, ``steps``, ``mechanism``, ``sampling``, ``adjacency`` and ``unit`` build the
+event's one ``PrivacyEvent``; every other keyword is a ``LedgerEvent`` field.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ _EVENT_KEYS = {
     "mechanism": "mechanism",
     "sampling": "sampling",
     "adjacency": "adjacency",
+    "unit": "unit",
 }
 
 

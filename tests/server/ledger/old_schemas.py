@@ -1,8 +1,9 @@
 """Test helper: ledger files of older schema versions, written with the CREATE statements
-prism-fl used then: schema 1 (before unconfirmed charges) and schema 2 (before a round
-could hold a private clip estimate beside its training). ``v1_ledger`` and ``v2_ledger``
-write one holding ``V1_ROWS`` or ``V2_ROWS``; ``v1_view`` and ``v2_view`` read a ledger's
-events back in those rows' form."""
+prism-fl used then: schema 1 (before unconfirmed charges), schema 2 (before a round
+could hold a private clip estimate beside its training) and schema 3 (before the privacy unit).
+``v1_ledger``, ``v2_ledger`` and ``v3_ledger`` write one holding ``V1_ROWS``, ``V2_ROWS`` or
+``V3_ROWS``; ``v1_view``, ``v2_view`` and ``v3_view`` read a ledger's events back in those rows'
+form."""
 
 from __future__ import annotations
 
@@ -179,6 +180,52 @@ def v2_ledger(path: Path) -> None:
 def v2_view(ledger: Ledger) -> list[tuple[object, ...]]:
     return [
         (e.run_id, e.round, e.site_id, e.sigma, e.q, e.steps, int(e.confirmed),
+         int(e.params_known), e.rng, e.code)
+        for e in ledger.records()
+    ]  # fmt: skip
+
+
+V3_SCHEMA = V2_SCHEMA.replace(
+    "UNIQUE (run_id, round, site_id, confirmed)",
+    "UNIQUE (run_id, round, site_id, mechanism, confirmed)",
+).replace("PRAGMA user_version = 2;", "PRAGMA user_version = 3;")
+"""The schema-3 CREATE statements, as prism-fl wrote them before the privacy unit: schema 2's
+with the mechanism in the UNIQUE key."""
+V3_ROWS = [
+    # run, round, site, mechanism, sigma, q, steps, confirmed, params_known, rng, code
+    ("run-0", 1, "a", "quantile-gaussian", 6.4, 0.01, 30, 1, 1, "os-csprng", ""),
+    ("run-0", 1, "a", "prism-tangent-gaussian", 1.0, 0.01, 100, 1, 1, "os-csprng", ""),
+    ("run-0", 1, "b", "prism-tangent-gaussian", 0.9, 0.02, 100, 1, 1, "reproducible", ""),
+    ("run-0", 2, "b", "prism-tangent-gaussian", 0.9, 0.02, 100, 0, 1, "reproducible", "no-reply"),
+]
+
+
+def v3_ledger(path: Path) -> None:
+    conn = sqlite3.connect(path)
+    conn.executescript(V3_SCHEMA)
+    conn.executemany(
+        "INSERT INTO meta (key, value) VALUES (?, ?)",
+        [
+            ("application", "prism-fl-ledger"),
+            ("schema_version", "3"),
+            ("created_at", "2026-01-01T00:00:00+00:00"),
+        ],
+    )
+    conn.execute("INSERT INTO runs VALUES ('run-0', '2026-01-01T00:00:00+00:00', '{}')")
+    conn.executemany(
+        "INSERT INTO events (run_id, round, site_id, mechanism, adjacency, sampling, sigma, q, "
+        "steps, delta, epsilon_cap, recorded_at, confirmed, params_known, rng, code) VALUES "
+        "(?, ?, ?, ?, 'add-remove', 'poisson', ?, ?, ?, 1e-5, 8.0, '2026-01-01T00:00:01', ?, ?, "
+        "?, ?)",
+        V3_ROWS,
+    )
+    conn.commit()
+    conn.close()
+
+
+def v3_view(ledger: Ledger) -> list[tuple[object, ...]]:
+    return [
+        (e.run_id, e.round, e.site_id, e.mechanism, e.sigma, e.q, e.steps, int(e.confirmed),
          int(e.params_known), e.rng, e.code)
         for e in ledger.records()
     ]  # fmt: skip

@@ -59,7 +59,7 @@ def _newer_schema(path: Path) -> None:
         pass
     conn = sqlite3.connect(path)
     conn.execute("DROP TRIGGER meta_no_update")
-    conn.execute("UPDATE meta SET value = '4' WHERE key = 'schema_version'")
+    conn.execute("UPDATE meta SET value = '5' WHERE key = 'schema_version'")
     conn.commit()
     conn.close()
 
@@ -127,11 +127,17 @@ def _garbled_page(path: Path) -> None:
         ),
         (_tampered("UPDATE events SET q = 2.0 WHERE round = 0"), "event row 1 is invalid"),
         (_tampered("UPDATE events SET steps = 'many' WHERE round = 7"), "event row 8 is invalid"),
+        (
+            _tampered("UPDATE events SET unit = 'household' WHERE round = 5"),
+            r"event row 6 is invalid \(stored event of site 'a': invalid privacy event: "
+            r"unit='household' must be one of \['record', 'user'\]",
+        ),
+        (_tampered("UPDATE events SET unit = 2 WHERE round = 6"), "event row 7 is invalid"),
         (_tampered("UPDATE events SET sigma = 'x' WHERE round = 9"), "column types"),
         (_garbled_page, "corrupt|integrity check failed"),
         (_foreign_sqlite, r"application_id 0x0 and tables \['patients'\]"),
         (_spoofed_sqlite, "meta.application is 'something-else'"),
-        (_newer_schema, "schema version '4'"),
+        (_newer_schema, "schema version '5'"),
         (lambda p: p.write_bytes(random.Random(0).randbytes(5000)), "not an SQLite database"),
         (lambda p: p.write_text("site,epsilon\na,1.0\n"), "not an SQLite database"),
         (lambda p: p.write_bytes(b""), "empty"),
@@ -146,6 +152,8 @@ def _garbled_page(path: Path) -> None:
         "dropped-column",
         "tampered-q",
         "tampered-steps-text",
+        "tampered-unit",
+        "tampered-unit-number",
         "tampered-sigma-text",
         "garbled-page",
         "foreign",

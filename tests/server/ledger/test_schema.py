@@ -1,6 +1,6 @@
 """The ledger file's schema (``server.ledger.schema``): its append-only triggers, its
-creation (folders, WAL mode, a concurrent creator) and the migration of schema-1 and
-schema-2 ledgers (``old_schemas``) to the current version, all or nothing."""
+creation (folders, WAL mode, a concurrent creator) and the migration of schema-1, -2 and -3
+ledgers (``old_schemas``) to the current version, all or nothing."""
 
 from __future__ import annotations
 
@@ -9,7 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from ledger.old_schemas import V1_ROWS, V2_ROWS, v1_ledger, v1_view, v2_ledger, v2_view
+from ledger.old_schemas import (
+    V1_ROWS,
+    V2_ROWS,
+    V3_ROWS,
+    v1_ledger,
+    v1_view,
+    v2_ledger,
+    v2_view,
+    v3_ledger,
+    v3_view,
+)
 from ledger.sample_events import TRAIN, eps, estimate, ev, unconfirmed
 from prism_core.quantile import QUANTILE_MECHANISM
 from server.errors import LedgerError
@@ -82,6 +92,7 @@ def test_a_schema_2_ledger_is_read_as_is_read_only_and_migrated_for_writing(tmp_
     before = path.read_bytes()
     with Ledger.open(path, read_only=True) as led:
         assert v2_view(led) == V2_ROWS
+        assert {e.unit for e in led.records()} == {"record"}  # an older row is per record
         eps_a, eps_b = led.epsilon("a"), led.epsilon("b")
         assert [e.confirmed for e in led.events("a")] == [True, True]  # round 2 superseded
     assert path.read_bytes() == before  # read-only: not migrated, not touched
@@ -103,7 +114,7 @@ def test_a_schema_2_ledger_is_read_as_is_read_only_and_migrated_for_writing(tmp_
     conn = sqlite3.connect(path)
     try:
         meta = dict(conn.execute("SELECT key, value FROM meta"))
-        assert meta["schema_version"] == str(SCHEMA_VERSION) == "3"
+        assert meta["schema_version"] == str(SCHEMA_VERSION) == "4"
         assert "migrated_from_2_at" in meta
         assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
         ids = [r[0] for r in conn.execute("SELECT id FROM events ORDER BY id")]
@@ -204,12 +215,14 @@ def test_a_schema_1_ledger_is_read_as_is_read_only_and_migrated_for_writing(
         assert v1_view(led) == V1_ROWS
         assert led.records() == led.events()  # every row, read with the version-2 defaults
         assert all(e.confirmed and e.params_known and e.rng is None for e in led.events())
+        assert {e.unit for e in led.events()} == {"record"}
         eps_a, eps_b = led.epsilon("a"), led.epsilon("b")
         assert eps_a.prv == pytest.approx(eps((200, 1.0)), rel=1e-12)
     assert path.read_bytes() == before  # read-only: not migrated, not touched
 
     with Ledger.open(path) as led:  # the coordinator: migrated in place
         assert v1_view(led) == V1_ROWS  # nothing lost
+        assert {e.unit for e in led.events()} == {"record"}
         assert (led.epsilon("a"), led.epsilon("b")) == (eps_a, eps_b)
         assert [r.config for r in led.runs()] == [{"rounds": 3}]
         assert [e.recorded_at for e in led.events()] == ["2026-01-01T00:00:01"] * 4
@@ -242,3 +255,57 @@ def test_a_schema_1_ledger_is_read_as_is_read_only_and_migrated_for_writing(
         conn.close()
     with Ledger.open(path, create=False) as led:  # reopening a migrated ledger: no-op
         assert len(led.records()) == 7 and v1_view(led)[:4] == V1_ROWS
+
+
+def test_a_schema_3_ledger_reads_as_record_level_and_migrates_to_the_unit_column(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every row of a schema-3 ledger (written before the privacy unit) is a record-level
+    event, read-only as it is and after the migration, which adds ``unit`` (NOT NULL, default
+    ``record``) and keeps every row, its id and its epsilon; the unit then round-trips."""
+    path = tmp_path / "v3.sqlite"
+    v3_ledger(path)
+    before = path.read_bytes()
+    with Ledger.open(path, read_only=True) as led:
+        assert v3_view(led) == V3_ROWS
+        assert {e.unit for e in led.records()} == {"record"}
+        eps_a, eps_b = led.epsilon("a"), led.epsilon("b")
+    assert path.read_bytes() == before  # read-only: not migrated, not touched
+
+    with caplog.at_level("WARNING", logger="server.ledger"):
+        led = Ledger.open(path)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"ledger {path}: migrated from schema version 3 to {SCHEMA_VERSION} "
+        f"({len(V3_ROWS)} events kept)"
+    ]
+    with led:
+        assert v3_view(led) == V3_ROWS
+        assert {e.unit for e in led.records()} == {"record"}
+        assert (led.epsilon("a"), led.epsilon("b")) == (eps_a, eps_b)
+        assert led.append(ev(0, "c", unit="user"))
+        assert led.append(ev(0, "d"))
+        assert [e.unit for e in led.events("c")] == ["user"]
+        assert [e.unit for e in led.events("d")] == ["record"]
+    conn = sqlite3.connect(path)
+    try:
+        meta = dict(conn.execute("SELECT key, value FROM meta"))
+        assert meta["schema_version"] == str(SCHEMA_VERSION) and "migrated_from_3_at" in meta
+        column = [r for r in conn.execute("PRAGMA table_info(events)") if r[1] == "unit"]
+        assert [(r[2], r[3], r[4]) for r in column] == [("TEXT", 1, "'record'")]
+        ids = [r[0] for r in conn.execute("SELECT id FROM events ORDER BY id")]
+        assert ids == [1, 2, 3, 4, 5, 6]
+        assert conn.execute("SELECT unit FROM events ORDER BY id").fetchall() == [
+            ("record",),
+            ("record",),
+            ("record",),
+            ("record",),
+            ("user",),
+            ("record",),
+        ]
+        with pytest.raises(sqlite3.IntegrityError, match="refused"):
+            conn.execute("UPDATE events SET unit = 'user'")
+        conn.rollback()
+    finally:
+        conn.close()
+    with Ledger.open(path, create=False, read_only=True) as led:  # reopened: the unit is kept
+        assert [e.unit for e in led.events("c")] == ["user"]

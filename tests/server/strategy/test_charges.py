@@ -343,6 +343,30 @@ def test_a_private_clip_estimate_is_charged_as_its_own_row_before_the_steps(
     assert estimate.confirmed and training.confirmed
 
 
+def test_the_unit_of_a_reply_is_charged_and_reported_and_an_absent_one_is_a_record(
+    ledger: Ledger, tmp_path: Path
+) -> None:
+    """A reply's ``unit`` goes into its ledger rows (a clip estimate's too) and into the report
+    (JSON, CSV and the HTML's "epsilon per ..."); a reply without one is charged per record."""
+    facts = reply(unit="user", steps=2, quantile_sigma=7.5, quantile_q=0.03, quantile_steps=3)
+    charges(ledger, AUTO).confirmed(3, facts)
+    charges(ledger).confirmed(3, reply("b"))
+    assert [e.unit for e in ledger.events(site_id="a")] == ["user", "user"]
+    assert [e.unit for e in ledger.events(site_id="b")] == ["record"]
+    report = build_report(ledger)
+    assert [(r["site_id"], r["unit"]) for r in report["sites"]] == [("a", "user"), ("b", "record")]
+    paths = write_reports(report, tmp_path / "report")
+    assert [s["unit"] for s in json.loads(paths["json"].read_text())["sites"]] == ["user", "record"]
+    with paths["csv"].open(newline="") as f:
+        assert [(r["site_id"], r["unit"]) for r in csv.DictReader(f)] == [
+            ("a", "user"),
+            ("b", "record"),
+        ]
+    html = paths["html"].read_text()
+    assert "<b>a</b>: epsilon per patient &middot;" in html
+    assert "<b>b</b>: epsilon per record &middot;" in html
+
+
 def test_facts_the_ledger_refuses_are_a_facts_error_and_nothing_is_charged(
     ledger: Ledger,
 ) -> None:

@@ -23,6 +23,7 @@ from flwr.common.constant import ErrorCode
 from reply_facts import honest_facts
 
 from prism_core.bounds import FLOAT32_SLACK
+from prism_core.records import PRIVACY_UNITS
 from prism_runtime.protocol import (
     ACCOUNTING,
     MAX_EXAMPLES,
@@ -198,6 +199,18 @@ def test_optional_facts_at_the_edges_of_their_ranges(name, good, bad, says):
         assert validate_facts(honest_facts("a", **{name: value}))[fact] == value
     for value in bad:
         assert _rejected(honest_facts("a", **{name: value})) == f"{fact}={value!r} {says}"
+
+
+def test_a_unit_is_optional_and_one_of_the_privacy_units():
+    """Absent, the facts are per record (an older site); present, it must be a known unit."""
+    assert "unit" not in validate_facts(honest_facts("a"))
+    for unit in PRIVACY_UNITS:
+        assert validate_facts(honest_facts("a", unit=unit))["unit"] == unit
+    assert _rejected(honest_facts("a", unit="household")) == (
+        "unit 'household' is not one of ['record', 'user']"
+    )
+    assert _rejected(honest_facts("a", unit="x" * 30)).startswith(f"unit {'x' * 20!r} is not")
+    assert _rejected(honest_facts("a", unit=1)) == "accounting fact unit=1 is not a string"
 
 
 def test_a_reply_without_a_server_round_is_valid():
