@@ -27,7 +27,7 @@ import logging
 import os
 import sys
 from collections.abc import Hashable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -367,7 +367,8 @@ class PrivateTrainer:
         batch = self._next_batch()
         with self._autocast():
             loss, record = self._run_step(batch)
-        if record is not None:  # the history is what the mechanism says it ran
+        if record is not None:  # the history is what the mechanism says it ran, in its unit
+            record = replace(record, unit=self.privacy_unit)
             self.history.append(record)
         self.steps_done += 1
         return StepResult(self.steps_done, loss, int(batch["labels"].shape[0]), record)

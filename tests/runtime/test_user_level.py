@@ -257,6 +257,7 @@ def test_a_person_level_step_is_accounted_over_people(method, tiny_bert, sst2_ro
     assert trainer.noise_multiplier == pytest.approx(sigma, rel=1e-12)
     for r in results:
         assert r.record.sample_rate == 10 / 25 and r.record.expected_batch_size == 10.0
+        assert r.record.unit == "user"  # the event says what it protects: a person
     assert len(seen) == 3 and all(max(counts, default=0) <= 2 for counts in seen)
     assert [r.batch_size for r in results] == [sum(counts) for counts in seen]
     count, below = trainer.count_within(1e6, lora_only=False)
@@ -340,6 +341,8 @@ def test_one_record_per_person_is_the_record_level_run_bit_for_bit(method, tiny_
         for a, b in zip(record[1], other[1], strict=True):
             assert torch.equal(a, b)
         assert [r.loss for r in record[2]] == [r.loss for r in other[2]]
+        assert {r.record.unit for r in record[2]} == {"record"}
+        assert {r.record.unit for r in other[2]} == {"user"}
     ignored = run("record", [i // 4 for i in range(32)], users=True)
     for a, b in zip(record[0], ignored[0], strict=True):
         assert torch.equal(a.A, b.A) and torch.equal(a.B, b.B)
