@@ -25,7 +25,9 @@ from prism_core.manifold import work_dtype
 from prism_core.mechanism import (
     PrivacyEvent,
     clip_coefficients,
+    dropped_together,
     finite_rows,
+    finite_values,
     split_max_norm,
     validate_noise_parameters,
     without_autocast,
@@ -86,8 +88,8 @@ def factor_clip_and_sum(
     """
     c_factor, c_euclidean = split_max_norm(max_norm, euclidean_max_norm)
     valid = finite_rows([*per_example_grads, *euclidean])
-    per_example_grads = [_finite(g) for g in per_example_grads]
-    euclidean = [_finite(g) for g in euclidean]
+    per_example_grads = [finite_values(g) for g in per_example_grads]
+    euclidean = [finite_values(g) for g in euclidean]
     if euclidean_max_norm is None:
         alpha = clip_coefficients(
             factor_norms_sq([*per_example_grads, *euclidean]), max_norm, valid=valid
@@ -100,19 +102,13 @@ def factor_clip_and_sum(
     else:
         alpha = clip_coefficients(factor_norms_sq(per_example_grads), c_factor, valid=valid)
         alpha_euclidean = clip_coefficients(factor_norms_sq(euclidean), c_euclidean, valid=valid)
-        both = ((alpha > 0) & (alpha_euclidean > 0)).to(alpha.dtype)
-        alpha, alpha_euclidean = alpha * both, alpha_euclidean * both
+        alpha, alpha_euclidean = dropped_together(alpha, alpha_euclidean)
     weighted = [(alpha, g) for g in per_example_grads] + [(alpha_euclidean, g) for g in euclidean]
     sums = []
     for index, (a, g) in enumerate(weighted):
         s = torch.einsum("b,b...->...", a.to(g.dtype), g)
         sums.append(s if previous is None else previous[index] + s)
     return sums, alpha
-
-
-def _finite(t: Tensor) -> Tensor:
-    """``t`` with non-finite entries set to 0 (a copy; their examples get coefficient 0)."""
-    return torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 @without_autocast

@@ -63,8 +63,10 @@ __all__ = [
     "clip_and_sum_grads",
     "clip_coefficients",
     "dp_tangent_update",
+    "dropped_together",
     "empty_sum",
     "finite_rows",
+    "finite_values",
     "per_example_norms_sq",
     "privatize",
     "retract_modules",
@@ -384,11 +386,17 @@ def _coefficients(
     extra = _with_euclidean(norms_sq[:0], euclidean)
     alpha = clip_coefficients(norms_sq, c_tangent, valid=valid)
     alpha_euclidean = clip_coefficients(extra, c_euclidean, valid=valid)
-    both = (alpha > 0) & (alpha_euclidean > 0)  # a dropped example is dropped everywhere
+    return dropped_together(alpha, alpha_euclidean)
+
+
+def dropped_together(alpha: Tensor, alpha_euclidean: Tensor) -> tuple[Tensor, Tensor]:
+    """The (b,) coefficients of a split clip with an example dropped (coefficient 0) in one
+    part dropped in both: its whole contribution is zero, never half of it."""
+    both = (alpha > 0) & (alpha_euclidean > 0)
     return alpha * both.to(alpha.dtype), alpha_euclidean * both.to(alpha_euclidean.dtype)
 
 
-def _finite(t: Tensor) -> Tensor:
+def finite_values(t: Tensor) -> Tensor:
     """``t`` with every non-finite entry set to 0 (a copy): the rows ``finite_rows`` rejects
     get coefficient 0, and ``0 * inf`` would be NaN."""
     return torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0)
@@ -461,8 +469,8 @@ def clip_and_sum(
         add/remove adjacency.
     """
     valid = finite_rows([t for lifted in lifts for t in lifted] + list(euclidean))
-    lifts = [Tangent(_finite(t.dA), _finite(t.dB)) for t in lifts]
-    euclidean = [_finite(g) for g in euclidean]
+    lifts = [Tangent(finite_values(t.dA), finite_values(t.dB)) for t in lifts]
+    euclidean = [finite_values(g) for g in euclidean]
     alphas = _coefficients(
         per_example_norms_sq(points, lifts), euclidean, max_norm, euclidean_max_norm, valid
     )
@@ -597,7 +605,7 @@ def clip_and_sum_grads(
             rows[i] = norms[j]
         stacks.append((chunk, gA, gB))
     norms_sq = torch.stack([r for r in rows if r is not None])
-    euclidean = [_finite(g) for g in euclidean]
+    euclidean = [finite_values(g) for g in euclidean]
     alphas = _coefficients(norms_sq, euclidean, max_norm, euclidean_max_norm, valid)
     alpha = alphas[0]
     parts: list[Tangent | None] = [None] * len(points)
