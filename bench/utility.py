@@ -118,7 +118,7 @@ NONDP_EPSILON = 0.0  # marker in run ids: no privacy
 SETTINGS = (
     "lora-head", "pooling", "pair-encoding", "text-pairs", "head-init", "label-texts",
     "head-lr", "head-max-norm", "head-optimizer", "aggregation", "server-optimizer", "server-lr",
-    "server-lr-schedule",
+    "server-lr-schedule", "privacy-unit", "user-field", "max-records-per-user",
 )  # fmt: skip
 
 
@@ -354,7 +354,7 @@ def privacy_facts(method: str, folder: Path) -> dict[str, Any]:
         metrics = json.loads((folder / "metrics.json").read_text())
         return {k: v for k, v in metrics.items() if k != "eval"}
     report = json.loads((folder / "report.json").read_text())
-    keep = ("site_id", "epsilon", "epsilon_rdp", "sigma", "q", "steps", "rounds")
+    keep = ("site_id", "epsilon", "epsilon_rdp", "sigma", "q", "steps", "rounds", "unit")
     return {"sites": [{k: s.get(k) for k in keep} for s in report["sites"]]}
 
 

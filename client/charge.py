@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from client.site_ledger import SiteLedger, SiteLedgerEntry
-from prism_core.accounting import epsilon
 from prism_core.records import PrivacyEvent
 from prism_runtime.errors import AccountingMismatchError
 
@@ -68,13 +67,13 @@ def plan_charge(
     planned = SiteLedgerEntry(server_round, event, delta)
     if cap is None:
         return planned
-    if epsilon([*history, planned.event], delta) > cap:
+    if ledger.epsilon(delta, [*history, planned.event]) > cap:
         log.info(
             "site %s: %d more steps would pass its cap epsilon=%s (spent %.4f at delta=%s)",
             site_id,
             event.steps,
             cap,
-            epsilon(history, delta),
+            ledger.epsilon(delta, history),
             delta,
         )
         return None

@@ -36,6 +36,7 @@ import os
 import sys
 import time
 import tomllib
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -112,6 +113,8 @@ TRAIN_FIELDS = {
     "head_lr": "head_lr",
     "head_optimizer": "head_optimizer",
     "head_max_norm": "head_max_norm",
+    "privacy_unit": "privacy_unit",
+    "max_records_per_user": "max_records_per_user",
     "no_progress": "progress",  # negated below
 }
 
@@ -131,6 +134,12 @@ class RunOptions(BaseModel):
     train_limit: int | None = Field(None, ge=1, description="use only the first N training rows")
     eval_limit: int | None = Field(None, ge=1, description="use only the first N evaluation rows")
     out: Path | None = Field(None, description="output folder (default runs/<method>-<time>)")
+    user_field: str | None = Field(
+        None,
+        min_length=1,
+        description="the data field naming each row's person (needed with --privacy-unit user; "
+        "at record level it adds epsilon per person by group privacy)",
+    )
 
 
 RUN_FIELDS = {name: name for name in RunOptions.model_fields}
@@ -180,6 +189,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-norm",
         type=float,
         help=f"total clip C, LoRA and head together (default {DEFAULT_MAX_NORM})",
+    )
+    dp.add_argument(
+        "--privacy-unit",
+        choices=["record", "user"],
+        help="unit of the guarantee: record (default) or user (each person with all their "
+        "records: people are sampled, --batch-size counts people; needs --user-field)",
+    )
+    dp.add_argument(
+        "--user-field",
+        metavar="FIELD",
+        help="the field of each row naming its person (e.g. patient_id); with --privacy-unit "
+        "record the report adds epsilon per person by group privacy",
+    )
+    dp.add_argument(
+        "--max-records-per-user",
+        type=int,
+        metavar="K",
+        help="--privacy-unit user: the most records of a sampled person per step (default 4)",
     )
     dp.add_argument(
         "--reproducible",
@@ -417,10 +444,12 @@ def build_configs(values: Mapping[str, Any], sources: Mapping[str, str]) -> tupl
 # --------------------------------------------------------------------------------------------
 
 
-def _load_data(path: Path, task: str, limit: int | None, what: str) -> ExampleFile:
+def _load_data(
+    path: Path, task: str, limit: int | None, what: str, user_field: str | None = None
+) -> ExampleFile:
     from prism_runtime.data import read_examples
 
-    read = read_examples(path, task)
+    read = read_examples(path, task, user_field=user_field)
     if limit is not None and limit < len(read.examples):
         log.info("using the first %d of %d %s examples", limit, len(read.examples), what)
     return read.head(limit)
@@ -510,7 +539,7 @@ def run(values: Mapping[str, Any], sources: Mapping[str, str]) -> int:
     started = time.perf_counter()
     model_cfg, train_cfg, opts = build_configs(values, sources)
 
-    from prism_core.accounting import epsilon_report
+    from prism_core.accounting import epsilon, epsilon_report
     from prism_runtime.cache import CACHE_DIR_ENV
     from prism_runtime.data import TokenizedDataset
     from prism_runtime.evaluate import evaluate
@@ -519,7 +548,12 @@ def run(values: Mapping[str, Any], sources: Mapping[str, str]) -> int:
     from prism_runtime.trainer import PrivateTrainer
 
     task = model_cfg.task
-    train_file = _load_data(opts.data, task, opts.train_limit, "training")
+    if train_cfg.privacy_unit == "user" and not opts.user_field:
+        raise ConfigError(
+            "--privacy-unit user needs --user-field: name the field of each training row that "
+            "identifies its person (e.g. --user-field patient_id)"
+        )
+    train_file = _load_data(opts.data, task, opts.train_limit, "training", opts.user_field)
     eval_file = (
         _load_data(opts.eval_data, task, opts.eval_limit, "evaluation") if opts.eval_data else None
     )
@@ -527,11 +561,14 @@ def run(values: Mapping[str, Any], sources: Mapping[str, str]) -> int:
         model_cfg = _classifier_config(values, model_cfg, train_file, eval_file)
     train = train_file.examples
     held_out = eval_file.examples if eval_file is not None else None
-    if train_cfg.method != "nondp" and not delta_below_one_over_n(train_cfg.delta, len(train)):
+    people = Counter(str(r["user"]) for r in train) if opts.user_field else None
+    units = len(people) if people is not None and train_cfg.privacy_unit == "user" else len(train)
+    what = "people" if units != len(train) else "training examples"
+    if train_cfg.method != "nondp" and not delta_below_one_over_n(train_cfg.delta, units):
         raise ConfigError(
-            f"--delta={train_cfg.delta:g} is not below 1/N = {1 / len(train):g} for N={len(train)} "
-            "training examples: such a guarantee allows leaking a whole record with probability "
-            "delta. Use delta well below 1/N."
+            f"--delta={train_cfg.delta:g} is not below 1/N = {1 / units:g} for N={units} {what}: "
+            "such a guarantee allows leaking a whole unit with probability delta. Use delta well "
+            "below 1/N."
         )
 
     if train_cfg.seed is None and "seed" in values:
@@ -573,6 +610,11 @@ def run(values: Mapping[str, Any], sources: Mapping[str, str]) -> int:
     adapter_dir = export_adapter(loaded, out / "adapter")
 
     report = epsilon_report(trainer.history, train_cfg.delta) if trainer.is_private else None
+    # At the record level with the people known: what the run gives each person, by group
+    # privacy with the largest number of records of one person (the group-privacy baseline).
+    group = None
+    if trainer.is_private and people is not None and train_cfg.privacy_unit == "record":
+        group = max(people.values())
     metrics = {
         "method": train_cfg.method,
         "model": model_cfg.model,
@@ -598,6 +640,15 @@ def run(values: Mapping[str, Any], sources: Mapping[str, str]) -> int:
         "delta": train_cfg.delta if trainer.is_private else None,
         "epsilon": trainer.epsilon() if trainer.is_private else None,
         "epsilon_rdp": report.rdp if report is not None else None,
+        "privacy_unit": train_cfg.privacy_unit,
+        "num_people": len(people) if people is not None else None,
+        "max_records_per_user": (
+            train_cfg.max_records_per_user if train_cfg.privacy_unit == "user" else None
+        ),
+        "group_size": group,
+        "epsilon_per_person": (
+            epsilon(trainer.history, train_cfg.delta, group_size=group) if group else None
+        ),
         "target_epsilon": train_cfg.epsilon,
         "rng": trainer.rng,
         "seed": model_cfg.seed,
@@ -625,6 +676,9 @@ def _classifier_facts(loaded: Any) -> dict[str, Any]:
     }
 
 
+UNIT_WORDS = {"record": "record", "user": "person"}
+
+
 def _print_summary(metrics: Mapping[str, Any], adapter: Path, metrics_path: Path) -> None:
     lines = [
         f"{PROG}: {metrics['method']} on {metrics['num_train_examples']} examples, "
@@ -635,10 +689,16 @@ def _print_summary(metrics: Mapping[str, Any], adapter: Path, metrics_path: Path
         lines.append("privacy: none (non-DP baseline)")
     else:
         lines.append(
-            f"privacy: epsilon={metrics['epsilon']:.4f} (PRV; RDP {metrics['epsilon_rdp']:.4f}) "
-            f"at delta={metrics['delta']:g}, sigma={metrics['noise_multiplier']:.4f}, "
-            f"q={metrics['sample_rate']:.4g}, C={metrics['max_norm']:g}"
+            f"privacy: epsilon={metrics['epsilon']:.4f} per {UNIT_WORDS[metrics['privacy_unit']]} "
+            f"(PRV; RDP {metrics['epsilon_rdp']:.4f}) at delta={metrics['delta']:g}, "
+            f"sigma={metrics['noise_multiplier']:.4f}, q={metrics['sample_rate']:.4g}, "
+            f"C={metrics['max_norm']:g}"
         )
+        if metrics["epsilon_per_person"] is not None:
+            lines.append(
+                f"per person: epsilon={metrics['epsilon_per_person']:.4f} by group privacy "
+                f"(up to {metrics['group_size']} records of one person in the data)"
+            )
     ev = metrics["eval"]
     if ev is not None:
         shown = ", ".join(

@@ -33,7 +33,7 @@ import json
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -48,7 +48,7 @@ from prism_core.quantile import (
     geometric_clip_update,
     noisy_fraction_below,
 )
-from prism_core.records import PrivacyEvent
+from prism_core.records import DEFAULT_UNIT, PrivacyEvent
 from prism_runtime.config import RunConfig
 from prism_runtime.durable import atomic_write
 from prism_runtime.errors import AccountingMismatchError, ConfigError
@@ -83,6 +83,7 @@ class ClipPlan:
     noise_multiplier: float
     sample_rate: float
     head_clip: float | None
+    unit: str = DEFAULT_UNIT  # the privacy unit counted: records, or people (their one clip)
 
     @classmethod
     def from_run(
@@ -92,8 +93,9 @@ class ClipPlan:
         expected_batch_size: float,
         sample_rate: float,
         trains_head: bool,
+        unit: str = DEFAULT_UNIT,
     ) -> ClipPlan:
-        """The plan of ``run``'s clip-quantile keys at this site's b and q."""
+        """The plan of ``run``'s clip-quantile keys at this site's b and q, counting ``unit``s."""
         return cls(
             initial=run.clip_init,
             target_quantile=run.clip_quantile,
@@ -102,12 +104,17 @@ class ClipPlan:
             noise_multiplier=count_noise_multiplier(run.clip_quantile_noise, expected_batch_size),
             sample_rate=sample_rate,
             head_clip=run.split_head_clip if trains_head else None,
+            unit=unit,
         )
 
     def event(self) -> PrivacyEvent:
         """The privacy event of the K quantile steps (charged before they run)."""
         return PrivacyEvent(
-            self.noise_multiplier, self.sample_rate, self.steps, mechanism=QUANTILE_MECHANISM
+            self.noise_multiplier,
+            self.sample_rate,
+            self.steps,
+            mechanism=QUANTILE_MECHANISM,
+            unit=self.unit,
         )
 
     def total(self, estimate: float) -> float:
@@ -148,7 +155,7 @@ def estimate_clip(trainer: PrivateTrainer, plan: ClipPlan) -> ClipEstimate:
             sample_rate=trainer.sample_rate,
             generator=trainer.noise,
         )
-        records.append(record)
+        records.append(replace(record, unit=plan.unit))  # a count of the plan's units
         clip = geometric_clip_update(
             clip, fraction, target_quantile=plan.target_quantile, lr=plan.lr
         )

@@ -71,6 +71,9 @@ class SitePolicy:
     state_dir: Path
     allow_nondp: bool
     allow_nonprivate_metrics: bool
+    privacy_unit: str | None = None
+    """``record``, ``user``, or None: a simulated site that follows the run (``unit_for``)."""
+    user_field: str = ""
     rng_secret: bytes | None = field(default=None, repr=False)
     cache_dir: Path | None = (
         None  # prism_runtime.cache: from the node config or the site's env only
@@ -95,12 +98,29 @@ class SitePolicy:
         digest = hmac.new(self.rng_secret, message, hashlib.sha256).digest()
         return int.from_bytes(digest[:8], "little") >> 1  # a non-negative int64
 
+    def unit_for(self, run: RunConfig) -> str | None:
+        """The privacy unit this site runs ``run`` at, or None when it refuses the run's unit.
+
+        The site's own setting decides and only ever makes the unit stronger: a ``user`` site
+        runs per person whatever the run asks; a ``record`` site runs per record and refuses a
+        run that asks for ``user`` (it names no person field, or its policy is per record); a
+        simulated site that sets nothing follows the run's ``privacy-unit``.
+        """
+        if self.privacy_unit == "user":
+            return "user"
+        if self.privacy_unit == "record":
+            return None if run.privacy_unit == "user" else "record"
+        return run.privacy_unit
+
     def refusal(self, run: RunConfig, num_examples: int) -> str | None:
         """The ``REFUSAL_REASONS`` code for a run this site will not serve, or None.
 
         The run's ``target-epsilon``/``delta`` are requests: at or below the site's own values
         they are honoured (the site then spends at most what the run asks), above them refused.
+        ``num_examples`` is N in the site's privacy unit: its records, or its people.
         """
+        if self.unit_for(run) is None:
+            return "user-level-not-configured"
         if run.report_train_loss and not self.allow_nonprivate_metrics:
             return "nonprivate-metrics-not-allowed"
         if run.method == "nondp":
@@ -161,8 +181,9 @@ def site_policy(
             when the node config sets no ``cache-dir``).
 
     Raises:
-        ConfigError: a deployed site without ``epsilon-cap``, ``delta`` or ``state-dir``, or a
-            reproducible-mode secret on a site that requires secure randomness.
+        ConfigError: a deployed site without ``epsilon-cap``, ``delta`` or ``state-dir``, or
+            set to ``privacy-unit=user`` without ``user-field``, or a reproducible-mode secret
+            on a site that requires secure randomness.
     """
     site_id = site.name()
     simulation = site.simulation
@@ -185,6 +206,13 @@ def site_policy(
                 "coordinator cannot choose them. Set them in --node-config (site kit: "
                 "PRISM_EPSILON_CAP, PRISM_DELTA, PRISM_STATE_DIR)."
             )
+    if site.privacy_unit == "user" and not simulation and not site.user_field:
+        raise ConfigError(
+            f"node config of deployed site {site_id!r} sets privacy-unit=user without "
+            "user-field: name the field of each data row that identifies the person (e.g. "
+            "user-field=patient_id; site kit: PRISM_USER_FIELD), so that all of a person's "
+            "records count as one unit."
+        )
     secret = site.rng_secret or env_secret
     require_secure = (
         site.require_secure_rng if site.require_secure_rng is not None else not simulation
@@ -205,6 +233,8 @@ def site_policy(
         state_dir=_state_dir(site, site_id, run_dir, run_id),
         allow_nondp=site.allow_nondp,
         allow_nonprivate_metrics=site.allow_nonprivate_metrics,
+        privacy_unit=site.privacy_unit if simulation else (site.privacy_unit or "record"),
+        user_field=site.user_field,
         rng_secret=secret.encode() if secret else None,
         cache_dir=_cache_dir(site, env_cache_dir),
     )

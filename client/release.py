@@ -103,7 +103,9 @@ def released_facts(
     if not private:  # no mechanism ran: nothing protects the data
         if records:
             raise AccountingMismatchError("a non-private round returned noise records")
-        event = PrivacyEvent(0.0, facts.sample_rate, len(results), mechanism=facts.mechanism)
+        event = PrivacyEvent(
+            0.0, facts.sample_rate, len(results), mechanism=facts.mechanism, unit=facts.unit
+        )
     else:
         event = released_event(records, facts.mechanism)
     check_charged(event, charged, what="the mechanism", site_id=facts.site_id)

@@ -53,6 +53,8 @@ class SiteFacts:
         mechanism: the ``PrivacyEvent.mechanism`` of the site's method.
         sigma: the noise multiplier of the run's steps (0 for a refused or non-private run).
         sample_rate: q of the site's Poisson sampler.
+        unit: the privacy unit of the site's guarantee for this run (``record`` or ``user``;
+            a site refusing a run's unit states its own policy's).
     """
 
     site_id: str
@@ -63,6 +65,7 @@ class SiteFacts:
     mechanism: str
     sigma: float
     sample_rate: float
+    unit: str = DEFAULT_UNIT
 
     def common(
         self, server_round: int, status: str, reason: str = "", *, spent: float
@@ -101,7 +104,7 @@ def refuse(facts: SiteFacts, ledger: SiteLedger, server_round: int, reason: str)
             "mechanism": facts.mechanism,
             "adjacency": ADJACENCY,
             "sampling": "poisson",
-            "unit": DEFAULT_UNIT,
+            "unit": facts.unit,
             "sigma": float(facts.sigma),
             "q": float(min(facts.sample_rate, 1.0)),
             "steps": 0,

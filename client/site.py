@@ -58,7 +58,7 @@ from client.release import release
 from client.reply import RoundReply, SiteFacts, refuse
 from client.request import check_request
 from client.round_store import RoundStore
-from client.site_data import check_text_pairs, site_examples
+from client.site_data import check_text_pairs, person_counts, site_examples
 from client.site_ledger import SiteLedger
 from client.training import train
 from prism_core.accounting import PrivacyEvent, calibrate_noise_multiplier
@@ -66,6 +66,7 @@ from prism_runtime.cache import cached_float
 from prism_runtime.config import RunConfig, SiteConfig, site_method
 from prism_runtime.data import TokenizedDataset
 from prism_runtime.durable import locked
+from prism_runtime.errors import ConfigError
 from prism_runtime.faults import NO_FAULTS, Faults
 from prism_runtime.model import LoadedModel, load_model, model_config_for
 from prism_runtime.protocol import REFUSAL_REASONS
@@ -115,12 +116,19 @@ class Site:
         self.faults = faults
         self.state_dir = policy.state_dir
         self.method = site_method(run.method)
-        rows = site_examples(run, site)
+        self.unit = policy.unit_for(run) or policy.privacy_unit or "record"
+        by_person = self.unit == "user"
+        user_field = (policy.user_field or run.user_field) if by_person else None
+        rows = site_examples(run, site, user_field=user_field)
         check_text_pairs(run, rows)
         self.num_examples = len(rows)
+        people = person_counts(rows) if by_person else None
+        self.num_units = len(people) if people is not None else self.num_examples
+        """N in the site's privacy unit: its records, or its people."""
         self.ledger = SiteLedger(self.state_dir)
-        self.sample_rate = run.batch_size / self.num_examples
-        self.refusal = policy.refusal(run, self.num_examples)
+        self.ledger.group_size = self._group_size(people)
+        self.sample_rate = run.batch_size / self.num_units
+        self.refusal = policy.refusal(run, self.num_units)
         # What this site spends for this run: the request, which the policy check has bounded
         # by the site's own cap and delta (a refused run reports the site's own values).
         asked = self.refusal is None
@@ -157,9 +165,10 @@ class Site:
         if run.auto_clip and self.method != "nondp":
             self.clip_plan = ClipPlan.from_run(
                 run,
-                expected_batch_size=self.sample_rate * self.num_examples,
+                expected_batch_size=self.sample_rate * self.num_units,
                 sample_rate=self.sample_rate,
                 trains_head=bool(self.loaded.head_params),
+                unit=self.unit,
             )
         self.sigma = self._sigma()
         train_config = site_train_config(
@@ -169,6 +178,8 @@ class Site:
             epsilon=self.epsilon_cap,
             delta=self.delta,
             noise_multiplier=self.sigma,
+            privacy_unit=self.unit,
+            group_size=self.ledger.group_size,
         )
         self.trainer = make_trainer(
             self.loaded, dataset, train_config, history=self.ledger.events()
@@ -176,6 +187,36 @@ class Site:
         self.sample_rate = self.trainer.sample_rate
         self.clip = AutoClip(self.clip_plan, self.clip_store, self.trainer, site_id=self.site_id)
         self.facts = self._facts()
+
+    def _group_size(self, people: dict[str, int] | None) -> int | None:
+        """At the person level, the most records of one of the site's people when its ledger
+        holds record-level events (they then count per person by group privacy, a conservative
+        conversion the report states); None otherwise.
+
+        Raises:
+            ConfigError: a site at the record level whose ledger holds person-level events (a
+                site never weakens its unit).
+        """
+        units = self.ledger.units()
+        if people is None:
+            if "user" in units:
+                raise ConfigError(
+                    f"site {self.site_id}: its privacy ledger {self.ledger.path} holds "
+                    "person-level events, but this run would train at the record level. A site "
+                    "never weakens its unit: set privacy-unit=user (with user-field) in its "
+                    "node config, so that every charge stays per person."
+                )
+            return None
+        if "record" not in units:
+            return None
+        largest = max(people.values())
+        log.warning(
+            "site %s: its ledger holds record-level events; at the person level they count "
+            "by group privacy with this site's largest number of records per person "
+            "(conservative)",
+            self.site_id,
+        )
+        return largest
 
     def _sigma(self) -> float:
         if self.method == "nondp":
@@ -214,6 +255,7 @@ class Site:
             mechanism=self.mechanism,
             sigma=self.sigma,
             sample_rate=self.sample_rate,
+            unit=self.unit,
         )
 
     @property
@@ -245,7 +287,11 @@ class Site:
                 return refuse(self.facts, self.ledger, request.server_round, "bad-broadcast")
             estimate = self.clip.pending(request.run_id)
             steps = PrivacyEvent(
-                self.sigma, self.sample_rate, self.run.local_steps, mechanism=self.mechanism
+                self.sigma,
+                self.sample_rate,
+                self.run.local_steps,
+                mechanism=self.mechanism,
+                unit=self.unit,
             )
             planned = plan_charge(
                 self.ledger,

@@ -27,6 +27,7 @@ import logging
 import math
 import os
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -144,6 +145,14 @@ class SiteLedger:
         self.path = Path(state_dir) / self.FILE
         make_dirs(self.path.parent)
         self._entries = self._read()
+        self.group_size: int | None = None
+        """At the person level: the most records of one of the site's people, by which its
+        record-level events count per person (group privacy; ``prism_core.accounting.epsilon``).
+        None: the ledger holds one unit."""
+
+    def units(self) -> list[str]:
+        """The privacy units of the charged events, in order of first appearance."""
+        return list(dict.fromkeys(e.unit for e in self.events()))
 
     def _damaged(self, number: int, problem: str) -> ConfigError:
         return ConfigError(
@@ -238,5 +247,8 @@ class SiteLedger:
                 fsync_dir(self.path.parent)
         self._entries = [*parsed.entries, entry]
 
-    def epsilon(self, delta: float) -> float:
-        return epsilon(self.events(), delta)
+    def epsilon(self, delta: float, events: Sequence[PrivacyEvent] | None = None) -> float:
+        """Epsilon of ``events`` (default: the ledger's) at ``delta``, per person when
+        ``group_size`` is set."""
+        history = self.events() if events is None else events
+        return epsilon(history, delta, group_size=self.group_size)

@@ -27,7 +27,9 @@ Environment of ``supernode``: ``PRISM_SUPERLINK`` (host:port), ``PRISM_CA_CERT``
 ``PRISM_SITE_KEY``, ``PRISM_SITE_ID``, ``PRISM_DATA_PATH``, ``PRISM_STATE_DIR``,
 ``PRISM_EPSILON_CAP``, ``PRISM_DELTA`` (these three required), ``PRISM_SHARE_NUM_EXAMPLES``,
 ``PRISM_ALLOW_NONDP``, ``PRISM_ALLOW_NONPRIVATE_METRICS``, ``PRISM_REQUIRE_SECURE_RNG`` (default
-true), ``PRISM_PARTITION_ID`` and ``PRISM_NUM_PARTITIONS`` (one-host demo only),
+true), ``PRISM_PRIVACY_UNIT`` (``user``: one epsilon per person with all their records, or
+``record``; default ``record``) with ``PRISM_USER_FIELD`` (the data field naming the person,
+required with ``user``), ``PRISM_PARTITION_ID`` and ``PRISM_NUM_PARTITIONS`` (one-host demo only),
 ``PRISM_CLIENTAPP_PORT`` (default 9094), ``PRISM_SITE_EXECUTOR`` (``worker``, the default: the
 SuperNode runs under the site's warm worker ``client.worker``, one long-lived process that runs
 every message with the site's installed ClientApp; ``flower``: Flower's own executor, a fresh
@@ -72,6 +74,8 @@ _NODE_ENV = {
     "allow-nondp": "PRISM_ALLOW_NONDP",
     "allow-nonprivate-metrics": "PRISM_ALLOW_NONPRIVATE_METRICS",
     "require-secure-rng": "PRISM_REQUIRE_SECURE_RNG",
+    "privacy-unit": "PRISM_PRIVACY_UNIT",
+    "user-field": "PRISM_USER_FIELD",
     "partition-id": "PRISM_PARTITION_ID",
     "num-partitions": "PRISM_NUM_PARTITIONS",
 }

@@ -28,6 +28,8 @@ __all__ = [
     "compose_events",
     "epsilon",
     "epsilon_report",
+    "group_privacy",
+    "group_record_budget",
     "history_unit",
     "max_steps",
 ]
@@ -47,6 +49,11 @@ more per step) protect nothing anyway."""
 PRV_EPSILON_MAX = 64.0
 """PRV is evaluated only where RDP's epsilon is at most this: its memory grows with the
 epsilon it must cover. Above, the RDP value (an upper bound) is returned."""
+
+PRV_DELTA_MIN = 1e-12
+"""PRV is evaluated only at a delta of at least this (Opacus refuses a delta its floating-point
+error would dominate); a smaller delta, as group privacy's conversion asks for, is accounted by
+RDP (an upper bound)."""
 
 PRV_STEPS_MAX = 100_000
 """PRV is evaluated only for histories of at most this many steps (memory grows with them);
@@ -102,22 +109,96 @@ def _accountant_key(history: Sequence[PrivacyEvent]) -> tuple[tuple[float, float
     return tuple(key)
 
 
+def group_privacy(epsilon: float, delta: float, group_size: int) -> tuple[float, float]:
+    """The ``(epsilon, delta)`` guarantee of a group of ``group_size`` units under a mechanism
+    that is ``(epsilon, delta)``-DP per unit: ``(k epsilon, k e^((k-1) epsilon) delta)``
+    (Dwork and Roth 2014, Lemma 2.2 generalised; Vadhan 2017, Lemma 2.3). A person with at
+    most k records in a record-level run is protected at this level."""
+    if group_size < 1:
+        raise PrivacyParameterError(f"group_size={group_size!r} must be >= 1")
+    k = group_size
+    if math.isinf(epsilon):
+        return math.inf, min(1.0, k * delta) if delta > 0 else 0.0
+    return k * epsilon, k * math.exp((k - 1) * epsilon) * delta
+
+
+def group_record_budget(epsilon: float, delta: float, group_size: int) -> tuple[float, float]:
+    """The per-record ``(epsilon, delta)`` whose ``group_privacy`` at ``group_size`` is the
+    per-person ``(epsilon, delta)``: ``(epsilon / k, delta / (k e^((k-1) epsilon / k)))``. The
+    group-privacy baseline trains per record at this budget, each person capped at k records."""
+    if group_size < 1:
+        raise PrivacyParameterError(f"group_size={group_size!r} must be >= 1")
+    k = group_size
+    per_record = epsilon / k
+    return per_record, delta / (k * math.exp((k - 1) * per_record))
+
+
+GROUP_DELTA_SHARE = 0.5
+"""At the person level, the share of delta given to the record-level events converted by
+group privacy (``epsilon(..., group_size=k)``); the person-level events get the rest."""
+
+
+def _per_person(
+    events: Sequence[PrivacyEvent], delta: float, group_size: int, accountant: Accountant
+) -> float:
+    """Epsilon per person of a history whose record-level events count by group privacy with
+    ``group_size`` records per person, composed (basic composition: epsilons and deltas add)
+    with the person-level events accounted together (conservative, never tighter)."""
+    records = [e for e in events if e.unit == "record"]
+    people = [e for e in events if e.unit != "record"]
+    share = GROUP_DELTA_SHARE if people else 1.0
+    target = share * delta  # the converted events' delta: k e^((k-1) eps_r) delta_r <= target
+    k = group_size
+    delta_r = target / k
+    eps_r = epsilon(records, delta_r, accountant=accountant)
+    for _ in range(200):  # eps_r grows as delta_r shrinks: a fixed point from above
+        if math.isinf(eps_r):
+            return math.inf
+        allowed = target / (k * math.exp((k - 1) * eps_r))
+        if delta_r <= allowed * (1 + 1e-12):
+            break
+        delta_r = allowed
+        eps_r = epsilon(records, delta_r, accountant=accountant)
+    else:  # pragma: no cover - (k-1) eps_r grows without a fixed point only past any budget
+        return math.inf
+    rest = epsilon(people, delta - target, accountant=accountant) if people else 0.0
+    return k * eps_r + rest
+
+
 def epsilon(
-    events: Sequence[PrivacyEvent], delta: float, *, accountant: Accountant = "prv"
+    events: Sequence[PrivacyEvent],
+    delta: float,
+    *,
+    accountant: Accountant = "prv",
+    group_size: int | None = None,
 ) -> float:
     """Epsilon after composing every event, at the given delta.
 
     Implements the composition of Thm 3.4 with Opacus' PRV (default) or RDP accountant.
+
+    Args:
+        events: the history.
+        delta: the delta of the guarantee.
+        accountant: ``"prv"`` (reported) or ``"rdp"`` (the cross-check).
+        group_size: epsilon PER PERSON of a history that holds record-level events, a person
+            having at most this many records: the record-level events count by group privacy
+            (``group_privacy``, with ``GROUP_DELTA_SHARE`` of delta when person-level events
+            follow them) and compose with the person-level events by adding epsilons (a site
+            switched from ``record`` to ``user``; docs/design.md §3.2). None: the history must
+            hold one unit.
 
     Returns:
         0.0 for an empty history, ``inf`` if any step ran without noise.
 
     Raises:
         AccountingError: for a sampling scheme other than Poisson or another adjacency, a
-            history that mixes privacy units (``PrivacyEvent.unit``: record-level events
+            history that mixes privacy units without ``group_size`` (record-level events
             convert to a person-level guarantee only by group privacy, never silently), or an
             accountant other than ``"prv"`` and ``"rdp"``.
     """
+    if group_size is not None and any(e.unit == "record" and e.steps > 0 for e in events):
+        _check_delta(delta)
+        return _per_person(events, delta, group_size, accountant)
     _check_delta(delta)
     if accountant not in _ACCOUNTANTS:
         raise AccountingError(f"accountant={accountant!r}: use 'prv' (reported) or 'rdp'")
@@ -150,10 +231,11 @@ def _prv_fits(history: tuple[tuple[float, float, int], ...], delta: float) -> bo
 
     PRV's domain (and its FFT arrays) grow with the epsilon it must cover and the number of
     steps: it is used only when every sigma is at least ``SIGMA_MIN``, the steps are at most
-    ``PRV_STEPS_MAX`` and RDP's epsilon (an upper bound, cheap at any size) is at most
-    ``PRV_EPSILON_MAX``. Everywhere else ``epsilon`` returns RDP's value: larger, never wrong.
+    ``PRV_STEPS_MAX``, delta is at least ``PRV_DELTA_MIN`` and RDP's epsilon (an upper bound,
+    cheap at any size) is at most ``PRV_EPSILON_MAX``. Everywhere else ``epsilon`` returns RDP's
+    value: larger, never wrong.
     """
-    if any(sigma < SIGMA_MIN for sigma, _, _ in history):
+    if delta < PRV_DELTA_MIN or any(sigma < SIGMA_MIN for sigma, _, _ in history):
         return False
     if sum(steps for _, _, steps in history) > PRV_STEPS_MAX:
         return False
@@ -183,7 +265,9 @@ def _accountant_epsilon(
     return max(0.0, value)
 
 
-def epsilon_report(events: Sequence[PrivacyEvent], delta: float) -> EpsilonReport:
+def epsilon_report(
+    events: Sequence[PrivacyEvent], delta: float, *, group_size: int | None = None
+) -> EpsilonReport:
     """PRV epsilon with the RDP cross-check; raises if RDP is smaller than PRV.
 
     Implements the accounting of Thm 3.4 / App. A.25 of PRISM with two accountants.
@@ -194,8 +278,8 @@ def epsilon_report(events: Sequence[PrivacyEvent], delta: float) -> EpsilonRepor
     Raises:
         AccountingError: if the two accountants disagree in the impossible direction.
     """
-    prv = epsilon(events, delta, accountant="prv")
-    rdp = epsilon(events, delta, accountant="rdp")
+    prv = epsilon(events, delta, accountant="prv", group_size=group_size)
+    rdp = epsilon(events, delta, accountant="rdp", group_size=group_size)
     if rdp + PRV_EPS_ERROR < prv:
         raise AccountingError(f"RDP epsilon {rdp:.4f} < PRV epsilon {prv:.4f}: accountant failure")
     return EpsilonReport(delta=delta, prv=prv, rdp=rdp)
@@ -362,6 +446,8 @@ def max_steps(
     delta: float,
     target_epsilon: float,
     limit: int,
+    unit: str | None = None,
+    group_size: int | None = None,
 ) -> int:
     """Largest ``k <= limit`` such that ``history`` plus ``k`` more steps stays within the target.
 
@@ -370,14 +456,16 @@ def max_steps(
     The steps are Poisson-subsampled Gaussian steps with the given sigma and q (of the
     history's unit, ``history_unit``), composed with
     the whole history by PRV (the same accountant as ``epsilon``); found by bisection, since
-    epsilon grows with k. Returns 0 when not even one more step fits.
+    epsilon grows with k. Returns 0 when not even one more step fits. ``unit``: the steps'
+    privacy unit (default the history's); ``group_size`` as in ``epsilon``.
     """
+    step_unit = unit if unit is not None else history_unit(history)
     if limit < 0:
         raise PrivacyParameterError(f"limit={limit!r} must be >= 0")
 
     def fits(k: int) -> bool:
-        extra = [PrivacyEvent(noise_multiplier, sample_rate, k, unit=history_unit(history))]
-        return epsilon([*history, *extra], delta) <= target_epsilon
+        extra = [PrivacyEvent(noise_multiplier, sample_rate, k, unit=step_unit)]
+        return epsilon([*history, *extra], delta, group_size=group_size) <= target_epsilon
 
     if limit == 0 or not fits(1):
         return 0

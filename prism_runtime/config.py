@@ -32,6 +32,7 @@ from prism_runtime.ranges import (
     LR_MAX,
     MAX_NORM_MAX,
     MAX_NORM_MIN,
+    MAX_RECORDS_PER_USER_MAX,
     NUM_ROUNDS_MAX,
     QUANTILE_STEPS_MAX,
     SIGMA_MAX,
@@ -58,6 +59,13 @@ DEFAULT_BATCH_SIZE = 128
 """Expected Poisson batch b = q N per local step."""
 DEFAULT_MICRO_BATCH_SIZE = 64
 """Examples per forward/backward pass (memory only; never changes the result beyond float)."""
+DEFAULT_MAX_RECORDS_PER_USER = 4
+"""The most records one person contributes to a person-level batch (``max-records-per-user``):
+a person with more gives a random chunk of this many at each step they are sampled. A larger k
+costs no privacy (a person's records share one clip of C); it gives each sampled person more
+records per step, whose summed gradient the clip shrinks more often, and the micro-batches more
+rows (docs/design.md §3.2)."""
+
 DEFAULT_MAX_NORM = 1.0
 """Total clip C (the sensitivity), LoRA and head together."""
 DEFAULT_LR = 0.002
@@ -108,6 +116,7 @@ SITE_BOUNDS: dict[str, tuple[str, ...]] = {
     "batch-size": ("batch-above-site-data",),
     "method": ("nondp-not-allowed",),
     "report-train-loss": ("nonprivate-metrics-not-allowed",),
+    "privacy-unit": ("user-level-not-configured",),
 }
 """Run-config keys a site's own policy bounds, with the ``REFUSAL_REASONS`` codes of a site that
 refuses the request (``client.policy.SitePolicy.refusal``; ``cap-exhausted``: the site's cap)."""
@@ -231,6 +240,24 @@ class RunConfig(_Kebab):
         DEFAULT_MICRO_BATCH_SIZE,
         ge=1,
         description="examples per forward/backward pass at a site (memory only)",
+    )
+    privacy_unit: Literal["record", "user"] = Field(
+        "record",
+        description="the unit of the guarantee the run ASKS for: record (each row) or user (each "
+        "person with all their records; batch-size then counts people). A site set to user runs "
+        "per person whatever the run asks; a site set to record refuses a user run",
+    )
+    user_field: str = Field(
+        "patient_id",
+        description="simulation: the row field of the run's data naming the person (a deployed "
+        "site names its own in its node config)",
+    )
+    max_records_per_user: int = Field(
+        DEFAULT_MAX_RECORDS_PER_USER,
+        ge=1,
+        le=MAX_RECORDS_PER_USER_MAX,
+        description="person level: the most records of one sampled person in a step (a random "
+        "chunk of a person with more, drawn at the site); costs no privacy",
     )
     max_norm: float | Literal["auto"] = Field(
         DEFAULT_MAX_NORM,
@@ -608,6 +635,21 @@ class SiteConfig(_Kebab):
         json_schema_extra=_allowed_note(
             "a number > 0 and < 1; required for a deployed site (simulation default 1e-05)"
         ),
+    )
+    privacy_unit: Literal["record", "user"] | None = Field(
+        None,
+        description="the unit of this site's guarantee: user (each person, e.g. a patient, with "
+        "all their records; needs user-field) or record (each row; refuses runs that ask for "
+        "user)",
+        json_schema_extra=_allowed_note(
+            "record or user (default: record for a deployed site; a simulated site follows the "
+            "run's privacy-unit)"
+        ),
+    )
+    user_field: str = Field(
+        "",
+        description="the field of each data row naming its person (e.g. patient_id); required "
+        "with privacy-unit=user on a deployed site (simulation default: the run's user-field)",
     )
     share_num_examples: bool = Field(False, description="report the shard size to the server")
     state_dir: str = Field(

@@ -90,6 +90,8 @@ REFUSAL_REASONS: dict[str, str] = {
     "bad-broadcast": "the broadcast adapter is not finite, of the wrong shape, above the site's "
     "magnitude limits, or not of rank r with a bounded condition number",
     "bad-round": "the round number is not an integer in the range the site accepts",
+    "user-level-not-configured": "the run asks for a per-person guarantee (privacy-unit=user); "
+    "the site's policy is per record (set privacy-unit=user and user-field at the site)",
 }
 """Codes a site may put in ``reason`` of a ``refused`` reply, with their fixed meaning."""
 

@@ -34,6 +34,7 @@ __all__ = [
     "LR_MAX",
     "MAX_NORM_MAX",
     "MAX_NORM_MIN",
+    "MAX_RECORDS_PER_USER_MAX",
     "NUM_ROUNDS_MAX",
     "QUANTILE_STEPS_MAX",
     "SERVER_ROUND_MAX",
@@ -54,6 +55,10 @@ LR_MAX = 10.0
 """Largest local learning rate (PRISM's LoRA step, the baselines' AdamW)."""
 HEAD_LR_MAX = 1000.0
 """Largest learning rate of the DP head."""
+
+MAX_RECORDS_PER_USER_MAX = 1_000
+"""Most records of one person in a person-level batch (``max-records-per-user``): a larger k
+costs no privacy, only memory and time per sampled person."""
 
 LOCAL_STEPS_MAX = 10_000
 """Most local steps per round."""

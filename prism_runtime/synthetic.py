@@ -4,13 +4,33 @@ It lets a fresh machine run the demo federation with nothing but the project ins
 English clinic-feedback sentences whose label (0 negative, 1 positive) follows from the words
 used, with a little label noise so the task is not trivially separable. The same ``seed`` always
 gives the same rows, on every machine.
+
+Every row is a feedback note of one patient (``patient_id``, ``SYNTHETIC_USER_FIELD``): the
+notes per patient are heavy-tailed (``P(c) ~ c^-2`` for 1 to ``MAX_NOTES_PER_PATIENT`` notes,
+mean about 2.6; a few patients write dozens), as a hospital's records per patient are, so the
+demo's per-patient guarantee protects people with many records. Patients are drawn from their own
+stream of the seed: the notes are the same with or without them, and the ids of two seeds (two
+sites) never coincide.
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import random
 
-__all__ = ["synthetic_examples", "synthetic_stream"]
+__all__ = [
+    "MAX_NOTES_PER_PATIENT",
+    "SYNTHETIC_USER_FIELD",
+    "synthetic_examples",
+    "synthetic_stream",
+]
+
+SYNTHETIC_USER_FIELD = "patient_id"
+"""The field of a built-in row naming its patient."""
+
+MAX_NOTES_PER_PATIENT = 40
+"""The most notes one synthetic patient writes."""
 
 _SUBJECTS = (
     "the nurse",
@@ -64,7 +84,7 @@ def synthetic_stream(run_seed: int, part: str) -> str:
 def synthetic_examples(
     n: int, *, seed: int | str = 0, label_noise: float = 0.05
 ) -> list[dict[str, object]]:
-    """``n`` rows ``{"text": str, "label": 0 | 1}`` from a seeded generator.
+    """``n`` rows ``{"text": str, "label": 0 | 1, "patient_id": str}`` from a seeded generator.
 
     Args:
         n: number of rows.
@@ -85,4 +105,19 @@ def synthetic_examples(
         if rng.random() < label_noise:
             label = 1 - label
         rows.append({"text": text, "label": label})
+    for row, patient in zip(rows, _patients(seed), strict=False):
+        row[SYNTHETIC_USER_FIELD] = patient
     return rows
+
+
+def _patients(seed: int | str) -> itertools.chain[str]:
+    """Patient ids, one per row in row order: consecutive runs of heavy-tailed lengths
+    (``P(c) ~ c^-2``, 1 to ``MAX_NOTES_PER_PATIENT``), from the seed's own patient stream."""
+    rng = random.Random(f"{seed} patients")
+    tag = hashlib.sha256(str(seed).encode()).hexdigest()[:10]
+    sizes = range(1, MAX_NOTES_PER_PATIENT + 1)
+    weights = [c**-2.0 for c in sizes]
+    return itertools.chain.from_iterable(
+        itertools.repeat(f"patient-{tag}-{i}", rng.choices(sizes, weights)[0])
+        for i in itertools.count()
+    )

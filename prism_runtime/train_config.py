@@ -23,6 +23,7 @@ from prism_runtime.config import (
     DEFAULT_HEAD_OPTIMIZER,
     DEFAULT_LR,
     DEFAULT_MAX_NORM,
+    DEFAULT_MAX_RECORDS_PER_USER,
     DEFAULT_MICRO_BATCH_SIZE,
     RunConfig,
 )
@@ -53,13 +54,6 @@ MECHANISMS: dict[str, str] = {
 
 PrivacyUnit = Literal["record", "user"]
 PRIVACY_UNITS: tuple[str, ...] = ("record", "user")
-
-DEFAULT_MAX_RECORDS_PER_USER = 4
-"""The most records one person contributes to a person-level batch (``max_records_per_user``):
-a person with more gives a random chunk of this many at each step they are sampled. A larger k
-costs no privacy (a person's records share one clip of C); it gives each sampled person more
-records per step, whose summed gradient the clip shrinks more often, and the micro-batches more
-rows (docs/design.md §3.2)."""
 
 ADAMW_BETAS: tuple[float, float] = (0.9, 0.999)
 """The betas of every AdamW a site runs (an AdamW head, the factor-space baselines); the
@@ -139,6 +133,13 @@ class TrainConfig(BaseModel):
         description="privacy_unit='user': the most records of one person in a batch (a random "
         "chunk of a person with more, drawn afresh at each step)",
     )
+    group_size: int | None = Field(
+        None,
+        ge=1,
+        description="privacy_unit='user' after record-level events in the history: the most "
+        "records of one person, by which those events count per person (group privacy, "
+        "prism_core.accounting.epsilon)",
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (baselines, head)")
     adaptive: AdaptiveSettings = AdaptiveSettings()
     seed: int | None = Field(
@@ -190,10 +191,14 @@ def site_train_config(
     epsilon: float | None = None,
     delta: float | None = None,
     noise_multiplier: float | None = None,
+    privacy_unit: str = "record",
+    group_size: int | None = None,
 ) -> TrainConfig:
     """The ``TrainConfig`` a site runs for ``run``: the run's steps, batch, lr and head settings;
     the site's own privacy facts (its epsilon cap and delta for this run, its sigma) and its
-    clip (``max_norm``: the run's, or the site's private estimate with ``max-norm = auto``).
+    clip (``max_norm``: the run's, or the site's private estimate with ``max-norm = auto``), its
+    privacy unit (the site's policy, never the run's alone) and, at the person level after
+    record-level events, its ``group_size``.
     The coordinator calls it with the run's own values to know what honest sites run."""
     return TrainConfig(
         method=cast(Method, method),  # validated here: TrainConfig refuses any other name
@@ -208,5 +213,8 @@ def site_train_config(
         head_lr=run.head_learning_rate,
         head_optimizer=run.head_optimizer,
         head_max_norm=run.head_clip,
+        privacy_unit=cast(PrivacyUnit, privacy_unit),  # validated by TrainConfig
+        max_records_per_user=run.max_records_per_user,
+        group_size=group_size,
         progress=False,
     )

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from prism_runtime.config import SYNTHETIC
+from server.report import UNIT_NAMES
 
 __all__ = ["demo_env", "demo_run_config", "main", "stop_local_superlinks"]
 
@@ -105,7 +106,8 @@ def demo_run_config(extra: str, default_run_dir: Path) -> tuple[str, Path]:
     """The ``--run-config`` string of the demo and the run folder it writes to.
 
     The user's ``extra`` (``key=value`` pairs, Flower's syntax) wins over the demo's defaults
-    (``run-dir``; ``server-eval-data='synthetic'`` while ``data`` is the built-in task): each key
+    (``run-dir``; ``server-eval-data='synthetic'`` and ``privacy-unit='user'``, one epsilon per
+    patient, while ``data`` is the built-in task, whose notes have patients): each key
     appears once. A relative ``run-dir`` is made absolute from the repository root, so the demo
     finds its report.
 
@@ -121,6 +123,8 @@ def demo_run_config(extra: str, default_run_dir: Path) -> tuple[str, Path]:
     values: dict[str, object] = {"run-dir": str(default_run_dir)}
     if given.get("data", SYNTHETIC) == SYNTHETIC:  # the built-in task's own held-out draw
         values["server-eval-data"] = SYNTHETIC
+        # the built-in notes have patients: one epsilon per patient with all their notes
+        values["privacy-unit"] = "user"
     values.update(given)
     run_dir = Path(str(values["run-dir"]) or default_run_dir)
     values["run-dir"] = str(run_dir if run_dir.is_absolute() else ROOT / run_dir)
@@ -161,8 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     sites = json.loads(report.read_text())["sites"]
     print("\nprism-fl demo finished")
     for row in sites:
+        unit = UNIT_NAMES.get(row["unit"], row["unit"])
         print(
-            f"  {row['site_id']}: epsilon {row['epsilon']:.3f} "
+            f"  {row['site_id']}: epsilon {row['epsilon']:.3f} per {unit} "
             f"of cap {row['epsilon_cap']} (delta {row['delta']})"
         )
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -39,6 +39,7 @@ from prism_core.quantile import QUANTILE_MECHANISM
 from prism_runtime.protocol import RNG_REPRODUCIBLE, RNG_SECURE
 from server.errors import ConfigError
 from server.ledger import Ledger, LedgerEvent, epsilon_points
+from server.ledger.budget import accountable, switched_to_person
 
 __all__ = [
     "CSV_COLUMNS",
@@ -220,7 +221,8 @@ def _site_row(
     horizon_rounds: int,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     events = ledger.events(site_id=site_id)  # one snapshot: the server may be appending
-    history = [e.event for e in events]
+    switched = switched_to_person(events)
+    history = [e.event for e in accountable(events)]
     quantile = [e for e in events if not _training(e) and e.steps > 0]
     ran = [e for e in events if e.steps > 0 and _training(e)]
     known = [e for e in ran if e.params_known]
@@ -275,6 +277,16 @@ def _site_row(
         row["note"] += (
             "NOT private against the coordinator: the site ran with reproducible (seeded) "
             "randomness. "
+        )
+    if switched:
+        earlier = [e for e in events if e.unit == "record" and e.steps > 0]
+        row["unit"] = "user"
+        row["note"] += (
+            f"switched from per record to per patient: epsilon counts the per-patient rounds; "
+            f"the site adds its {sum(e.steps for e in earlier)} earlier per-record steps by "
+            "group privacy with its own largest number of records per patient (conservative; "
+            "not sent), so its own epsilon is larger and its ledger enforces its cap on the "
+            "sum. "
         )
     if len(set(caps)) > 1:
         row["note"] += f"caps changed {_distinct(caps)}; the smallest applies. "
@@ -495,13 +507,15 @@ def round_rows(ledger: Ledger, exhausted: Iterable[str] = ()) -> list[dict[str, 
         caps = [e.epsilon_cap for e in events if e.epsilon_cap is not None]
         delta = min(e.delta for e in events)
         try:
-            eps = epsilon([e.event for e in events], delta)
+            eps = epsilon([e.event for e in accountable(events)], delta)
         except AccountingError:
             eps = math.inf
+        units = _distinct([e.unit for e in accountable(events)])
         rows.append(
             {
                 "site_id": site_id,
                 "epsilon": eps,
+                "unit": ", ".join(units),
                 "epsilon_cap": min(caps) if caps else None,
                 "status": "exhausted" if site_id in done else "active",
                 **site_marks(events),
@@ -513,17 +527,22 @@ def round_rows(ledger: Ledger, exhausted: Iterable[str] = ()) -> list[dict[str, 
 def format_round_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """A fixed-width text table for the log after each round and for ``prism-fl report``.
 
-    Columns: site, epsilon ("unknown" when an unconfirmed charge has unknown parameters), cap,
-    status, unconfirmed (charges counted in epsilon as a worst case), marks. ``rows`` are
+    Columns: site, epsilon ("unknown" when an unconfirmed charge has unknown parameters), per
+    (its unit: record or patient), cap, status, unconfirmed (charges counted in epsilon as a
+    worst case), marks. ``rows`` are
     report rows (``build_report(...)["sites"]``), ``round_rows`` rows, or any mappings with
     ``site_id``, ``epsilon``, ``epsilon_cap`` and ``status`` (the marks are optional). A line
     under the table spells out each mark that appears.
     """
     width = max([len("site"), *(len(str(r["site_id"])) for r in rows)])
-    lines = [f"{'site':<{width}}  {'epsilon':>9}  {'cap':>9}  {'status':<9}  unconfirmed  marks"]
+    lines = [
+        f"{'site':<{width}}  {'epsilon':>9}  {'per':<7}  {'cap':>9}  {'status':<9}  "
+        "unconfirmed  marks"
+    ]
     for r in rows:
+        unit = str(r.get("unit") or "record")
         lines.append(
-            f"{r['site_id']!s:<{width}}  {_epsilon_text(r, 9)}  "
+            f"{r['site_id']!s:<{width}}  {_epsilon_text(r, 9)}  {UNIT_NAMES.get(unit, unit):<7}  "
             f"{format_number(r.get('epsilon_cap'), 9)}  {r['status']!s:<9}  "
             f"{r.get('unconfirmed_rounds', 0):>11}  {'; '.join(r.get('marks', []))}".rstrip()
         )

@@ -130,7 +130,7 @@ class DPTrainer(PrivateTrainer):
 
     def epsilon(self) -> float:
         """Epsilon spent so far (PRV over the whole history, at ``config.delta``)."""
-        return epsilon(self.history, self.config.delta)
+        return epsilon(self.history, self.config.delta, group_size=self.config.group_size)
 
     def steps_allowed(self) -> int:
         """How many more steps fit under ``config.epsilon`` (the planned steps if no cap)."""
@@ -145,6 +145,8 @@ class DPTrainer(PrivateTrainer):
                 delta=cfg.delta,
                 target_epsilon=cfg.epsilon,
                 limit=max(cfg.steps, 1) * 4,
+                unit=self.privacy_unit,
+                group_size=cfg.group_size,
             )
         return self._allowed - self.steps_done
 

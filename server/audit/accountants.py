@@ -30,6 +30,7 @@ from dp_accounting.pld import pld_privacy_accountant
 from prism_core.accounting import PRV_EPS_ERROR, PrivacyEvent, compose_events, epsilon
 from prism_core.errors import AccountingError
 from server.ledger import Ledger
+from server.ledger.budget import accountable
 
 __all__ = [
     "PLD_DISCRETIZATION",
@@ -57,9 +58,14 @@ def pld_epsilon(events: Sequence[PrivacyEvent], delta: float) -> float:
     """Epsilon of the composed history by dp_accounting's PLD accountant (add/remove).
 
     Raises:
-        AccountingError: an event that is not Poisson-subsampled with add/remove adjacency.
+        AccountingError: an event that is not Poisson-subsampled with add/remove adjacency, or
+            a history that mixes privacy units (an epsilon per record and one per person are
+            different guarantees, as in ``prism_core.accounting.epsilon``).
     """
     history = compose_events(events)
+    units = sorted({e.unit for e in history if e.steps > 0})
+    if len(units) > 1:
+        raise AccountingError(f"cannot compose events of privacy units {units} with PLD")
     for e in history:
         if e.sampling != "poisson" or e.adjacency != "add-remove":
             raise AccountingError(
@@ -176,7 +182,7 @@ def check_ledger(ledger: Ledger) -> list[SiteCheck]:
         out.append(
             check_site(
                 site,
-                [e.event for e in events],
+                [e.event for e in accountable(events)],  # a switched site: its per-person part
                 ledger.site_delta(site),
                 min(caps) if caps else None,
             )

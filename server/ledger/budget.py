@@ -14,14 +14,42 @@ from prism_core.accounting import EpsilonReport, PrivacyEvent, epsilon, epsilon_
 from prism_core.errors import AccountingError
 from server.ledger.events import LedgerEvent
 
-__all__ = ["epsilon_points", "epsilon_series", "history_epsilon", "within_cap"]
+__all__ = [
+    "accountable",
+    "epsilon_points",
+    "epsilon_series",
+    "history_epsilon",
+    "switched_to_person",
+    "within_cap",
+]
 
 log = logging.getLogger("server.ledger")
 
 
+def switched_to_person(events: Sequence[LedgerEvent]) -> bool:
+    """Whether a site's history holds per-record steps and then per-person ones (a site whose
+    policy changed from ``record`` to ``user``; the reverse is refused by the site)."""
+    units = [e.unit for e in events if e.steps > 0]
+    if "record" not in units or "user" not in units:
+        return False
+    return units.index("user") > max(i for i, u in enumerate(units) if u == "record")
+
+
+def accountable(events: Sequence[LedgerEvent]) -> list[LedgerEvent]:
+    """The events the coordinator composes into one epsilon: all of them, or, for a site
+    ``switched_to_person``, its per-person events. Such a site counts its earlier per-record
+    steps per person itself, by group privacy with its own largest number of records per
+    person (which it does not send); the coordinator's per-person epsilon is then a LOWER bound
+    of the site's own, and the site's ledger enforces its cap on the whole."""
+    if not switched_to_person(events):
+        return list(events)
+    return [e for e in events if e.unit != "record"]
+
+
 def history_epsilon(events: Sequence[LedgerEvent], delta: float) -> EpsilonReport:
-    """Epsilon of one site's whole history at ``delta`` (PRV, RDP cross-check)."""
-    return epsilon_report([e.event for e in events], delta)
+    """Epsilon of one site's whole history at ``delta`` (PRV, RDP cross-check; ``accountable``
+    events)."""
+    return epsilon_report([e.event for e in accountable(events)], delta)
 
 
 def within_cap(
@@ -37,7 +65,7 @@ def within_cap(
     A history that cannot be accounted (e.g. non-Poisson sampling) answers False, with a
     warning: its privacy loss is unknown.
     """
-    history = [e.event for e in events]
+    history = [e.event for e in accountable(events)]
     try:
         return epsilon([*history, new], delta) <= epsilon_cap
     except AccountingError as exc:
@@ -54,6 +82,7 @@ def epsilon_points(events: Sequence[LedgerEvent], delta: float) -> list[tuple[st
     """
     out: list[tuple[str, int, float]] = []
     history: list[PrivacyEvent] = []
+    events = accountable(events)
     ran = False  # the current (run, round) ran steps
     for index, e in enumerate(events):
         history.append(e.event)

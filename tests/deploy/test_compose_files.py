@@ -339,6 +339,8 @@ def test_site_kit_settings_start_a_tls_authenticated_supernode(tmp_path):
         "allow-nondp": False,
         "allow-nonprivate-metrics": False,
         "require-secure-rng": True,
+        "privacy-unit": "user",  # the example site.env: epsilon per patient
+        "user-field": "patient_id",
     }
 
 

@@ -122,6 +122,17 @@ def test_a_sites_allow_switches_reach_its_node_config(pki):
     assert node["allow-nondp"] is True and node["allow-nonprivate-metrics"] is True
 
 
+def test_a_sites_privacy_unit_and_person_field_reach_its_node_config(pki):
+    env = _site_env(pki, PRISM_PRIVACY_UNIT="user", PRISM_USER_FIELD="patient_id")
+    args = supernode_args(env)
+    node = parse_config_args([args[args.index("--node-config") + 1]])
+    assert node["privacy-unit"] == "user" and node["user-field"] == "patient_id"
+    with pytest.raises(DeployError, match="user-field"):  # per person needs the person's field
+        supernode_args(_site_env(pki, PRISM_PRIVACY_UNIT="user"))
+    with pytest.raises(DeployError, match="privacy-unit"):
+        supernode_args(_site_env(pki, PRISM_PRIVACY_UNIT="patient"))
+
+
 def test_insecure_start_prints_a_warning(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "PRISM_ALLOW_INSECURE": "1"}
     env["FLWR_HOME"] = str(tmp_path)

@@ -348,7 +348,8 @@ def test_the_cross_check_allows_prv_up_to_its_discretisation_error_above_rdp(mon
     assert tiny.prv == tiny.rdp == 0.0
     values = {}
     monkeypatch.setattr(
-        "prism_core.accounting.epsilon", lambda events, delta, accountant: values[accountant]
+        "prism_core.accounting.epsilon",
+        lambda events, delta, accountant, group_size=None: values[accountant],
     )
     values.update(rdp=1.0, prv=1.0 + PRV_EPS_ERROR)
     assert epsilon_report([], 1e-5).prv == 1.0 + PRV_EPS_ERROR

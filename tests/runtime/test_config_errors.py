@@ -34,6 +34,7 @@ _CUSTOM = {  # fields whose rule is not a plain bound: a value just outside it
     "num_labels": [1, 0, 2.5, True, "automatic"],
     "text_pairs": ["maybe", 2, "yes"],
     "label_texts": ["a||b", "|", "a| "],
+    "privacy_unit": ["person", "records"],
 }
 
 

@@ -105,3 +105,25 @@ def test_every_site_of_a_ledger_is_checked_and_violations_named(tmp_path):
     assert checks["noiseless"].verdict == "FAIL"
     assert math.isinf(checks["noiseless"].prv) and math.isinf(checks["noiseless"].pld)
     assert checks["noiseless"].to_json()["prv"] == "inf"
+
+
+def test_pld_refuses_a_history_that_mixes_privacy_units():
+    mixed = [PrivacyEvent(1.0, 0.05, 5), PrivacyEvent(1.0, 0.05, 5, unit="user")]
+    with pytest.raises(Exception, match="privacy units"):
+        pld_epsilon(mixed, DELTA)
+    check = check_site("mixed", mixed, DELTA, None)
+    assert check.verdict == "FAIL"
+    assert any("privacy units" in r for r in check.reasons)
+
+
+def test_a_site_switched_to_per_person_is_checked_on_its_per_person_events(tmp_path):
+    path = tmp_path / "ledger.sqlite"
+    with Ledger.open(path) as led:
+        led.append_many([_ev(r, "switched", unit="record") for r in range(2)])
+        led.append_many([_ev(r, "switched", unit="user") for r in range(2, 5)])
+    with Ledger.open(path, create=False, read_only=True) as led:
+        (check,) = check_ledger(led)
+    assert check.verdict == "pass"
+    assert check.steps == 15  # the three per-person rounds
+    per_person = epsilon([PrivacyEvent(1.0, 0.05, 15, unit="user")], DELTA)
+    assert check.prv == pytest.approx(per_person, rel=1e-12)

@@ -30,12 +30,16 @@ def test_defaults_apply_when_not_given_and_a_relative_run_dir_is_rooted():
     assert parse_config_args([config]) == {
         "run-dir": "/runs/demo-2",
         "server-eval-data": "synthetic",
+        "privacy-unit": "user",  # the built-in notes have patients: epsilon per patient
     }
     config, run_dir = demo_run_config("run-dir='runs/mine' num-rounds=5 lr=0.5", Path("/x"))
     values = parse_config_args([config])
     assert run_dir == ROOT / "runs" / "mine" and values["run-dir"] == str(run_dir)
     assert values["num-rounds"] == 5 and values["lr"] == 0.5
     assert values["server-eval-data"] == "synthetic"
+    assert values["privacy-unit"] == "user"
+    config, _ = demo_run_config("privacy-unit='record'", Path("/x"))
+    assert parse_config_args([config])["privacy-unit"] == "record"  # the user's choice wins
 
 
 def test_the_users_own_data_get_no_synthetic_held_out_set():

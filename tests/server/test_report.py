@@ -172,17 +172,18 @@ def test_write_reports(tmp_path: Path, report: dict[str, object]) -> None:
 def test_format_round_table(report: dict[str, object]) -> None:
     text = format_round_table(report["sites"])  # type: ignore[arg-type]
     lines = text.splitlines()
-    assert lines[0].split() == ["site", "epsilon", "cap", "status", "unconfirmed", "marks"]
+    assert lines[0].split() == ["site", "epsilon", "per", "cap", "status", "unconfirmed", "marks"]
     assert len(lines) == 5 and len({len(line.rstrip()) for line in lines[1:4]}) <= 2
     a = rows(report)["a"]
     assert lines[1].split() == [
         "a",
         f"{a['epsilon']:.3f}",
+        "record",
         f"{a['epsilon_cap']:.3f}",
         "active",
         "0",  # no unconfirmed charge, no mark
     ]
-    assert lines[3].split()[2] == "-"  # no cap
+    assert lines[3].split()[3] == "-"  # no cap
     assert lines[4].split()[1] == "inf"
 
 
@@ -312,3 +313,20 @@ def test_a_reproducible_rng_site_is_marked_not_private_against_the_coordinator(t
             )
         assert main(["report", "--ledger", str(ledger.path), "--out", str(tmp_path / "c")]) == 0
         assert MARK_NOT_PRIVATE in capsys.readouterr().out
+
+
+def test_a_site_switched_to_per_patient_is_reported_per_patient_with_its_conversion(tmp_path):
+    path = tmp_path / "ledger.sqlite"
+    with Ledger.open(path) as led:
+        led.append_many([ev(r, "h", unit="record", epsilon_cap=8.0) for r in range(2)])
+        led.append_many([ev(r, "h", unit="user", epsilon_cap=8.0) for r in range(2, 5)])
+    with Ledger.open(path, read_only=True) as led:
+        (row,) = build_report(led)["sites"]
+        (light,) = round_rows(led)
+    per_patient = epsilon([PrivacyEvent(1.0, 0.01, 60, unit="user")], DELTA)
+    assert row["unit"] == light["unit"] == "user"
+    assert row["epsilon"] == pytest.approx(per_patient, rel=1e-12)
+    assert light["epsilon"] == pytest.approx(per_patient, rel=1e-12)
+    assert row["status"] == "active"
+    assert "group privacy" in row["note"] and "40 earlier per-record steps" in row["note"]
+    assert format_round_table([light]).splitlines()[1].split()[2] == "patient"
