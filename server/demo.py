@@ -30,7 +30,7 @@ from pathlib import Path
 from prism_runtime.config import SYNTHETIC
 from server.report import UNIT_NAMES
 
-__all__ = ["demo_env", "demo_run_config", "main", "stop_local_superlinks"]
+__all__ = ["demo_env", "demo_run_config", "demo_summary", "main", "stop_local_superlinks"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -162,11 +162,18 @@ def main(argv: list[str] | None = None) -> int:
     if status != 0 or not report.exists():
         print(f"prism-fl demo: flwr run failed with status {status}", file=sys.stderr)
         return status or 1
-    sites = json.loads(report.read_text())["sites"]
-    print("\nprism-fl demo finished")
+    print(demo_summary(run_dir))
+    return 0
+
+
+def demo_summary(run_dir: Path) -> str:
+    """What the demo prints when its run finished: each site's epsilon in its unit (per
+    patient for the built-in task), the held-out accuracy before and after, the outputs."""
+    sites = json.loads((run_dir / "report.json").read_text())["sites"]
+    lines = ["", "prism-fl demo finished"]
     for row in sites:
         unit = UNIT_NAMES.get(row["unit"], row["unit"])
-        print(
+        lines.append(
             f"  {row['site_id']}: epsilon {row['epsilon']:.3f} per {unit} "
             f"of cap {row['epsilon_cap']} (delta {row['delta']})"
         )
@@ -175,13 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     if evals:
         first, last = evals[min(evals, key=int)], evals[max(evals, key=int)]
         before, after = first.get("accuracy", float("nan")), last.get("accuracy", float("nan"))
-        print(f"  held-out accuracy: {before:.3f} (start) -> {after:.3f} (end)")
+        lines.append(f"  held-out accuracy: {before:.3f} (start) -> {after:.3f} (end)")
     if summary.get("adapter"):
-        print(f"  adapter (peft format): {run_dir / summary['adapter']}")
+        lines.append(f"  adapter (peft format): {run_dir / summary['adapter']}")
     else:
-        print(f"  NO adapter: {summary.get('adapter-reason', 'no round was applied')}")
-    print(f"  budget report: {run_dir / 'report.html'}")
-    return 0
+        lines.append(f"  NO adapter: {summary.get('adapter-reason', 'no round was applied')}")
+    lines.append(f"  budget report: {run_dir / 'report.html'}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -426,3 +426,60 @@ def test_batched_generation_matches_one_at_a_time(tiny_llama: Path, mawps: Path)
         single = generate_responses(loaded, examples, max_length=128, batch_size=1)
     assert batched == single
     assert all(isinstance(text, str) for text in batched)
+
+
+def _with_people(path: Path, out: Path, sizes: list[int]) -> Path:
+    """``path``'s rows with ``patient_id``: consecutive people of the given sizes (cycled)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    people: list[str] = []
+    person = 0
+    while len(people) < len(rows):
+        people += [f"p{person}"] * sizes[person % len(sizes)]
+        person += 1
+    people = people[: len(rows)]
+    lines = [json.dumps({**r, "patient_id": p}) + "\n" for r, p in zip(rows, people, strict=True)]
+    out.write_text("".join(lines))
+    return out
+
+
+def test_per_person_training_samples_people_and_reports_epsilon_per_person(
+    tiny_bert: str, sst2: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    train = _with_people(sst2[0], tmp_path / "people.jsonl", [1, 2, 5, 12])  # 120 rows: 24 people
+    out = tmp_path / "run"
+    args = [*_base_args(tiny_bert, (train, sst2[1]), out), "--epsilon", "3", *FAST]
+    args[args.index("--batch-size") + 1] = "8"  # eight people per step
+    assert main([*args, "--privacy-unit", "user", "--user-field", "patient_id"]) == EXIT_OK
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["privacy_unit"] == "user" and metrics["num_people"] == 24
+    assert metrics["sample_rate"] == pytest.approx(8 / 24, rel=1e-12)  # q over people
+    assert 0 < metrics["epsilon"] <= 3
+    assert metrics["group_size"] is None and metrics["epsilon_per_person"] is None
+    assert f"epsilon={metrics['epsilon']:.4f} per person (PRV" in capsys.readouterr().out
+
+
+def test_a_record_level_run_with_people_reports_their_epsilon_by_group_privacy(
+    tiny_bert: str, sst2: tuple[Path, Path], tmp_path: Path
+) -> None:
+    from prism_core.accounting import PrivacyEvent, epsilon
+
+    train = _with_people(sst2[0], tmp_path / "people.jsonl", [1, 2, 5, 12])
+    out = tmp_path / "run"
+    args = [*_base_args(tiny_bert, (train, sst2[1]), out), "--epsilon", "3", *FAST]
+    assert main([*args, "--user-field", "patient_id"]) == EXIT_OK
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["privacy_unit"] == "record" and metrics["group_size"] == 12
+    history = [PrivacyEvent(metrics["noise_multiplier"], metrics["sample_rate"], 4)]
+    expected = epsilon(history, metrics["delta"], group_size=12)
+    assert metrics["epsilon_per_person"] == pytest.approx(expected, rel=1e-9)
+    assert metrics["epsilon_per_person"] > 12 * metrics["epsilon"] * 0.99  # k eps at least
+
+
+def test_per_person_training_needs_the_person_field(
+    tiny_bert: str, sst2: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = [*_base_args(tiny_bert, sst2, tmp_path / "o"), "--epsilon", "3", *FAST]
+    assert main([*args, "--privacy-unit", "user"]) == EXIT_CONFIG_ERROR
+    assert "--user-field" in capsys.readouterr().err
+    assert main([*args, "--privacy-unit", "user", "--user-field", "patient_id"]) == EXIT_DATA_ERROR
+    assert "patient_id" in capsys.readouterr().err  # every row lacks it: named by lines

@@ -25,10 +25,12 @@ from prism_core.accounting import PrivacyEvent, epsilon
 from prism_core.quantile import QUANTILE_MECHANISM
 from prism_runtime.export import load_exported
 from server.cli import main as prism_fl
-from server.demo import stop_local_superlinks
+from server.demo import demo_summary, stop_local_superlinks
 from server.ledger import Ledger
 
 ROUNDS, STEPS = 2, 2
+PER_PATIENT = ("hospital-a", "hospital-b")  # deployed sites whose node config says user;
+# clinic-c sets nothing: a deployed site is per record
 
 
 def _run_config(model: str, run_dir: Path, **extra: object) -> str:
@@ -79,7 +81,10 @@ def _check_outputs(run_dir: Path, model: str, sites: int, estimates: int = 0) ->
             assert row["epsilon"] <= row["epsilon_cap"]
             sigma, q = train[0].noise_multiplier, train[0].sample_rate
             assert row["epsilon"] == pytest.approx(
-                epsilon([*clip, PrivacyEvent(sigma, q, ROUNDS * STEPS)], row["delta"])
+                epsilon(
+                    [*clip, PrivacyEvent(sigma, q, ROUNDS * STEPS, unit=train[0].unit)],
+                    row["delta"],
+                )
             )
     base = AutoModel.from_pretrained(model)
     adapter = PeftModel.from_pretrained(base, str(run_dir / "adapter")).eval()
@@ -90,13 +95,15 @@ def _check_outputs(run_dir: Path, model: str, sites: int, estimates: int = 0) ->
 
 
 def test_simulation_three_sites_two_rounds(tiny_bert, tmp_path):
+    """The demo's path: the built-in notes have patients and the run asks for one epsilon per
+    patient; the simulated sites follow it, and the demo's summary says so."""
     home, run_dir = tmp_path / "flwr", tmp_path / "run"
     env = flower_env(home)
     try:
         result = flwr_run(
             env,
             "local",
-            _run_config(tiny_bert, run_dir),
+            _run_config(tiny_bert, run_dir, **{"privacy-unit": "'user'"}),
             extra=["--federation-config", "num-supernodes=3 client-resources-num-cpus=1"],
         )
     finally:
@@ -105,7 +112,26 @@ def test_simulation_three_sites_two_rounds(tiny_bert, tmp_path):
     assert result.returncode == 0, output
     assert (run_dir / "summary.json").exists(), output
     _check_outputs(run_dir, tiny_bert, sites=3)
+    _check_units(run_dir, dict.fromkeys(("site-0", "site-1", "site-2"), "user"))
+    printed = demo_summary(run_dir)
+    assert printed.count(" per patient of cap 8.0") == 3, printed
+    for site in ("site-0", "site-1", "site-2"):  # each simulated site's own ledger
+        own = (run_dir / "sites" / site / "privacy-ledger.jsonl").read_text().splitlines()
+        assert [json.loads(line)["unit"] for line in own] == ["user"] * ROUNDS
     assert not stop_local_superlinks(home)  # nothing left running
+
+
+def _check_units(run_dir: Path, units: dict[str, str]) -> None:
+    """Each site's unit in the coordinator's ledger, its report rows and the HTML page."""
+    report = json.loads((run_dir / "report.json").read_text())
+    assert {r["site_id"]: r["unit"] for r in report["sites"]} == units
+    with Ledger.open(run_dir / "ledger.sqlite", read_only=True) as ledger:
+        for site, unit in units.items():
+            assert {e.unit for e in ledger.events(site_id=site)} == {unit}
+    page = (run_dir / "report.html").read_text()
+    for site, unit in units.items():
+        words = "epsilon per patient" if unit == "user" else "epsilon per record"
+        assert f"<b>{site}</b>: {words}" in page
 
 
 def test_deployment_superlink_and_three_supernodes(tiny_bert, sst2_rows, tmp_path):
@@ -124,6 +150,7 @@ def test_deployment_superlink_and_three_supernodes(tiny_bert, sst2_rows, tmp_pat
         tiny_bert, sst2_rows, tmp_path, **{"server-eval-data": f"'{held_out}'", **clip}
     )
     _check_outputs(run_dir, tiny_bert, sites=3, estimates=1)
+    _check_units(run_dir, {s: "user" if s in PER_PATIENT else "record" for s in SITES})
     # prism-fl evaluate on the run folder reproduces the coordinator's last evaluation
     out = tmp_path / "evaluate.json"
     assert prism_fl(["evaluate", str(run_dir), "--data", str(held_out), "--json", str(out)]) == 0
@@ -143,6 +170,8 @@ def test_deployment_superlink_and_three_supernodes(tiny_bert, sst2_rows, tmp_pat
                 (1, QUANTILE_MECHANISM),
                 *((r, "prism-tangent-gaussian") for r in range(1, ROUNDS + 1)),
             ]
+            unit = "user" if site in PER_PATIENT else "record"  # the quantile counts them too
+            assert [e["unit"] for e in own] == [unit] * (ROUNDS + 1)
             coordinator = ledger.events(site_id=site)
             assert [(e.round, e.mechanism, e.sigma, e.steps) for e in coordinator] == [
                 (e["server_round"], e["mechanism"], e["sigma"], e["steps"]) for e in own
@@ -168,11 +197,17 @@ def _deploy(tiny_bert: str, sst2_rows: list, tmp_path: Path, **extra: object) ->
         wait_for(lambda: port_open(port), 60, "the SuperLink port")
         for i, site in enumerate(SITES):
             data = tmp_path / f"{site}.jsonl"
-            data.write_text("".join(json.dumps(r) + "\n" for r in sst2_rows[i * 60 : (i + 1) * 60]))
+            rows = [  # three notes per patient
+                {**r, "patient_id": f"{site}-{j // 3}"}
+                for j, r in enumerate(sst2_rows[i * 60 : (i + 1) * 60])
+            ]
+            data.write_text("".join(json.dumps(r) + "\n" for r in rows))
             node_config = (
                 f"site-id='{site}' data-path='{data}' state-dir='{tmp_path / 'state' / site}' "
                 "epsilon-cap=8.0 delta=1e-5"  # a deployed site states its own policy
             )
+            if site in PER_PATIENT:  # its own policy: one epsilon per patient
+                node_config += " privacy-unit='user' user-field='patient_id'"
             group.start(
                 site,
                 insecure_supernode(port, node_config),

@@ -28,6 +28,8 @@ from prism_core.accounting import (
     compose_events,
     epsilon,
     epsilon_report,
+    group_privacy,
+    group_record_budget,
     history_unit,
     max_steps,
 )
@@ -557,3 +559,52 @@ def test_calibration_matches_opacus_search(target, q, steps):
         )
     got = calibrate_noise_multiplier(target_epsilon=target, delta=1e-5, sample_rate=q, steps=steps)
     assert got == pytest.approx(expected, rel=1e-12)
+
+
+def test_group_privacy_and_its_inverse():
+    assert group_privacy(0.5, 1e-7, 1) == (0.5, 1e-7)
+    eps, delta = group_privacy(0.75, 2e-7, 4)
+    assert eps == pytest.approx(3.0, rel=1e-15)
+    assert delta == pytest.approx(4 * math.exp(3 * 0.75) * 2e-7, rel=1e-15)
+    for k in (1, 2, 4, 50):
+        per_record = group_record_budget(3.0, 1e-5, k)
+        assert group_privacy(*per_record, k) == pytest.approx((3.0, 1e-5), rel=1e-12)
+    with pytest.raises(PrivacyParameterError):
+        group_privacy(1.0, 1e-5, 0)
+
+
+def test_record_events_count_per_person_by_group_privacy_never_below_k_epsilon():
+    records = [PrivacyEvent(1.0, 0.02, 50)]
+    people = [PrivacyEvent(1.2, 0.05, 30, unit="user")]
+    with pytest.raises(AccountingError, match="privacy units"):
+        epsilon([*records, *people], 1e-5)  # never silently
+    # record events alone, k = 1: the per-record epsilon itself
+    assert epsilon(records, 1e-5, group_size=1) == pytest.approx(epsilon(records, 1e-5))
+    for k in (2, 5):
+        alone = epsilon(records, 1e-5, group_size=k)
+        # the conversion holds: (k eps_r, k e^((k-1) eps_r) delta_r) with delta_r <= delta / k
+        assert alone >= k * epsilon(records, 1e-5 / k) - 1e-9
+        both = epsilon([*records, *people], 1e-5, group_size=k)
+        # basic composition on half of delta each: at least the sum of the parts at full delta
+        assert both >= alone + epsilon(people, 1e-5) - 1e-9
+    # a person-level history needs no conversion: the group size does not matter
+    assert epsilon(people, 1e-5, group_size=7) == epsilon(people, 1e-5)
+
+
+def test_max_steps_counts_new_steps_in_their_own_unit_after_a_switch():
+    records = [PrivacyEvent(1.0, 0.02, 50)]
+    allowed = max_steps(
+        records,
+        noise_multiplier=1.2,
+        sample_rate=0.05,
+        delta=1e-5,
+        target_epsilon=20.0,
+        limit=400,
+        unit="user",
+        group_size=3,
+    )
+    assert allowed >= 1
+    more = [*records, PrivacyEvent(1.2, 0.05, allowed, unit="user")]
+    assert epsilon(more, 1e-5, group_size=3) <= 20.0
+    over = [*records, PrivacyEvent(1.2, 0.05, allowed + 1, unit="user")]
+    assert allowed == 400 or epsilon(over, 1e-5, group_size=3) > 20.0
