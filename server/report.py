@@ -325,18 +325,27 @@ def _site_row(
     return row, series
 
 
-GUARANTEE = {
-    "unit": "record",
-    "adjacency": "add-remove",
-    "against_coordinator": "replace-one, shard size public",
-    "text": (
-        "epsilon per record, add/remove adjacency at the site's sampling rate. Every reply states "
-        "q = b / N, so the coordinator (and whoever it tells) knows each shard's size N: against "
-        "it the guarantee is replace-one with N public, at most 2 epsilon at delta (1 + e^epsilon)"
-        " by group privacy (epsilon_replace_one, delta_replace_one)."
-    ),
-}
-"""What a report's epsilon means (``report["guarantee"]``; docs/security.md)."""
+def guarantee(units: Sequence[str]) -> dict[str, str]:
+    """What a report's epsilon means (``report["guarantee"]``; docs/security.md), for the
+    privacy units of its sites (``record``, ``user``; several when sites differ)."""
+    names = _distinct([UNIT_NAMES.get(u, u) for u in units]) or ["record"]
+    per = " or ".join(f"epsilon per {name}" for name in names)
+    unit = " and ".join(names)
+    text = (
+        f"{per} (each site's own unit: a patient is one person with all their records), "
+        "add/remove adjacency at the site's sampling rate. Every reply states q = b / N, so the "
+        f"coordinator (and whoever it tells) knows each site's number of {unit}s N: against it "
+        f"the guarantee is replace-one with N public, at most 2 epsilon at delta "
+        "(1 + e^epsilon) by group privacy (epsilon_replace_one, delta_replace_one)."
+    )
+    return {
+        "unit": ", ".join(_distinct(list(units))) or "record",
+        "adjacency": "add-remove",
+        "against_coordinator": "replace-one, shard size public",
+        "text": text,
+    }
+
+
 UNIT_NAMES: Final = {"record": "record", "user": "patient"}
 """How a report names the privacy unit of a site's epsilon (``prism_core.records.PRIVACY_UNITS``):
 "epsilon per record" or "epsilon per patient" (one person and all of their records)."""
@@ -457,7 +466,7 @@ def build_report(
             "rdp_where": "a history outside PRV's memory bounds (prism_core.accounting) is "
             "accounted by RDP, an upper bound",
         },
-        "guarantee": GUARANTEE,
+        "guarantee": guarantee([r["unit"] for r in sites]),
         "run_ids": ledger.run_ids(),
         "planned_steps_per_round": planned_steps_per_round,
         "horizon_rounds": horizon_rounds,

@@ -321,8 +321,11 @@ def test_a_site_switched_to_per_patient_is_reported_per_patient_with_its_convers
         led.append_many([ev(r, "h", unit="record", epsilon_cap=8.0) for r in range(2)])
         led.append_many([ev(r, "h", unit="user", epsilon_cap=8.0) for r in range(2, 5)])
     with Ledger.open(path, read_only=True) as led:
-        (row,) = build_report(led)["sites"]
+        full = build_report(led)
+        (row,) = full["sites"]
         (light,) = round_rows(led)
+    assert full["guarantee"]["unit"] == "user"
+    assert full["guarantee"]["text"].startswith("epsilon per patient (")
     per_patient = epsilon([PrivacyEvent(1.0, 0.01, 60, unit="user")], DELTA)
     assert row["unit"] == light["unit"] == "user"
     assert row["epsilon"] == pytest.approx(per_patient, rel=1e-12)

@@ -365,6 +365,7 @@ def test_the_unit_of_a_reply_is_charged_and_reported_and_an_absent_one_is_a_reco
     html = paths["html"].read_text()
     assert "<b>a</b>: epsilon per patient &middot;" in html
     assert "<b>b</b>: epsilon per record &middot;" in html
+    assert report["guarantee"]["text"].startswith("epsilon per patient or epsilon per record (")
 
 
 def test_facts_the_ledger_refuses_are_a_facts_error_and_nothing_is_charged(
