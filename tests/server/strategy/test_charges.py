@@ -497,7 +497,7 @@ def test_a_failed_and_a_silent_site_are_charged_unconfirmed_and_reported_worst_c
         format_round_table(round_rows(ledger, strategy.exhausted)),  # the per-round log table
     ):
         line = next(x for x in table_text.splitlines() if x.startswith("site-12"))
-        assert line.split()[4] == "1" and MARK_UNCONFIRMED in line
+        assert line.split()[5] == "1" and MARK_UNCONFIRMED in line
         assert "worst case" in table_text.splitlines()[-1]
     assert main(["report", "--ledger", str(ledger.path), "--out", str(tmp_path / "cli")]) == 0
     printed = capsys.readouterr().out
