@@ -49,7 +49,8 @@ class SiteFacts:
         delta: the delta this run spends at (the site's own when it refuses the run).
         epsilon_cap: the epsilon this run may spend (the site's own when it refuses the run).
         rng: where the site's randomness comes from (``client.policy.SitePolicy.rng``).
-        num_examples: the shard size, or None when the site does not share it.
+        num_examples: N in the site's unit (records, or people), or None when the site does not
+            share it.
         mechanism: the ``PrivacyEvent.mechanism`` of the site's method.
         sigma: the noise multiplier of the run's steps (0 for a refused or non-private run).
         sample_rate: q of the site's Poisson sampler.

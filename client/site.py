@@ -251,7 +251,7 @@ class Site:
             delta=self.delta,
             epsilon_cap=self.epsilon_cap,
             rng=self.policy.rng,
-            num_examples=self.num_examples if self.site.share_num_examples else None,
+            num_examples=self.num_units if self.site.share_num_examples else None,
             mechanism=self.mechanism,
             sigma=self.sigma,
             sample_rate=self.sample_rate,

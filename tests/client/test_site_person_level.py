@@ -89,12 +89,19 @@ def test_a_user_run_in_simulation_samples_people_and_every_record_says_user(tiny
 
 def test_a_user_site_runs_per_person_when_the_run_asks_for_records(tiny_bert, tmp_path):
     rows = _notes()
-    node = _deployed(tmp_path, rows, **{"privacy-unit": "user", "user-field": "patient_id"})
+    node = _deployed(
+        tmp_path,
+        rows,
+        **{"privacy-unit": "user", "user-field": "patient_id", "share-num-examples": True},
+    )
     site = Site(_run(tiny_bert), node, site_policy(node))  # the run asks for record
     assert site.num_units == 24
     reply = site.train_round(1, to_arrays(site.loaded))
     assert reply.accounting["status"] == STATUS_OK
     assert reply.accounting["unit"] == "user"
+    # N is in the site's unit: its people, as b / q says (the coordinator checks the two agree)
+    assert reply.accounting["num-examples"] == 24
+    assert 8 / reply.accounting["q"] == pytest.approx(24, rel=1e-12)
     assert site.ledger.entries()[0].event.unit == "user"
 
 
