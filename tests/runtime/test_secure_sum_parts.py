@@ -1,0 +1,177 @@
+"""The secure sum's parts one at a time: the mask stream, key agreement, Shamir sharing, the
+share envelope and the ring Z_(2^b) (prism_runtime.secure_sum). Every comparison is exact."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import numpy as np
+import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from prism_runtime.errors import ConfigError
+from prism_runtime.secure_sum import (
+    MAX_BITS,
+    RoundId,
+    SecureSumAbortedError,
+    SecureSumError,
+    ShareError,
+    SharePair,
+    centre,
+    check_threshold,
+    combine_secret,
+    encode_signed,
+    expand_mask,
+    mask_input,
+    open_shares,
+    pairwise_key,
+    seal_shares,
+    split_secret,
+    sum_fits,
+)
+
+RFC8439_ZERO_KEY_BLOCK = bytes.fromhex(
+    "76b8e0ada0f13d90405d6ae55386bd28bdd219b8a08ded1aa836efcc8b770dc7"
+    "da41597c5157488d7724e03fb8d84a376a43b8f41518a11cc387b669b2ee6586"
+)
+"""ChaCha20 keystream block of the all-zero key, nonce and counter (RFC 8439, A.1 #1)."""
+
+
+def test_expand_mask_is_the_chacha20_stream_of_the_full_32_byte_key() -> None:
+    words = np.frombuffer(RFC8439_ZERO_KEY_BLOCK, dtype="<u8").astype(np.uint64)
+    np.testing.assert_array_equal(expand_mask(bytes(32), 8, bits=MAX_BITS), words & (2**62 - 1))
+    np.testing.assert_array_equal(expand_mask(bytes(32), 8, bits=16), words & 0xFFFF)
+
+    key = os.urandom(32)
+    mask = expand_mask(key, 1000, bits=62)
+    np.testing.assert_array_equal(expand_mask(key, 1000, bits=62), mask)  # deterministic
+    for byte in range(32):  # every key byte changes the whole stream: no fold of the key
+        other = bytearray(key)
+        other[byte] ^= 0x80
+        changed = expand_mask(bytes(other), 1000, bits=62)
+        assert int((changed == mask).sum()) == 0, byte  # a chance match has probability 2^-52
+    with pytest.raises(ConfigError, match="full 32-byte key"):
+        expand_mask(key[:16], 10, bits=32)
+
+
+def test_pairwise_masks_cancel_and_only_the_self_masks_remain() -> None:
+    bits, n = 32, 500
+    ids = ["a", "b", "c"]
+    keys = {frozenset(p): os.urandom(32) for p in itertools.combinations(ids, 2)}
+    seeds = {s: os.urandom(32) for s in ids}
+    zero = np.zeros(n, dtype=np.uint64)
+    total = zero.copy()
+    for s in ids:
+        pairwise = {p: keys[frozenset((s, p))] for p in ids if p != s}
+        total += mask_input(zero, site=s, self_seed=seeds[s], pairwise_keys=pairwise, bits=bits)
+    self_masks = zero.copy()
+    for s in ids:
+        self_masks += expand_mask(seeds[s], n, bits=bits)
+    np.testing.assert_array_equal(total & np.uint64(2**bits - 1), self_masks & np.uint64(2**32 - 1))
+
+
+def test_pairwise_keys_agree_at_both_ends_and_bind_purpose_run_round_and_pair() -> None:
+    a, b, c = (X25519PrivateKey.generate() for _ in range(3))
+    pub = {
+        name: k.public_key().public_bytes_raw() for name, k in zip("abc", (a, b, c), strict=True)
+    }
+    rid = RoundId("run-1", 4)
+    ab = pairwise_key(a, pub["b"], purpose="pairwise-mask", round_id=rid, site="a", peer="b")
+    ba = pairwise_key(b, pub["a"], purpose="pairwise-mask", round_id=rid, site="b", peer="a")
+    assert ab == ba and len(ab) == 32
+    variants = [
+        pairwise_key(a, pub["b"], purpose="share-encryption", round_id=rid, site="a", peer="b"),
+        pairwise_key(
+            a, pub["b"], purpose="pairwise-mask", round_id=RoundId("run-1", 5), site="a", peer="b"
+        ),
+        pairwise_key(
+            a, pub["b"], purpose="pairwise-mask", round_id=RoundId("run-2", 4), site="a", peer="b"
+        ),
+        pairwise_key(a, pub["b"], purpose="pairwise-mask", round_id=rid, site="a", peer="c"),
+        pairwise_key(a, pub["c"], purpose="pairwise-mask", round_id=rid, site="a", peer="b"),
+    ]
+    assert len({ab, *variants}) == 1 + len(variants)
+
+
+def test_any_threshold_shares_recover_the_secret_and_fewer_abort() -> None:
+    holders = ["s0", "s1", "s2", "s3", "s4"]
+    secret = os.urandom(32)
+    shares = split_secret(secret, threshold=3, holders=holders)
+    for subset in itertools.combinations(holders, 3):
+        got = combine_secret(
+            {h: shares[h] for h in subset},
+            threshold=3,
+            holders=holders,
+            secret_bytes=32,
+            what="the test secret",
+        )
+        assert got == secret, subset
+    with pytest.raises(SecureSumAbortedError, match=r"2 shares of the test secret .* 3 are needed"):
+        combine_secret(
+            {h: shares[h] for h in holders[:2]},
+            threshold=3,
+            holders=holders,
+            secret_bytes=32,
+            what="the test secret",
+        )
+    swapped = {"s0": shares["s1"], "s1": shares["s0"], "s2": shares["s2"]}
+    with pytest.raises(ShareError, match=r"returned by site 's0' is malformed .* index 2"):
+        combine_secret(swapped, threshold=3, holders=holders, secret_bytes=32, what="the secret")
+
+
+@pytest.mark.parametrize(("threshold", "sites"), [(2, 4), (1, 3), (6, 5), (0, 1)])
+def test_a_threshold_outside_half_to_all_sites_is_refused(threshold: int, sites: int) -> None:
+    with pytest.raises(ConfigError, match=f"threshold {threshold} with {sites} sites"):
+        check_threshold(threshold, sites)
+
+
+def test_sealed_shares_open_only_for_their_pair_direction_run_and_round() -> None:
+    key, rid = os.urandom(32), RoundId("run-1", 2)
+    pair = SharePair(os.urandom(52), os.urandom(52))
+    sealed = seal_shares(key, pair, sender="a", receiver="b", round_id=rid)
+    assert open_shares(key, sealed, sender="a", receiver="b", round_id=rid) == pair
+    wrong = [
+        dict(key=key, sender="b", receiver="a", round_id=rid),
+        dict(key=key, sender="a", receiver="c", round_id=rid),
+        dict(key=key, sender="a", receiver="b", round_id=RoundId("run-1", 3)),
+        dict(key=key, sender="a", receiver="b", round_id=RoundId("run-9", 2)),
+        dict(key=os.urandom(32), sender="a", receiver="b", round_id=rid),
+    ]
+    for kwargs in wrong:
+        with pytest.raises(ShareError, match="fail authentication"):
+            open_shares(kwargs.pop("key"), sealed, **kwargs)
+    with pytest.raises(ShareError, match="fail authentication"):
+        open_shares(key, sealed[:10], sender="a", receiver="b", round_id=rid)
+
+
+def test_encode_and_centre_round_trip_signed_integers_at_every_width() -> None:
+    for bits in (1, 2, 16, 32, 62):
+        bound = (1 << (bits - 1)) - 1 if bits > 1 else 0
+        values = np.array([0, bound, -bound, bound // 3, -(bound // 7)], dtype=np.int64)
+        encoded = encode_signed(torch.from_numpy(values), bits=bits, bound=bound)
+        assert encoded.dtype == np.uint64 and int(encoded.max()) < 1 << bits
+        np.testing.assert_array_equal(centre(encoded, bits=bits), values)
+    assert centre(np.array([1 << 61], dtype=np.uint64), bits=62)[0] == -(1 << 61)
+    assert sum_fits(sites=2, bound=(1 << 60) - 1, bits=62)
+    assert not sum_fits(sites=2, bound=1 << 60, bits=62)
+
+
+def test_field_boundaries_refuse_bad_vectors_and_widths() -> None:
+    with pytest.raises(ConfigError, match="bits is 63"):
+        encode_signed(np.zeros(2, dtype=np.int64), bits=63, bound=1)
+    with pytest.raises(ConfigError, match="bits is 0"):
+        centre(np.zeros(2, dtype=np.uint64), bits=0)
+    with pytest.raises(SecureSumError, match="dtype float32"):
+        encode_signed(np.zeros(2, dtype=np.float32), bits=32, bound=1)
+    with pytest.raises(SecureSumError, match="has a value >= 2\\^16"):
+        centre(np.array([1 << 16], dtype=np.uint64), bits=16)
+    with pytest.raises(SecureSumError, match="1-D numpy uint64"):
+        mask_input(
+            np.zeros(3, dtype=np.int64),
+            site="a",
+            self_seed=os.urandom(32),
+            pairwise_keys={},
+            bits=32,
+        )
