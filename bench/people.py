@@ -13,6 +13,11 @@ With ``--cap K`` the file keeps at most K records of each person (a random chunk
 group-privacy baseline's data, whose per-record guarantee converts to one per person by group
 privacy with group size K (``prism_core.accounting.group_privacy``).
 
+``report FOLDER`` prints one markdown table of every ``bench/utility.py`` study under FOLDER
+(one study per sub-folder): its unit, the epsilon per person it stands for (a record-level study
+of capped data: by group privacy at the cap given with ``--group name=K``), and the held-out
+accuracy per seed.
+
 Run::
 
     .venv/bin/python bench/people.py sst2 ../shared/data/sst2/train.jsonl \\
@@ -78,7 +83,65 @@ def cap_records(rows: list[dict[str, Any]], cap: int, seed: int) -> list[dict[st
     return [r for i, r in enumerate(rows) if i in keep]
 
 
+def _runs(folder: Path) -> list[dict[str, Any]]:
+    runs = []
+    for path in sorted((folder / "runs").glob("*.json")):
+        if not path.name.endswith(".spec.json"):
+            runs.append(json.loads(path.read_text()))
+    return runs
+
+
+def report(folder: Path, groups: dict[str, int]) -> str:
+    """The markdown table of every study under ``folder`` (see the module docstring)."""
+    import statistics
+
+    from prism_core.accounting import group_privacy
+
+    lines = [
+        "| study | unit | epsilon per person (per record) | seeds | dev acc per seed "
+        "| dev mean +- sd | selection mean | epsilon spent (max over sites) | run CPU s (mean) |",
+        "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for study in sorted(p for p in folder.iterdir() if (p / "runs").is_dir()):
+        runs = sorted(_runs(study), key=lambda r: r["spec"]["seed"])
+        if not runs:
+            continue
+        spec = runs[0]["spec"]
+        unit = spec["settings"].get("privacy-unit", "record")
+        eps, delta = spec["epsilon"], spec["delta"]
+        if unit == "user":
+            per_person = f"{eps:g}"
+        elif study.name in groups:
+            k = groups[study.name]
+            person_eps, person_delta = group_privacy(eps, delta, k)
+            per_person = f"{person_eps:.3g} at delta {person_delta:.2g}, k = {k} ({eps:g})"
+        else:
+            per_person = f"- ({eps:g})"
+        dev_key = next(k for k in runs[0]["metrics"] if k != "select")
+        dev = [r["metrics"][dev_key]["accuracy"] for r in runs]
+        select = [r["metrics"]["select"]["accuracy"] for r in runs]
+        spent = max(s["epsilon"] for r in runs for s in r["privacy"]["sites"])
+        sd = f" +- {statistics.stdev(dev):.4f}" if len(dev) > 1 else ""
+        lines.append(
+            f"| {study.name} | {unit} | {per_person} | {len(runs)} | "
+            f"{' / '.join(f'{a:.3f}' for a in dev)} | {statistics.mean(dev):.4f}{sd} | "
+            f"{statistics.mean(select):.4f} | {spent:.3f} | "
+            f"{statistics.mean(r['total_cpu_s'] for r in runs):.0f} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] == "report":
+        parsed = argparse.ArgumentParser(prog="people.py report")
+        parsed.add_argument("folder", type=Path)
+        parsed.add_argument("--group", action="append", default=[], help="STUDY=K")
+        opts = parsed.parse_args(argv[1:])
+        groups = {k: int(v) for k, _, v in (g.partition("=") for g in opts.group)}
+        print(report(opts.folder, groups))
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("kind", choices=["sst2", "medqp"])
     parser.add_argument("train", type=Path)
