@@ -11,6 +11,8 @@ Pure functions on tensors (no Flower, no I/O):
 - ``accounting``: epsilon from mechanism histories with Opacus' PRV (RDP cross-check).
 - ``quantile``: a private clip norm, the DP quantile estimate of Andrew et al. (2021).
 - ``rng``: seeded or secure (OS CSPRNG) noise sources.
+- ``discrete``: randomized rounding and Skellam noise shares, for a secure sum.
+- ``skellam_accounting``: epsilon of the Poisson-subsampled Skellam mechanism (RDP).
 """
 
 from prism_core.manifold import Point, Tangent
