@@ -36,7 +36,6 @@ import os
 import sys
 import time
 import tomllib
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -539,6 +538,7 @@ def run(values: Mapping[str, Any], sources: Mapping[str, str]) -> int:
     started = time.perf_counter()
     model_cfg, train_cfg, opts = build_configs(values, sources)
 
+    from client.site_data import person_counts
     from prism_core.accounting import epsilon, epsilon_report
     from prism_runtime.cache import CACHE_DIR_ENV
     from prism_runtime.data import TokenizedDataset
@@ -561,9 +561,11 @@ def run(values: Mapping[str, Any], sources: Mapping[str, str]) -> int:
         model_cfg = _classifier_config(values, model_cfg, train_file, eval_file)
     train = train_file.examples
     held_out = eval_file.examples if eval_file is not None else None
-    people = Counter(str(r["user"]) for r in train) if opts.user_field else None
-    units = len(people) if people is not None and train_cfg.privacy_unit == "user" else len(train)
-    what = "people" if units != len(train) else "training examples"
+    people = person_counts(train) if opts.user_field else None
+    if people is not None and train_cfg.privacy_unit == "user":
+        units, what = len(people), "people"
+    else:
+        units, what = len(train), "training examples"
     if train_cfg.method != "nondp" and not delta_below_one_over_n(train_cfg.delta, units):
         raise ConfigError(
             f"--delta={train_cfg.delta:g} is not below 1/N = {1 / units:g} for N={units} {what}: "

@@ -116,7 +116,7 @@ class Site:
         self.faults = faults
         self.state_dir = policy.state_dir
         self.method = site_method(run.method)
-        self.unit = policy.unit_for(run) or policy.privacy_unit or "record"
+        self.unit = policy.unit_for(run) or "record"  # None: a record site refusing a user run
         by_person = self.unit == "user"
         user_field = (policy.user_field or run.user_field) if by_person else None
         rows = site_examples(run, site, user_field=user_field)

@@ -649,7 +649,7 @@ class SiteConfig(_Kebab):
     user_field: str = Field(
         "",
         description="the field of each data row naming its person (e.g. patient_id); required "
-        "with privacy-unit=user on a deployed site (simulation default: the run's user-field)",
+        "with privacy-unit=user on a deployed site (a simulated site reads the run's user-field)",
     )
     share_num_examples: bool = Field(False, description="report the shard size to the server")
     state_dir: str = Field(

@@ -515,11 +515,12 @@ def round_rows(ledger: Ledger, exhausted: Iterable[str] = ()) -> list[dict[str, 
         events = ledger.events(site_id=site_id)
         caps = [e.epsilon_cap for e in events if e.epsilon_cap is not None]
         delta = min(e.delta for e in events)
+        counted = accountable(events)
         try:
-            eps = epsilon([e.event for e in accountable(events)], delta)
+            eps = epsilon([e.event for e in counted], delta)
         except AccountingError:
             eps = math.inf
-        units = _distinct([e.unit for e in accountable(events)])
+        units = _distinct([e.unit for e in counted])
         rows.append(
             {
                 "site_id": site_id,
