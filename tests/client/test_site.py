@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from helpers.sites import simulated_node, tiny_run_config
 
 import prism_core.mechanism
 import prism_runtime.trainer.base
@@ -33,31 +34,7 @@ from prism_runtime.protocol import (
 SECRET = "test-secret"
 
 
-def _run(tiny_bert, **overrides):
-    values = {
-        "model": tiny_bert,
-        "lora-rank": 4,
-        "local-steps": 2,
-        "batch-size": 16,
-        "micro-batch-size": 8,
-        "synthetic-examples": 64,
-        "max-length": 24,
-        "noise-multiplier": 1.0,
-        "target-epsilon": 50.0,
-    }
-    values.update(overrides)
-    return parse_config(RunConfig, values, what="run config")
-
-
-def _node(tmp_path, **node):
-    values = {
-        "partition-id": 0,
-        "num-partitions": 3,
-        "state-dir": str(tmp_path / "state"),
-        "epsilon-cap": 50.0,
-        **node,
-    }
-    return parse_config(SiteConfig, {k: v for k, v in values.items() if v is not None}, what="n")
+_run, _node = tiny_run_config, simulated_node
 
 
 def _site(tiny_bert, tmp_path, run=None, secret="", **node):

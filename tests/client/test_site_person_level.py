@@ -8,6 +8,7 @@ import json
 from collections import Counter
 
 import pytest
+from helpers.sites import simulated_node, tiny_run_config
 
 from client.policy import site_policy
 from client.site import Site
@@ -21,34 +22,12 @@ from prism_runtime.protocol import REFUSAL_REASONS, STATUS_OK, STATUS_REFUSED
 
 
 def _run(tiny_bert, **overrides):
-    values = {
-        "model": tiny_bert,
-        "lora-rank": 4,
-        "local-steps": 2,
-        "batch-size": 8,
-        "micro-batch-size": 8,
-        "synthetic-examples": 96,
-        "max-length": 24,
-        "noise-multiplier": 1.0,
-        "target-epsilon": 50.0,
-    }
-    values.update(overrides)
-    return parse_config(RunConfig, values, what="run config")
-
-
-def _node(tmp_path, **node):
-    values = {
-        "partition-id": 0,
-        "num-partitions": 3,
-        "state-dir": str(tmp_path / "state"),
-        "epsilon-cap": 50.0,
-        **node,
-    }
-    return parse_config(SiteConfig, values, what="node config")
+    values = {"batch-size": 8, "micro-batch-size": 8, "synthetic-examples": 96, **overrides}
+    return tiny_run_config(tiny_bert, **values)
 
 
 def _site(run, tmp_path, **node):
-    config = _node(tmp_path, **node)
+    config = simulated_node(tmp_path, **node)
     return Site(run, config, site_policy(config))
 
 

@@ -1,2 +1,3 @@
-"""Helpers shared by the test folders: random factor points (``points``) and the public data
-folder next to the checkout (``shared_data``). ``tests/conftest.py`` re-exports them."""
+"""Helpers shared by the test folders: random factor points (``points``), the public data
+folder next to the checkout (``shared_data``), which ``tests/conftest.py`` re-exports, and a tiny
+simulated site's run and node configs (``sites``)."""

@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from helpers.points import random_point
+from helpers.sites import tiny_run_config
 from reply_facts import honest_facts
 from strategy_helpers import strategy_for
 
-from prism_runtime.config import RunConfig, parse_config
 from prism_runtime.protocol import ACCOUNTING, CONFIG, ROUND_NONCE, SERVER_ROUND, UPDATE, key
 from server.strategy import AutoClip
 
@@ -46,17 +46,9 @@ def rows(report):
 
 def run_config(tiny_bert):
     values = {
-        "model": tiny_bert,
-        "lora-rank": 4,
-        "local-steps": 2,
-        "batch-size": 16,
-        "micro-batch-size": 8,
-        "synthetic-examples": 64,
-        "max-length": 24,
         "max-norm": "auto",
         "clip-quantile-steps": K,
         "clip-quantile-noise": 0.1,
-        "noise-multiplier": 1.0,
         "target-epsilon": 40.0,
         # one joint clip and a frozen head: the strategy below bounds updates as for AdamW
         "lora-head": "frozen",
@@ -65,7 +57,7 @@ def run_config(tiny_bert):
         "head-lr": -1.0,
         "head-max-norm": -1.0,
     }
-    return parse_config(RunConfig, values, what="run config")
+    return tiny_run_config(tiny_bert, **values)
 
 
 MODULE, M, N, R = "layer.0.q", 10, 8, 2
