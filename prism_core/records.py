@@ -24,6 +24,7 @@ __all__ = [
     "DEFAULT_MECHANISM",
     "DEFAULT_UNIT",
     "PRIVACY_UNITS",
+    "SKELLAM_MECHANISM",
     "EventColumns",
     "PrivacyEvent",
 ]
@@ -39,6 +40,13 @@ PRIVACY_UNITS: Final = ("record", "user")
 and all of their records)."""
 DEFAULT_UNIT: Final = "record"
 """The unit of every event a site runs today: one record."""
+
+SKELLAM_MECHANISM: Final = "prism-tangent-skellam"
+"""PRISM's step under secure aggregation (docs/design.md §3.3): the site's rounded clipped sum plus
+its Skellam share of the noise, summed over the round's sites. Its ``noise_multiplier`` is the
+RDP-equivalent Gaussian multiplier of the noise the SUM carries when at least ``honest_sites``
+sites are honest (``prism_core.skellam_accounting.skellam_sigma``); ``share_sigma`` is that of the
+site's own share alone. Accounted by RDP at integer orders only (``prism_core.accounting``)."""
 
 _TEXT_FIELDS: Final = ("mechanism", "sampling", "adjacency")
 
@@ -66,6 +74,11 @@ class PrivacyEvent:
             recorded.
         unit: what the event's epsilon protects, one of ``PRIVACY_UNITS``: ``"record"`` (q
             samples records) or ``"user"`` (q samples people, each clipped once).
+        honest_sites: H, for a ``SKELLAM_MECHANISM`` event only: the number of honest sites the
+            charge counts on (the site's own ``min-honest-sites``); None otherwise.
+        share_sigma: for a ``SKELLAM_MECHANISM`` event only: the RDP-equivalent multiplier of
+            the site's own noise share alone (the guarantee if every other site colluded with
+            the coordinator), ``<= noise_multiplier``; None otherwise.
 
     Raises:
         PrivacyParameterError: on construction, naming every field out of its range.
@@ -80,6 +93,8 @@ class PrivacyEvent:
     max_norm: float | None = None
     expected_batch_size: float | None = None
     unit: str = DEFAULT_UNIT
+    honest_sites: int | None = None
+    share_sigma: float | None = None
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -106,6 +121,27 @@ class PrivacyEvent:
                 problems.append(f"{name}={value!r} must be a finite number > 0 or None")
         if self.unit not in PRIVACY_UNITS:
             problems.append(f"unit={self.unit!r} must be one of {list(PRIVACY_UNITS)}")
+        problems += self._secure_problems()
+        return problems
+
+    def _secure_problems(self) -> list[str]:
+        """The secure-aggregation fields: both set exactly for a Skellam event."""
+        h, share = self.honest_sites, self.share_sigma
+        if self.mechanism != SKELLAM_MECHANISM:
+            if h is not None or share is not None:
+                return [
+                    f"honest_sites={h!r}, share_sigma={share!r}: only a {SKELLAM_MECHANISM!r} "
+                    "event has them"
+                ]
+            return []
+        problems = []
+        if not (isinstance(h, int) and not isinstance(h, bool) and h >= 1):
+            problems.append(f"honest_sites={h!r} must be an integer >= 1 for a Skellam event")
+        sigma = self.noise_multiplier
+        if not (_real(share) and share is not None and 0 <= share <= sigma):
+            problems.append(
+                f"share_sigma={share!r} must be a finite number in [0, noise_multiplier={sigma!r}]"
+            )
         return problems
 
     @classmethod
@@ -114,7 +150,13 @@ class PrivacyEvent:
         (``sigma``, ``q``, ``steps``, ``mechanism``; ``sampling``, ``adjacency`` and ``unit``
         where the row has them, else the defaults), the inverse of ``EventColumns``. The numbers are
         converted as the ledgers store them; the texts are taken as they are (and checked)."""
-        optional = {k: row[k] for k in ("sampling", "adjacency", "unit") if k in row}
+        optional: dict[str, Any] = {
+            k: row[k] for k in ("sampling", "adjacency", "unit") if k in row
+        }
+        for name, convert in (("honest_sites", int), ("share_sigma", float)):
+            value = row.get(name, row.get(name.replace("_", "-")))
+            if value is not None:
+                optional[name] = convert(value)
         return cls(
             float(row["sigma"]),
             float(row["q"]),
@@ -123,9 +165,11 @@ class PrivacyEvent:
             **optional,
         )
 
-    def accounted(self) -> tuple[float, float, int, str, str, str, str]:
+    def accounted(
+        self,
+    ) -> tuple[float, float, int, str, str, str, str, int | None, float | None]:
         """The facts a charge commits to: sigma, q, steps, mechanism, sampling, adjacency,
-        unit."""
+        unit, and a Skellam event's honest sites and share sigma."""
         return (
             self.noise_multiplier,
             self.sample_rate,
@@ -134,6 +178,8 @@ class PrivacyEvent:
             self.sampling,
             self.adjacency,
             self.unit,
+            self.honest_sites,
+            self.share_sigma,
         )
 
     def same_but_steps(self, other: PrivacyEvent) -> bool:
@@ -179,3 +225,11 @@ class EventColumns:
     @property
     def unit(self) -> str:
         return self.event.unit
+
+    @property
+    def honest_sites(self) -> int | None:
+        return self.event.honest_sites
+
+    @property
+    def share_sigma(self) -> float | None:
+        return self.event.share_sigma
