@@ -3,7 +3,11 @@
 Thin wrappers over Opacus' accountants. The history is a list of ``PrivacyEvent``s
 (``prism_core.records``: sigma, q, steps); epsilon is always recomputed from the whole history,
 never summed. PRV (Gopi et al. 2021) is the reported value; RDP is a looser cross-check that
-must never be smaller.
+must never be smaller. A history holding a secure-aggregation (Skellam) event is composed by RDP
+at integer orders only (``SKELLAM_ORDERS``), whatever accountant is asked for: the event's sigma
+is the RDP-equivalent Gaussian multiplier of the Skellam noise
+(``prism_core.skellam_accounting.skellam_sigma``), which bounds the Skellam mechanism's RDP at
+integer orders but not its privacy-loss distribution, so PRV at that sigma is no valid bound.
 Knows nothing about tensors: the mechanisms emit the same ``PrivacyEvent`` (one per step).
 """
 
@@ -17,14 +21,19 @@ from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
 from opacus.accountants import PRVAccountant, RDPAccountant
+from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
 
 from prism_core.errors import AccountingError, PrivacyParameterError
-from prism_core.records import ADJACENCY, DEFAULT_UNIT, PrivacyEvent
+from prism_core.records import ADJACENCY, DEFAULT_UNIT, SKELLAM_MECHANISM, PrivacyEvent
+from prism_core.skellam_accounting import DEFAULT_ORDERS
 
 __all__ = [
+    "SKELLAM_ORDERS",
     "EpsilonReport",
     "PrivacyEvent",
     "calibrate_noise_multiplier",
+    "calibrate_skellam_sigma",
+    "collusion_epsilon",
     "compose_events",
     "epsilon",
     "epsilon_report",
@@ -36,6 +45,13 @@ __all__ = [
 
 Accountant = Literal["prv", "rdp"]
 _ACCOUNTANTS: tuple[str, ...] = get_args(Accountant)
+_Method = Literal["prv", "rdp", "rdp-integer"]
+"""How ``_accountant_epsilon`` composes: an ``Accountant``, or RDP at ``SKELLAM_ORDERS``."""
+_INTEGER_RDP: _Method = "rdp-integer"
+
+SKELLAM_ORDERS: tuple[int, ...] = DEFAULT_ORDERS
+"""The integer RDP orders 2..256 at which a history holding a Skellam event is composed (the
+subsampling bound that makes the Skellam event's sigma valid holds at integer orders only)."""
 
 PRV_EPS_ERROR = 0.01
 """Discretisation error passed to Opacus' PRV accountant; its ``eps_upper`` bound is returned."""
@@ -139,7 +155,7 @@ group privacy (``epsilon(..., group_size=k)``); the person-level events get the 
 
 
 def _per_person(
-    events: Sequence[PrivacyEvent], delta: float, group_size: int, accountant: Accountant
+    events: Sequence[PrivacyEvent], delta: float, group_size: int, method: _Method
 ) -> float:
     """Epsilon per person of a history whose record-level events count by group privacy with
     ``group_size`` records per person, composed (basic composition: epsilons and deltas add)
@@ -150,7 +166,7 @@ def _per_person(
     target = share * delta  # the converted events' delta: k e^((k-1) eps_r) delta_r <= target
     k = group_size
     delta_r = target / k
-    eps_r = epsilon(records, delta_r, accountant=accountant)
+    eps_r = _unit_epsilon(records, delta_r, method)
     for _ in range(200):  # eps_r grows as delta_r shrinks: a fixed point from above
         if math.isinf(eps_r):
             return math.inf
@@ -158,11 +174,16 @@ def _per_person(
         if delta_r <= allowed * (1 + 1e-12):
             break
         delta_r = allowed
-        eps_r = epsilon(records, delta_r, accountant=accountant)
+        eps_r = _unit_epsilon(records, delta_r, method)
     else:  # pragma: no cover - (k-1) eps_r grows without a fixed point only past any budget
         return math.inf
-    rest = epsilon(people, delta - target, accountant=accountant) if people else 0.0
+    rest = _unit_epsilon(people, delta - target, method) if people else 0.0
     return k * eps_r + rest
+
+
+def _holds_skellam(events: Iterable[PrivacyEvent]) -> bool:
+    """Whether a step of ``events`` ran the Skellam mechanism (secure aggregation)."""
+    return any(e.mechanism == SKELLAM_MECHANISM and e.steps > 0 for e in events)
 
 
 def epsilon(
@@ -175,6 +196,15 @@ def epsilon(
     """Epsilon after composing every event, at the given delta.
 
     Implements the composition of Thm 3.4 with Opacus' PRV (default) or RDP accountant.
+
+    A history holding a step of ``SKELLAM_MECHANISM`` (secure aggregation) is composed WHOLE
+    (its Gaussian events too) by RDP at the integer orders ``SKELLAM_ORDERS``
+    (``opacus.accountants.analysis.rdp.compute_rdp`` and ``get_privacy_spent``), whatever
+    ``accountant`` asks: a Skellam event's sigma is the RDP-equivalent Gaussian multiplier
+    (``prism_core.skellam_accounting.skellam_sigma``), whose sampled-Gaussian RDP bounds the
+    Poisson-subsampled Skellam mechanism's at integer orders only; PRV at that sigma accounts a
+    Gaussian privacy-loss distribution the Skellam mechanism does not have, so it is no valid
+    bound. Both accountants then give the same value.
 
     Args:
         events: the history.
@@ -196,12 +226,24 @@ def epsilon(
             convert to a person-level guarantee only by group privacy, never silently), or an
             accountant other than ``"prv"`` and ``"rdp"``.
     """
-    if group_size is not None and any(e.unit == "record" and e.steps > 0 for e in events):
-        _check_delta(delta)
-        return _per_person(events, delta, group_size, accountant)
     _check_delta(delta)
     if accountant not in _ACCOUNTANTS:
         raise AccountingError(f"accountant={accountant!r}: use 'prv' (reported) or 'rdp'")
+    method: _Method = _INTEGER_RDP if _holds_skellam(events) else accountant
+    return _epsilon(events, delta, method, group_size)
+
+
+def _epsilon(
+    events: Sequence[PrivacyEvent], delta: float, method: _Method, group_size: int | None
+) -> float:
+    """``epsilon`` by ``method``, its arguments checked."""
+    if group_size is not None and any(e.unit == "record" and e.steps > 0 for e in events):
+        return _per_person(events, delta, group_size, method)
+    return _unit_epsilon(events, delta, method)
+
+
+def _unit_epsilon(events: Sequence[PrivacyEvent], delta: float, method: _Method) -> float:
+    """Epsilon of a history of one privacy unit by ``method`` (``epsilon``'s checks)."""
     history = [e for e in events if e.steps > 0]  # _accountant_key merges equal neighbours
     for e in history:
         if e.sampling != "poisson" or e.adjacency != ADJACENCY:
@@ -221,9 +263,34 @@ def epsilon(
     if any(e.noise_multiplier == 0 for e in history):
         return math.inf
     key = _accountant_key(history)
-    if accountant == "prv" and not _prv_fits(key, delta):
+    if method == "prv" and not _prv_fits(key, delta):
         return _accountant_epsilon(key, delta, "rdp")
-    return _accountant_epsilon(key, delta, accountant)
+    return _accountant_epsilon(key, delta, method)
+
+
+def collusion_epsilon(
+    events: Sequence[PrivacyEvent], delta: float, *, group_size: int | None = None
+) -> float:
+    """Epsilon if every other site colluded with the coordinator: each Skellam event counts
+    only the site's own noise share.
+
+    Implements the secure-aggregation guarantee of docs/design.md §3.3 without its honesty
+    assumption: ``epsilon`` of the history with every ``SKELLAM_MECHANISM`` event's
+    ``noise_multiplier`` replaced by its ``share_sigma`` (the RDP-equivalent multiplier of the
+    site's share alone), composed like ``epsilon`` (integer-order RDP). At least ``epsilon(events,
+    delta)`` (``share_sigma <= noise_multiplier``); equal to it for a history without Skellam
+    events.
+
+    Raises:
+        AccountingError, PrivacyParameterError: as ``epsilon``.
+    """
+    alone = [
+        replace(e, noise_multiplier=e.share_sigma)
+        if e.mechanism == SKELLAM_MECHANISM and e.share_sigma is not None
+        else e
+        for e in events
+    ]
+    return epsilon(alone, delta, group_size=group_size)
 
 
 def _prv_fits(history: tuple[tuple[float, float, int], ...], delta: float) -> bool:
@@ -243,8 +310,27 @@ def _prv_fits(history: tuple[tuple[float, float, int], ...], delta: float) -> bo
 
 
 @functools.lru_cache(maxsize=4096)
+def _integer_rdp_step(sigma: float, q: float) -> tuple[float, ...]:
+    """Opacus' RDP of one sampled-Gaussian step at each of ``SKELLAM_ORDERS``; memoised (about
+    0.05 s per pair, and a history repeats its pairs)."""
+    rdp = compute_rdp(q=q, noise_multiplier=sigma, steps=1, orders=list(SKELLAM_ORDERS))
+    return tuple(float(r) for r in rdp)
+
+
+def _integer_rdp_epsilon(history: tuple[tuple[float, float, int], ...], delta: float) -> float:
+    """Epsilon of a composed history by RDP at the integer orders ``SKELLAM_ORDERS``: the runs'
+    curves added order by order, converted by Opacus' ``get_privacy_spent`` (Balle et al.
+    2020, Thm 21)."""
+    total = [0.0] * len(SKELLAM_ORDERS)
+    for sigma, q, steps in history:
+        total = [t + steps * r for t, r in zip(total, _integer_rdp_step(sigma, q), strict=True)]
+    eps, _ = get_privacy_spent(orders=list(SKELLAM_ORDERS), rdp=total, delta=delta)
+    return float(eps)
+
+
+@functools.lru_cache(maxsize=4096)
 def _accountant_epsilon(
-    history: tuple[tuple[float, float, int], ...], delta: float, accountant: Accountant
+    history: tuple[tuple[float, float, int], ...], delta: float, accountant: _Method
 ) -> float:
     """Opacus' epsilon for a composed history; memoised (a pure function of its arguments).
 
@@ -252,14 +338,18 @@ def _accountant_epsilon(
     the coordinator asks for the same history several times per round (budget check, ledger,
     report), so equal questions are answered once per process.
     """
-    acc = PRVAccountant() if accountant == "prv" else RDPAccountant()
-    acc.history = list(history)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # Opacus' "optimal order" warnings
-        if accountant == "prv":
-            value = float(acc.get_epsilon(delta=delta, eps_error=PRV_EPS_ERROR))
+        if accountant == _INTEGER_RDP:
+            value = _integer_rdp_epsilon(history, delta)
+        elif accountant == "prv":
+            prv = PRVAccountant()
+            prv.history = list(history)
+            value = float(prv.get_epsilon(delta=delta, eps_error=PRV_EPS_ERROR))
         else:
-            value = float(acc.get_epsilon(delta=delta))
+            rdp = RDPAccountant()
+            rdp.history = list(history)
+            value = float(rdp.get_epsilon(delta=delta))
     # At a large delta both accountants can return a NEGATIVE epsilon (e.g. -0.69 at delta 0.5,
     # from their conversion terms); a guarantee at epsilon < 0 holds at 0, which is what is meant.
     return max(0.0, value)
@@ -273,7 +363,8 @@ def epsilon_report(
     Implements the accounting of Thm 3.4 / App. A.25 of PRISM with two accountants.
 
     RDP is an upper bound on the true epsilon and PRV a tight (upper) estimate, so
-    ``rdp >= prv`` must hold (up to PRV's discretisation error ``PRV_EPS_ERROR``).
+    ``rdp >= prv`` must hold (up to PRV's discretisation error ``PRV_EPS_ERROR``). For a history
+    holding a Skellam event both fields hold the integer-order RDP value (``epsilon``).
 
     Raises:
         AccountingError: if the two accountants disagree in the impossible direction.
@@ -283,6 +374,25 @@ def epsilon_report(
     if rdp + PRV_EPS_ERROR < prv:
         raise AccountingError(f"RDP epsilon {rdp:.4f} < PRV epsilon {prv:.4f}: accountant failure")
     return EpsilonReport(delta=delta, prv=prv, rdp=rdp)
+
+
+def _check_calibration(
+    target_epsilon: float, delta: float, sample_rate: float, steps: int, relative_tolerance: float
+) -> None:
+    """The arguments every calibration shares, each in its range."""
+    if not (target_epsilon > 0 and math.isfinite(target_epsilon)):
+        raise PrivacyParameterError(
+            f"target_epsilon={target_epsilon!r} must be a finite number > 0"
+        )
+    if steps < 1:
+        raise PrivacyParameterError(f"steps={steps!r} must be >= 1 to calibrate a noise multiplier")
+    if not 0 < sample_rate <= 1:
+        raise PrivacyParameterError(f"sample_rate={sample_rate!r} must be in (0, 1]")
+    if not 0 < relative_tolerance < 1:  # 0 would never end Opacus' own bisection
+        raise PrivacyParameterError(
+            f"relative_tolerance={relative_tolerance!r} must be in (0, 1), e.g. 0.005"
+        )
+    _check_delta(delta)
 
 
 def calibrate_noise_multiplier(
@@ -313,19 +423,7 @@ def calibrate_noise_multiplier(
         PrivacyParameterError: for a non-positive target or steps, a budget too small, or a
             history that alone spends the target.
     """
-    if not (target_epsilon > 0 and math.isfinite(target_epsilon)):
-        raise PrivacyParameterError(
-            f"target_epsilon={target_epsilon!r} must be a finite number > 0"
-        )
-    if steps < 1:
-        raise PrivacyParameterError(f"steps={steps!r} must be >= 1 to calibrate a noise multiplier")
-    if not 0 < sample_rate <= 1:
-        raise PrivacyParameterError(f"sample_rate={sample_rate!r} must be in (0, 1]")
-    if not 0 < relative_tolerance < 1:  # 0 would never end Opacus' own bisection
-        raise PrivacyParameterError(
-            f"relative_tolerance={relative_tolerance!r} must be in (0, 1), e.g. 0.005"
-        )
-    _check_delta(delta)
+    _check_calibration(target_epsilon, delta, sample_rate, steps, relative_tolerance)
     if compose_events(history):
         return _calibrate_after(
             list(history),
@@ -354,13 +452,19 @@ _SIGMA_SEARCH_MAX = 1e6
 
 
 def _bisect_sigma(
-    eps_at: Callable[[float], float], *, target_epsilon: float, tolerance: float, what: str
+    eps_at: Callable[[float], float],
+    *,
+    target_epsilon: float,
+    tolerance: float,
+    what: str,
+    low: float = 0.0,
 ) -> float:
-    """Opacus' ``get_noise_multiplier`` search (double from 20, then bisect from 0) through
-    ``epsilon``, so every evaluation is bounded in memory (``_prv_fits``): the sigma returned is
-    the upper end, whose epsilon is within ``tolerance`` below the target (or, where epsilon
-    jumps from PRV to RDP, the end of that jump)."""
-    sigma_low, sigma_high, eps_high = 0.0, 10.0, math.inf
+    """Opacus' ``get_noise_multiplier`` search (double from 20, then bisect from ``low``, a
+    sigma whose epsilon exceeds the target) through ``epsilon``, so every evaluation is bounded
+    in memory (``_prv_fits``): the sigma returned is the upper end, whose epsilon is within
+    ``tolerance`` below the target (or, where epsilon jumps from PRV to RDP, the end of that
+    jump)."""
+    sigma_low, sigma_high, eps_high = low, max(10.0, low), math.inf
     while eps_high > target_epsilon:
         sigma_high *= 2
         eps_high = eps_at(sigma_high)
@@ -377,6 +481,69 @@ def _bisect_sigma(
         else:
             sigma_low = sigma
     return sigma_high
+
+
+def calibrate_skellam_sigma(
+    *,
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    history: Sequence[PrivacyEvent] = (),
+    relative_tolerance: float = 0.005,
+) -> float:
+    """Smallest RDP-equivalent sigma (to a tolerance) of ``steps`` Skellam steps at rate
+    ``sample_rate`` whose epsilon after ``history`` stays below the target.
+
+    Implements the calibration side of Thm 3.4 of PRISM for the secure sum of docs/design.md
+    §3.3: ``history`` plus the ``steps`` (``SKELLAM_MECHANISM`` events at sigma and q) composed
+    as ``epsilon`` composes a history holding a Skellam event, by RDP at the integer orders
+    ``SKELLAM_ORDERS``. Epsilon decreases in sigma; the search is ``calibrate_noise_multiplier``'s
+    (double, then bisect), so the epsilon lies in ``[(1 - relative_tolerance) target, target]``
+    unless the history alone comes that close. Never below ``SIGMA_MIN``. The sites' Skellam
+    parameter for the sigma returned is ``prism_core.skellam_accounting.skellam_mu``.
+
+    Raises:
+        PrivacyParameterError: for a non-positive target or steps, a budget too small, or a
+            history that alone spends the target.
+        AccountingError: for a history ``epsilon`` refuses.
+    """
+    _check_calibration(target_epsilon, delta, sample_rate, steps, relative_tolerance)
+    earlier = list(history)
+    spent = _epsilon(earlier, delta, _INTEGER_RDP, None)
+    if not spent < target_epsilon:
+        raise PrivacyParameterError(
+            f"the earlier events alone spend epsilon={spent:.4f} (integer-order RDP) of the "
+            f"target {target_epsilon} at delta={delta}: no noise multiplier leaves room for "
+            f"{steps} more steps. Raise the budget or make the earlier events cheaper."
+        )
+    unit = history_unit(earlier)
+
+    def eps_at(sigma: float) -> float:
+        # honest_sites and share_sigma do not enter epsilon; they only make the event valid
+        more = PrivacyEvent(
+            sigma,
+            sample_rate,
+            steps,
+            mechanism=SKELLAM_MECHANISM,
+            unit=unit,
+            honest_sites=1,
+            share_sigma=sigma,
+        )
+        return epsilon([*earlier, more], delta)
+
+    if eps_at(SIGMA_MIN) <= target_epsilon:
+        return SIGMA_MIN
+    return _bisect_sigma(
+        eps_at,
+        target_epsilon=target_epsilon,
+        tolerance=relative_tolerance * target_epsilon,
+        what=(
+            f"epsilon={target_epsilon} at delta={delta} with {steps} Skellam steps at "
+            f"q={sample_rate} after {len(earlier)} earlier events"
+        ),
+        low=SIGMA_MIN,
+    )
 
 
 _MAX_SIGMA_DOUBLINGS = 40

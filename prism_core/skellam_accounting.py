@@ -12,30 +12,31 @@ one Skellam mechanism). Its epsilon is composed here in three steps:
    ``eps(alpha) = alpha D2^2 / (2 v) + min(((2 alpha - 1) D2^2 + 6 D1) / (4 v^2), 3 D1 / (2 v))``.
    The first term is the Gaussian mechanism's RDP at the same variance; the second is what
    the discreteness costs, and vanishes as ``1 / v`` relative to it.
-2. **Poisson subsampling** (Zhu and Wang 2019, "Poisson Subsampled Rényi Differential
-   Privacy", ICML, Theorem 5, the general upper bound, valid for any mechanism with RDP
-   ``eps(.)`` at integer orders): for integer ``alpha >= 2`` and sampling rate ``q``,
-   ``eps_q(alpha) <= 1/(alpha-1) log[(1-q)^(alpha-1) (alpha q - q + 1)
-   + C(alpha,2) q^2 (1-q)^(alpha-2) e^eps(2)
-   + 3 sum_{l=3..alpha} C(alpha,l) (1-q)^(alpha-l) q^l e^((l-1) eps(l))]``,
+2. **Poisson subsampling** (Steinke 2022, "Composition of Differential Privacy & Privacy
+   Amplification by Subsampling", arXiv:2210.00597, the Poisson-subsampling bound for Rényi
+   DP under add/remove adjacency, valid for any mechanism whose RDP bound ``eps(.)`` holds in
+   BOTH directions at integer orders; the Skellam bound does, the noise being symmetric): for
+   integer ``alpha >= 2`` and sampling rate ``q``,
+   ``eps_q(alpha) <= 1/(alpha-1) log[(1-q)^(alpha-1) (1 + (alpha-1) q)
+   + sum_{l=2..alpha} C(alpha,l) (1-q)^(alpha-l) q^l e^((l-1) eps(l))]``,
    and never more than ``eps(alpha)`` (Rényi divergence is jointly quasi-convex, van Erven and
-   Harremoës 2014, Thm 13). Without the factor 3, the sum is the binomial expansion of the
-   exact divergence of the mixture FROM the base (exact with the exact ``eps(l)``); the factor
-   3 pays for the reverse direction, for which no such identity holds. The tight Gaussian
-   formula of Mironov et al. (Opacus' RDP accountant) is that expansion with the factor 1,
-   proven for the Gaussian only, so it is not used here.
+   Harremoës 2014, Thm 13). The sum is the binomial expansion of the divergence of the mixture
+   FROM the base, exact with the exact ``eps(l)``; the theorem bounds the reverse direction by
+   the same sum. Fed the Gaussian's ``eps(l) = l / (2 sigma^2)`` it is the sampled Gaussian
+   mechanism's integer-order RDP (Mironov, Talwar, Zhang 2019; Opacus' ``compute_rdp``).
 3. **Composition and conversion**: T steps add their RDP; epsilon at delta is Opacus' RDP
    conversion (``opacus.accountants.analysis.rdp.get_privacy_spent``, Balle et al. 2020,
    Thm 21) over the integer orders ``DEFAULT_ORDERS`` = 2..256.
 
-What this costs against the Gaussian at the same variance: the discreteness term of step 1,
-relative to the Gaussian term, is about ``1 / v``. The factor 3 of step 2 does not vanish with
-the noise: as ``eps(.)`` goes to 0 the bracket tends to ``1 + 2 P[Binomial(alpha, q) >= 3]``, so
-a step costs about ``min(eps(alpha), log(1 + 2 P[Binomial(alpha, q) >= 3]) / (alpha - 1))``
-(about ``2 C(alpha,3) q^3 / (alpha-1)`` for small ``alpha q``) however much noise is added.
-Over many steps at a moderate q, a small epsilon therefore needs much more noise than the
-Gaussian accountant would ask for. The tests of this module measure both costs against Rényi
-divergences summed from the exact Skellam pmf. Knows nothing about tensors.
+**The RDP-equivalent Gaussian** (``skellam_rho``, ``skellam_sigma``): the Skellam bound of step
+1 is at most ``alpha rho`` at every order, i.e. at most the RDP of a Gaussian of multiplier
+``sigma' = 1 / sqrt(2 rho)``; the bound of step 2 grows with each ``eps(l)``, so one
+Poisson-subsampled Skellam step costs at most what Opacus' ``compute_rdp(q, sigma', 1, orders)``
+gives at integer orders. ``prism_core.accounting`` composes Skellam events that way, next to
+Gaussian ones. What the discreteness costs against the Gaussian at the same variance is the
+``(l2^2 + 3 l1) / (2 v^2)`` of ``rho``: ``(1 + 3 l1 / l2^2) / v`` relative to the Gaussian term.
+The tests of this module measure both bounds against Rényi divergences summed from the exact
+Skellam pmf. Knows nothing about tensors.
 """
 
 from __future__ import annotations
@@ -58,13 +59,16 @@ __all__ = [
     "MU_SEARCH_MAX",
     "calibrate_skellam_mu",
     "skellam_epsilon",
+    "skellam_mu",
     "skellam_rdp",
     "skellam_rdp_curve",
+    "skellam_rho",
+    "skellam_sigma",
     "subsampled_rdp",
 ]
 
 DEFAULT_ORDERS: Final = tuple(range(2, 257))
-"""Integer RDP orders 2..256 over which epsilon is minimised (Zhu and Wang's bound holds at
+"""Integer RDP orders 2..256 over which epsilon is minimised (the subsampling bound holds at
 integer orders only)."""
 
 MAX_ORDER: Final = 1024
@@ -73,8 +77,6 @@ curve of all orders holds a table of MAX_ORDER^2 of them."""
 
 MU_SEARCH_MAX: Final = 1e30
 """The largest mu ``calibrate_skellam_mu`` tries before it calls the budget too small."""
-
-_LOG3: Final = math.log(3.0)
 
 
 def _finite_at_least(value: float, name: str, low: float = 0.0) -> None:
@@ -140,10 +142,90 @@ def skellam_rdp(alpha: int, *, mu: float, l1: float, l2: float) -> float:
     return _skellam_rdp_unchecked(alpha, mu, l1, l2)
 
 
+def skellam_rho(*, mu: float, l1: float, l2: float) -> float:
+    """The ``rho`` with ``skellam_rdp(alpha) <= alpha rho`` at every order ``alpha >= 1``.
+
+    Implements a bound on Theorem 3.5 of Agarwal, Kairouz, Liu 2021 (arXiv:2110.04995), with
+    its variance ``v = 2 mu``: ``rho = l2^2 / (2 v) + (l2^2 + 3 l1) / (2 v^2)``, because the
+    theorem's discreteness term is at most ``((2 alpha - 1) l2^2 + 6 l1) / (4 v^2)`` and
+    ``(2 alpha - 1) l2^2 + 6 l1 <= alpha (2 l2^2 + 6 l1)`` for ``alpha >= 1``. The first term is
+    the Gaussian's at the same variance.
+
+    Args:
+        mu: the mean of each Poisson variable of ``Sk(mu)`` (variance ``2 mu``); 0 means no
+            noise (``inf`` unless ``l2 = 0``).
+        l1: l1 sensitivity of the integer vector (>= ``l2``).
+        l2: l2 sensitivity of the integer vector (0 gives 0.0: nothing moves).
+
+    Raises:
+        PrivacyParameterError: for mu or a sensitivity out of range.
+    """
+    _finite_at_least(mu, "mu")
+    _check_sensitivities(l1, l2)
+    if l2 == 0:
+        return 0.0
+    if mu == 0:
+        return math.inf
+    v = 2.0 * mu
+    return l2 * l2 / (2 * v) + (l2 * l2 + 3 * l1) / (2 * v * v)
+
+
+def skellam_sigma(*, mu: float, l1: float, l2: float) -> float:
+    """The RDP-equivalent Gaussian noise multiplier of the Skellam mechanism, unit sensitivity.
+
+    Implements ``sigma' = 1 / sqrt(2 rho)`` with ``rho = skellam_rho(mu, l1, l2)``, so that the
+    Skellam RDP bound (Agarwal, Kairouz, Liu 2021, Thm 3.5) is at most the Gaussian RDP
+    ``alpha / (2 sigma'^2)`` at every order. Steinke's Poisson-subsampling bound (module
+    docstring, step 2) grows with each ``eps(l)``, and fed ``eps(l) = l / (2 sigma'^2)`` it IS
+    the sampled Gaussian mechanism's integer-order RDP (Mironov, Talwar, Zhang 2019), which
+    Opacus' ``compute_rdp`` computes at integer orders. Hence the Poisson-subsampled Skellam
+    mechanism's RDP at every integer order is at most ``compute_rdp(q, sigma', steps, orders)``
+    at integer orders (never at fractional ones, where the subsampling bound is not proven).
+    ``sigma' -> sqrt(2 mu) / l2`` (the Gaussian at the same variance) as ``mu`` grows.
+
+    Returns:
+        ``sigma' >= 0``: 0.0 when ``mu = 0`` (no noise), ``inf`` when ``l2 = 0``.
+
+    Raises:
+        PrivacyParameterError: for mu or a sensitivity out of range.
+    """
+    rho = skellam_rho(mu=mu, l1=l1, l2=l2)
+    if rho == 0:
+        return math.inf
+    return 1.0 / math.sqrt(2.0 * rho)
+
+
+def skellam_mu(*, sigma: float, l1: float, l2: float) -> float:
+    """The smallest ``mu`` with ``skellam_sigma(mu, l1, l2) >= sigma``.
+
+    Implements the inverse of ``skellam_sigma``: ``sigma' >= sigma`` iff ``2 rho <= 1 /
+    sigma^2``, i.e. iff the variance ``v = 2 mu`` satisfies ``v^2 - sigma^2 l2^2 v - sigma^2
+    (l2^2 + 3 l1) >= 0``, whose positive root is ``v = (sigma^2 l2^2 + sqrt(sigma^4 l2^4 + 4
+    sigma^2 (l2^2 + 3 l1))) / 2`` (both terms positive: no cancellation); ``mu = v / 2``.
+
+    Args:
+        sigma: the RDP-equivalent Gaussian multiplier wanted, a finite number >= 0 (0 needs
+            no noise).
+        l1: l1 sensitivity of the integer vector (>= ``l2``).
+        l2: l2 sensitivity of the integer vector (0 needs no noise: 0.0).
+
+    Raises:
+        PrivacyParameterError: for sigma or a sensitivity out of range.
+    """
+    _finite_at_least(sigma, "sigma")
+    _check_sensitivities(l1, l2)
+    if sigma == 0 or l2 == 0:
+        return 0.0
+    s2, b2 = sigma * sigma, l2 * l2
+    v = (s2 * b2 + math.sqrt(s2 * s2 * b2 * b2 + 4 * s2 * (b2 + 3 * l1))) / 2
+    return v / 2
+
+
 def _subsampled_curve(
     base: NDArray[np.float64], orders: NDArray[np.int64], q: float
 ) -> NDArray[np.float64]:
-    """Zhu and Wang's bound at each of ``orders`` from ``base[l - 2] = eps(l)``, l = 2..max."""
+    """Steinke's Poisson-subsampling bound at each of ``orders`` from ``base[l - 2] = eps(l)``,
+    l = 2..max (module docstring, step 2)."""
     if q == 1.0:
         out: NDArray[np.float64] = base[orders - 2].copy()
         return out
@@ -157,10 +239,9 @@ def _subsampled_curve(
         + ls * math.log(q)
         + (alphas - ls) * math.log1p(-q)
         + (ls - 1) * base[None, :]
-        + np.where(ls >= 3, _LOG3, 0.0)
     )
     log_terms = np.where(ls <= alphas, log_terms, -np.inf)
-    first = (alphas - 1) * math.log1p(-q) + np.log(alphas * q - q + 1)
+    first = (alphas - 1) * math.log1p(-q) + np.log1p((alphas - 1) * q)
     total = logsumexp(np.concatenate([first, log_terms], axis=1), axis=1)
     bound: NDArray[np.float64] = np.minimum(total / (orders - 1), base[orders - 2])
     return bound
@@ -170,8 +251,9 @@ def subsampled_rdp(rdp_of_order: Callable[[int], float], alpha: int, q: float) -
     """RDP at order ``alpha`` of a mechanism with RDP ``rdp_of_order`` under Poisson
     subsampling at rate ``q``.
 
-    Implements Theorem 5 of Zhu and Wang 2019 (ICML), the general upper bound at integer
-    orders (module docstring), capped by ``rdp_of_order(alpha)``; ``q = 1`` returns
+    Implements the Poisson-subsampling RDP bound of Steinke 2022 (arXiv:2210.00597) at integer
+    orders, add/remove adjacency (module docstring, step 2), capped by
+    ``rdp_of_order(alpha)``; ``q = 1`` returns
     ``rdp_of_order(alpha)``. ``rdp_of_order`` is called at every order 2..alpha and must bound
     the divergence in both directions (true of the Skellam mechanism, whose noise is
     symmetric).
@@ -209,8 +291,9 @@ def skellam_rdp_curve(
     """RDP of ONE Poisson-subsampled Skellam step at each of ``orders``.
 
     Implements steps 1 and 2 of the module docstring (Theorem 3.5 of Agarwal et al. 2021
-    through Theorem 5 of Zhu and Wang 2019). Steps with different parameters compose by adding
-    their curves order by order; ``skellam_epsilon`` does it for T equal steps.
+    through the Poisson-subsampling bound of Steinke 2022). Steps with different parameters
+    compose by adding their curves order by order; ``skellam_epsilon`` does it for T equal
+    steps.
 
     Raises:
         PrivacyParameterError: for parameters out of range.
