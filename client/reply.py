@@ -23,6 +23,7 @@ __all__ = [
     "RoundReply",
     "SiteFacts",
     "broadcast_digest",
+    "event_facts",
     "noise_scale_facts",
     "refuse",
     "released_event",
@@ -139,6 +140,28 @@ def released_event(records: Sequence[PrivacyEvent], mechanism: str) -> PrivacyEv
             f"events {events}"
         )
     return events[0]
+
+
+def event_facts(event: PrivacyEvent) -> dict[str, Any]:
+    """The accounting facts of a round's released event: ``mechanism``, ``adjacency``,
+    ``sampling``, ``unit``, ``sigma``, ``q`` and ``steps``; for a secure-aggregation event
+    (``prism_core.records.SKELLAM_MECHANISM``), and for no other, also ``honest-sites`` (H, the
+    honest sites its sigma counts on) and ``share-sigma`` (the multiplier of the site's own
+    noise share). A refusal states neither (``refuse``: nothing ran)."""
+    facts: dict[str, Any] = {
+        "mechanism": event.mechanism,
+        "adjacency": event.adjacency,
+        "sampling": event.sampling,
+        "unit": event.unit,
+        "sigma": float(event.noise_multiplier),
+        "q": float(event.sample_rate),
+        "steps": int(event.steps),
+    }
+    # a PrivacyEvent has both exactly when its mechanism is SKELLAM_MECHANISM
+    if event.honest_sites is not None and event.share_sigma is not None:
+        facts["honest-sites"] = int(event.honest_sites)
+        facts["share-sigma"] = float(event.share_sigma)
+    return facts
 
 
 def noise_scale_facts(records: Sequence[PrivacyEvent]) -> dict[str, float]:

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from prism_core.accounting import epsilon
-from prism_core.records import PRIVACY_UNITS, EventColumns, PrivacyEvent
+from prism_core.accounting import collusion_epsilon, epsilon
+from prism_core.records import PRIVACY_UNITS, SKELLAM_MECHANISM, EventColumns, PrivacyEvent
 from prism_runtime.durable import fsync_dir, locked, make_dirs
 from prism_runtime.errors import ConfigError
 
@@ -50,10 +50,13 @@ _FIELDS: dict[str, type] = {
     "delta": float,
 }
 """A ledger line: one JSON object with these fields, and ``_OPTIONAL`` ones."""
-_OPTIONAL: dict[str, type] = {"unit": str}
+_OPTIONAL: dict[str, type] = {"unit": str, "honest_sites": int, "share_sigma": float}
 """Fields a line may lack: ``unit`` (the event's privacy unit, ``PRIVACY_UNITS``) is written on
 every line, and a line without it reads as a record-level event
-(``prism_core.records.DEFAULT_UNIT``)."""
+(``prism_core.records.DEFAULT_UNIT``); ``honest_sites`` and ``share_sigma`` (the honest sites a
+secure-aggregation charge counts on and the multiplier of the site's own noise share) are
+written on the lines of ``SKELLAM_MECHANISM`` events only, and a line without them reads as
+None (the event then refuses the Skellam mechanism)."""
 
 _RANGES: dict[str, tuple[str, typing.Callable[[Any], bool]]] = {
     "server_round": (">= 0", lambda v: v >= 0),
@@ -62,6 +65,8 @@ _RANGES: dict[str, tuple[str, typing.Callable[[Any], bool]]] = {
     "steps": (">= 0", lambda v: v >= 0),
     "delta": ("in (0, 1)", lambda v: 0 < v < 1),
     "unit": (f"one of {list(PRIVACY_UNITS)}", lambda v: v in PRIVACY_UNITS),
+    "honest_sites": (">= 1", lambda v: v >= 1),
+    "share_sigma": (">= 0", lambda v: v >= 0),
 }
 """Allowed values of the entry fields that the accountant reads."""
 
@@ -69,16 +74,18 @@ _RANGES: dict[str, tuple[str, typing.Callable[[Any], bool]]] = {
 @dataclass(frozen=True)
 class SiteLedgerEntry(EventColumns):
     """One charge: the privacy event of a round (``steps`` subsampled-Gaussian steps of one
-    mechanism), at the site's delta; ``mechanism``, ``sigma``, ``q``, ``steps`` and ``unit``
-    (the file's fields) read through to the event (``EventColumns``)."""
+    mechanism), at the site's delta; ``mechanism``, ``sigma``, ``q``, ``steps``, ``unit``,
+    ``honest_sites`` and ``share_sigma`` (the file's fields) read through to the event
+    (``EventColumns``)."""
 
     server_round: int
     event: PrivacyEvent
     delta: float
 
     def to_json(self) -> dict[str, Any]:
-        """The entry's line in the ledger file (``_FIELDS`` and ``unit``)."""
-        return {
+        """The entry's line in the ledger file (``_FIELDS`` and ``unit``; ``honest_sites`` and
+        ``share_sigma`` for a ``SKELLAM_MECHANISM`` event)."""
+        line: dict[str, Any] = {
             "server_round": self.server_round,
             "mechanism": self.event.mechanism,
             "sigma": self.event.noise_multiplier,
@@ -87,6 +94,10 @@ class SiteLedgerEntry(EventColumns):
             "delta": self.delta,
             "unit": self.event.unit,
         }
+        if self.event.mechanism == SKELLAM_MECHANISM:
+            line["honest_sites"] = self.event.honest_sites
+            line["share_sigma"] = self.event.share_sigma
+        return line
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> SiteLedgerEntry:
@@ -252,3 +263,13 @@ class SiteLedger:
         ``group_size`` is set."""
         history = self.events() if events is None else events
         return epsilon(history, delta, group_size=self.group_size)
+
+    def collusion_epsilon(
+        self, delta: float, events: Sequence[PrivacyEvent] | None = None
+    ) -> float:
+        """Epsilon of ``events`` (default: the ledger's) at ``delta`` if every other site
+        colluded with the coordinator: a secure-aggregation event counts at its own share's
+        ``share_sigma`` (``prism_core.accounting.collusion_epsilon``); per person when
+        ``group_size`` is set, as ``epsilon``."""
+        history = self.events() if events is None else events
+        return collusion_epsilon(history, delta, group_size=self.group_size)

@@ -1,13 +1,16 @@
-"""Facts every reply of a site carries, and a refusal: a code, nothing charged, nothing sent."""
+"""Facts every reply of a site carries, a refusal (a code, nothing charged, nothing sent), and
+the facts of a released event (a secure-aggregation event's honest sites and share sigma)."""
 
 from __future__ import annotations
 
 import logging
 
-from client.reply import SiteFacts, refuse
+import pytest
+
+from client.reply import SiteFacts, event_facts, refuse
 from client.site_ledger import SiteLedger, SiteLedgerEntry
 from prism_core.accounting import epsilon
-from prism_core.records import PrivacyEvent
+from prism_core.records import SKELLAM_MECHANISM, PrivacyEvent
 from prism_runtime.protocol import ACCOUNTING_KEYS, RNG_SECURE, STATUS_OK, STATUS_REFUSED
 
 FACTS = SiteFacts(
@@ -59,3 +62,35 @@ def test_a_refusal_sends_its_code_and_the_current_spend_and_charges_nothing(tmp_
     assert (facts["mechanism"], facts["sampling"]) == ("prism-tangent-gaussian", "poisson")
     assert facts["unit"] == "record"  # a site runs per record
     assert ledger.path.read_bytes() == before
+
+
+def test_the_facts_of_a_gaussian_event_state_what_ran_and_no_secure_facts():
+    event = PrivacyEvent(1.2, 0.05, 3, unit="user")
+    assert event_facts(event) == {
+        "mechanism": "prism-tangent-gaussian",
+        "adjacency": "add-remove",
+        "sampling": "poisson",
+        "unit": "user",
+        "sigma": 1.2,
+        "q": 0.05,
+        "steps": 3,
+    }
+
+
+@pytest.mark.parametrize(("honest", "share"), [(1, 0.0), (3, 0.7), (10_000, 1.2)])
+def test_the_facts_of_a_secure_event_add_its_honest_sites_and_share_sigma(honest, share):
+    event = PrivacyEvent(
+        1.2, 0.05, 3, mechanism=SKELLAM_MECHANISM, honest_sites=honest, share_sigma=share
+    )
+    facts = event_facts(event)
+    assert facts["mechanism"] == SKELLAM_MECHANISM
+    assert (facts["honest-sites"], facts["share-sigma"]) == (honest, share)
+    assert type(facts["honest-sites"]) is int and type(facts["share-sigma"]) is float
+    assert PrivacyEvent.from_columns(facts) == event  # the coordinator reads the same event
+
+
+def test_a_refusal_of_a_secure_run_states_no_secure_facts(tmp_path):
+    secure = SiteFacts(**{**vars(FACTS), "mechanism": SKELLAM_MECHANISM})
+    facts = refuse(secure, SiteLedger(tmp_path), 3, "cap-exhausted").accounting
+    assert facts["mechanism"] == SKELLAM_MECHANISM
+    assert "honest-sites" not in facts and "share-sigma" not in facts

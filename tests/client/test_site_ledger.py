@@ -11,7 +11,7 @@ import pytest
 
 import client.site_ledger as site_ledger_module
 from client.site_ledger import SiteLedger, SiteLedgerEntry
-from prism_core.records import PrivacyEvent
+from prism_core.records import SKELLAM_MECHANISM, PrivacyEvent
 from prism_runtime.errors import ConfigError
 
 
@@ -255,3 +255,77 @@ def test_every_entry_stores_its_unit_and_a_line_without_one_reads_as_a_record(tm
     assert json.loads(lines[1])["unit"] == "user"
     assert [e.unit for e in SiteLedger(tmp_path).entries()] == ["record", "user"]
     assert _entry(3).to_json()["unit"] == "record"
+
+
+def _secure(round_: int, honest: int = 3, share: float = 0.5) -> SiteLedgerEntry:
+    event = PrivacyEvent(
+        1.1, 0.05, 5, mechanism=SKELLAM_MECHANISM, honest_sites=honest, share_sigma=share
+    )
+    return SiteLedgerEntry(round_, event, 1e-5)
+
+
+def test_a_secure_entry_stores_its_honest_sites_and_share_sigma_and_old_lines_read_none(tmp_path):
+    """A secure-aggregation charge's line carries ``honest_sites`` and ``share_sigma``; no other
+    line does, and a line written without them (the format before secure aggregation) reads
+    as an event without them; the file round-trips every entry."""
+    old = {k: v for k, v in _entry(1).to_json().items() if k != "unit"}
+    path = tmp_path / SiteLedger.FILE
+    path.write_bytes(json.dumps(old, sort_keys=True).encode() + b"\n")
+    ledger = SiteLedger(tmp_path)
+    ledger.charge(_secure(2))
+    ledger.charge(_entry(3))
+    lines = [json.loads(line) for line in path.read_bytes().splitlines()]
+    assert lines[0] == old
+    assert (lines[1]["honest_sites"], lines[1]["share_sigma"]) == (3, 0.5)
+    assert "honest_sites" not in lines[2] and "share_sigma" not in lines[2]
+    entries = SiteLedger(tmp_path).entries()
+    assert entries == [_entry(1), _secure(2), _entry(3)]
+    secure_fields = [(e.honest_sites, e.share_sigma) for e in entries]
+    assert secure_fields == [(None, None), (3, 0.5), (None, None)]
+
+
+def test_collusion_epsilon_composes_the_ledger_at_the_secure_shares(tmp_path):
+    """``collusion_epsilon`` is ``prism_core.accounting.collusion_epsilon`` of the ledger's
+    events with the ledger's group size, at least the charged ``epsilon``."""
+    from prism_core.accounting import collusion_epsilon, epsilon
+
+    ledger = SiteLedger(tmp_path)
+    ledger.charge(_entry(1))
+    ledger.charge(_secure(2, share=0.6))
+    events = ledger.events()
+    expected = collusion_epsilon(events, 1e-5)
+    assert ledger.collusion_epsilon(1e-5) == pytest.approx(expected, rel=1e-12)
+    assert ledger.collusion_epsilon(1e-5) >= ledger.epsilon(1e-5) == epsilon(events, 1e-5)
+    assert ledger.collusion_epsilon(1e-5, events[:1]) == pytest.approx(
+        collusion_epsilon(events[:1], 1e-5), rel=1e-12
+    )
+    ledger.group_size = 3  # per person: the same group-size handling as epsilon
+    assert ledger.collusion_epsilon(1e-5) == pytest.approx(
+        collusion_epsilon(events, 1e-5, group_size=3), rel=1e-12
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "what"),
+    [
+        ({"honest_sites": 0}, "honest_sites=0 must be >= 1"),
+        ({"honest_sites": 2.0}, "honest_sites=2.0 is not of type int"),
+        ({"honest_sites": True}, "honest_sites=True is not of type int"),
+        ({"share_sigma": -0.1}, "share_sigma=-0.1 must be >= 0"),
+        ({"share_sigma": "0.5"}, "share_sigma='0.5' is not of type float"),
+        ({"share_sigma": 1.2}, "share_sigma=1.2 must be a finite number in [0, noise_multiplier"),
+        ({"honest_sites": None}, "honest_sites=None is not of type int"),
+        ({"mechanism": "prism-tangent-gaussian"}, "only a 'prism-tangent-skellam' event has"),
+    ],
+)
+def test_wrong_secure_fields_stop_the_site(tmp_path, change, what):
+    path, data = _valid_file(tmp_path)
+    bad = json.dumps({**_secure(3).to_json(), **change}, sort_keys=True).encode()
+    _assert_refused_unchanged(tmp_path, path, data + bad + b"\n", 3, what)
+
+
+def test_a_secure_line_without_its_fields_stops_the_site(tmp_path):
+    path, data = _valid_file(tmp_path)
+    line = {k: v for k, v in _secure(3).to_json().items() if k != "share_sigma"}
+    content = data + json.dumps(line, sort_keys=True).encode() + b"\n"
+    _assert_refused_unchanged(tmp_path, path, content, 3, "share_sigma=None must be a finite")
