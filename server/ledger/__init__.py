@@ -2,13 +2,14 @@
 
 One SQLite file holds every accounting fact the server configured and the sites reported: per
 site and round, the mechanism, neighbouring relation, sampling method, sigma, q, steps, delta
-and privacy unit (and the site's epsilon cap). Epsilon is never stored: ``Ledger.epsilon``
-recomputes it from the site's whole history with ``prism_core.accounting`` (PRV, with the RDP
-cross-check) every time.
+and privacy unit (and the site's epsilon cap; under secure aggregation, the honest sites the
+charge counts on and the sigma of the site's own noise share). Epsilon is never stored:
+``Ledger.epsilon`` recomputes it from the site's whole history with ``prism_core.accounting``
+(PRV, with the RDP cross-check) every time.
 
-File layout (schema version 4):
+File layout (schema version 5):
 
-- ``meta(key, value)``: ``application = "prism-fl-ledger"``, ``schema_version = "4"``,
+- ``meta(key, value)``: ``application = "prism-fl-ledger"``, ``schema_version = "5"``,
   ``created_at`` (and ``migrated_from_<v>_at`` on a migrated file); the SQLite header also carries
   ``application_id = LEDGER_APPLICATION_ID`` and ``user_version = SCHEMA_VERSION``, so a foreign
   file is recognised from its first 100 bytes.
@@ -20,7 +21,12 @@ File layout (schema version 4):
   with ``params_known = 0`` and sigma 0, i.e. epsilon infinite, when it has none). ``code`` says
   why a charge is unconfirmed (a coordinator code, never site text); ``rng`` is the site's
   ``rng`` fact (``os-csprng`` or ``reproducible``; NULL when not known); ``unit`` the event's
-  privacy unit (``prism_core.records.PRIVACY_UNITS``: ``record`` or ``user``).
+  privacy unit (``prism_core.records.PRIVACY_UNITS``: ``record`` or ``user``);
+  ``honest_sites`` and ``share_sigma`` are set (both) exactly on a secure-aggregation event
+  (``prism_core.records.SKELLAM_MECHANISM``): H, the honest sites its sigma counts on, and the
+  RDP-equivalent multiplier of the site's own noise share (``<= sigma``), by which
+  ``budget.collusion_epsilon`` gives the site's epsilon if every other site colluded with the
+  coordinator; NULL on every other event.
   ``UNIQUE (run_id, round, site_id, mechanism, confirmed)``: at most one confirmed and one
   unconfirmed row per (run, round, site, mechanism), so a replayed record is never counted twice,
   and a round can hold a training row and the row of a private clip estimate
@@ -31,10 +37,12 @@ File layout (schema version 4):
 - ``runs(run_id, started_at, config_json)``: one row per federated run, append-only too.
 
 Schema versions 1 (before unconfirmed charges and the rng fact), 2 (one row per (run, round,
-site, confirmed), before the private clip estimate) and 3 (before the ``unit`` column) are still
-read: opened for writing they are migrated in place, in one transaction (every row kept; a
-version-1 row as confirmed with rng unknown; a row of version 1 to 3 as ``unit = 'record'``);
-opened read-only they are read as they are, their rows as record-level events.
+site, confirmed), before the private clip estimate), 3 (before the ``unit`` column) and 4 (before
+the ``honest_sites`` and ``share_sigma`` columns) are still read: opened for writing they are
+migrated in place, in one transaction (every row kept; a version-1 row as confirmed with rng
+unknown; a row of version 1 to 3 as ``unit = 'record'``; a row of version 1 to 4 with
+``honest_sites`` and ``share_sigma`` NULL); opened read-only they are read as they are, with
+those same values.
 
 Durability: WAL journal, ``synchronous = FULL`` (a committed append survives power loss), every
 write in one ``BEGIN IMMEDIATE`` transaction. A new ledger is built in a temporary file and
@@ -52,6 +60,7 @@ history).
 from server.ledger.budget import epsilon_points, epsilon_series
 from server.ledger.events import (
     DEFAULT_MECHANISM,
+    UNKNOWN_HONEST_SITES,
     UNKNOWN_Q,
     UNKNOWN_SIGMA,
     LedgerEvent,
@@ -71,6 +80,7 @@ __all__ = [
     "LEDGER_APPLICATION_ID",
     "OLD_SCHEMA_VERSIONS",
     "SCHEMA_VERSION",
+    "UNKNOWN_HONEST_SITES",
     "UNKNOWN_Q",
     "UNKNOWN_SIGMA",
     "Ledger",

@@ -1,4 +1,6 @@
-"""Budget maths over a site's ledger history: epsilon so far, per round, and the cap check.
+"""Budget maths over a site's ledger history: epsilon so far, per round, the cap check, and,
+under secure aggregation, the honest sites the epsilon counts on and the epsilon if every other
+site colluded with the coordinator.
 
 Pure functions of the events (no SQL): ``server.ledger.Ledger`` reads the history and calls
 them. Epsilon is never stored; every value composes the whole history with
@@ -10,15 +12,25 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from prism_core.accounting import EpsilonReport, PrivacyEvent, epsilon, epsilon_report
+from prism_core.accounting import (
+    EpsilonReport,
+    PrivacyEvent,
+    collusion_epsilon,
+    epsilon,
+    epsilon_report,
+)
 from prism_core.errors import AccountingError
+from prism_core.records import SKELLAM_MECHANISM
 from server.ledger.events import LedgerEvent
 
 __all__ = [
     "accountable",
     "epsilon_points",
     "epsilon_series",
+    "history_collusion_epsilon",
     "history_epsilon",
+    "honest_sites",
+    "secure",
     "switched_to_person",
     "within_cap",
 ]
@@ -50,6 +62,33 @@ def history_epsilon(events: Sequence[LedgerEvent], delta: float) -> EpsilonRepor
     """Epsilon of one site's whole history at ``delta`` (PRV, RDP cross-check; ``accountable``
     events)."""
     return epsilon_report([e.event for e in accountable(events)], delta)
+
+
+def secure(events: Sequence[LedgerEvent]) -> bool:
+    """Whether a site's accounted history (``accountable``) holds a secure-aggregation event
+    that ran steps (``prism_core.records.SKELLAM_MECHANISM``): only then does its epsilon count
+    on other sites being honest."""
+    return any(e.mechanism == SKELLAM_MECHANISM and e.steps > 0 for e in accountable(events))
+
+
+def honest_sites(events: Sequence[LedgerEvent]) -> int | None:
+    """The fewest honest sites the site's epsilon counts on: the smallest ``honest_sites`` of
+    its secure-aggregation events that ran steps with known parameters (its epsilon holds if at
+    least that many sites are honest); None when it has none."""
+    counts = [
+        e.honest_sites
+        for e in accountable(events)
+        if e.honest_sites is not None and e.steps > 0 and e.params_known
+    ]
+    return min(counts) if counts else None
+
+
+def history_collusion_epsilon(events: Sequence[LedgerEvent], delta: float) -> float:
+    """Epsilon of one site's whole history at ``delta`` if every other site colluded with the
+    coordinator (``prism_core.accounting.collusion_epsilon``: a secure-aggregation event counts
+    at its own share's ``share_sigma``, any other as ``history_epsilon`` counts it;
+    ``accountable`` events)."""
+    return collusion_epsilon([e.event for e in accountable(events)], delta)
 
 
 def within_cap(

@@ -149,6 +149,8 @@ def validate_rows(conn: sqlite3.Connection, path: Path, version: int) -> None:
     kinds.update(confirmed=integer, params_known=integer)
     kinds["epsilon_cap"] = number | {"null"}
     kinds["rng"] = text | {"null"}
+    kinds["honest_sites"] = integer | {"null"}
+    kinds["share_sigma"] = number | {"null"}
     stored = columns(version)
     types = ", ".join(f"typeof({c})" for c in stored)
     n = len(EVENT_COLUMNS)

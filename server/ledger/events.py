@@ -20,6 +20,7 @@ from server.errors import InvalidEventError
 
 __all__ = [
     "DEFAULT_MECHANISM",
+    "UNKNOWN_HONEST_SITES",
     "UNKNOWN_Q",
     "UNKNOWN_SIGMA",
     "LedgerEvent",
@@ -32,6 +33,9 @@ UNKNOWN_SIGMA: Final = 0.0
 UNKNOWN_Q: Final = 1.0
 """How an unconfirmed charge with unknown parameters is accounted: no noise, every record used
 (epsilon infinite, the worst case)."""
+UNKNOWN_HONEST_SITES: Final = 1
+"""The honest sites such a charge of a secure-aggregation run counts on (the site alone; its
+``share_sigma`` is ``UNKNOWN_SIGMA``)."""
 _CODE_PATTERN: Final = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
 
 
@@ -44,10 +48,11 @@ class LedgerEvent(EventColumns):
         round: server round, ``>= 0``.
         site_id: the site, non-empty.
         event: the privacy event (``prism_core.records.PrivacyEvent``: mechanism, sigma, q,
-            steps, sampling, adjacency, unit), the site's released facts or, unconfirmed, the
-            coordinator's worst-case stand-in for them. ``sigma``, ``q``, ``steps``,
-            ``mechanism``, ``adjacency``, ``sampling`` and ``unit`` (the ledger's columns) read
-            through to it (``EventColumns``).
+            steps, sampling, adjacency, unit, and a secure-aggregation event's honest sites and
+            share sigma), the site's released facts or, unconfirmed, the coordinator's
+            worst-case stand-in for them. ``sigma``, ``q``, ``steps``, ``mechanism``,
+            ``adjacency``, ``sampling``, ``unit``, ``honest_sites`` and ``share_sigma`` (the
+            ledger's columns) read through to it (``EventColumns``).
         delta: the site's delta, in ``(0, 1)``.
         epsilon_cap: the site's epsilon budget, ``> 0``, or None for no cap.
         recorded_at: UTC ISO-8601 time the ledger stored the event; set by the ledger (a value

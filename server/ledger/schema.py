@@ -38,10 +38,10 @@ log = logging.getLogger("server.ledger")
 
 APPLICATION: Final = "prism-fl-ledger"
 """Value of ``meta.application`` in every prism-fl ledger."""
-SCHEMA_VERSION: Final = 4
-"""Schema version written by this module (versions 1 to 3 are still read, and migrated on
+SCHEMA_VERSION: Final = 5
+"""Schema version written by this module (versions 1 to 4 are still read, and migrated on
 write)."""
-OLD_SCHEMA_VERSIONS: Final = (1, 2, 3)
+OLD_SCHEMA_VERSIONS: Final = (1, 2, 3, 4)
 """Older schema versions this module reads (read-only) and migrates (opened for writing)."""
 LEDGER_APPLICATION_ID: Final = 0x50524C47  # "PRLG"
 """``PRAGMA application_id`` of a prism-fl ledger (bytes 68-71 of the SQLite header)."""
@@ -67,6 +67,10 @@ _EVENTS_BODY: Final = """
     rng TEXT CHECK (rng IS NULL OR length(rng) > 0),
     code TEXT NOT NULL DEFAULT '',
     unit TEXT NOT NULL DEFAULT 'record' CHECK (length(unit) > 0),
+    honest_sites INTEGER CHECK (honest_sites IS NULL OR honest_sites >= 1),
+    share_sigma REAL CHECK (share_sigma IS NULL OR share_sigma >= 0),
+    CHECK ((honest_sites IS NULL) = (share_sigma IS NULL)),
+    CHECK (share_sigma IS NULL OR share_sigma <= sigma),
     CHECK (confirmed = 0 OR (params_known = 1 AND code = '')),
     CHECK (params_known = 1 OR (sigma = 0 AND q = 1)),
     UNIQUE (run_id, round, site_id, mechanism, confirmed)""".strip("\n")
@@ -141,7 +145,11 @@ _V2_DEFAULTS: Final[dict[str, str]] = {
 _V4_DEFAULTS: Final[dict[str, str]] = {"unit": "'record'"}
 """Columns added by schema version 4 (the event's privacy unit), with the value an older row
 reads as."""
-_DEFAULTS: Final = {**_V2_DEFAULTS, **_V4_DEFAULTS}
+_V5_DEFAULTS: Final[dict[str, str]] = {"honest_sites": "NULL", "share_sigma": "NULL"}
+"""Columns added by schema version 5 (a secure-aggregation event's honest sites and its own
+share's sigma, ``prism_core.records.SKELLAM_MECHANISM``), with the value an older row reads as
+(every older row is of another mechanism)."""
+_DEFAULTS: Final = {**_V2_DEFAULTS, **_V4_DEFAULTS, **_V5_DEFAULTS}
 EVENT_COLUMNS: Final = (*_V1_COLUMNS, *_DEFAULTS)
 
 
@@ -176,6 +184,8 @@ def columns(version: int) -> tuple[str, ...]:
         return _V1_COLUMNS
     if version in (2, 3):
         return (*_V1_COLUMNS, *_V2_DEFAULTS)
+    if version == 4:
+        return (*_V1_COLUMNS, *_V2_DEFAULTS, *_V4_DEFAULTS)
     return EVENT_COLUMNS
 
 
@@ -238,12 +248,14 @@ def statements(script: str) -> list[str]:
 
 
 def migrate(conn: sqlite3.Connection, path: Path) -> bool:
-    """Migrate a version-1, -2 or -3 ledger to ``SCHEMA_VERSION`` in place, in ONE transaction.
+    """Migrate a ledger of one of ``OLD_SCHEMA_VERSIONS`` to ``SCHEMA_VERSION`` in place, in ONE
+    transaction.
 
-    The events table is rebuilt with the current UNIQUE key and columns (SQLite cannot change a
-    UNIQUE constraint in place): every row is copied with its id (a version-1 row as a
-    confirmed charge with the rng fact unknown; a row of version 1 to 3 as a record-level
-    event), then the append-only triggers are restored and ``meta`` records the new version and
+    The events table is rebuilt with the current UNIQUE key, columns and CHECKs (SQLite cannot
+    change a UNIQUE constraint or add a CHECK in place): every row is copied with its id (a
+    version-1 row as a confirmed charge with the rng fact unknown; a row of version 1 to 3 as a
+    record-level event; a row of version 1 to 4 with ``honest_sites`` and ``share_sigma``
+    NULL), then the append-only triggers are restored and ``meta`` records the new version and
     when it was migrated. A crash leaves the file as it was before or as it is after, never
     between.
 

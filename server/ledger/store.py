@@ -20,7 +20,12 @@ from prism_core.accounting import EpsilonReport, PrivacyEvent, history_unit
 from prism_core.quantile import QUANTILE_MECHANISM
 from prism_runtime.faults import NO_FAULTS, Faults
 from server.errors import InvalidEventError, LedgerConflictError, LedgerError
-from server.ledger.budget import epsilon_series, history_epsilon, within_cap
+from server.ledger.budget import (
+    epsilon_series,
+    history_collusion_epsilon,
+    history_epsilon,
+    within_cap,
+)
 from server.ledger.checks import connect
 from server.ledger.events import LedgerEvent, RunRecord, now, validate_event
 from server.ledger.schema import (
@@ -74,8 +79,9 @@ class Ledger:
         An existing file is first checked without writing anything: its SQLite header (the
         ``application_id``), then, on a read-only connection, its integrity, ``meta`` table,
         schema version, tables and triggers. Only a file that passes is opened for writing. A
-        version-1 or -2 ledger opened for writing is migrated to version 3 (one transaction,
-        every event kept); opened read-only it is read as it is.
+        ledger of an older schema version (``OLD_SCHEMA_VERSIONS``) opened for writing is
+        migrated to ``SCHEMA_VERSION`` (one transaction, every event kept); opened read-only it
+        is read as it is.
 
         Args:
             path: the ledger file.
@@ -395,6 +401,24 @@ class Ledger:
                 f"ledger {self._path}: no events of site {site_id!r}; pass delta to get 0."
             )
         return history_epsilon(events, d)
+
+    def collusion_epsilon(self, site_id: str, *, delta: float | None = None) -> float:
+        """Epsilon of one site if every other site colluded with the coordinator, recomputed
+        from all its events (``budget.history_collusion_epsilon``: a secure-aggregation event
+        counts at the sigma of the site's own noise share), at ``delta`` or, as ``epsilon``,
+        the site's smallest delta.
+
+        Raises:
+            LedgerError: the site has no events and no ``delta`` was given.
+            prism_core.errors.AccountingError: an event that cannot be accounted.
+        """
+        events = self.events(site_id=site_id)
+        d = self.site_delta(site_id) if delta is None and events else delta
+        if d is None:
+            raise LedgerError(
+                f"ledger {self._path}: no events of site {site_id!r}; pass delta to get 0."
+            )
+        return history_collusion_epsilon(events, d)
 
     def epsilon_by_round(
         self, site_id: str, *, delta: float | None = None

@@ -5,7 +5,10 @@ An unconfirmed charge is the round's steps at the site's last confirmed paramete
 (``Ledger.last_confirmed``), or, for a site with none, with unknown parameters (accounted as
 epsilon inf): the site may have charged itself before failing; the report counts these charges
 in the site's worst-case epsilon. A private clip estimate (``max-norm = auto``) is its own row of
-mechanism ``QUANTILE_MECHANISM`` beside the training row.
+mechanism ``QUANTILE_MECHANISM`` beside the training row. A secure-aggregation charge
+(``SKELLAM_MECHANISM``) records the reply's ``honest-sites`` and ``share-sigma`` facts; an
+unconfirmed one repeats the site's last confirmed values, or, with unknown parameters, counts on
+the site alone (``UNKNOWN_HONEST_SITES``) with a share sigma of 0.
 """
 
 from __future__ import annotations
@@ -16,10 +19,10 @@ from typing import Any
 
 from prism_core.errors import PrivacyParameterError
 from prism_core.quantile import QUANTILE_MECHANISM
-from prism_core.records import PrivacyEvent
+from prism_core.records import SKELLAM_MECHANISM, PrivacyEvent
 from prism_runtime.protocol import RNG
 from server.errors import InvalidEventError, LedgerConflictError, LedgerError, ReplyError
-from server.ledger import UNKNOWN_Q, UNKNOWN_SIGMA, Ledger, LedgerEvent
+from server.ledger import UNKNOWN_HONEST_SITES, UNKNOWN_Q, UNKNOWN_SIGMA, Ledger, LedgerEvent
 from server.strategy.bounds import AutoClip
 from server.strategy.rounds import RoundSummary
 
@@ -55,7 +58,8 @@ class Charges:
         self.mechanism, self.auto_clip = mechanism, auto_clip
 
     def confirmed(self, server_round: int, facts: dict[str, Any]) -> None:
-        """Charge a reply's cross-checked facts to the ledger as CONFIRMED.
+        """Charge a reply's cross-checked facts to the ledger as CONFIRMED (with a
+        secure-aggregation reply's ``honest-sites`` and ``share-sigma``).
 
         Raises:
             ReplyError: ``facts`` if the ledger refuses the values, ``ledger-conflict`` if the
@@ -85,6 +89,8 @@ class Charges:
                     noise_multiplier=float(facts["quantile-sigma"]),
                     sample_rate=float(facts["quantile-q"]),
                     steps=int(facts["quantile-steps"]),
+                    honest_sites=None,
+                    share_sigma=None,
                 )
                 events.insert(0, replace(event, event=quantile))
         except (PrivacyParameterError, InvalidEventError) as exc:
@@ -132,12 +138,11 @@ class Charges:
             return
         last = self.ledger.last_confirmed(site)
         if last is None:
-            unknown = PrivacyEvent(UNKNOWN_SIGMA, UNKNOWN_Q, steps, mechanism=self.mechanism)
             event = LedgerEvent(
                 run_id=self.run_id,
                 round=server_round,
                 site_id=site,
-                event=unknown,
+                event=self._unknown(steps),
                 delta=self.delta,
                 confirmed=False,
                 params_known=False,
@@ -177,6 +182,13 @@ class Charges:
             else f"at its last confirmed sigma={last.sigma}, q={last.q}",
         )
 
+    def _unknown(self, steps: int) -> PrivacyEvent:
+        """``steps`` steps of the run's mechanism with unknown parameters (epsilon inf)."""
+        secure: dict[str, Any] = {}
+        if self.mechanism == SKELLAM_MECHANISM:
+            secure = {"honest_sites": UNKNOWN_HONEST_SITES, "share_sigma": UNKNOWN_SIGMA}
+        return PrivacyEvent(UNKNOWN_SIGMA, UNKNOWN_Q, steps, mechanism=self.mechanism, **secure)
+
     def _estimate(
         self, site: str, last: LedgerEvent | None, event: LedgerEvent
     ) -> list[LedgerEvent]:
@@ -198,5 +210,7 @@ class Charges:
             mechanism=QUANTILE_MECHANISM,
             noise_multiplier=auto.noise_multiplier,
             steps=auto.steps,
+            honest_sites=None,
+            share_sigma=None,
         )
         return [replace(event, event=quantile)]

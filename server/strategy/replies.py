@@ -18,7 +18,7 @@ from flwr.app import ConfigRecord, Message
 from flwr.common.constant import ErrorCode
 
 from prism_core.bounds import FLOAT32_SLACK
-from prism_core.records import ADJACENCY, PRIVACY_UNITS
+from prism_core.records import ADJACENCY, PRIVACY_UNITS, SKELLAM_MECHANISM
 from prism_runtime.protocol import (
     ACCOUNTING,
     ACCOUNTING_KEYS,
@@ -37,6 +37,7 @@ from server.errors import ReplyError
 from server.strategy.bounds import AutoClip
 
 __all__ = [
+    "SECURE_FACTS",
     "RunTerms",
     "error_reply",
     "error_reply_text",
@@ -51,6 +52,10 @@ _MAX_SCALE = 1e9  # largest C or expected batch a reply may state
 _SCALE_RTOL = 1e-6  # a reply's sigma, C and b must equal the run's to this relative tolerance
 _MAX_COUNT_SIGMA = 1e8  # a clip estimate's count noise (sigma_b = noise * b) grows with b
 _QUANTILE_FACTS = ("quantile-sigma", "quantile-q", "quantile-steps")
+SECURE_FACTS = ("honest-sites", "share-sigma")
+"""The facts of a secure-aggregation reply (mechanism ``SKELLAM_MECHANISM``): H, the honest
+sites its sigma counts on, and the noise multiplier of the site's own share alone."""
+_MAX_HONEST_SITES = 10_000  # more honest sites than any federation here; larger is garbled
 _SAMPLING = "poisson"  # the only sampling the accountant composes
 _FLOWER_ERRORS = {
     value: name for name, value in vars(ErrorCode).items() if isinstance(value, int)
@@ -73,6 +78,8 @@ _OPTIONAL_FACTS: dict[str, type] = {
     "quantile-q": float,
     "quantile-steps": int,
     "unit": str,
+    "honest-sites": int,
+    "share-sigma": float,
 }
 
 
@@ -98,9 +105,10 @@ def validate_facts(facts: dict[str, Any]) -> dict[str, Any]:
     A noise multiplier (``sigma``, ``quantile-sigma``) is at least ``SIGMA_MIN``, the smallest a
     site runs (``prism_runtime.ranges``); ``sigma`` may also be 0, for a refusal or a non-DP
     method (``RunTerms.check`` refuses 0 in an ok reply of a DP run). A ``unit``, where given,
-    is one of ``prism_core.records.PRIVACY_UNITS`` (absent: the facts are per record).
+    is one of ``prism_core.records.PRIVACY_UNITS`` (absent: the facts are per record). The
+    ``SECURE_FACTS`` follow ``_check_secure_facts``.
     """
-    unknown = sorted(set(facts) - set(ACCOUNTING_KEYS))
+    unknown = sorted(set(facts) - {*ACCOUNTING_KEYS, *SECURE_FACTS})
     if unknown:
         raise ReplyError(f"unknown accounting facts {unknown[:3]}", "facts")
     required = {"site-id": str, "status": str, "sigma": float, "q": float, "steps": int}
@@ -140,7 +148,38 @@ def validate_facts(facts: dict[str, Any]) -> dict[str, Any]:
     if SERVER_ROUND in facts and int(facts[SERVER_ROUND]) < 0:
         raise ReplyError(f"server-round={facts[SERVER_ROUND]!r} is negative", "facts")
     _check_quantile_facts(facts)
+    _check_secure_facts(facts)
     return facts
+
+
+def _check_secure_facts(facts: dict[str, Any]) -> None:
+    """A secure-aggregation reply's facts (``validate_facts``, types already checked): both of
+    ``SECURE_FACTS`` or neither; present on an ``ok`` reply exactly when its mechanism is
+    ``SKELLAM_MECHANISM`` (a refusal of such a run may state neither: nothing ran), never on a
+    reply of another mechanism; ``1 <= honest-sites <= 10000`` and
+    ``0 <= share-sigma <= sigma``."""
+    given = [name for name in SECURE_FACTS if name in facts]
+    secure = facts.get("mechanism") == SKELLAM_MECHANISM
+    if not given:
+        if secure and facts["status"] != STATUS_REFUSED:
+            raise ReplyError(
+                f"a {SKELLAM_MECHANISM} reply without its facts {list(SECURE_FACTS)}", "facts"
+            )
+        return
+    if not secure:
+        raise ReplyError(
+            f"secure-aggregation facts {given} on a reply whose mechanism is not "
+            f"{SKELLAM_MECHANISM}",
+            "facts",
+        )
+    if len(given) != len(SECURE_FACTS):
+        raise ReplyError(f"secure-aggregation facts {given} without the others", "facts")
+    honest, share = int(facts["honest-sites"]), float(facts["share-sigma"])
+    if not 1 <= honest <= _MAX_HONEST_SITES:
+        raise ReplyError(f"honest-sites={honest} is not in [1, {_MAX_HONEST_SITES}]", "facts")
+    sigma = float(facts["sigma"])
+    if not 0 <= share <= sigma:
+        raise ReplyError(f"share-sigma={share} is not in [0, sigma={sigma}]", "facts")
 
 
 def _check_quantile_facts(facts: dict[str, Any]) -> None:

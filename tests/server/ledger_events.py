@@ -1,7 +1,8 @@
 """Test helper: a coordinator ledger event from flat keywords (the ledger's column names).
 
-``sigma``, ``q``, ``steps``, ``mechanism``, ``sampling``, ``adjacency`` and ``unit`` build the
-event's one ``PrivacyEvent``; every other keyword is a ``LedgerEvent`` field.
+``sigma``, ``q``, ``steps``, ``mechanism``, ``sampling``, ``adjacency``, ``unit``,
+``honest_sites`` and ``share_sigma`` build the event's one ``PrivacyEvent``; every other keyword
+is a ``LedgerEvent`` field.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ _EVENT_KEYS = {
     "sampling": "sampling",
     "adjacency": "adjacency",
     "unit": "unit",
+    "honest_sites": "honest_sites",
+    "share_sigma": "share_sigma",
 }
 
 

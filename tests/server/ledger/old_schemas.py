@@ -1,9 +1,9 @@
 """Test helper: ledger files of older schema versions, written with the CREATE statements
 prism-fl used then: schema 1 (before unconfirmed charges), schema 2 (before a round
-could hold a private clip estimate beside its training) and schema 3 (before the privacy unit).
-``v1_ledger``, ``v2_ledger`` and ``v3_ledger`` write one holding ``V1_ROWS``, ``V2_ROWS`` or
-``V3_ROWS``; ``v1_view``, ``v2_view`` and ``v3_view`` read a ledger's events back in those rows'
-form."""
+could hold a private clip estimate beside its training), schema 3 (before the privacy unit) and
+schema 4 (before secure aggregation's honest sites and share sigma). ``v1_ledger`` to
+``v4_ledger`` write one holding ``V1_ROWS`` to ``V4_ROWS``; ``v1_view`` to ``v4_view`` read a
+ledger's events back in those rows' form."""
 
 from __future__ import annotations
 
@@ -227,5 +227,52 @@ def v3_view(ledger: Ledger) -> list[tuple[object, ...]]:
     return [
         (e.run_id, e.round, e.site_id, e.mechanism, e.sigma, e.q, e.steps, int(e.confirmed),
          int(e.params_known), e.rng, e.code)
+        for e in ledger.records()
+    ]  # fmt: skip
+
+
+V4_SCHEMA = V3_SCHEMA.replace(
+    "    code TEXT NOT NULL DEFAULT '',\n",
+    "    code TEXT NOT NULL DEFAULT '',\n"
+    "    unit TEXT NOT NULL DEFAULT 'record' CHECK (length(unit) > 0),\n",
+).replace("PRAGMA user_version = 3;", "PRAGMA user_version = 4;")
+"""The schema-4 CREATE statements, as prism-fl wrote them before secure aggregation: schema 3's
+with the privacy unit."""
+V4_ROWS = [
+    # run, round, site, mechanism, sigma, q, steps, confirmed, params_known, rng, code, unit
+    ("run-0", 1, "a", "quantile-gaussian", 6.4, 0.01, 30, 1, 1, "os-csprng", "", "user"),
+    ("run-0", 1, "a", "prism-tangent-gaussian", 1.0, 0.01, 100, 1, 1, "os-csprng", "", "user"),
+    ("run-0", 1, "b", "prism-tangent-gaussian", 0.9, 0.02, 100, 1, 1, "os-csprng", "", "record"),
+    ("run-0", 2, "b", "prism-tangent-gaussian", 0.0, 1.0, 100, 0, 0, None, "no-reply", "record"),
+]
+
+
+def v4_ledger(path: Path) -> None:
+    conn = sqlite3.connect(path)
+    conn.executescript(V4_SCHEMA)
+    conn.executemany(
+        "INSERT INTO meta (key, value) VALUES (?, ?)",
+        [
+            ("application", "prism-fl-ledger"),
+            ("schema_version", "4"),
+            ("created_at", "2026-01-01T00:00:00+00:00"),
+        ],
+    )
+    conn.execute("INSERT INTO runs VALUES ('run-0', '2026-01-01T00:00:00+00:00', '{}')")
+    conn.executemany(
+        "INSERT INTO events (run_id, round, site_id, mechanism, adjacency, sampling, sigma, q, "
+        "steps, delta, epsilon_cap, recorded_at, confirmed, params_known, rng, code, unit) VALUES "
+        "(?, ?, ?, ?, 'add-remove', 'poisson', ?, ?, ?, 1e-5, 8.0, '2026-01-01T00:00:01', ?, ?, "
+        "?, ?, ?)",
+        V4_ROWS,
+    )
+    conn.commit()
+    conn.close()
+
+
+def v4_view(ledger: Ledger) -> list[tuple[object, ...]]:
+    return [
+        (e.run_id, e.round, e.site_id, e.mechanism, e.sigma, e.q, e.steps, int(e.confirmed),
+         int(e.params_known), e.rng, e.code, e.unit)
         for e in ledger.records()
     ]  # fmt: skip

@@ -1,7 +1,9 @@
 """Epsilon of a site's ledger history (``server.ledger.budget``, read through ``Ledger``):
 against Opacus' accountants on the same history, per round, with the smallest delta,
 unknown parameters as infinite epsilon, and the cap check at its edge (a re-run round
-judged on the history before it, an unaccountable history never runnable)."""
+judged on the history before it, an unaccountable history never runnable); under secure
+aggregation, the honest sites a site's epsilon counts on and its epsilon if the other sites
+collude."""
 
 from __future__ import annotations
 
@@ -9,11 +11,13 @@ import pytest
 from opacus.accountants import PRVAccountant, RDPAccountant
 
 from ledger.sample_events import DELTA, ev, unconfirmed
-from prism_core.accounting import PRV_EPS_ERROR, PrivacyEvent, epsilon
+from prism_core.accounting import PRV_EPS_ERROR, PrivacyEvent, collusion_epsilon, epsilon
 from prism_core.errors import AccountingError
 from prism_core.quantile import QUANTILE_MECHANISM
+from prism_core.records import SKELLAM_MECHANISM
 from server.errors import LedgerError
-from server.ledger import UNKNOWN_Q, UNKNOWN_SIGMA, Ledger
+from server.ledger import UNKNOWN_HONEST_SITES, UNKNOWN_Q, UNKNOWN_SIGMA, Ledger
+from server.ledger.budget import history_collusion_epsilon, honest_sites, secure
 
 
 def opacus_epsilon(history: list[tuple[float, float, int]], delta: float, kind: str) -> float:
@@ -160,3 +164,60 @@ def test_unknown_parameters_are_accounted_as_infinite_epsilon(ledger: Ledger) ->
     assert not ledger.can_run(
         "node-9", sigma=1.0, q=0.01, steps=1, epsilon_cap=1e9, delta=DELTA
     )  # worst case: no room left
+
+
+def _secure(rnd: int, honest: int, share: float, **kw: object):
+    return ev(rnd, mechanism=SKELLAM_MECHANISM, honest_sites=honest, share_sigma=share, **kw)
+
+
+def test_a_secure_sites_honest_sites_are_its_fewest_and_its_collusion_epsilon_its_shares(
+    ledger: Ledger,
+) -> None:
+    """The honest sites a site's epsilon counts on are the smallest H of its secure rounds that
+    ran steps with known parameters; its epsilon if the other sites collude is
+    ``prism_core.accounting.collusion_epsilon`` of its whole history (a clip estimate's event
+    included), at least its charged epsilon."""
+    ledger.append_many(
+        [
+            ev(0, mechanism=QUANTILE_MECHANISM, sigma=6.4, steps=30),
+            _secure(0, 4, 0.5),
+            _secure(1, 3, 0.6, sigma=1.2),
+            _secure(2, 2, 0.5, steps=0),  # ran nothing: counts on nobody
+        ]
+    )
+    events = ledger.events("a")
+    assert secure(events) and honest_sites(events) == 3
+    history = [e.event for e in events]
+    expected = collusion_epsilon(history, DELTA)
+    assert history_collusion_epsilon(events, DELTA) == pytest.approx(expected, rel=1e-12)
+    assert ledger.collusion_epsilon("a") == pytest.approx(expected, rel=1e-12)
+    assert ledger.collusion_epsilon("a") >= ledger.epsilon("a").prv
+    assert ledger.collusion_epsilon("b", delta=DELTA) == 0.0  # no events: nothing spent
+    with pytest.raises(LedgerError, match="no events of site 'b'"):
+        ledger.collusion_epsilon("b")
+
+
+def test_a_site_without_secure_rounds_counts_on_no_honest_site(ledger: Ledger) -> None:
+    ledger.append_many([ev(0), _secure(1, 3, 0.5, steps=0)])
+    events = ledger.events("a")
+    assert not secure(events) and honest_sites(events) is None
+
+
+def test_unknown_parameters_of_a_secure_run_count_on_no_known_honest_site(ledger: Ledger) -> None:
+    """A secure run's charge of unknown parameters (``UNKNOWN_HONEST_SITES``, share sigma 0) is
+    secure, accounted as infinite both ways, and states no honest sites of its own."""
+    ledger.append(
+        unconfirmed(
+            1,
+            "node-9",
+            sigma=UNKNOWN_SIGMA,
+            q=UNKNOWN_Q,
+            params_known=False,
+            mechanism=SKELLAM_MECHANISM,
+            honest_sites=UNKNOWN_HONEST_SITES,
+            share_sigma=UNKNOWN_SIGMA,
+        )
+    )
+    events = ledger.events("node-9")
+    assert secure(events) and honest_sites(events) is None
+    assert ledger.epsilon("node-9").prv == ledger.collusion_epsilon("node-9") == float("inf")

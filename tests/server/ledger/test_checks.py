@@ -20,7 +20,7 @@ import pytest
 from ledger.old_schemas import v1_ledger
 from ledger.sample_events import ev
 from server.errors import LedgerError
-from server.ledger import LEDGER_APPLICATION_ID, Ledger
+from server.ledger import LEDGER_APPLICATION_ID, SCHEMA_VERSION, Ledger
 from server.ledger.checks import check_header
 from server.ledger.schema import EVENT_COLUMNS
 
@@ -59,7 +59,7 @@ def _newer_schema(path: Path) -> None:
         pass
     conn = sqlite3.connect(path)
     conn.execute("DROP TRIGGER meta_no_update")
-    conn.execute("UPDATE meta SET value = '5' WHERE key = 'schema_version'")
+    conn.execute(f"UPDATE meta SET value = '{SCHEMA_VERSION + 1}' WHERE key = 'schema_version'")
     conn.commit()
     conn.close()
 
@@ -134,10 +134,22 @@ def _garbled_page(path: Path) -> None:
         ),
         (_tampered("UPDATE events SET unit = 2 WHERE round = 6"), "event row 7 is invalid"),
         (_tampered("UPDATE events SET sigma = 'x' WHERE round = 9"), "column types"),
+        (
+            _tampered("UPDATE events SET honest_sites = 2, share_sigma = 0.5 WHERE round = 4"),
+            r"event row 5 is invalid \(stored event of site 'a': invalid privacy event: "
+            r"honest_sites=2, share_sigma=0.5: only a 'prism-tangent-skellam' event has them",
+        ),
+        (
+            _tampered(
+                "UPDATE events SET mechanism = 'prism-tangent-skellam', honest_sites = 3, "
+                "share_sigma = 'x' WHERE round = 2"
+            ),
+            re.escape("event row 3 is invalid (column types {'share_sigma': 'text'})"),
+        ),
         (_garbled_page, "corrupt|integrity check failed"),
         (_foreign_sqlite, r"application_id 0x0 and tables \['patients'\]"),
         (_spoofed_sqlite, "meta.application is 'something-else'"),
-        (_newer_schema, "schema version '5'"),
+        (_newer_schema, f"schema version '{SCHEMA_VERSION + 1}'"),
         (lambda p: p.write_bytes(random.Random(0).randbytes(5000)), "not an SQLite database"),
         (lambda p: p.write_text("site,epsilon\na,1.0\n"), "not an SQLite database"),
         (lambda p: p.write_bytes(b""), "empty"),
@@ -155,6 +167,8 @@ def _garbled_page(path: Path) -> None:
         "tampered-unit",
         "tampered-unit-number",
         "tampered-sigma-text",
+        "tampered-honest-sites-of-a-gaussian-event",
+        "tampered-share-sigma-text",
         "garbled-page",
         "foreign",
         "spoofed",

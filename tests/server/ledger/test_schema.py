@@ -1,5 +1,5 @@
 """The ledger file's schema (``server.ledger.schema``): its append-only triggers, its
-creation (folders, WAL mode, a concurrent creator) and the migration of schema-1, -2 and -3
+creation (folders, WAL mode, a concurrent creator) and the migration of schema-1 to -4
 ledgers (``old_schemas``) to the current version, all or nothing."""
 
 from __future__ import annotations
@@ -13,17 +13,21 @@ from ledger.old_schemas import (
     V1_ROWS,
     V2_ROWS,
     V3_ROWS,
+    V4_ROWS,
     v1_ledger,
     v1_view,
     v2_ledger,
     v2_view,
     v3_ledger,
     v3_view,
+    v4_ledger,
+    v4_view,
 )
 from ledger.sample_events import TRAIN, eps, estimate, ev, unconfirmed
 from prism_core.quantile import QUANTILE_MECHANISM
+from prism_core.records import SKELLAM_MECHANISM
 from server.errors import LedgerError
-from server.ledger import SCHEMA_VERSION, Ledger
+from server.ledger import SCHEMA_VERSION, Ledger, LedgerEvent
 from server.ledger.schema import create_ledger, migrate
 
 
@@ -114,7 +118,7 @@ def test_a_schema_2_ledger_is_read_as_is_read_only_and_migrated_for_writing(tmp_
     conn = sqlite3.connect(path)
     try:
         meta = dict(conn.execute("SELECT key, value FROM meta"))
-        assert meta["schema_version"] == str(SCHEMA_VERSION) == "4"
+        assert meta["schema_version"] == str(SCHEMA_VERSION) == "5"
         assert "migrated_from_2_at" in meta
         assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
         ids = [r[0] for r in conn.execute("SELECT id FROM events ORDER BY id")]
@@ -309,3 +313,89 @@ def test_a_schema_3_ledger_reads_as_record_level_and_migrates_to_the_unit_column
         conn.close()
     with Ledger.open(path, create=False, read_only=True) as led:  # reopened: the unit is kept
         assert [e.unit for e in led.events("c")] == ["user"]
+
+
+def _secure(rnd: int, site: str, honest: int, share: float) -> LedgerEvent:
+    return ev(rnd, site, mechanism=SKELLAM_MECHANISM, honest_sites=honest, share_sigma=share)
+
+
+def test_a_schema_4_ledger_reads_none_for_the_secure_columns_and_migrates_to_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every row of a schema-4 ledger (written before secure aggregation) reads with
+    ``honest_sites`` and ``share_sigma`` None, read-only as it is and after the migration,
+    which adds both (nullable, with their CHECKs) and keeps every row, its id, its unit and its
+    epsilon; a secure-aggregation event then round-trips both."""
+    path = tmp_path / "v4.sqlite"
+    v4_ledger(path)
+    before = path.read_bytes()
+    with Ledger.open(path, read_only=True) as led:
+        assert v4_view(led) == V4_ROWS
+        assert {(e.honest_sites, e.share_sigma) for e in led.records()} == {(None, None)}
+        eps_a, eps_b = led.epsilon("a"), led.epsilon("b")
+    assert path.read_bytes() == before  # read-only: not migrated, not touched
+
+    with caplog.at_level("WARNING", logger="server.ledger"):
+        led = Ledger.open(path)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"ledger {path}: migrated from schema version 4 to {SCHEMA_VERSION} "
+        f"({len(V4_ROWS)} events kept)"
+    ]
+    with led:
+        assert v4_view(led) == V4_ROWS  # every row kept, with its unit and status
+        assert {(e.honest_sites, e.share_sigma) for e in led.records()} == {(None, None)}
+        assert (led.epsilon("a"), led.epsilon("b")) == (eps_a, eps_b)
+        assert led.append(_secure(0, "c", 3, 0.5))
+        (stored,) = led.events("c")
+        assert (stored.mechanism, stored.honest_sites, stored.share_sigma) == (
+            SKELLAM_MECHANISM,
+            3,
+            0.5,
+        )
+        assert stored.same_facts(_secure(0, "c", 3, 0.5))
+    conn = sqlite3.connect(path)
+    try:
+        meta = dict(conn.execute("SELECT key, value FROM meta"))
+        assert meta["schema_version"] == str(SCHEMA_VERSION) and "migrated_from_4_at" in meta
+        info = {r[1]: (r[2], r[3], r[4]) for r in conn.execute("PRAGMA table_info(events)")}
+        assert info["honest_sites"] == ("INTEGER", 0, None)
+        assert info["share_sigma"] == ("REAL", 0, None)
+        ids = [r[0] for r in conn.execute("SELECT id FROM events ORDER BY id")]
+        assert ids == [1, 2, 3, 4, 5]
+        assert conn.execute(
+            "SELECT honest_sites, share_sigma FROM events ORDER BY id"
+        ).fetchall() == [(None, None)] * 4 + [(3, 0.5)]
+        with pytest.raises(sqlite3.IntegrityError, match="refused"):
+            conn.execute("UPDATE events SET honest_sites = 1")
+        conn.rollback()
+    finally:
+        conn.close()
+    with Ledger.open(path, create=False, read_only=True) as led:  # reopened: both are kept
+        assert [(e.honest_sites, e.share_sigma) for e in led.events("c")] == [(3, 0.5)]
+
+
+@pytest.mark.parametrize(
+    ("honest", "share"),
+    [(0, 0.5), (3, -0.1), (3, 1.5), (3, None), (None, 0.5)],
+    ids=["no-honest-site", "negative-share", "share-above-sigma", "share-missing", "h-missing"],
+)
+def test_the_secure_columns_checks_refuse_what_the_event_would(
+    tmp_path: Path, honest: int | None, share: float | None
+) -> None:
+    """The schema's CHECKs on ``honest_sites`` and ``share_sigma`` hold without the event's own
+    validation: an insert outside prism-fl of H < 1, a negative share, a share above sigma, or
+    one of the two without the other is refused by SQLite."""
+    path = tmp_path / "ledger.sqlite"
+    Ledger.open(path).close()
+    conn = sqlite3.connect(path)
+    try:
+        with pytest.raises(sqlite3.IntegrityError, match="CHECK constraint failed"):
+            conn.execute(
+                "INSERT INTO events (run_id, round, site_id, mechanism, adjacency, sampling, "
+                "sigma, q, steps, delta, recorded_at, honest_sites, share_sigma) VALUES "
+                f"('run-0', 1, 'a', '{SKELLAM_MECHANISM}', 'add-remove', 'poisson', 1.0, 0.01, "
+                "10, 1e-5, 'now', ?, ?)",
+                (honest, share),
+            )
+    finally:
+        conn.close()

@@ -2,7 +2,8 @@
 conflicts refused, batches atomic, what the file refuses), run records, unconfirmed
 charges (counted once, superseded by a confirmation of any mechanism), a round holding a
 private clip estimate beside its training, reads (filters, the last confirmed event),
-durability across reopening, a reader beside a live writer, and its log lines."""
+durability across reopening (a secure-aggregation event's honest sites and share sigma
+included), a reader beside a live writer, and its log lines."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 from ledger.sample_events import DELTA, TRAIN, eps, estimate, ev, unconfirmed
 from prism_core.accounting import PrivacyEvent, epsilon
 from prism_core.quantile import QUANTILE_MECHANISM
+from prism_core.records import SKELLAM_MECHANISM
 from server.errors import InvalidEventError, LedgerConflictError, LedgerError
 from server.ledger import LEDGER_APPLICATION_ID, Ledger, LedgerEvent
 
@@ -132,6 +134,18 @@ def test_reopen_gives_same_history_and_epsilon(tmp_path: Path) -> None:
             led.append(ev(5))
     header = path.read_bytes()[:100]
     assert int.from_bytes(header[68:72], "big") == LEDGER_APPLICATION_ID
+
+
+def test_a_secure_events_honest_sites_and_share_sigma_survive_reopening(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.sqlite"
+    secure = ev(0, mechanism=SKELLAM_MECHANISM, honest_sites=3, share_sigma=0.45)
+    with Ledger.open(path) as led:
+        led.append_many([secure, ev(0, "b")])
+    for read_only in (False, True):
+        with Ledger.open(path, create=False, read_only=read_only) as led:
+            a, b = led.events()
+            assert a.same_facts(secure) and (a.honest_sites, a.share_sigma) == (3, 0.45)
+            assert (b.mechanism, b.honest_sites, b.share_sigma) == (TRAIN, None, None)
 
 
 def test_reads_filter_by_site_and_run(ledger: Ledger) -> None:

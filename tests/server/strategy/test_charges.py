@@ -11,7 +11,8 @@ parameters (epsilon unknown); a resent stored reply confirms an unconfirmed char
 without counting it twice. A private clip estimate (``max-norm = auto``) of a REAL site
 (``client.site.Site``, tiny BERT) is charged in both ledgers (the site's and the
 coordinator's) and in the report; a failing site without a confirmed estimate is charged
-one unconfirmed."""
+one unconfirmed. A secure-aggregation reply's honest sites and share sigma are charged with
+it, and only with its training row."""
 
 from __future__ import annotations
 
@@ -32,13 +33,14 @@ from client.site import Site
 from client.site_ledger import SiteLedger
 from prism_core.accounting import PrivacyEvent, epsilon
 from prism_core.quantile import QUANTILE_MECHANISM
+from prism_core.records import SKELLAM_MECHANISM
 from prism_runtime.config import SiteConfig, parse_config
 from prism_runtime.exchange import head_named, to_arrays
 from prism_runtime.protocol import ARRAYS
 from server.audit.accountants import check_ledger
 from server.cli import main
 from server.errors import InvalidEventError, LedgerError, ReplyError
-from server.ledger import UNKNOWN_Q, UNKNOWN_SIGMA, Ledger, LedgerEvent
+from server.ledger import UNKNOWN_HONEST_SITES, UNKNOWN_Q, UNKNOWN_SIGMA, Ledger, LedgerEvent
 from server.report import (
     MARK_EPSILON_UNKNOWN,
     MARK_UNCONFIRMED,
@@ -341,6 +343,64 @@ def test_a_private_clip_estimate_is_charged_as_its_own_row_before_the_steps(
         )
     )
     assert estimate.confirmed and training.confirmed
+
+
+def secure_charges(ledger: Ledger, auto_clip: AutoClip | None = None) -> Charges:
+    """The charges of a secure-aggregation run (mechanism ``SKELLAM_MECHANISM``)."""
+    return Charges(
+        ledger=ledger,
+        run_id=RUN,
+        target_epsilon=8.0,
+        delta=DELTA,
+        mechanism=SKELLAM_MECHANISM,
+        auto_clip=auto_clip,
+    )
+
+
+SECURE = {"mechanism": SKELLAM_MECHANISM, "honest_sites": 3, "share_sigma": 0.55}
+
+
+def test_a_secure_reply_is_charged_with_its_honest_sites_and_share_sigma(ledger: Ledger) -> None:
+    """The training row carries the reply's ``honest-sites`` and ``share-sigma``; its private
+    clip estimate's row (not secure-aggregated) carries neither."""
+    facts = reply(steps=2, quantile_sigma=7.5, quantile_q=0.03, quantile_steps=3, **SECURE)
+    secure_charges(ledger, AUTO).confirmed(3, facts)
+    estimate, training = ledger.events(site_id="a")
+    assert (training.mechanism, training.honest_sites, training.share_sigma) == (
+        SKELLAM_MECHANISM,
+        3,
+        0.55,
+    )
+    assert (estimate.mechanism, estimate.honest_sites, estimate.share_sigma) == (
+        QUANTILE_MECHANISM,
+        None,
+        None,
+    )
+
+
+def test_a_secure_site_is_charged_unconfirmed_at_its_last_honest_sites_and_share(
+    ledger: Ledger,
+) -> None:
+    """Unconfirmed: at the last confirmed event's H and share sigma (an estimate row, under
+    ``max-norm = auto``, without them); a site never confirmed counts on itself alone
+    (``UNKNOWN_HONEST_SITES``) with share sigma 0, beside sigma 0 (epsilon inf)."""
+    secure_charges(ledger).confirmed(1, reply(**SECURE))
+    secure_charges(ledger, AUTO).unconfirmed(2, "a", "no-reply", 40, RoundSummary(server_round=2))
+    estimate, training = [e for e in ledger.events(site_id="a") if not e.confirmed]
+    assert (training.honest_sites, training.share_sigma, training.steps) == (3, 0.55, 40)
+    assert (estimate.mechanism, estimate.honest_sites, estimate.share_sigma) == (
+        QUANTILE_MECHANISM,
+        None,
+        None,
+    )
+    secure_charges(ledger).unconfirmed(2, "b", "no-reply", 40, RoundSummary(server_round=2))
+    (unknown,) = ledger.events(site_id="b")
+    assert (unknown.mechanism, unknown.params_known) == (SKELLAM_MECHANISM, False)
+    assert (unknown.sigma, unknown.honest_sites, unknown.share_sigma) == (
+        UNKNOWN_SIGMA,
+        UNKNOWN_HONEST_SITES,
+        UNKNOWN_SIGMA,
+    )
 
 
 def test_the_unit_of_a_reply_is_charged_and_reported_and_an_absent_one_is_a_record(

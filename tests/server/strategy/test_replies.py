@@ -23,7 +23,7 @@ from flwr.common.constant import ErrorCode
 from reply_facts import honest_facts
 
 from prism_core.bounds import FLOAT32_SLACK
-from prism_core.records import PRIVACY_UNITS
+from prism_core.records import PRIVACY_UNITS, SKELLAM_MECHANISM
 from prism_runtime.protocol import (
     ACCOUNTING,
     MAX_EXAMPLES,
@@ -40,6 +40,7 @@ from server.report import build_report
 from server.report_files import write_reports
 from server.strategy.bounds import AutoClip
 from server.strategy.replies import (
+    SECURE_FACTS,
     RunTerms,
     error_reply,
     error_reply_text,
@@ -258,6 +259,87 @@ def test_clip_estimate_parameters_at_the_edges_of_their_ranges(change, ok):
         assert _rejected(facts) == (
             f"impossible clip-estimate parameters sigma={sigma}, q={q}, steps={steps}"
         )
+
+
+SECURE = {"mechanism": SKELLAM_MECHANISM, "honest_sites": 3, "share_sigma": 0.5}
+"""A secure-aggregation reply's facts (sigma 1.0 from ``honest_facts``)."""
+
+
+def test_secure_facts_pass_with_the_skellam_mechanism_and_come_back_typed():
+    facts = validate_facts(honest_facts("a", **SECURE))
+    assert (facts["honest-sites"], facts["share-sigma"]) == (3, 0.5)
+    assert SECURE_FACTS == ("honest-sites", "share-sigma")
+
+
+@pytest.mark.parametrize(
+    ("change", "ok"),
+    [
+        ({"honest_sites": 1}, True),
+        ({"honest_sites": 10_000}, True),
+        ({"honest_sites": 0}, False),
+        ({"honest_sites": -2}, False),
+        ({"honest_sites": 10_001}, False),
+        ({"share_sigma": 0.0}, True),
+        ({"share_sigma": 1.0}, True),  # the site's share alone carries all the noise: H = 1
+        ({"share_sigma": 1.0 + 1e-12}, False),
+        ({"share_sigma": -1e-12}, False),
+        ({"share_sigma": 2.0, "sigma": 1.5}, False),
+    ],
+)
+def test_secure_facts_at_the_edges_of_their_ranges(change, ok):
+    facts = honest_facts("a", **{**SECURE, **change})
+    if ok:
+        assert validate_facts(facts)
+        return
+    if "honest_sites" in change:
+        assert _rejected(facts) == f"honest-sites={change['honest_sites']} is not in [1, 10000]"
+    else:
+        share, sigma = float(facts["share-sigma"]), float(facts["sigma"])
+        assert _rejected(facts) == f"share-sigma={share} is not in [0, sigma={sigma}]"
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"honest_sites": 2.0}, "accounting fact honest-sites=2.0 is not an integer"),
+        ({"honest_sites": True}, "accounting fact honest-sites=True is not an integer"),
+        ({"honest_sites": "3"}, "accounting fact honest-sites='3' is not an integer"),
+        ({"share_sigma": "0.5"}, "accounting fact share-sigma='0.5' is not a number"),
+        ({"share_sigma": math.inf}, "accounting fact share-sigma=inf is not finite"),
+        ({"share_sigma": math.nan}, "accounting fact share-sigma=nan is not finite"),
+        ({"share_sigma": False}, "accounting fact share-sigma=False is not a number"),
+    ],
+)
+def test_secure_facts_of_the_wrong_type_are_named_with_their_value(change, says):
+    assert _rejected(honest_facts("a", **{**SECURE, **change})) == says
+
+
+@pytest.mark.parametrize("missing", ["honest_sites", "share_sigma"])
+def test_secure_facts_come_both_or_none(missing):
+    other = "share-sigma" if missing == "honest_sites" else "honest-sites"
+    for status in ("ok", "refused"):
+        facts = honest_facts("a", status=status, **{**SECURE, missing: None})
+        assert _rejected(facts) == f"secure-aggregation facts {[other]} without the others"
+
+
+def test_secure_facts_are_present_exactly_on_a_skellam_reply_a_refusal_may_omit_them():
+    """An ok reply of the Skellam mechanism must state both; a reply of any other mechanism
+    (or of none) may state neither; a refusal of a secure run may omit both (nothing ran)."""
+    without = {"mechanism": SKELLAM_MECHANISM}
+    assert _rejected(honest_facts("a", **without)) == (
+        f"a {SKELLAM_MECHANISM} reply without its facts ['honest-sites', 'share-sigma']"
+    )
+    refused = honest_facts("a", status="refused", reason="cap-exhausted", steps=0, **without)
+    assert validate_facts(refused)
+    stated = {**SECURE, "share_sigma": 0.0}  # a refusal that states them, with sigma 0
+    assert validate_facts(honest_facts("a", status="refused", steps=0, sigma=0.0, **stated))
+    for mechanism in (MECHANISM, None):
+        facts = honest_facts("a", **{**SECURE, "mechanism": mechanism})
+        assert _rejected(facts) == (
+            "secure-aggregation facts ['honest-sites', 'share-sigma'] on a reply whose "
+            f"mechanism is not {SKELLAM_MECHANISM}"
+        )
+    assert "honest-sites" not in validate_facts(honest_facts("a"))  # a plain reply
 
 
 def test_facts_of_a_reply_without_its_record_is_a_facts_rejection():
