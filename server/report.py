@@ -17,6 +17,14 @@ Two marks (JSON fields, CSV columns, HTML text, the per-round table and ``prism-
 - NOT PRIVATE AGAINST THE COORDINATOR: a site that reported ``rng = reproducible`` (sampling,
   dropout and noise seeded for tests and benchmarks) and every run it took part in that way: its
   epsilon holds against outsiders only, not against a coordinator that could learn the seed.
+
+A site that ran SECURE AGGREGATION (``prism_core.records.SKELLAM_MECHANISM``) has two epsilons:
+``epsilon``, charged on the noise of the sum, holds if at least ``honest_sites`` sites are honest
+(the fewest any of its rounds counted on); ``epsilon_collusion`` holds if every other site
+colludes with the coordinator (the site's own noise share alone,
+``prism_core.accounting.collusion_epsilon``). For a site without secure aggregation both are
+None (JSON null, an empty CSV cell, no HTML text, no round-table column): its epsilon does not
+count on the other sites.
 """
 
 from __future__ import annotations
@@ -39,7 +47,13 @@ from prism_core.quantile import QUANTILE_MECHANISM
 from prism_runtime.protocol import RNG_REPRODUCIBLE, RNG_SECURE
 from server.errors import ConfigError
 from server.ledger import Ledger, LedgerEvent, epsilon_points
-from server.ledger.budget import accountable, switched_to_person
+from server.ledger.budget import (
+    accountable,
+    history_collusion_epsilon,
+    honest_sites,
+    secure,
+    switched_to_person,
+)
 
 __all__ = [
     "CSV_COLUMNS",
@@ -65,6 +79,8 @@ CSV_COLUMNS: Final = (
     "site_id",
     "epsilon",
     "epsilon_rdp",
+    "epsilon_collusion",
+    "honest_sites",
     "epsilon_cap",
     "delta",
     "unit",
@@ -233,10 +249,13 @@ def _site_row(
     caps = [e.epsilon_cap for e in events if e.epsilon_cap is not None]
     cap = min(caps) if caps else None
     delta = min(e.delta for e in events)  # as Ledger.epsilon: the smallest delta
+    secured = secure(events)
     row: dict[str, Any] = {
         "site_id": site_id,
         "epsilon": math.inf,
         "epsilon_rdp": math.inf,
+        "epsilon_collusion": math.inf if secured else None,
+        "honest_sites": honest_sites(events),
         "epsilon_replace_one": math.inf,
         "delta_replace_one": 1.0,
         "epsilon_cap": cap,
@@ -295,12 +314,16 @@ def _site_row(
     try:
         report = epsilon_report(history, delta)
         by_round = epsilon_points(events, delta)
+        if secured:
+            row["epsilon_collusion"] = history_collusion_epsilon(events, delta)
     except AccountingError as exc:
         row["status"] = "exhausted"
         row["note"] += f"cannot be accounted, treated as exhausted: {exc}"
         return row, []
-    row["note"] = row["note"].strip()
     row["epsilon"], row["epsilon_rdp"] = report.prv, report.rdp
+    if secured:
+        row["note"] += _secure_note(row)
+    row["note"] = row["note"].strip()
     row["epsilon_replace_one"], row["delta_replace_one"] = replace_one(report.prv, delta)
     series = [{"run_id": run_id, "round": rnd, "epsilon": eps} for run_id, rnd, eps in by_round]
     if cap is None:
@@ -325,9 +348,25 @@ def _site_row(
     return row, series
 
 
-def guarantee(units: Sequence[str]) -> dict[str, str]:
+def _secure_note(row: Mapping[str, Any]) -> str:
+    """The note of a site that ran secure aggregation: what its two epsilons assume."""
+    honest = row["honest_sites"]
+    counted = "an unknown number of" if honest is None else f"at least {honest}"
+    return (
+        f"secure aggregation: epsilon {_epsilon_text(row, 0).strip()} holds if {counted} "
+        "sites are honest (the noise of their sum); if every other site colludes with the "
+        f"coordinator, epsilon {_epsilon_text(row, 0, 'epsilon_collusion').strip()} "
+        "(epsilon_collusion: the site's own noise share alone). "
+    )
+
+
+def guarantee(
+    units: Sequence[str], honest: Mapping[str, int | None] | None = None
+) -> dict[str, Any]:
     """What a report's epsilon means (``report["guarantee"]``; docs/security.md), for the
-    privacy units of its sites (``record``, ``user``; several when sites differ)."""
+    privacy units of its sites (``record``, ``user``; several when sites differ) and, under
+    secure aggregation, ``honest`` (site -> the fewest honest sites its epsilon counts on, for
+    the sites that ran it; ``guarantee["honest_sites"]``)."""
     names = _distinct([UNIT_NAMES.get(u, u) for u in units]) or ["record"]
     per = " or ".join(f"epsilon per {name}" for name in names)
     unit = " and ".join(names)
@@ -338,10 +377,23 @@ def guarantee(units: Sequence[str]) -> dict[str, str]:
         f"the guarantee is replace-one with N public, at most 2 epsilon at delta "
         "(1 + e^epsilon) by group privacy (epsilon_replace_one, delta_replace_one)."
     )
+    honest = dict(honest or {})
+    if honest:
+        counts = "; ".join(
+            f"{site}: at least {'an unknown number of' if h is None else h} honest sites"
+            for site, h in honest.items()
+        )
+        text += (
+            f" Under secure aggregation ({counts}), a site's epsilon is charged on the noise of "
+            "the sum and holds if at least that many sites (the fewest any of its rounds "
+            "counted on) are honest; if every other site colludes with the coordinator, its "
+            "guarantee is epsilon_collusion, from its own noise share alone."
+        )
     return {
         "unit": ", ".join(_distinct(list(units))) or "record",
         "adjacency": "add-remove",
         "against_coordinator": "replace-one, shard size public",
+        "honest_sites": honest,
         "text": text,
     }
 
@@ -400,6 +452,9 @@ def build_report(
 
     Per site (``report["sites"]``, one dict per site in order of first appearance): ``site_id``;
     ``epsilon`` (PRV) and ``epsilon_rdp`` (RDP cross-check) over all the site's events;
+    for a site that ran secure aggregation, ``honest_sites`` (the fewest honest sites its
+    epsilon counts on: the smallest over its rounds) and ``epsilon_collusion`` (its epsilon if
+    every other site colludes with the coordinator), both None for any other site;
     ``epsilon_replace_one`` and ``delta_replace_one`` (``replace_one``: the guarantee against
     the coordinator, which knows the shard size; ``guarantee`` says so);
     ``epsilon_cap`` (the smallest cap the site ever reported: a budget can be tightened, never
@@ -466,7 +521,10 @@ def build_report(
             "rdp_where": "a history outside PRV's memory bounds (prism_core.accounting) is "
             "accounted by RDP, an upper bound",
         },
-        "guarantee": guarantee([r["unit"] for r in sites]),
+        "guarantee": guarantee(
+            [r["unit"] for r in sites],
+            {r["site_id"]: r["honest_sites"] for r in sites if r["epsilon_collusion"] is not None},
+        ),
         "run_ids": ledger.run_ids(),
         "planned_steps_per_round": planned_steps_per_round,
         "horizon_rounds": horizon_rounds,
@@ -493,10 +551,10 @@ def format_number(x: float | None, width: int) -> str:
     return f"{x:{width}.3f}" if math.isfinite(x) else "inf".rjust(width)
 
 
-def _epsilon_text(row: Mapping[str, Any], width: int) -> str:
+def _epsilon_text(row: Mapping[str, Any], width: int, key: str = "epsilon") -> str:
     if not row.get("epsilon_known", True):
         return "unknown".rjust(width)
-    return format_number(row["epsilon"], width)
+    return format_number(row.get(key), width)
 
 
 def round_rows(ledger: Ledger, exhausted: Iterable[str] = ()) -> list[dict[str, Any]]:
@@ -507,7 +565,8 @@ def round_rows(ledger: Ledger, exhausted: Iterable[str] = ()) -> list[dict[str, 
     every round; this gives each site's epsilon so far, its smallest cap, ``status``
     ``exhausted`` for the sites in ``exhausted`` (the strategy's own set), else ``active``, and
     the marks of ``site_marks`` (unconfirmed charges, unknown epsilon, not private against the
-    coordinator).
+    coordinator); for a site that ran secure aggregation also its ``epsilon_collusion`` (one
+    more evaluation) and ``honest_sites``, as ``build_report`` gives them (None otherwise).
     """
     done = set(exhausted)
     rows = []
@@ -521,10 +580,18 @@ def round_rows(ledger: Ledger, exhausted: Iterable[str] = ()) -> list[dict[str, 
         except AccountingError:
             eps = math.inf
         units = _distinct([e.unit for e in counted])
+        collusion: float | None = None
+        if secure(events):
+            try:
+                collusion = history_collusion_epsilon(events, delta)
+            except AccountingError:
+                collusion = math.inf
         rows.append(
             {
                 "site_id": site_id,
                 "epsilon": eps,
+                "epsilon_collusion": collusion,
+                "honest_sites": honest_sites(events),
                 "unit": ", ".join(units),
                 "epsilon_cap": min(caps) if caps else None,
                 "status": "exhausted" if site_id in done else "active",
@@ -534,25 +601,43 @@ def round_rows(ledger: Ledger, exhausted: Iterable[str] = ()) -> list[dict[str, 
     return rows
 
 
+def _collusion_cells(row: Mapping[str, Any]) -> str:
+    """The ``collude`` and ``honest`` cells of a round-table row ("-" for a site without
+    secure aggregation)."""
+    if row.get("epsilon_collusion") is None:
+        collude = format_number(None, 9)
+    else:
+        collude = _epsilon_text(row, 9, "epsilon_collusion")
+    honest = row.get("honest_sites")
+    return f"  {collude}  {'-' if honest is None else str(honest):>6}"
+
+
 def format_round_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """A fixed-width text table for the log after each round and for ``prism-fl report``.
 
     Columns: site, epsilon ("unknown" when an unconfirmed charge has unknown parameters), per
     (its unit: record or patient), cap, status, unconfirmed (charges counted in epsilon as a
-    worst case), marks. ``rows`` are
+    worst case), marks; when a row has an ``epsilon_collusion`` (a site that ran secure
+    aggregation), also ``collude`` after epsilon (its epsilon if the other sites collude with
+    the coordinator, "-" for the other sites) and ``honest`` (the honest sites its epsilon
+    counts on). ``rows`` are
     report rows (``build_report(...)["sites"]``), ``round_rows`` rows, or any mappings with
     ``site_id``, ``epsilon``, ``epsilon_cap`` and ``status`` (the marks are optional). A line
     under the table spells out each mark that appears.
     """
     width = max([len("site"), *(len(str(r["site_id"])) for r in rows)])
+    secured = any(r.get("epsilon_collusion") is not None for r in rows)
+    extra = f"  {'collude':>9}  {'honest':>6}" if secured else ""
     lines = [
-        f"{'site':<{width}}  {'epsilon':>9}  {'per':<7}  {'cap':>9}  {'status':<9}  "
+        f"{'site':<{width}}  {'epsilon':>9}{extra}  {'per':<7}  {'cap':>9}  {'status':<9}  "
         "unconfirmed  marks"
     ]
     for r in rows:
         unit = str(r.get("unit") or "record")
+        extra = _collusion_cells(r) if secured else ""
         lines.append(
-            f"{r['site_id']!s:<{width}}  {_epsilon_text(r, 9)}  {UNIT_NAMES.get(unit, unit):<7}  "
+            f"{r['site_id']!s:<{width}}  {_epsilon_text(r, 9)}{extra}  "
+            f"{UNIT_NAMES.get(unit, unit):<7}  "
             f"{format_number(r.get('epsilon_cap'), 9)}  {r['status']!s:<9}  "
             f"{r.get('unconfirmed_rounds', 0):>11}  {'; '.join(r.get('marks', []))}".rstrip()
         )
@@ -560,6 +645,11 @@ def format_round_table(rows: Sequence[Mapping[str, Any]]) -> str:
         lines.append(
             "unconfirmed: rounds a site was asked to run and gave no valid answer for; counted "
             "at its last confirmed parameters (worst case)."
+        )
+    if secured:
+        lines.append(
+            "collude: epsilon if every other site colludes with the coordinator (the site's own "
+            "noise share alone); epsilon holds if at least `honest` sites are honest."
         )
     if any(r.get("private_against_coordinator") is False for r in rows):
         lines.append(

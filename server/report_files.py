@@ -2,10 +2,11 @@
 written atomically from a report of ``server.report.build_report``.
 
 The page fits a 1280-pixel-wide screen: one table row per site with the budget numbers, a line
-per site under it with the rest (RDP cross-check, the guarantee against the coordinator, every
-sigma and q used, private clip estimates, unconfirmed charges, rng, marks and notes), and one
-PNG: epsilon per round, beside the coordinator's held-out metric per round when the report has
-one (``report["server_eval"]``). Every value stays in report.json and report.csv.
+per site under it with the rest (RDP cross-check, the guarantee against the coordinator, under
+secure aggregation the honest sites epsilon counts on and the epsilon if the other sites
+collude, every sigma and q used, private clip estimates, unconfirmed charges, rng, marks and
+notes), and one PNG: epsilon per round, beside the coordinator's held-out metric per round when
+the report has one (``report["server_eval"]``). Every value stays in report.json and report.csv.
 """
 
 from __future__ import annotations
@@ -259,10 +260,12 @@ def _table_row(index: int, row: Mapping[str, Any]) -> str:
             f' <a class="flag" href="#site-{index}" title="{html.escape("; ".join(marks))}">'
             f"&#9888; {len(marks)} {words}</a>"
         )
+    title = f"PRV {row['epsilon']!r} {_per_unit(row)}"
+    if row.get("epsilon_collusion") is not None:
+        title += f"; {_collusion_text(row)}"
     cells = (
         f'<td class="l site"><div title="{site}">{site}</div></td>',
-        f'<td title="PRV {row["epsilon"]!r} {html.escape(_per_unit(row))}">'
-        f"{html.escape(budget)}</td>",
+        f'<td title="{html.escape(title)}">{html.escape(budget)}</td>',
         f"<td>{_g(row['delta'])}</td>",
         f"<td>{row['rounds']:,}</td>",
         f"<td>{row['steps']:,}</td>",
@@ -283,11 +286,23 @@ def _per_unit(row: Mapping[str, Any]) -> str:
     return f"epsilon per {UNIT_NAMES.get(unit, unit)}"
 
 
+def _collusion_text(row: Mapping[str, Any]) -> str:
+    """A secure-aggregation site's two guarantees: the honest sites its epsilon counts on and
+    its epsilon if the other sites collude with the coordinator."""
+    honest = row.get("honest_sites")
+    counted = "an unknown number of" if honest is None else f"at least {honest}"
+    return (
+        f"epsilon holds if {counted} sites are honest; if the other sites collude with the "
+        f"coordinator {_epsilon(row, 'epsilon_collusion')}"
+    )
+
+
 def _site_details(row: Mapping[str, Any]) -> list[str]:
     """The parts of a site's line under the table, as plain text."""
     parts = [
         _per_unit(row),
         f"epsilon (RDP cross-check) {_epsilon(row, 'epsilon_rdp')}",
+        *([_collusion_text(row)] if row.get("epsilon_collusion") is not None else []),
         f"against the coordinator (replace-one) {_epsilon(row, 'epsilon_replace_one')} at delta "
         f"{_g(row['delta_replace_one'])}",
         f"sigma {_values(row['sigma_values'])}",

@@ -333,3 +333,73 @@ def test_a_site_switched_to_per_patient_is_reported_per_patient_with_its_convers
     assert row["status"] == "active"
     assert "group privacy" in row["note"] and "40 earlier per-record steps" in row["note"]
     assert format_round_table([light]).splitlines()[1].split()[2] == "patient"
+
+
+# -- secure aggregation: the charged epsilon and the epsilon if the other sites collude --------
+
+
+def test_a_secure_site_is_reported_with_both_epsilons_and_the_honest_sites_it_counts_on(tmp_path):
+    """A site with secure-aggregation (Skellam) events: its ``epsilon`` is the charged one, its
+    ``epsilon_collusion`` is ``collusion_epsilon`` of its history (at least the charged one),
+    ``honest_sites`` the smallest H of its rounds; the guarantee text, the note, report.json,
+    report.csv, the HTML, the round table and ``round_rows`` say so. A site without secure
+    aggregation has neither (None, an empty cell, "-")."""
+    from prism_core.accounting import collusion_epsilon
+    from prism_core.records import SKELLAM_MECHANISM
+
+    def secure(rnd: int, honest: int, share: float) -> LedgerEvent:
+        return ev(
+            rnd, "s", mechanism=SKELLAM_MECHANISM, honest_sites=honest, share_sigma=share,
+            epsilon_cap=50.0,
+        )  # fmt: skip
+
+    path = tmp_path / "ledger.sqlite"
+    with Ledger.open(path) as led:
+        led.append_many([secure(0, 4, 0.5), secure(1, 3, 0.5), ev(0, "p"), ev(1, "p")])
+    with Ledger.open(path, read_only=True) as led:
+        report = build_report(led)
+        light = {r["site_id"]: r for r in round_rows(led)}
+        history = [e.event for e in led.events("s")]
+    s, p = rows(report)["s"], rows(report)["p"]
+    expected = collusion_epsilon(history, DELTA)
+    assert s["epsilon"] == pytest.approx(epsilon(history, DELTA), rel=1e-12)
+    assert s["epsilon_collusion"] == pytest.approx(expected, rel=1e-12)
+    assert math.isfinite(s["epsilon_collusion"]) and s["epsilon_collusion"] > s["epsilon"] > 0
+    assert s["honest_sites"] == 3  # the smaller of its rounds' 4 and 3
+    assert (p["epsilon_collusion"], p["honest_sites"]) == (None, None)
+    assert light["s"]["epsilon_collusion"] == pytest.approx(expected, rel=1e-12)
+    assert (light["s"]["honest_sites"], light["p"]["epsilon_collusion"]) == (3, None)
+    assert "holds if at least 3 sites are honest" in s["note"]
+    assert f"epsilon {s['epsilon_collusion']:.3f} (epsilon_collusion" in s["note"]
+    assert "secure aggregation" not in p["note"]
+    guarantee = report["guarantee"]
+    assert guarantee["honest_sites"] == {"s": 3}
+    assert "Under secure aggregation (s: at least 3 honest sites)" in guarantee["text"]
+    assert "epsilon_collusion" in guarantee["text"]
+
+    paths = write_reports(report, tmp_path / "report")
+    loaded = rows(json.loads(paths["json"].read_text(), parse_constant=pytest.fail))
+    assert loaded["s"]["epsilon_collusion"] == s["epsilon_collusion"]
+    assert (loaded["p"]["epsilon_collusion"], loaded["s"]["honest_sites"]) == (None, 3)
+    with paths["csv"].open(newline="") as f:
+        table = {r["site_id"]: r for r in csv.DictReader(f)}
+    assert float(table["s"]["epsilon_collusion"]) == s["epsilon_collusion"]
+    assert (table["s"]["honest_sites"], table["p"]["epsilon_collusion"]) == ("3", "")
+    html = paths["html"].read_text()
+    assert (
+        "epsilon holds if at least 3 sites are honest; if the other sites collude with the "
+        f"coordinator {s['epsilon_collusion']:.3f}"
+    ) in html
+    assert "Under secure aggregation (s: at least 3 honest sites)" in html
+
+    for text in (format_round_table(report["sites"]), format_round_table(list(light.values()))):
+        lines = text.splitlines()
+        assert lines[0].split()[:4] == ["site", "epsilon", "collude", "honest"]
+        by_site = {line.split()[0]: line.split() for line in lines[1:3]}
+        assert by_site["s"][1:4] == [
+            f"{s['epsilon']:.3f}",
+            f"{s['epsilon_collusion']:.3f}",
+            "3",
+        ]
+        assert by_site["p"][2:4] == ["-", "-"]
+        assert lines[-1].startswith("collude: epsilon if every other site colludes")
