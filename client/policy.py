@@ -74,6 +74,12 @@ class SitePolicy:
     privacy_unit: str | None = None
     """``record``, ``user``, or None: a simulated site that follows the run (``unit_for``)."""
     user_field: str = ""
+    secure_aggregation: str = "allow"
+    """``off``, ``allow`` or ``require`` (node config ``secure-aggregation``)."""
+    min_honest_sites: int | None = None
+    """The most honest sites this site counts on; None: 1 when deployed, the run's in simulation."""
+    secure_peers: Path | None = None
+    """Deployed: the folder of the peers' pinned identity keys (``<site-id>.pem``)."""
     rng_secret: bytes | None = field(default=None, repr=False)
     cache_dir: Path | None = (
         None  # prism_runtime.cache: from the node config or the site's env only
@@ -112,6 +118,15 @@ class SitePolicy:
             return None if run.privacy_unit == "user" else "record"
         return run.privacy_unit
 
+    def honest_sites(self, run: RunConfig) -> int:
+        """H of a secure-aggregation charge: the run's ``min-honest-sites``, never more than the
+        site's own (1 for a deployed site that sets none: its share then carries all the noise);
+        a simulated site that sets none follows the run."""
+        own = self.min_honest_sites
+        if own is None:
+            own = run.min_honest_sites if self.simulation else 1
+        return min(own, run.min_honest_sites)
+
     def refusal(self, run: RunConfig, num_examples: int) -> str | None:
         """The ``REFUSAL_REASONS`` code for a run this site will not serve, or None.
 
@@ -121,6 +136,12 @@ class SitePolicy:
         """
         if self.unit_for(run) is None:
             return "user-level-not-configured"
+        if run.secure_aggregation and self.secure_aggregation == "off":
+            return "secure-aggregation-off"
+        if not run.secure_aggregation and self.secure_aggregation == "require":
+            return "secure-aggregation-required"
+        if run.secure_aggregation and not self.simulation and self.secure_peers is None:
+            return "secure-aggregation-not-configured"
         if run.report_train_loss and not self.allow_nonprivate_metrics:
             return "nonprivate-metrics-not-allowed"
         if run.method == "nondp":
@@ -235,6 +256,9 @@ def site_policy(
         allow_nonprivate_metrics=site.allow_nonprivate_metrics,
         privacy_unit=site.privacy_unit if simulation else (site.privacy_unit or "record"),
         user_field=site.user_field,
+        secure_aggregation=site.secure_aggregation,
+        min_honest_sites=site.min_honest_sites,
+        secure_peers=Path(site.secure_peers) if site.secure_peers else None,
         rng_secret=secret.encode() if secret else None,
         cache_dir=_cache_dir(site, env_cache_dir),
     )

@@ -44,10 +44,14 @@ import functools
 import hashlib
 import inspect
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import opacus
+from numpy.typing import NDArray
 from torch import Tensor
 
 from client.broadcast import BroadcastLimits, broadcast_limits, check_broadcast
@@ -55,25 +59,43 @@ from client.charge import charge, plan_charge
 from client.clip_quantile import AutoClip, ClipPlan, ClipStore
 from client.policy import SitePolicy
 from client.release import release
-from client.reply import RoundReply, SiteFacts, refuse
+from client.reply import RoundReply, SiteFacts, event_facts, refuse
 from client.request import check_request
 from client.round_store import RoundStore
 from client.site_data import check_text_pairs, person_counts, site_examples
 from client.site_ledger import SiteLedger
 from client.training import train
-from prism_core.accounting import PrivacyEvent, calibrate_noise_multiplier
+from prism_core.accounting import (
+    PrivacyEvent,
+    calibrate_noise_multiplier,
+    calibrate_skellam_sigma,
+)
+from prism_core.distributed import (
+    coordinate_dim,
+    coordinate_shapes,
+    discrete_sensitivity,
+    encode_share,
+    flatten,
+    tangent_coordinates,
+)
+from prism_core.records import SKELLAM_MECHANISM
+from prism_core.skellam_accounting import skellam_mu, skellam_sigma
 from prism_runtime.cache import cached_float
 from prism_runtime.config import RunConfig, SiteConfig, site_method
 from prism_runtime.data import TokenizedDataset
 from prism_runtime.durable import locked
 from prism_runtime.errors import ConfigError
+from prism_runtime.exchange import load_arrays
 from prism_runtime.faults import NO_FAULTS, Faults
+from prism_runtime.lora import read_points
 from prism_runtime.model import LoadedModel, load_model, model_config_for
-from prism_runtime.protocol import REFUSAL_REASONS
+from prism_runtime.protocol import REFUSAL_REASONS, STATUS_OK
 from prism_runtime.train_config import MECHANISMS, site_train_config
-from prism_runtime.trainer import make_trainer
+from prism_runtime.trainer import PrismTrainer, make_trainer
 
 __all__ = [
+    "SecureNoise",
+    "SecureReply",
     "Site",
     "get_site",
 ]
@@ -86,6 +108,45 @@ def _accountant_identity() -> str:
     """What a calibrated sigma depends on besides its inputs: Opacus and our accounting code."""
     source = Path(inspect.getfile(calibrate_noise_multiplier)).read_bytes()
     return f"opacus {opacus.__version__} | {hashlib.sha256(source).hexdigest()}"
+
+
+@dataclass(frozen=True)
+class SecureNoise:
+    """A secure-aggregation site's noise for one run (docs/design.md §3.3).
+
+    Attributes:
+        honest: H, the honest sites the charge counts on (``SitePolicy.honest_sites``).
+        sigma: the RDP-equivalent multiplier of the noise the sum carries with H honest sites
+            (the charged one; calibrated to the run's epsilon).
+        mu: the Skellam parameter of that noise, in rounded units.
+        mu_share: this site's share, ``mu / H``.
+        share_sigma: the RDP-equivalent multiplier of the share alone (the guarantee if every
+            other site colluded with the coordinator).
+        dim: the length of the coordinate vector (public: the model's shapes).
+    """
+
+    honest: int
+    sigma: float
+    mu: float
+    mu_share: float
+    share_sigma: float
+    dim: int
+
+    @classmethod
+    def for_sigma(cls, sigma: float, *, honest: int, dim: int) -> SecureNoise:
+        l2, l1 = discrete_sensitivity(dim)
+        mu = skellam_mu(sigma=sigma, l1=l1, l2=l2)
+        share = mu / honest
+        return cls(honest, sigma, mu, share, skellam_sigma(mu=share, l1=l1, l2=l2), dim)
+
+
+@dataclass
+class SecureReply:
+    """A secure-aggregation round's answer: the accounting facts and, unless the site refused,
+    its masked vector (``None``: a refusal)."""
+
+    accounting: dict[str, Any]
+    masked: NDArray[np.uint64] | None
 
 
 class Site:
@@ -135,6 +196,7 @@ class Site:
         self.epsilon_cap = run.target_epsilon if asked else policy.epsilon_cap
         self.delta = run.delta if asked else policy.delta
         self.sigma = 0.0
+        self.secure: SecureNoise | None = None
         self.clip_plan: ClipPlan | None = None  # max-norm = auto: the private clip estimate
         self.clip_store = ClipStore(self.state_dir)
         self.rounds = RoundStore(self.state_dir, site_id=self.site_id)
@@ -171,6 +233,14 @@ class Site:
                 unit=self.unit,
             )
         self.sigma = self._sigma()
+        if run.secure_aggregation:
+            self.secure = SecureNoise.for_sigma(
+                self.sigma,
+                honest=policy.honest_sites(run),
+                dim=coordinate_dim(
+                    coordinate_shapes(read_points(self.loaded.handles), self.loaded.head_params)
+                ),
+            )
         train_config = site_train_config(
             run,
             method=self.method,
@@ -232,6 +302,12 @@ class Site:
             "steps": self.run.planned_site_steps,
             "history": [self.clip_plan.event()] if self.clip_plan is not None else [],
         }
+        if self.run.secure_aggregation:  # the Skellam sum's sigma, by integer-order RDP
+            return cached_float(
+                self.policy.cache_dir,
+                {"what": "skellam sigma", **settings, "accountant": _accountant_identity()},
+                lambda: calibrate_skellam_sigma(**settings),
+            )
         return cached_float(
             self.policy.cache_dir,
             {"what": "calibrated sigma", **settings, "accountant": _accountant_identity()},
@@ -261,6 +337,8 @@ class Site:
     @property
     def mechanism(self) -> str:
         """The ``PrivacyEvent.mechanism`` this site's method runs."""
+        if self.run.secure_aggregation:
+            return SKELLAM_MECHANISM
         return MECHANISMS[self.method]
 
     def train_round(
@@ -335,6 +413,83 @@ class Site:
             )
             self.rounds.store(request, reply, trained.moments)
             return reply
+
+    def secure_round(
+        self,
+        server_round: object,
+        arrays: dict[str, Tensor],
+        *,
+        mask: Callable[[NDArray[np.int64]], NDArray[np.uint64]],
+    ) -> SecureReply:
+        """Answer one secure-aggregation round (``client.secure``'s third stage).
+
+        The stages of ``train_round`` in the same order (request, policy, broadcast, cap,
+        charge), with no resend (a re-asked round has new masks, so it is a new charge), then
+        ONE clipped sum at the broadcast point written in the public tangent coordinates
+        (``prism_core.distributed``), rounded randomly at scale ``gamma = C / 2^20`` with this
+        site's Skellam share of the noise, and ``mask``ed. Nothing moves at the site: the
+        adaptive transform, the head's optimizer and the retraction run at the coordinator on
+        the unmasked sum (post-processing of the central mechanism).
+        """
+        request = check_request(server_round, arrays, run_id="", site_id=self.site_id)
+        if request is None:
+            return SecureReply(refuse(self.facts, self.ledger, 0, "bad-round").accounting, None)
+        if self.refusal is not None or self.secure is None:
+            code = self.refusal or "secure-aggregation-off"
+            reply = refuse(self.facts, self.ledger, request.server_round, code)
+            return SecureReply(reply.accounting, None)
+        noise = self.secure
+        with locked(self.state_dir / ".round.lock"):
+            if not check_broadcast(self.limits, request, full_rank=True, site_id=self.site_id):
+                reply = refuse(self.facts, self.ledger, request.server_round, "bad-broadcast")
+                return SecureReply(reply.accounting, None)
+            event = PrivacyEvent(
+                noise.sigma,
+                self.sample_rate,
+                1,
+                mechanism=SKELLAM_MECHANISM,
+                unit=self.unit,
+                honest_sites=noise.honest,
+                share_sigma=noise.share_sigma,
+            )
+            planned = plan_charge(
+                self.ledger,
+                event,
+                server_round=request.server_round,
+                delta=self.delta,
+                cap=self.epsilon_cap,
+                site_id=self.site_id,
+            )
+            if planned is None:
+                reply = refuse(self.facts, self.ledger, request.server_round, "cap-exhausted")
+                return SecureReply(reply.accounting, None)
+            charged = charge(self.ledger, planned)
+            self.faults.reach("site-training", request.server_round)
+            trainer = self.trainer
+            if not isinstance(trainer, PrismTrainer):  # RunConfig allows PRISM only
+                raise ConfigError("secure aggregation runs PRISM only")
+            load_arrays(self.loaded, request.arrays)
+            trainer.begin_round(charged.history, 1)
+            trainer.reseed(self.policy.round_seed(request.server_round, charged.attempt))
+            clipped, frames = trainer.secure_clipped_sum()
+            vector = flatten(tangent_coordinates(frames, clipped.sums), clipped.euclidean)
+            shares = encode_share(
+                vector,
+                max_norm=trainer.config.max_norm,
+                mu_share=noise.mu_share,
+                source=trainer.noise,
+            )
+            del clipped, vector  # private: nothing of them outlives the masked vector
+            masked = mask(shares)
+            facts = self.facts.common(
+                request.server_round,
+                STATUS_OK,
+                spent=self.ledger.epsilon(self.delta),
+            )
+            facts.update(event_facts(event))
+            facts["max-norm"] = float(trainer.config.max_norm)
+            facts["expected-batch-size"] = float(trainer.expected_batch_size)
+            return SecureReply(facts, masked)
 
 
 _SITES: dict[tuple[str, ...], Site] = {}

@@ -84,6 +84,7 @@ DEFAULT_MAX_LENGTH = 64
 __all__ = [
     "AUTO",
     "AUTO_CLIP",
+    "MAX_HONEST_SITES",
     "SENTIMENT_LABEL_TEXTS",
     "SITE_BOUNDS",
     "SYNTHETIC",
@@ -109,6 +110,9 @@ SENTIMENT_LABEL_TEXTS = "this is bad|this is great"
 """``label-texts = auto`` of two-class single-text data: the built-in task's classes
 (0 negative, 1 positive), a public zero-shot start for sentiment-like data."""
 
+MAX_HONEST_SITES = 1000
+"""The most honest sites a secure-aggregation charge may count on."""
+
 SITE_BOUNDS: dict[str, tuple[str, ...]] = {
     "target-epsilon": ("epsilon-above-site-cap",),
     "local-steps": ("cap-exhausted",),
@@ -117,6 +121,11 @@ SITE_BOUNDS: dict[str, tuple[str, ...]] = {
     "method": ("nondp-not-allowed",),
     "report-train-loss": ("nonprivate-metrics-not-allowed",),
     "privacy-unit": ("user-level-not-configured",),
+    "secure-aggregation": (
+        "secure-aggregation-required",
+        "secure-aggregation-off",
+        "secure-aggregation-not-configured",
+    ),
 }
 """Run-config keys a site's own policy bounds, with the ``REFUSAL_REASONS`` codes of a site that
 refuses the request (``client.policy.SitePolicy.refusal``; ``cap-exhausted``: the site's cap)."""
@@ -258,6 +267,20 @@ class RunConfig(_Kebab):
         le=MAX_RECORDS_PER_USER_MAX,
         description="person level: the most records of one sampled person in a step (a random "
         "chunk of a person with more, drawn at the site); costs no privacy",
+    )
+    secure_aggregation: bool = Field(
+        False,
+        description="the coordinator learns only the SUM of the sites' updates: each site adds "
+        "its share of the noise to a rounded clipped sum and masks it (PRISM, one local step, a "
+        "fixed max-norm); sites' policies may refuse it or require it",
+    )
+    min_honest_sites: int = Field(
+        2,
+        ge=1,
+        le=MAX_HONEST_SITES,
+        description="secure aggregation: the honest sites H each site is asked to count on (it "
+        "adds noise std sigma C / sqrt(H)); a site never counts on more than its own "
+        "min-honest-sites, and a round with fewer than H masked inputs is aborted",
     )
     max_norm: float | Literal["auto"] = Field(
         DEFAULT_MAX_NORM,
@@ -525,12 +548,33 @@ class RunConfig(_Kebab):
                 f"data={self.data!r}: set server-eval-data to a held-out file of the same kind "
                 "as data, or '' for no server-side evaluation"
             )
+        if self.secure_aggregation:
+            self._check_secure()
         if self.min_sites > self.sites_per_round:
             raise ValueError(
                 f"min-sites={self.min_sites} exceeds sites-per-round={self.sites_per_round} "
                 f"(allowed: 1 <= min-sites <= sites-per-round)"
             )
         return self
+
+    def _check_secure(self) -> None:
+        problems = []
+        if self.method != "prism":
+            problems.append(f"method={self.method!r} (use prism)")
+        if self.local_steps != 1:
+            problems.append(f"local-steps={self.local_steps} (use 1: one clipped sum per round)")
+        if self.auto_clip:
+            problems.append("max-norm=auto (every site must clip at one public C: set a number)")
+        if self.min_honest_sites > self.sites_per_round:
+            problems.append(
+                f"min-honest-sites={self.min_honest_sites} > sites-per-round="
+                f"{self.sites_per_round} (every round would abort)"
+            )
+        if problems:
+            raise ValueError(
+                "secure-aggregation=true needs PRISM's one clipped sum per site and round at a "
+                "public clip: " + "; ".join(problems)
+            )
 
     def _check_auto_clip(self) -> None:
         count_sigma = self.clip_quantile_noise * self.batch_size
@@ -650,6 +694,30 @@ class SiteConfig(_Kebab):
         "",
         description="the field of each data row naming its person (e.g. patient_id); required "
         "with privacy-unit=user on a deployed site (a simulated site reads the run's user-field)",
+    )
+    secure_aggregation: Literal["off", "allow", "require"] = Field(
+        "allow",
+        description="secure aggregation (the coordinator learns only the sum of the sites' "
+        "updates): off (refuse such rounds), allow, or require (refuse plain rounds)",
+    )
+    min_honest_sites: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_HONEST_SITES,
+        description="secure aggregation: the most honest sites (this one included) this site "
+        "counts on; it adds noise std sigma C / sqrt(H) and charges the sum's noise, and records "
+        "the epsilon of its own share alone",
+        json_schema_extra=_allowed_note(
+            f"an integer in [1, {MAX_HONEST_SITES}] (default: 1 for a deployed site, i.e. its "
+            "own share carries the whole noise; a simulated site follows the run's "
+            "min-honest-sites)"
+        ),
+    )
+    secure_peers: str = Field(
+        "",
+        description="secure aggregation, deployed site: the folder of the federation's pinned "
+        "identity public keys, one <site-id>.pem per site (a simulated site reads its peers' "
+        "<state-dir>/secure-identity.pub)",
     )
     share_num_examples: bool = Field(False, description="report the shard size to the server")
     state_dir: str = Field(

@@ -92,6 +92,11 @@ REFUSAL_REASONS: dict[str, str] = {
     "bad-round": "the round number is not an integer in the range the site accepts",
     "user-level-not-configured": "the run asks for a per-person guarantee (privacy-unit=user); "
     "the site's policy is per record (set privacy-unit=user and user-field at the site)",
+    "secure-aggregation-required": "the site takes part only in secure-aggregation rounds "
+    "(its secure-aggregation is require); the run's round is plain",
+    "secure-aggregation-off": "the run asks for secure aggregation; the site's policy is off",
+    "secure-aggregation-not-configured": "the run asks for secure aggregation; the deployed site "
+    "names no pinned identity keys of its peers (set secure-peers at the site)",
 }
 """Codes a site may put in ``reason`` of a ``refused`` reply, with their fixed meaning."""
 
@@ -125,6 +130,8 @@ ACCOUNTING_KEYS = (
     "quantile-q",
     "quantile-steps",
     "unit",
+    "honest-sites",
+    "share-sigma",
 )
 MAX_EXAMPLES = 10**12
 """The largest shard a reply may state: its ``num-examples``, or ``b / q`` for examples weights."""

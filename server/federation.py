@@ -56,6 +56,8 @@ from server.optimizer import STATE_PREFIX as OPTIMIZER_STATE
 from server.report import build_report, format_round_table, round_rows
 from server.report_files import write_reports
 from server.strategy import PrismStrategy, RoundSummary
+from server.strategy.central import STATE_PREFIX as CENTRAL_STATE
+from server.strategy.central import CentralStep
 
 __all__ = ["ADAPTER_DIR", "make_run_dir", "no_adapter_reason", "run_federation"]
 
@@ -194,14 +196,22 @@ def run_federation(grid: Grid, run: RunConfig, *, faults: Faults = NO_FAULTS) ->
         strategy = PrismStrategy.from_run(
             run, modules=modules, head=head, ledger=ledger, run_id=run_id
         )
+        if run.secure_aggregation:  # the coordinator steps on the unmasked sum
+            strategy.central = CentralStep(run, modules=modules, head=head, arrays=initial)
 
         first_round, initial_record, previous = 1, ArrayRecord(initial), None
         if ckpt is not None:
             strategy.load_state_dict(ckpt.strategy)
             strategy.optimizer.load_state_dict(ckpt.arrays, ckpt.server_optimizer)
+            if strategy.central is not None:
+                strategy.central.load_state_dict(ckpt.arrays)
             first_round = ckpt.server_round + 1
             initial_record = ArrayRecord(
-                {k: v for k, v in ckpt.arrays.items() if not k.startswith(OPTIMIZER_STATE)}
+                {
+                    k: v
+                    for k, v in ckpt.arrays.items()
+                    if not k.startswith((OPTIMIZER_STATE, CENTRAL_STATE))
+                }
             )
             previous = _previous_result(ckpt)
             log.info("resuming run %s after round %d (%s)", run_id, ckpt.server_round, run_dir)
@@ -212,6 +222,8 @@ def run_federation(grid: Grid, run: RunConfig, *, faults: Faults = NO_FAULTS) ->
         ) -> None:
             faults.reach("before-checkpoint", server_round)
             optimizer_tensors, optimizer_meta = strategy.optimizer.state_dict()
+            if strategy.central is not None:
+                optimizer_tensors = {**optimizer_tensors, **strategy.central.state_dict()}
             save_checkpoint(
                 run_dir,
                 Checkpoint(

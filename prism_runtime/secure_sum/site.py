@@ -22,8 +22,10 @@ survivors are named, since that round must abort.
 
 from __future__ import annotations
 
+import json
 import secrets
 from collections.abc import Collection, Mapping
+from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
@@ -261,6 +263,67 @@ class SiteRound:
             seed_shares={u: self._held[u].seed for u in sorted(request.survivors)},
             key_shares={d: self._held[d].mask_key for d in sorted(request.dropped)},
         )
+
+    # -- the round's state between messages --------------------------------------------------
+
+    def to_bytes(self) -> bytes:
+        """Everything this object holds (its SECRETS included), for the site's own keeping
+        between the messages of one round (``from_bytes``); never to be sent anywhere."""
+
+        def keys(a: AdvertisedKeys) -> list[str]:
+            fields = (a.mask_public, a.share_public, a.seed_commitment, a.signature)
+            return [a.site_id, *(f.hex() for f in fields)]
+
+        state: dict[str, Any] = {
+            "site": self.site_id,
+            "run": self.round_id.run_id,
+            "round": self.round_id.server_round,
+            "bits": self.bits,
+            "mask-key": self._mask_key.private_bytes_raw().hex(),
+            "share-key": self._share_key.private_bytes_raw().hex(),
+            "seed": self._seed.hex(),
+            "advertised": keys(self._advertised),
+            "roster": {s: keys(a) for s, a in self._roster.items()},
+            "threshold": self._threshold,
+            "held": {s: [p.seed.hex(), p.mask_key.hex()] for s, p in self._held.items()},
+            "participants": sorted(self._participants),
+            "revealed": {s: str(k) for s, k in self._revealed.items()},
+        }
+        return json.dumps(state, sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> SiteRound:
+        """The ``SiteRound`` that ``to_bytes`` wrote.
+
+        Raises:
+            SecureSumError: ``data`` is not such a state.
+        """
+        try:
+            state = json.loads(data)
+
+            def keys(v: list[str]) -> AdvertisedKeys:
+                return AdvertisedKeys(v[0], *(bytes.fromhex(x) for x in v[1:5]))
+
+            self = cls.__new__(cls)
+            self.site_id = str(state["site"])
+            self.round_id = RoundId(str(state["run"]), int(state["round"]))
+            self.bits = int(state["bits"])
+            check_bits(self.bits)
+            self._mask_key = X25519PrivateKey.from_private_bytes(bytes.fromhex(state["mask-key"]))
+            self._share_key = X25519PrivateKey.from_private_bytes(bytes.fromhex(state["share-key"]))
+            self._seed = bytes.fromhex(state["seed"])
+            self._advertised = keys(state["advertised"])
+            self._roster = {str(s): keys(v) for s, v in state["roster"].items()}
+            self._threshold = int(state["threshold"])
+            self._held = {
+                str(s): SharePair(bytes.fromhex(v[0]), bytes.fromhex(v[1]))
+                for s, v in state["held"].items()
+            }
+            self._participants = frozenset(str(s) for s in state["participants"])
+            self._revealed = {str(s): ShareKind(k) for s, k in state["revealed"].items()}
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise SecureSumError(f"not a stored secure-sum round state ({exc})") from None
+        return self
 
     def _pairwise(self, peer: AdvertisedKeys, purpose: str) -> bytes:
         own = self._mask_key if purpose == MASK_PURPOSE else self._share_key

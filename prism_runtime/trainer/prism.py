@@ -36,11 +36,11 @@ from prism_core.mechanism import (
     step_frames,
 )
 from prism_runtime.classifier import fold_text_rows
+from prism_runtime.head_optimizer import head_optimizer
 from prism_runtime.lora import per_example_factor_grads, read_points, write_points_
 from prism_runtime.model import LoadedModel
 from prism_runtime.train_config import TrainConfig
 from prism_runtime.trainer.dp import DPTrainer, fold_units, grad_sample
-from prism_runtime.trainer.optimizers import head_optimizer
 
 __all__ = ["ClipFn", "PrismTrainer", "PrivatizeFn"]
 
@@ -165,6 +165,21 @@ class PrismTrainer(DPTrainer):
             frames=frames,
         )
         return released, acc, total
+
+    def secure_clipped_sum(self) -> tuple[ClippedSum, StepFrames]:
+        """One step's clipped sum at the current point for secure aggregation, with its frames.
+
+        The next Poisson batch, the global clip of ``clipped_sum``, and nothing else: no noise
+        (the site adds its discrete share, ``prism_core.distributed``), no move of the factors
+        or the head (the coordinator steps on the unmasked sum). The result is PRIVATE.
+        """
+        batch = self._next_batch()
+        points = read_points(self.loaded.handles)
+        frames = step_frames(points)
+        with self._autocast():
+            acc, _ = self.clipped_sum(batch, points, frames=frames)
+        self.steps_done += 1
+        return acc, frames
 
     def count_within(self, max_norm: float, *, lora_only: bool) -> tuple[int, int]:
         """On the next Poisson batch: ``(units, units whose clipped norm is <= max_norm)``, the

@@ -23,7 +23,7 @@ selection, replies, charges, bounds and aggregation (each its own module) into F
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,7 @@ from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.result import Result
 
 from prism_core.aggregation import Aggregation
+from prism_core.records import SKELLAM_MECHANISM
 from prism_runtime.config import RunConfig, site_method
 from prism_runtime.faults import NO_FAULTS, Faults
 from prism_runtime.protocol import (
@@ -56,6 +57,7 @@ from server.optimizer import (
 from server.strategy.aggregator import Mode, StreamingAggregator
 from server.strategy.binding import SiteBinding
 from server.strategy.bounds import AutoClip, UpdateBound, UpdateChecker
+from server.strategy.central import CentralStep
 from server.strategy.charges import Charges
 from server.strategy.loop import run_rounds
 from server.strategy.replies import (
@@ -171,6 +173,11 @@ class PrismStrategy(Strategy):
             connect_timeout=connect_timeout,
         )
         self.summaries: list[RoundSummary] = []
+        self.central: CentralStep | None = None
+        """Secure aggregation: the coordinator's PRISM step on the unmasked sum (set by
+        ``server.federation``); None for a plain run."""
+        self.min_honest_sites = 1
+        """Secure aggregation: the run's ``min-honest-sites`` (the least threshold)."""
         self.binding = SiteBinding()
         self.terms = RunTerms(
             mechanism=mechanism,
@@ -240,7 +247,8 @@ class PrismStrategy(Strategy):
             wait_for_nodes: seconds a round waits for ``sites-per-round`` sites before going
                 on with ``min-sites``.
         """
-        return cls(
+        mechanism = MECHANISMS[site_method(run.method)]
+        strategy = cls(
             modules=modules,
             head=head,
             mode="tangent" if run.method == "prism" else "factor-average",
@@ -264,10 +272,12 @@ class PrismStrategy(Strategy):
             wait_for_nodes=wait_for_nodes,
             connect_timeout=run.connect_timeout,
             update_bound=UpdateBound.for_run(run),
-            mechanism=MECHANISMS[site_method(run.method)],
+            mechanism=SKELLAM_MECHANISM if run.secure_aggregation else mechanism,
             dp=run.method != "nondp",
             auto_clip=AutoClip.for_run(run),
         )
+        strategy.min_honest_sites = run.min_honest_sites
+        return strategy
 
     @property
     def update_bound(self) -> UpdateBound | None:
@@ -357,9 +367,21 @@ class PrismStrategy(Strategy):
         summary.applied = True
         return ArrayRecord(new), self._metrics(summary)
 
-    def _take(self, server_round: int, msg: Message, tally: _Tally, summary: RoundSummary) -> None:
+    def _take(
+        self,
+        server_round: int,
+        msg: Message,
+        tally: _Tally,
+        summary: RoundSummary,
+        *,
+        secure: Callable[[str, dict[str, Any], Message], None] | None = None,
+    ) -> None:
         """Check, charge and add one reply (``aggregate_train``); a bad one is logged, counted
-        and skipped. Nothing of the reply is kept once it returns."""
+        and skipped. Nothing of the reply is kept once it returns.
+
+        ``secure``: a secure-aggregation round's masked input: after the facts are checked and
+        charged, ``secure(site, facts, msg)`` takes the reply instead of the update check and
+        the aggregator (``server.strategy.secure``); a ``ReplyError`` it raises rejects it."""
         node = msg.metadata.src_node_id
         tally.replied.add(node)
         who = self.binding.site_of(node)
@@ -383,6 +405,10 @@ class PrismStrategy(Strategy):
             sigma, q = float(facts["sigma"]), float(facts["q"])
             cap = float(facts.get("epsilon-cap", self.charges.target_epsilon))
             self.selection.site_mechanism[site] = (sigma, q, cap, float(facts["delta"]))
+            if secure is not None:
+                secure(site, facts, msg)
+                summary.accepted.append(site)
+                return
             update = self.checker.validate(msg.content.get(UPDATE), facts)
             weight = self.aggregator.weight(facts)
         except (ReplyError, KeyError, TypeError, ValueError) as exc:

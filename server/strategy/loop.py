@@ -87,17 +87,30 @@ def run_rounds(
             log.info("round %d: no site can continue within its cap; ending the run", server_round)
             break
         faults.reach("round-start", server_round)
-        replies = stream_replies(
-            grid,
-            messages,
-            timeout=timeout,
-            pull_batch=pull_batch,
-            poll_interval=poll_interval,
-            server_round=server_round,
-            faults=faults,
-        )
+        if getattr(strategy, "central", None) is not None:  # secure aggregation
+            from server.strategy.secure import secure_round
+
+            new_arrays, metrics = secure_round(
+                strategy,
+                grid,
+                messages,
+                server_round=server_round,
+                timeout=timeout,
+                poll_interval=poll_interval,
+                faults=faults,
+            )
+        else:
+            replies = stream_replies(
+                grid,
+                messages,
+                timeout=timeout,
+                pull_batch=pull_batch,
+                poll_interval=poll_interval,
+                server_round=server_round,
+                faults=faults,
+            )
+            new_arrays, metrics = strategy.aggregate_train(server_round, replies)
         del messages  # the grid has them; the broadcast arrays live on in ``arrays``
-        new_arrays, metrics = strategy.aggregate_train(server_round, replies)
         log.info(
             "round %d: sent, answered and aggregated in %.2f s",
             server_round,

@@ -35,6 +35,7 @@ _CUSTOM = {  # fields whose rule is not a plain bound: a value just outside it
     "text_pairs": ["maybe", 2, "yes"],
     "label_texts": ["a||b", "|", "a| "],
     "privacy_unit": ["person", "records"],
+    "min_honest_sites": [0, 1001],
 }
 
 

@@ -33,6 +33,7 @@ class LoopbackGrid(LoopbackSites):
         self.nodes = {
             100 + i: {"partition-id": i, "num-partitions": num_sites} for i in range(num_sites)
         }
+        self.states = {n: RecordDict() for n in self.nodes}  # each node's context.state
 
     def get_node_ids(self) -> list[int]:
         return list(self.nodes)
@@ -43,7 +44,7 @@ class LoopbackGrid(LoopbackSites):
             run_id=1,
             node_id=node,
             node_config=dict(self.nodes[node]),  # type: ignore[arg-type]
-            state=RecordDict(),
+            state=self.states[node],  # kept between messages, as a SuperNode keeps it
             run_config=dict(self.run_config),  # type: ignore[arg-type]
         )
         TaskIdentity.node_id = node

@@ -1,0 +1,166 @@
+"""The secure-aggregation round end to end in one process: the real coordinator
+(``server.federation.run_federation``: strategy, ledger, central step) and the real ClientApp of
+each site, over a loopback grid that keeps each node's ``context.state`` between messages as a
+SuperNode does. Flower's transport is left out (tests/e2e runs it on real SuperNodes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from flwr.app import Message
+from flwr.supercore.task_identity import TaskIdentity
+from resume_driver import LoopbackGrid
+
+from prism_core.records import SKELLAM_MECHANISM
+from prism_runtime.config import RunConfig, parse_config
+from server.federation import run_federation
+from server.ledger import Ledger
+
+SITES, ROUNDS = 3, 2
+
+
+class SecureGrid(LoopbackGrid):
+    """``LoopbackGrid`` (each node's ``context.state`` kept between messages) with the node
+    configs ``nodes``; ``drop`` maps a node to the message action it stops answering at (e.g.
+    ``secure_unmask``); ``types`` lists the message types sent."""
+
+    def __init__(
+        self,
+        run_config: dict[str, object],
+        *,
+        nodes: dict[int, dict[str, Any]],
+        drop: dict[int, str] | None = None,
+    ) -> None:
+        super().__init__(run_config, len(nodes))
+        self.nodes, self.drop = nodes, drop or {}
+        self.types: list[str] = []
+
+    def answer(self, msg: Message) -> Message | None:  # type: ignore[override]
+        self.types.append(msg.metadata.message_type)
+        if self.drop.get(msg.metadata.dst_node_id) == msg.metadata.message_type.removeprefix(
+            "train."
+        ):
+            return None
+        return super().answer(msg)
+
+
+def _config(model: str, run_dir: Path, **extra: object) -> dict[str, object]:
+    values: dict[str, object] = {
+        "model": model,
+        "lora-rank": 4,
+        "num-rounds": ROUNDS,
+        "local-steps": 1,
+        "batch-size": 16,
+        "micro-batch-size": 16,
+        "synthetic-examples": 96,
+        "max-length": 24,
+        "target-epsilon": 8.0,
+        "sites-per-round": SITES,
+        "secure-aggregation": True,
+        "min-honest-sites": 2,
+        "round-timeout": 3.0,  # a dropped site's stage ends after this
+        "server-eval-data": "synthetic",
+        "run-dir": str(run_dir),
+    }
+    values.update(extra)
+    return values
+
+
+def _nodes(**extra: object) -> dict[int, dict[str, Any]]:
+    return {100 + i: {"partition-id": i, "num-partitions": SITES, **extra} for i in range(SITES)}
+
+
+def _run(values: dict[str, object], grid: SecureGrid) -> Path:
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    run = parse_config(RunConfig, values, what="run config")
+    return run_federation(grid, run)  # type: ignore[arg-type]
+
+
+def _summary(run_dir: Path) -> dict[str, Any]:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def test_a_secure_run_applies_the_sum_and_records_both_epsilons(tiny_bert, tmp_path):
+    values = _config(tiny_bert, tmp_path / "run")
+    grid = SecureGrid(values, nodes=_nodes())
+    run_dir = _run(values, grid)
+    summary = _summary(run_dir)
+    assert summary["rounds-applied"] == ROUNDS, summary["rounds"]
+    assert all(r["accepted"] and len(r["accepted"]) == SITES for r in summary["rounds"])
+    actions = {t for t in grid.types}
+    assert actions == {
+        f"train.{a}" for a in ("secure_advertise", "secure_share", "secure_mask", "secure_unmask")
+    }, actions
+    evals = summary["server-eval"]
+    assert set(evals) == {"0", "1", "2"} or set(evals) == {0, 1, 2}
+    with Ledger.open(run_dir / "ledger.sqlite", read_only=True) as ledger:
+        events = ledger.events()
+    assert len(events) == SITES * ROUNDS
+    for e in events:
+        assert e.mechanism == SKELLAM_MECHANISM
+        assert e.event.honest_sites == 2
+        assert 0 < e.event.share_sigma < e.event.noise_multiplier
+    report = json.loads((run_dir / "report.json").read_text())
+    for row in report["sites"]:
+        collusion = next(v for k, v in row.items() if "collu" in k and isinstance(v, float))
+        assert collusion > row["epsilon"] > 0, row
+        assert row["epsilon"] <= 8.0 + 1e-9
+    for i in range(SITES):  # each site's own ledger: one Skellam charge per round, both fields
+        lines = (run_dir / "sites" / f"site-{i}" / "privacy-ledger.jsonl").read_text()
+        entries = [json.loads(x) for x in lines.splitlines()]
+        assert [x["mechanism"] for x in entries] == [SKELLAM_MECHANISM] * ROUNDS
+        assert all(x["honest_sites"] == 2 and x["share_sigma"] < x["sigma"] for x in entries)
+    assert (run_dir / "adapter").is_dir()
+
+
+def test_a_site_dropping_after_masking_is_recovered(tiny_bert, tmp_path):
+    values = _config(tiny_bert, tmp_path / "run", **{"num-rounds": 1})
+    grid = SecureGrid(values, nodes=_nodes(), drop={102: "secure_unmask"})
+    summary = _summary(_run(values, grid))
+    (only,) = summary["rounds"]
+    assert only["applied"] and len(only["accepted"]) == SITES, only
+
+
+def test_a_site_dropping_before_masking_is_left_out_of_the_sum(tiny_bert, tmp_path):
+    values = _config(tiny_bert, tmp_path / "run", **{"num-rounds": 1})
+    grid = SecureGrid(values, nodes=_nodes(), drop={102: "secure_mask"})
+    summary = _summary(_run(values, grid))
+    (only,) = summary["rounds"]
+    assert only["applied"] and len(only["accepted"]) == SITES - 1, only
+
+
+def test_fewer_masked_inputs_than_h_abort_with_nothing_released(tiny_bert, tmp_path):
+    values = _config(tiny_bert, tmp_path / "run", **{"num-rounds": 1, "min-honest-sites": 3})
+    grid = SecureGrid(values, nodes=_nodes(), drop={102: "secure_mask"})
+    run_dir = _run(values, grid)
+    summary = _summary(run_dir)
+    (only,) = summary["rounds"]
+    assert not only["applied"] and "aborted" in only["discarded"], only
+    assert summary["adapter"] is None
+    assert "train.secure-unmask" not in grid.types  # nothing was asked to be unmasked
+
+
+@pytest.mark.parametrize("policy", ["require"])
+def test_a_require_site_refuses_a_plain_round_with_a_code(tiny_bert, tmp_path, policy):
+    values = _config(tiny_bert, tmp_path / "run", **{"num-rounds": 1})
+    values["secure-aggregation"] = False
+    values["local-steps"] = 1
+    nodes = _nodes()
+    nodes[100]["secure-aggregation"] = policy
+    run_dir = _run(values, SecureGrid(values, nodes=nodes))
+    (only,) = _summary(run_dir)["rounds"]
+    assert only["refusal_codes"] == {"site-0": "secure-aggregation-required"}, only
+    own = run_dir / "sites" / "site-0" / "privacy-ledger.jsonl"
+    assert not own.exists() or own.read_text() == ""  # charged nothing
+
+
+def test_an_off_site_refuses_a_secure_round_and_the_others_go_on(tiny_bert, tmp_path):
+    values = _config(tiny_bert, tmp_path / "run", **{"num-rounds": 1})
+    nodes = _nodes()
+    nodes[100]["secure-aggregation"] = "off"
+    (only,) = _summary(_run(values, SecureGrid(values, nodes=nodes)))["rounds"]
+    assert only["refusal_codes"] == {"site-0": "secure-aggregation-off"}, only
+    assert only["applied"] and sorted(only["accepted"]) == ["site-1", "site-2"], only
