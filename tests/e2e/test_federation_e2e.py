@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,11 +20,15 @@ from flower_harness import (
     write_connection,
 )
 from peft import PeftModel
+from safetensors import safe_open
 from transformers import AutoModel
 
+from client.secure import IDENTITY_PUBLIC, identity_key
 from prism_core.accounting import PrivacyEvent, epsilon
 from prism_core.quantile import QUANTILE_MECHANISM
+from prism_core.records import SKELLAM_MECHANISM
 from prism_runtime.export import load_exported
+from server.checkpoint import CHECKPOINT
 from server.cli import main as prism_fl
 from server.demo import demo_summary, stop_local_superlinks
 from server.ledger import Ledger
@@ -183,8 +188,55 @@ def test_deployment_superlink_and_three_supernodes(tiny_bert, sst2_rows, tmp_pat
 SITES = ("hospital-a", "hospital-b", "clinic-c")
 
 
-def _deploy(tiny_bert: str, sst2_rows: list, tmp_path: Path, **extra: object) -> Path:
-    """A SuperLink and three deployed SuperNodes on loopback; one run; its folder."""
+def test_deployment_with_secure_aggregation(tiny_bert, sst2_rows, tmp_path):
+    """Three deployed SuperNodes whose identity keys are pinned in one peers folder (as the
+    federation's registry would hand out): every round runs the four secure exchanges; each
+    site charges the Skellam sum at H = 2 (its own min-honest-sites, below the run's 3) and
+    records its share's sigma; both ledgers and the report hold both epsilons; the coordinator
+    keeps no per-site update (its checkpoint holds the global arrays and its own state only)."""
+    peers = tmp_path / "peers"
+    peers.mkdir()
+    for site in SITES:  # each site makes its identity key; the federation pins the public halves
+        identity_key(tmp_path / "state" / site)
+        shutil.copy(tmp_path / "state" / site / IDENTITY_PUBLIC, peers / f"{site}.pem")
+    run_dir = _deploy(
+        tiny_bert,
+        sst2_rows,
+        tmp_path,
+        node_extra=f" secure-aggregation='require' min-honest-sites=2 secure-peers='{peers}'",
+        **{"secure-aggregation": "true", "min-honest-sites": 3, "local-steps": 1},
+    )
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rounds-applied"] == ROUNDS, summary["rounds"]
+    report = json.loads((run_dir / "report.json").read_text())
+    with Ledger.open(run_dir / "ledger.sqlite", read_only=True) as ledger:
+        for site in SITES:
+            own = [
+                json.loads(line)
+                for line in (tmp_path / "state" / site / "privacy-ledger.jsonl")
+                .read_text()
+                .splitlines()
+            ]
+            assert [(e["mechanism"], e["honest_sites"]) for e in own] == [
+                (SKELLAM_MECHANISM, 2)
+            ] * ROUNDS
+            coordinator = ledger.events(site_id=site)
+            assert [(e.sigma, e.honest_sites, e.share_sigma) for e in coordinator] == [
+                (e["sigma"], e["honest_sites"], e["share_sigma"]) for e in own
+            ]
+    for row in report["sites"]:
+        assert row["honest_sites"] == 2
+        assert row["epsilon_collusion"] > row["epsilon"] > 0
+    with safe_open(str(run_dir / CHECKPOINT), "pt") as stored:
+        names = list(stored.keys())
+    assert not any(site in name for name in names for site in SITES), names
+
+
+def _deploy(
+    tiny_bert: str, sst2_rows: list, tmp_path: Path, node_extra: str = "", **extra: object
+) -> Path:
+    """A SuperLink and three deployed SuperNodes on loopback; one run; its folder.
+    ``node_extra``: more node config for every site."""
     home, run_dir = tmp_path / "flwr", tmp_path / "run"
     env = flower_env(home)
     port = free_port()
@@ -208,6 +260,7 @@ def _deploy(tiny_bert: str, sst2_rows: list, tmp_path: Path, **extra: object) ->
             )
             if site in PER_PATIENT:  # its own policy: one epsilon per patient
                 node_config += " privacy-unit='user' user-field='patient_id'"
+            node_config += node_extra
             group.start(
                 site,
                 insecure_supernode(port, node_config),
