@@ -80,6 +80,8 @@ class SitePolicy:
     """The most honest sites this site counts on; None: 1 when deployed, the run's in simulation."""
     secure_peers: Path | None = None
     """Deployed: the folder of the peers' pinned identity keys (``<site-id>.pem``)."""
+    secure_identity: Path | None = None
+    """The site's identity private key; None: ``<state-dir>/secure-identity.pem``."""
     rng_secret: bytes | None = field(default=None, repr=False)
     cache_dir: Path | None = (
         None  # prism_runtime.cache: from the node config or the site's env only
@@ -259,6 +261,7 @@ def site_policy(
         secure_aggregation=site.secure_aggregation,
         min_honest_sites=site.min_honest_sites,
         secure_peers=Path(site.secure_peers) if site.secure_peers else None,
+        secure_identity=Path(site.secure_identity) if site.secure_identity else None,
         rng_secret=secret.encode() if secret else None,
         cache_dir=_cache_dir(site, env_cache_dir),
     )

@@ -75,13 +75,21 @@ IDENTITY_PUBLIC = "secure-identity.pub"
 """Its public key beside it (PEM): what the federation pins as this site's identity."""
 
 
-def identity_key(state_dir: Path) -> ec.EllipticCurvePrivateKey:
-    """The site's identity key, made on first use (``IDENTITY_KEY``, with ``IDENTITY_PUBLIC``).
+def identity_key(state_dir: Path, path: Path | None = None) -> ec.EllipticCurvePrivateKey:
+    """The site's identity key: ``path`` (node config ``secure-identity``, e.g. made by the
+    site kit's ``deploy.pki site-key``), else ``<state_dir>/IDENTITY_KEY``, made on first use
+    with its public half ``IDENTITY_PUBLIC`` beside it.
 
     Raises:
-        ConfigError: the key file exists but is not a P-256 private key in PEM.
+        ConfigError: the key file exists but is not a P-256 private key in PEM, or ``path`` is
+            given and does not exist.
     """
-    path = state_dir / IDENTITY_KEY
+    if path is not None and not path.exists():
+        raise ConfigError(
+            f"secure-identity {path} does not exist: create the site's identity key with "
+            "`python -m deploy.pki site-key` (site kit: make-site-key.sh) or unset it"
+        )
+    path = path or state_dir / IDENTITY_KEY
     if path.exists():
         try:
             key = serialization.load_pem_private_key(path.read_bytes(), password=None)
@@ -210,7 +218,7 @@ def advertise(
     site_round = SiteRound(
         site_id=policy.site_id,
         round_id=round_id,
-        identity_key=identity_key(policy.state_dir),
+        identity_key=identity_key(policy.state_dir, policy.secure_identity),
         bits=request.bits,
     )
     keep_round(context, site_round)

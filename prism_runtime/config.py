@@ -713,6 +713,12 @@ class SiteConfig(_Kebab):
             "min-honest-sites)"
         ),
     )
+    secure_identity: str = Field(
+        "",
+        description="secure aggregation: this site's identity private key (ECDSA P-256, PEM, "
+        "mode 0600) whose public half its peers pin; default <state-dir>/secure-identity.pem, "
+        "made on first use",
+    )
     secure_peers: str = Field(
         "",
         description="secure aggregation, deployed site: the folder of the federation's pinned "

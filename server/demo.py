@@ -168,15 +168,23 @@ def main(argv: list[str] | None = None) -> int:
 
 def demo_summary(run_dir: Path) -> str:
     """What the demo prints when its run finished: each site's epsilon in its unit (per
-    patient for the built-in task), the held-out accuracy before and after, the outputs."""
+    patient for the built-in task; under secure aggregation also the epsilon of its own noise
+    share alone), the held-out accuracy before and after, the outputs."""
     sites = json.loads((run_dir / "report.json").read_text())["sites"]
     lines = ["", "prism-fl demo finished"]
     for row in sites:
         unit = UNIT_NAMES.get(row["unit"], row["unit"])
-        lines.append(
+        line = (
             f"  {row['site_id']}: epsilon {row['epsilon']:.3f} per {unit} "
             f"of cap {row['epsilon_cap']} (delta {row['delta']})"
         )
+        if row.get("epsilon_collusion") is not None:  # secure aggregation: both guarantees
+            line += (
+                f" if at least {row['honest_sites']} sites are honest; "
+                f"{row['epsilon_collusion']:.3f} if every other site colludes with the "
+                "coordinator"
+            )
+        lines.append(line)
     summary = json.loads((run_dir / "summary.json").read_text())
     evals = summary.get("server-eval", {})
     if evals:

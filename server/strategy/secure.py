@@ -64,9 +64,12 @@ from server.errors import ReplyError
 from server.strategy.central import noise_std_of
 from server.strategy.loop import stream_replies
 
-__all__ = ["secure_round"]
+__all__ = ["LIGHT_POLL_S", "secure_round"]
 
 log = logging.getLogger("server.strategy")
+
+LIGHT_POLL_S = 0.05
+"""Seconds between polls in the key, share and unmask exchanges (the sites answer them at once)."""
 
 
 def _part(content: RecordDict) -> RecordDict:
@@ -132,12 +135,14 @@ def secure_round(
     def send(
         contents: dict[int, RecordDict], action: str, stage_faults: Faults = NO_FAULTS
     ) -> Iterable[Message]:
+        # the key, share and unmask stages are milliseconds of work at a site: poll them often
+        light = action != "secure_mask"
         return _send(
             grid,
             contents,
             action,
             timeout=timeout,
-            poll_interval=poll_interval,
+            poll_interval=min(poll_interval, LIGHT_POLL_S) if light else poll_interval,
             server_round=server_round,
             faults=stage_faults,
         )
