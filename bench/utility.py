@@ -3,6 +3,10 @@
 Methods (identical rounds, local steps, expected batch and clip for all of them):
 
 * ``prism``: PRISM on every site, exact tangent aggregation + retraction on the server;
+* ``prism-secure``: PRISM under secure aggregation (``secure-aggregation = true``,
+  ``min-honest-sites = K``: every site honest): each site adds a Skellam share of the sum's
+  noise to its rounded clipped sum, the coordinator unmasks only the sum and runs PRISM's
+  adaptive step and retraction on it (a central PRISM step on the union of the sites' batches);
 * ``fedavg-factors``: factor-space DP-AdamW on the sites, FedAvg of A and B;
 * ``ffa``: FFA-LoRA (A frozen, DP on B), FedAvg;
 * ``nondp``: plain LoRA, FedAvg (no privacy; the ceiling);
@@ -108,7 +112,8 @@ TASK_SETTINGS: dict[str, dict[str, Any]] = {
     "symptom2disease": {"label-texts": "|".join(SYMPTOM2DISEASE_LABELS)},
     "medical_abstracts": {"label-texts": "|".join(MEDICAL_ABSTRACTS_LABELS)},
 }
-FEDERATED = ("prism", "fedavg-factors", "ffa", "nondp")
+FEDERATED = ("prism", "prism-secure", "fedavg-factors", "ffa", "nondp")
+SECURE = "prism-secure"  # PRISM with secure-aggregation=true and min-honest-sites = K
 METHODS = (*FEDERATED, "central", "zero-shot")
 BASELINE_GRID_LR = (0.0005, 0.005)  # DP-Adam on factors: noise-dominated steps move ~lr each
 NO_DP = ("nondp", "zero-shot")  # no epsilon (zero-shot: no private data at all)
@@ -181,12 +186,16 @@ def run_id(spec: dict[str, Any]) -> str:
 
 
 def _local_grid(run_config: dict[str, Any], sites: int) -> Any:
-    """A grid that hands each message to the site's ClientApp function in this process when it
+    """A grid that hands each message to the site's ClientApp (``client.app.app``, which routes
+    it by its message type: ``train`` and the ``train.secure_*`` stages) in this process when it
     is pushed; the coordinator pulls the replies (``Grid.push_messages`` / ``pull_messages``,
-    with a fresh id per message as Flower's ``InMemoryGrid`` gives)."""
+    with a fresh id per message as Flower's ``InMemoryGrid`` gives). Each node keeps ONE
+    ``Context``, so its ``context.state`` lives from message to message as a SuperNode's does
+    (secure aggregation keeps a round's secrets there between its stages)."""
     from uuid import uuid4
 
     from flwr.app import Context, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
 
     import client.app as client_app
 
@@ -218,8 +227,13 @@ def _local_grid(run_config: dict[str, Any], sites: int) -> Any:
             ids = []
             for msg in messages:
                 msg.metadata.__dict__["_message_id"] = str(uuid4())
-                context = self.contexts[msg.metadata.dst_node_id]
-                self.replies[msg.metadata.message_id] = client_app.train(msg, context)
+                node = msg.metadata.dst_node_id
+                TaskIdentity.node_id = node
+                try:
+                    reply = client_app.app(msg, self.contexts[node])
+                finally:
+                    TaskIdentity.node_id = 0
+                self.replies[msg.metadata.message_id] = reply
                 ids.append(msg.metadata.message_id)
             return ids
 
@@ -238,7 +252,7 @@ def run_config_of(spec: dict[str, Any], folder: Path) -> dict[str, Any]:
         "lora-rank": 8,
         "lora-alpha": 16.0,
         "lora-targets": "query,value",
-        "method": spec["method"],
+        "method": "prism" if spec["method"] == SECURE else spec["method"],
         "num-rounds": spec["rounds"],
         "sites-per-round": spec["sites"],
         "min-sites": spec["sites"],
@@ -258,6 +272,12 @@ def run_config_of(spec: dict[str, Any], folder: Path) -> dict[str, Any]:
         # --curve: the coordinator also evaluates the selection set after every round
         "server-eval-data": spec["select"] if spec.get("curve") else "",
         **spec["settings"],
+        # prism-secure: every site honest (H = K), the setting whose sum carries central noise
+        **(
+            {"secure-aggregation": True, "min-honest-sites": spec["sites"]}
+            if spec["method"] == SECURE
+            else {}
+        ),
     }
 
 
@@ -355,6 +375,8 @@ def privacy_facts(method: str, folder: Path) -> dict[str, Any]:
         return {k: v for k, v in metrics.items() if k != "eval"}
     report = json.loads((folder / "report.json").read_text())
     keep = ("site_id", "epsilon", "epsilon_rdp", "sigma", "q", "steps", "rounds", "unit")
+    if method == SECURE:
+        keep = (*keep, "honest_sites", "epsilon_collusion")
     return {"sites": [{k: s.get(k) for k in keep} for s in report["sites"]]}
 
 
