@@ -12,6 +12,7 @@ Pure functions on tensors (no Flower, no I/O):
 - ``quantile``: a private clip norm, the DP quantile estimate of Andrew et al. (2021).
 - ``rng``: seeded or secure (OS CSPRNG) noise sources.
 - ``discrete``: randomized rounding and Skellam noise shares, for a secure sum.
+- ``distributed``: a site's secure-sum share in tangent coordinates and its decoding.
 - ``skellam_accounting``: epsilon of the Poisson-subsampled Skellam mechanism (RDP).
 """
 

@@ -10,12 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from flwr.app import Message
 from flwr.supercore.task_identity import TaskIdentity
 from resume_driver import LoopbackGrid
 
 from prism_core.records import SKELLAM_MECHANISM
 from prism_runtime.config import RunConfig, parse_config
+from prism_runtime.secure_sum.wire import RECORD
 from server.federation import run_federation
 from server.ledger import Ledger
 
@@ -164,3 +166,28 @@ def test_an_off_site_refuses_a_secure_round_and_the_others_go_on(tiny_bert, tmp_
     (only,) = _summary(_run(values, SecureGrid(values, nodes=nodes)))["rounds"]
     assert only["refusal_codes"] == {"site-0": "secure-aggregation-off"}, only
     assert only["applied"] and sorted(only["accepted"]) == ["site-1", "site-2"], only
+
+
+class SubstitutingGrid(SecureGrid):
+    """A coordinator that swaps one site's advertised mask key for its own in the roster."""
+
+    def answer(self, msg: Message) -> Message | None:  # type: ignore[override]
+        if msg.metadata.message_type == "train.secure_share":
+            record = msg.content[RECORD]
+            keys = list(record["roster-mask-public"])  # type: ignore[arg-type]
+            keys[0] = X25519PrivateKey.generate().public_key().public_bytes_raw()
+            record["roster-mask-public"] = keys
+        return super().answer(msg)
+
+
+def test_a_coordinator_substituting_a_key_is_caught_before_anything_is_shared(tiny_bert, tmp_path):
+    values = _config(tiny_bert, tmp_path / "run", **{"num-rounds": 1})
+    grid = SubstitutingGrid(values, nodes=_nodes())
+    run_dir = _run(values, grid)
+    summary = _summary(run_dir)
+    (only,) = summary["rounds"]
+    assert not only["applied"] and "aborted" in only["discarded"], only
+    assert "train.secure_mask" not in grid.types  # no site shared, so none was asked to train
+    for i in range(SITES):  # and none charged anything
+        own = run_dir / "sites" / f"site-{i}" / "privacy-ledger.jsonl"
+        assert not own.exists() or own.read_text() == ""
