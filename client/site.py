@@ -137,7 +137,9 @@ class SecureNoise:
         l2, l1 = discrete_sensitivity(dim)
         mu = skellam_mu(sigma=sigma, l1=l1, l2=l2)
         share = mu / honest
-        return cls(honest, sigma, mu, share, skellam_sigma(mu=share, l1=l1, l2=l2), dim)
+        # at H = 1 the share IS the sum: min() keeps float rounding from putting it above sigma
+        alone = min(skellam_sigma(mu=share, l1=l1, l2=l2), sigma)
+        return cls(honest, sigma, mu, share, alone, dim)
 
 
 @dataclass

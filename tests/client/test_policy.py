@@ -254,3 +254,47 @@ def test_the_cache_folder_is_the_node_configs_then_the_envs_then_under_the_state
     assert site_policy(stated, env_cache_dir="/env/cache").cache_dir == Path("/node/cache")
     assert site_policy(_node(**state), env_cache_dir="/env/cache").cache_dir == Path("/env/cache")
     assert site_policy(_node(**state), run_dir="/run").cache_dir == tmp_path / "cache"
+
+
+# -- secure aggregation: the site's own H and policy -------------------------------------------
+
+
+SECURE = {"secure-aggregation": True, "min-honest-sites": 4, "sites-per-round": 8}
+
+
+@pytest.mark.parametrize(
+    ("simulation", "own", "expected"),
+    [
+        (False, None, 1),  # a deployed site that sets nothing counts on itself alone
+        (False, 2, 2),  # never more than its own H, whatever the run asks
+        (False, 6, 4),  # nor more than the run asks
+        (True, None, 4),  # a simulated site that sets nothing follows the run
+        (True, 3, 3),
+    ],
+)
+def test_a_site_counts_on_at_most_its_own_honest_sites(
+    simulation: bool, own: int | None, expected: int
+) -> None:
+    policy = _policy(simulation=simulation, min_honest_sites=own)
+    assert policy.honest_sites(_run(**SECURE)) == expected
+
+
+@pytest.mark.parametrize(
+    ("setting", "secure_run", "peers", "code"),
+    [
+        ("allow", True, Path("/peers"), None),
+        ("allow", False, None, None),
+        ("off", True, Path("/peers"), "secure-aggregation-off"),
+        ("off", False, None, None),
+        ("require", False, Path("/peers"), "secure-aggregation-required"),
+        ("require", True, Path("/peers"), None),
+        ("allow", True, None, "secure-aggregation-not-configured"),  # deployed, nothing pinned
+    ],
+)
+def test_the_site_decides_whether_it_takes_part_in_secure_aggregation(
+    setting: str, secure_run: bool, peers: Path | None, code: str | None
+) -> None:
+    policy = _policy(secure_aggregation=setting, secure_peers=peers)
+    run = _run(**(SECURE if secure_run else {}))
+    assert policy.refusal(run, N) == code
+    assert code is None or code in REFUSAL_REASONS
