@@ -18,6 +18,13 @@ replaces itself with ``flower-superlink`` / ``flower-supernode``:
   refused without its privacy policy and ledger folder (``PRISM_EPSILON_CAP``, ``PRISM_DELTA``,
   ``PRISM_STATE_DIR``) or with a reproducible-randomness secret (``PRISM_FL_RNG_SECRET``) while it
   requires secure randomness (the default).
+- Secure aggregation (the coordinator learns only the sum of the sites' updates): the site's
+  identity key (``PRISM_SECURE_IDENTITY``, ECDSA P-256, made by ``deploy.pki site-key``) must be
+  a private key that group and others cannot read. Unless the site is ``off``, its peers folder
+  (``PRISM_SECURE_PEERS``) must hold only public keys, each a P-256 ``<site-id>.pem``, with the
+  site's own matching its identity key; an empty peers folder is left out of the node config
+  with a warning (the site then refuses secure rounds), and ``require`` without pinned keys is
+  refused (it would refuse every round).
 - Only file paths are printed, never the contents of a key.
 
 Environment of ``superlink``: ``PRISM_TLS_DIR`` (``ca.crt``, ``server.crt``, ``server.key``),
@@ -30,6 +37,11 @@ Environment of ``supernode``: ``PRISM_SUPERLINK`` (host:port), ``PRISM_CA_CERT``
 true), ``PRISM_PRIVACY_UNIT`` (``user``: one epsilon per person with all their records, or
 ``record``; default ``record``) with ``PRISM_USER_FIELD`` (the data field naming the person,
 required with ``user``), ``PRISM_PARTITION_ID`` and ``PRISM_NUM_PARTITIONS`` (one-host demo only),
+``PRISM_SECURE_AGGREGATION`` (``off``, ``allow`` (default) or ``require``),
+``PRISM_MIN_HONEST_SITES`` (H: the most honest sites, this one included, the site counts on;
+default 1), ``PRISM_SECURE_PEERS`` (the folder of pinned identity public keys, one
+``<site-id>.pem`` per site; a site without it refuses secure rounds), ``PRISM_SECURE_IDENTITY``
+(the site's identity private key file, e.g. ``KEYS_DIR/identity.pem``),
 ``PRISM_CLIENTAPP_PORT`` (default 9094), ``PRISM_SITE_EXECUTOR`` (``worker``, the default: the
 SuperNode runs under the site's warm worker ``client.worker``, one long-lived process that runs
 every message with the site's installed ClientApp; ``flower``: Flower's own executor, a fresh
@@ -39,6 +51,7 @@ Exit code 2: refused, with the reason on stderr; otherwise Flower's own exit cod
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 import sys
@@ -46,6 +59,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from deploy.errors import DeployError, InsecureSetupError
+from deploy.identity import check_peers, load_identity
 
 __all__ = [
     "ALLOW_INSECURE",
@@ -56,6 +70,8 @@ __all__ = [
     "superlink_args",
     "supernode_args",
 ]
+
+log = logging.getLogger(__name__)
 
 ALLOW_INSECURE = "PRISM_ALLOW_INSECURE"
 WARNING = (
@@ -78,8 +94,12 @@ _NODE_ENV = {
     "user-field": "PRISM_USER_FIELD",
     "partition-id": "PRISM_PARTITION_ID",
     "num-partitions": "PRISM_NUM_PARTITIONS",
+    "secure-aggregation": "PRISM_SECURE_AGGREGATION",
+    "min-honest-sites": "PRISM_MIN_HONEST_SITES",
+    "secure-peers": "PRISM_SECURE_PEERS",
+    "secure-identity": "PRISM_SECURE_IDENTITY",
 }
-_NUMERIC = {"epsilon-cap", "delta", "partition-id", "num-partitions"}
+_NUMERIC = {"epsilon-cap", "delta", "partition-id", "num-partitions", "min-honest-sites"}
 _BOOLEAN = {
     "share-num-examples",
     "allow-nondp",
@@ -88,6 +108,7 @@ _BOOLEAN = {
 }
 _REQUIRED = ("epsilon-cap", "delta", "state-dir")
 """A site kit never starts without its own privacy policy and its ledger folder."""
+SECURE_MODES = ("off", "allow", "require")
 
 
 def _insecure_allowed(env: Mapping[str, str]) -> bool:
@@ -208,6 +229,13 @@ def _node_config(env: Mapping[str, str]) -> str:
                 raise DeployError(f"{variable}={raw!r} is not a number") from None
         elif key in _BOOLEAN:
             values[key] = raw.lower() in {"1", "true", "yes"}
+        elif key == "secure-aggregation":
+            values[key] = raw.lower()
+            if values[key] not in SECURE_MODES:
+                raise DeployError(
+                    f"{variable}={raw!r}: use off (refuse secure-aggregation rounds), allow (the "
+                    "default) or require (refuse every round that is not securely aggregated)"
+                )
         else:
             values[key] = raw
     values.setdefault("require-secure-rng", True)  # a kit site is a real site: secure by default
@@ -224,6 +252,7 @@ def _node_config(env: Mapping[str, str]) -> str:
         site_policy(site, env_secret=env.get(RNG_SECRET_ENV, ""))
     except ValueError as exc:
         raise DeployError(f"{exc} (set the PRISM_* variables of the site kit)") from exc
+    values = _secure_settings(values)
     parts = []
     for key, value in values.items():
         if isinstance(value, bool):
@@ -235,6 +264,58 @@ def _node_config(env: Mapping[str, str]) -> str:
         else:
             parts.append(f"{key}={value}")
     return " ".join(parts)
+
+
+def _secure_settings(values: dict[str, object]) -> dict[str, object]:
+    """The node config ``values`` (validated) after checking its secure-aggregation files.
+
+    The identity key (``secure-identity``, if set) must be a P-256 private key that neither
+    group nor others can read. Unless the site is ``off``, the peers folder (``secure-peers``)
+    must hold the federation's pinned public keys with this site's own matching its identity
+    key; an empty one is left out of the returned node config with a warning (the site then
+    refuses secure rounds with ``secure-aggregation-not-configured``); ``require`` needs it
+    filled.
+    """
+    mode = values.get("secure-aggregation", "allow")
+    identity = values.get("secure-identity")
+    if isinstance(identity, str):
+        if not Path(identity).is_file():
+            raise DeployError(
+                f"the secure-aggregation identity key {identity} (PRISM_SECURE_IDENTITY) does not "
+                "exist: make it with ./make-site-key.sh (site kit) or `python -m deploy.pki "
+                "site-key --out KEYS_DIR`, which keep an existing site key and add identity.pem"
+            )
+        what = "secure-aggregation identity key"
+        load_identity(check_private_key(identity, what, "PRISM_SECURE_IDENTITY"))
+    if mode == "off":
+        return values
+    peers = values.get("secure-peers")
+    pinned = 0
+    if isinstance(peers, str):
+        pinned = check_peers(
+            Path(peers),
+            site_id=str(values["site-id"]),
+            identity=Path(identity) if isinstance(identity, str) else None,
+            variable="PRISM_SECURE_PEERS",
+        )
+    if pinned:
+        return values
+    if mode == "require":
+        raise DeployError(
+            "refusing to start: PRISM_SECURE_AGGREGATION=require, but "
+            + (f"the peers folder {peers} is empty" if peers else "PRISM_SECURE_PEERS is not set")
+            + ": this site would refuse every round. Put the federation's identity public keys "
+            "(one <site-id>.pem per site, this site's own included, from the federation's "
+            "registry) into the peers folder, or set PRISM_SECURE_AGGREGATION=allow"
+        )
+    if peers:
+        log.warning(
+            "the peers folder %s (PRISM_SECURE_PEERS) pins no identity keys yet: this site "
+            "takes part in plain rounds only and refuses securely aggregated ones "
+            "(secure-aggregation-not-configured) until the federation's keys are installed",
+            peers,
+        )
+    return {key: value for key, value in values.items() if key != "secure-peers"}
 
 
 def supernode_args(env: Mapping[str, str], extra: Sequence[str] = ()) -> list[str]:
@@ -297,6 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "usage: python -m deploy.launch superlink|supernode [FLOWER ARGS...]", file=sys.stderr
         )
         return 2
+    logging.basicConfig(format="prism-fl launch: %(levelname)s: %(message)s", level=logging.WARNING)
     env = dict(os.environ)
     env.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
     try:

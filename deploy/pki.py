@@ -13,19 +13,25 @@ container can see another party's secret whatever the Docker Engine version (no 
       DIR/ca/ca.key, ca.crt                 the CA (its key never leaves this folder)
       DIR/superlink/ca.crt, server.crt, server.key
       DIR/public/ca.crt, sites/NAME.pub     what the register step and the coordinator read
-      DIR/sites/NAME/ca.crt, site.key, site.pub
+      DIR/public/secure-peers/NAME.pem      the sites' identity public keys (a peers folder)
+      DIR/sites/NAME/ca.crt, site.key, site.pub, identity.pem
 
-- ``site-key --out DIR [--name NAME] [--ca-cert FILE] [--publish DIR]``: one site's key pair
-  (run it AT the site, or in the site's own key volume); prints the public key to send to the
-  coordinator. The private key never leaves ``DIR``. ``--ca-cert`` copies the federation's CA
-  certificate into ``DIR``; ``--publish`` writes the public key as ``DIR2/NAME.pub`` (what the
-  register step reads).
+- ``site-key --out DIR [--name NAME] [--ca-cert FILE] [--publish DIR] [--publish-identity DIR]``:
+  one site's keys (run it AT the site, or in the site's own key volume): its SuperNode key pair
+  (``site.key``, ``site.pub``) and its secure-aggregation identity key (``identity.pem``); prints
+  both public keys, the first to send to the coordinator, the second to the federation's
+  registry of identity keys (which every site pins). The private keys never leave ``DIR``.
+  ``--ca-cert`` copies the federation's CA certificate into ``DIR``; ``--publish`` writes the
+  public key as ``DIR2/NAME.pub`` (what the register step reads); ``--publish-identity`` writes
+  the identity public key as ``DIR3/NAME.pem`` (a peers folder, node config ``secure-peers``).
 
 Idempotent: private keys and certificates are never overwritten; copies of public files
-(``ca.crt`` in a holder's folder, a published ``NAME.pub``) follow their source.
-TLS keys are ECDSA P-256 with X.509 certificates (the server certificate carries SANs for the
-given host names and IP addresses); SuperNode keys are ECDSA P-384 in OpenSSH format, which is
-what ``flower-supernode --auth-supernode-private-key`` and ``flwr supernode register`` read.
+(``ca.crt`` in a holder's folder, a published ``NAME.pub`` or ``NAME.pem``) follow their
+source. TLS keys are ECDSA P-256 with X.509 certificates (the server certificate carries SANs
+for the given host names and IP addresses); SuperNode keys are ECDSA P-384 in OpenSSH format,
+which is what ``flower-supernode --auth-supernode-private-key`` and ``flwr supernode register``
+read; identity keys are ECDSA P-256 in PKCS8 PEM (public halves: SubjectPublicKeyInfo PEM), what
+the secure sum signs with (``deploy.identity``).
 Private keys are written with mode 0600 and their folders with 0700. Exit codes: 0 done,
 2 bad arguments or unusable existing files.
 """
@@ -47,12 +53,14 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from deploy.errors import DeployError
+from deploy.identity import IDENTITY_KEY, load_identity, public_pem
 
 __all__ = [
     "DEFAULT_SANS",
     "init_coordinator",
     "init_federation",
     "main",
+    "site_identity",
     "site_key",
     "valid_site_name",
 ]
@@ -217,14 +225,33 @@ def _ensure_server_cert(
     _write(cert_path, cert.public_bytes(serialization.Encoding.PEM), private=False)
 
 
-def site_key(
-    out: Path, name: str = "site", *, ca_cert: Path | None = None, publish: Path | None = None
-) -> Path:
-    """Create ``out/site.key`` (OpenSSH EC P-384, 0600) and ``out/site.pub``; return the .pub.
+def site_identity(out: Path) -> bytes:
+    """The public half (PEM) of the identity key ``out/identity.pem``, made (P-256, PKCS8,
+    0600) if it does not exist; an existing key is kept as it is."""
+    path = out / IDENTITY_KEY
+    if path.exists():
+        return public_pem(load_identity(path))
+    key = ec.generate_private_key(ec.SECP256R1())
+    _write(path, _pem_key(key), private=True)
+    return public_pem(key)
 
-    An existing key pair is kept as it is (its public key is returned again). ``ca_cert``: the
+
+def site_key(
+    out: Path,
+    name: str = "site",
+    *,
+    ca_cert: Path | None = None,
+    publish: Path | None = None,
+    publish_identity: Path | None = None,
+) -> Path:
+    """Create ``out/site.key`` (OpenSSH EC P-384, 0600) and ``out/site.pub``, and the identity
+    key ``out/identity.pem`` (``site_identity``); return the .pub.
+
+    An existing key is kept as it is (its public key is returned again). ``ca_cert``: the
     federation's CA certificate, copied to ``out/ca.crt``; ``publish``: a folder that gets a copy
-    of the public key as ``NAME.pub`` (what ``deploy.register sync`` reads).
+    of the public key as ``NAME.pub`` (what ``deploy.register sync`` reads);
+    ``publish_identity``: a folder that gets the identity public key as ``NAME.pem`` (a peers
+    folder).
     """
     valid_site_name(name)
     if ca_cert is not None and not ca_cert.is_file():
@@ -250,10 +277,13 @@ def site_key(
         )
         _write(key_path, private, private=True)
         _write(pub_path, public + f" {name}\n".encode(), private=False)
+    identity = site_identity(out)
     if ca_cert is not None:
         _publish(ca_cert.read_bytes(), out / "ca.crt")
     if publish is not None:
         _publish(pub_path.read_bytes(), publish / f"{name}.pub")
+    if publish_identity is not None:
+        _publish(identity, publish_identity / f"{name}.pem")
     return pub_path
 
 
@@ -296,6 +326,7 @@ def init_federation(out: Path, sites: Sequence[str], sans: Sequence[str] = DEFAU
             site,
             ca_cert=out / "public" / "ca.crt",
             publish=out / "public" / "sites",
+            publish_identity=out / "public" / "secure-peers",
         )
 
 
@@ -316,11 +347,18 @@ def _build_parser() -> argparse.ArgumentParser:
         default=[],
         help=f"server certificate host name or IP (repeat; default {', '.join(DEFAULT_SANS)})",
     )
-    key = sub.add_parser("site-key", help="one site's authentication key pair (run at the site)")
+    key = sub.add_parser(
+        "site-key", help="one site's authentication and identity keys (run at the site)"
+    )
     key.add_argument("--out", type=Path, required=True, help="the site's private key folder")
     key.add_argument("--name", default="site", help="site name (a comment in the public key)")
     key.add_argument("--ca-cert", type=Path, help="copy this CA certificate into --out")
     key.add_argument("--publish", type=Path, help="folder that gets a copy of NAME.pub")
+    key.add_argument(
+        "--publish-identity",
+        type=Path,
+        help="folder (of pinned identity keys) that gets the identity public key as NAME.pem",
+    )
     return parser
 
 
@@ -345,6 +383,30 @@ def _init(args: argparse.Namespace) -> str:
     return f"CA in {args.ca}, SuperLink TLS in {args.superlink}, CA certificate in {args.public}"
 
 
+def _site_key(args: argparse.Namespace) -> None:
+    """``site-key``: make the keys, print where they are and both public keys."""
+    pub = site_key(
+        args.out,
+        args.name,
+        ca_cert=args.ca_cert,
+        publish=args.publish,
+        publish_identity=args.publish_identity,
+    )
+    identity = site_identity(args.out).decode().strip()
+    print(f"prism-fl pki: private key {args.out / 'site.key'} (mode 0600, keep it here)")
+    print(
+        f"prism-fl pki: secure-aggregation identity key {args.out / IDENTITY_KEY} "
+        "(mode 0600, keep it here and back it up: the other sites pin its public key)"
+    )
+    print("Send this public key to the coordinator (it is not secret):")
+    print(pub.read_text().strip())
+    print(
+        f"Send this identity public key to the federation's registry as {args.name}.pem "
+        "(it is not secret; every site of the federation pins it):"
+    )
+    print(identity)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status."""
     args = _build_parser().parse_args(argv)
@@ -352,10 +414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "init":
             print(f"prism-fl pki: {_init(args)}")
         else:
-            pub = site_key(args.out, args.name, ca_cert=args.ca_cert, publish=args.publish)
-            print(f"prism-fl pki: private key {args.out / 'site.key'} (mode 0600, keep it here)")
-            print("Send this public key to the coordinator (it is not secret):")
-            print(pub.read_text().strip())
+            _site_key(args)
     except DeployError as exc:
         print(f"prism-fl pki: {exc}", file=sys.stderr)
         return 2

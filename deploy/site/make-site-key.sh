@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Create this site's SuperNode key pair and print the public key to send to the coordinator.
+# Create this site's keys and print their public halves:
+#   - the SuperNode key pair (KEYS_DIR/site.key): send the public key to the coordinator;
+#   - the secure-aggregation identity key (KEYS_DIR/identity.pem): send its public key to the
+#     federation's registry as SITE_ID.pem; every site pins it in its peers folder.
 #   ./make-site-key.sh [KEYS_DIR]      (default: PRISM_KEYS_DIR from .env, else ./keys)
-# The private key (KEYS_DIR/site.key, mode 0600) never leaves this host. An existing key pair
-# is kept. Uses the prism-fl image (no network) or, if installed, the local Python package.
+# The private keys (mode 0600) never leave this host; back up identity.pem with the site's
+# state. Existing keys are kept. It also creates the (empty) peers folder PRISM_PEERS_DIR.
+# Uses the prism-fl image (no network) or, if installed, the local Python package.
 # The key belongs to the user the site's container runs as: your own user, or, when you run
 # this as root, PRISM_UID:PRISM_GID of .env (default 10001; containers never run as root).
 set -euo pipefail
@@ -10,6 +14,8 @@ cd "$(dirname "$0")"
 setting() { grep -E "^$1=" .env 2>/dev/null | tail -n 1 | cut -d= -f2- || true; }
 KEYS_DIR="${1:-${PRISM_KEYS_DIR:-$(setting PRISM_KEYS_DIR)}}"
 KEYS_DIR="${KEYS_DIR:-./keys}"
+PEERS_DIR="${PRISM_PEERS_DIR:-$(setting PRISM_PEERS_DIR)}"
+PEERS_DIR="${PEERS_DIR:-./peers}"
 SITE_ID="${PRISM_SITE_ID:-$(setting PRISM_SITE_ID)}"
 SITE_ID="${SITE_ID:-site}"
 VARIANT="${PRISM_VARIANT:-$(setting PRISM_VARIANT)}"
@@ -27,7 +33,7 @@ case "$OWNER" in
         exit 2
         ;;
 esac
-mkdir -p "$KEYS_DIR"
+mkdir -p "$KEYS_DIR" "$PEERS_DIR"
 chmod 700 "$KEYS_DIR"
 if python3 -c "import deploy.pki" 2>/dev/null; then
     python3 -m deploy.pki site-key --out "$KEYS_DIR" --name "$SITE_ID"

@@ -145,6 +145,36 @@ def test_one_host_federation_is_secure_by_default():
         assert register_needs[f"{site}-key"]["condition"] == "service_completed_successfully"
 
 
+def test_one_host_sites_pin_each_others_identity_keys():
+    """Each key step publishes its site's identity public key to ``pki-public/secure-peers``;
+    each site signs with its own ``identity.pem`` and pins that folder (public, read-only)."""
+    text = (ROOT / "docker-compose.yml").read_text()
+    assert 'flwr run . prism-compose --stream --run-config "secure-aggregation=true"' in text
+    services = compose_config(ROOT / "docker-compose.yml")["services"]
+    for site in SITES:
+        step = services[f"{site}-key"]["command"]
+        assert step[step.index("--publish-identity") + 1] == "/pki-public/secure-peers"
+        env, mounts = services[site]["environment"], _mounts(services[site])
+        assert env["PRISM_SECURE_IDENTITY"] == "/keys/identity.pem"
+        assert env["PRISM_SECURE_PEERS"] == "/pki-public/secure-peers"
+        assert env["PRISM_SECURE_AGGREGATION"] == "allow"
+        assert env["PRISM_MIN_HONEST_SITES"] == "2"
+        public = mounts["/pki-public"]
+        assert public["type"] == "volume" and public["source"] == "pki-public"
+        assert public["read_only"]
+    policy = {"PRISM_SECURE_AGGREGATION": "require", "PRISM_MIN_HONEST_SITES": "3"}
+    overridden = compose_config(ROOT / "docker-compose.yml", env=policy)["services"]
+    for site in SITES:
+        env = overridden[site]["environment"]
+        assert {k: env[k] for k in policy} == policy
+
+
+def _node_config(args: list[str]) -> dict[str, Any]:
+    """The ``--node-config`` of a SuperNode command line, as Flower parses it."""
+    config: dict[str, Any] = parse_config_args([args[args.index("--node-config") + 1]])
+    return config
+
+
 def _volume_users(services: dict) -> dict[str, set[str]]:
     users: dict[str, set[str]] = {}
     for name, service in services.items():
@@ -192,6 +222,8 @@ def _private_keys(folder: Path) -> dict[str, Path]:
             out["superlink"] = key
         else:  # a site key: its public key next to it names the site
             out[key.with_suffix(".pub").read_text().split()[-1]] = key
+    for identity in folder.rglob("identity.pem"):  # a site's secure-aggregation identity
+        out[f"{(identity.parent / 'site.pub').read_text().split()[-1]} identity"] = identity
     return out
 
 
@@ -210,7 +242,8 @@ def test_no_container_sees_another_partys_secret(tmp_path):
         done = subprocess.run(svc[step].argv, env=svc[step].env, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
     holders = {"pki": {"CA", "superlink"}, "superlink": {"superlink"}, "register": set()}
-    holders |= {s: {s} for s in SITES} | {f"{s}-key": {s} for s in SITES}
+    holders |= {s: {s, f"{s} identity"} for s in SITES}
+    holders |= {f"{s}-key": {s, f"{s} identity"} for s in SITES}
     for name, expected in holders.items():
         seen: dict[str, Path] = {}
         for host in svc[name].mounts.values():
@@ -219,13 +252,18 @@ def test_no_container_sees_another_partys_secret(tmp_path):
         for key in seen.values():
             assert stat.S_IMODE(key.stat().st_mode) == 0o600, key
     superlink_args(svc["superlink"].env)  # its folder holds its own files only
-    for site in SITES:
-        supernode_args(svc[site].env)
+    for site in SITES:  # each pins the federation's identity keys, its own matching its key
+        node = _node_config(supernode_args(svc[site].env))
+        assert node["secure-peers"] == str(svc[site].host_path("/pki-public/secure-peers"))
         assert svc[site].host_path("/keys/ca.crt").read_bytes() == (
             svc["superlink"].host_path("/tls/ca.crt").read_bytes()
         )
     published = svc["register"].host_path("/pki-public/sites")
     assert sorted(p.stem for p in published.glob("*.pub")) == sorted(SITES)
+    pinned = svc["register"].host_path("/pki-public/secure-peers")
+    assert sorted(p.stem for p in pinned.glob("*.pem")) == sorted(SITES)
+    for file in svc["register"].host_path("/pki-public").rglob("*"):  # public files only
+        assert file.is_dir() or b"PRIVATE KEY" not in file.read_bytes(), file
 
 
 def test_gpu_override_reserves_a_gpu_per_site_with_the_cuda_image():
@@ -319,11 +357,16 @@ def _service_env(file: Path, env_file: Path, service: str) -> dict[str, str]:
 
 
 def test_site_kit_settings_start_a_tls_authenticated_supernode(tmp_path):
-    """The site kit's template, as compose resolves it, is accepted by the launcher."""
+    """The site kit's template, as compose resolves it, is accepted by the launcher (its peers
+    folder still empty: no secure rounds yet)."""
     init_federation(tmp_path / "pki", ["hospital-a"])
     env = _service_env(DEPLOY / "site" / "docker-compose.yml", SITE_ENV, "supernode")
     keys = tmp_path / "pki" / "sites" / "hospital-a"
-    local = {k: v.replace("/keys", str(keys)) for k, v in env.items()}
+    (tmp_path / "peers").mkdir()
+    local = {
+        k: v.replace("/keys", str(keys)).replace("/peers", str(tmp_path / "peers"))
+        for k, v in env.items()
+    }
     args = supernode_args(local)
     assert "--insecure" not in args
     assert args[args.index("--superlink") + 1] == "coordinator.example.org:8000"
@@ -341,7 +384,31 @@ def test_site_kit_settings_start_a_tls_authenticated_supernode(tmp_path):
         "require-secure-rng": True,
         "privacy-unit": "user",  # the example site.env: epsilon per patient
         "user-field": "patient_id",
+        "secure-aggregation": "allow",
+        "min-honest-sites": 1,  # counts on no one: its own share carries the whole noise
+        "secure-identity": str(keys / "identity.pem"),
     }
+
+
+def test_site_kit_pins_the_peers_folder_the_operator_installs(tmp_path):
+    """``PRISM_PEERS_DIR`` (default ./peers) is bind-mounted read-only at /peers; once the
+    registry's keys are in it, the site pins them."""
+    service = _services([DEPLOY / "site" / "docker-compose.yml"], SITE_ENV)["supernode"]
+    peers = _mounts(service)["/peers"]
+    assert peers["type"] == "bind" and peers["read_only"]
+    assert peers["source"] == str(DEPLOY / "site" / "peers")
+    assert service["environment"]["PRISM_SECURE_PEERS"] == "/peers"
+    init_federation(tmp_path / "pki", ["hospital-a", "hospital-b"])
+    keys = tmp_path / "pki" / "sites" / "hospital-a"
+    registry = tmp_path / "pki" / "public" / "secure-peers"  # every site's <site-id>.pem
+    local = {
+        k: v.replace("/keys", str(keys)).replace("/peers", str(registry))
+        for k, v in service["environment"].items()
+    }
+    node = _node_config(supernode_args(local))
+    assert node["secure-peers"] == str(registry)
+    for variable in ("PRISM_SECURE_AGGREGATION", "PRISM_MIN_HONEST_SITES", "PRISM_PEERS_DIR"):
+        assert f"\n{variable}=" in SITE_ENV.read_text()  # documented for the operator
 
 
 def _sans(command: list[str]) -> set[str]:

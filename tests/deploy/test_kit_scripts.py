@@ -15,6 +15,8 @@ from compose_local import dockerfile_instructions
 from flower_harness import ROOT
 from flwr.cli.supernode.register import try_load_public_key
 
+from deploy.identity import load_identity, public_pem
+
 SCRIPTS = sorted((ROOT / "deploy").rglob("*.sh"))
 
 
@@ -43,6 +45,7 @@ def _make_site_key(
         "PATH": f"{bin_first}:{path}" if bin_first else path,
         "PYTHONPATH": str(ROOT),
         "PRISM_SITE_ID": "hospital-a",
+        "PRISM_PEERS_DIR": str(keys.parent / "peers"),
         **env,
     }
     return subprocess.run(
@@ -70,6 +73,25 @@ def test_make_site_key_prints_the_public_key_and_keeps_the_private_one(tmp_path)
     again = _make_site_key(keys)
     assert again.returncode == 0 and public in again.stdout
     assert (keys / "site.pub").read_text().strip() == public
+
+
+def test_make_site_key_prints_the_identity_key_for_the_registry(tmp_path):
+    """The secure-aggregation identity key stays in the keys folder (0600); its public half is
+    printed for the federation's registry, and the (empty) peers folder is made."""
+    keys = tmp_path / "keys"
+    done = _make_site_key(keys)
+    assert done.returncode == 0, done.stderr
+    identity = keys / "identity.pem"
+    assert stat.S_IMODE(identity.stat().st_mode) == 0o600
+    public = public_pem(load_identity(identity)).decode().strip()
+    assert public in done.stdout and "registry as hospital-a.pem" in done.stdout
+    secret = [ln for ln in identity.read_text().splitlines() if "-----" not in ln]
+    assert secret and not any(line in done.stdout + done.stderr for line in secret)
+    assert (tmp_path / "peers").is_dir() and not any((tmp_path / "peers").iterdir())
+    before = identity.read_bytes()
+    again = _make_site_key(keys)
+    assert again.returncode == 0 and public in again.stdout
+    assert identity.read_bytes() == before  # kept: the other sites pinned its public half
 
 
 README = ROOT / "deploy" / "README.md"

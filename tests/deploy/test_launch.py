@@ -6,10 +6,13 @@ import subprocess
 import sys
 
 import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 from flower_harness import ROOT
 from flwr.common.config import parse_config_args
 
 from deploy.errors import DeployError, InsecureSetupError
+from deploy.identity import public_pem
 from deploy.launch import superlink_args, supernode_args
 from deploy.pki import init_federation
 
@@ -221,3 +224,153 @@ def test_a_refused_folder_exits_2_before_flower_starts(pki, tmp_path):
     )
     assert done.returncode == 2
     assert FIX in done.stderr and "Starting Flower" not in done.stderr
+
+
+def _node(args: list[str]) -> dict:
+    return parse_config_args([args[args.index("--node-config") + 1]])
+
+
+def _secure_env(pki, **extra):
+    """hospital-a with its identity key (next to its site key) and the federation's peers."""
+    secure = {
+        "PRISM_SECURE_IDENTITY": str(pki / "sites" / "hospital-a" / "identity.pem"),
+        "PRISM_SECURE_PEERS": str(pki / "public" / "secure-peers"),
+    }
+    return _site_env(pki, **{**secure, **extra})
+
+
+def test_a_sites_secure_aggregation_settings_reach_the_site_as_it_reads_them(pki):
+    """The kit's four variables become the node config; the site then signs with the kit's
+    identity key and pins the published peers (what ``deploy.pki`` made is what it reads)."""
+    from client.policy import site_policy
+    from client.secure import identity_key, registered_keys
+    from prism_runtime.config import SiteConfig, parse_config
+
+    env = _secure_env(pki, PRISM_SECURE_AGGREGATION="Require", PRISM_MIN_HONEST_SITES="2")
+    node = _node(supernode_args(env))
+    assert node["secure-aggregation"] == "require" and node["min-honest-sites"] == 2
+    assert node["secure-identity"] == env["PRISM_SECURE_IDENTITY"]
+    assert node["secure-peers"] == env["PRISM_SECURE_PEERS"]
+    policy = site_policy(parse_config(SiteConfig, node, what="site setting"))
+    assert policy.secure_aggregation == "require" and policy.min_honest_sites == 2
+    key = identity_key(policy.state_dir, policy.secure_identity)
+    pinned = registered_keys(policy)
+    assert list(pinned) == ["hospital-a"]
+    assert public_pem(key) == pinned["hospital-a"].public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "why"),
+    [
+        ("PRISM_SECURE_AGGREGATION", "maybe", r"PRISM_SECURE_AGGREGATION='maybe': use off"),
+        ("PRISM_MIN_HONEST_SITES", "two", r"PRISM_MIN_HONEST_SITES='two' is not a number"),
+        ("PRISM_MIN_HONEST_SITES", "0", r"min-honest-sites"),
+    ],
+)
+def test_bad_secure_aggregation_settings_are_named(pki, variable, value, why):
+    with pytest.raises(DeployError, match=why):
+        supernode_args(_secure_env(pki, **{variable: value}))
+
+
+def test_a_readable_identity_key_is_refused_with_the_fix(pki):
+    identity = pki / "sites" / "hospital-a" / "identity.pem"
+    identity.chmod(0o644)
+    with pytest.raises(InsecureSetupError, match=rf"mode 0644\); run `chmod 600 {identity}`"):
+        supernode_args(_secure_env(pki))
+
+
+def test_a_missing_or_wrong_identity_key_is_refused_naming_the_fix(pki, tmp_path):
+    missing = tmp_path / "nowhere" / "identity.pem"
+    with pytest.raises(DeployError, match=r"does not exist: make it with ./make-site-key.sh"):
+        supernode_args(_secure_env(pki, PRISM_SECURE_IDENTITY=str(missing)))
+    p384 = tmp_path / "p384.pem"
+    p384.write_bytes(
+        ec.generate_private_key(ec.SECP384R1()).private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    p384.chmod(0o600)
+    with pytest.raises(DeployError, match="is not an ECDSA P-256 private key"):
+        supernode_args(_secure_env(pki, PRISM_SECURE_IDENTITY=str(p384)))
+
+
+def _p256_public(path):
+    path.write_bytes(public_pem(ec.generate_private_key(ec.SECP256R1())))
+
+
+@pytest.mark.parametrize(
+    ("damage", "error", "why"),
+    [
+        ("private key", InsecureSetupError, r"holds a PRIVATE key \(stray.pem\)"),
+        ("not a key", DeployError, r"clinic-c.pem is not an ECDSA P-256 public key"),
+        ("own key missing", DeployError, r"but not this site's own \(hospital-a.pem\)"),
+        ("own key replaced", DeployError, r"hospital-a.pem .* is not the public half"),
+        ("no identity", DeployError, r"PRISM_SECURE_IDENTITY is not set"),
+        ("not a folder", DeployError, r"is not a folder"),
+    ],
+)
+def test_an_unusable_peers_folder_is_refused(pki, damage, error, why):
+    peers = pki / "public" / "secure-peers"
+    env = _secure_env(pki)
+    _p256_public(peers / "clinic-c.pem")  # another site of the federation
+    if damage == "private key":
+        (peers / "stray.pem").write_bytes(
+            (pki / "sites" / "hospital-a" / "identity.pem").read_bytes()
+        )
+    elif damage == "not a key":
+        (peers / "clinic-c.pem").write_text("-----BEGIN PUBLIC KEY-----\nAAAA\n")
+    elif damage == "own key missing":
+        (peers / "hospital-a.pem").unlink()
+    elif damage == "own key replaced":
+        _p256_public(peers / "hospital-a.pem")
+    elif damage == "no identity":
+        env["PRISM_SECURE_IDENTITY"] = ""
+    else:
+        env["PRISM_SECURE_PEERS"] = str(pki / "public" / "ca.crt")
+    with pytest.raises(error, match=why):
+        supernode_args(env)
+
+
+def test_an_empty_peers_folder_leaves_the_site_out_of_secure_rounds(pki, tmp_path, caplog):
+    """``allow``: it starts, warns, and names no peers (so it refuses secure rounds with
+    secure-aggregation-not-configured); ``require`` would refuse every round: refused."""
+    empty = tmp_path / "peers"
+    empty.mkdir()
+    with caplog.at_level("WARNING", logger="deploy.launch"):
+        node = _node(supernode_args(_secure_env(pki, PRISM_SECURE_PEERS=str(empty))))
+    assert "secure-peers" not in node and node["secure-identity"].endswith("identity.pem")
+    assert f"the peers folder {empty} (PRISM_SECURE_PEERS) pins no identity keys" in caplog.text
+    for peers in (str(empty), ""):
+        env = _secure_env(pki, PRISM_SECURE_PEERS=peers, PRISM_SECURE_AGGREGATION="require")
+        with pytest.raises(DeployError, match=r"require, but .*: this site would refuse every"):
+            supernode_args(env)
+    caplog.clear()
+    off = _node(
+        supernode_args(
+            _secure_env(pki, PRISM_SECURE_PEERS=str(empty), PRISM_SECURE_AGGREGATION="off")
+        )
+    )
+    assert off["secure-aggregation"] == "off" and not caplog.text
+
+
+def test_an_empty_peers_folder_warning_reaches_the_log(pki, tmp_path):
+    """The launcher's warning is on stderr before Flower starts (here: before it fails to
+    reach a SuperLink, which is not there)."""
+    empty = tmp_path / "peers"
+    empty.mkdir()
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "FLWR_HOME": str(tmp_path)}
+    env |= _secure_env(pki, PRISM_SECURE_PEERS=str(empty), PRISM_SITE_EXECUTOR="flower")
+    done = subprocess.run(
+        [sys.executable, "-m", "deploy.launch", "supernode", "--version"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert "prism-fl launch: WARNING: the peers folder" in done.stderr
+    assert "1.42.0" in done.stdout + done.stderr  # flower-supernode itself ran (exec)

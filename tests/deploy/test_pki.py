@@ -7,12 +7,14 @@ from pathlib import Path
 
 import pytest
 from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key
 from flwr.cli.supernode.register import try_load_public_key
 
 from deploy.errors import DeployError
-from deploy.pki import init_coordinator, init_federation, main, site_key
+from deploy.identity import load_identity, public_pem
+from deploy.pki import init_coordinator, init_federation, main, site_identity, site_key
 
 
 def _mode(path: Path) -> int:
@@ -26,7 +28,8 @@ def _snapshot(folder: Path) -> dict[str, bytes]:
 def test_init_layout_modes_and_certificate(tmp_path):
     out = tmp_path / "pki"
     init_federation(out, ["hospital-a", "clinic-c"], ["superlink", "localhost", "127.0.0.1"])
-    for key in ("ca/ca.key", "superlink/server.key", "sites/hospital-a/site.key"):
+    private = ("ca/ca.key", "superlink/server.key", "sites/hospital-a/site.key")
+    for key in (*private, "sites/hospital-a/identity.pem"):
         assert _mode(out / key) == 0o600, key
         assert _mode((out / key).parent) == 0o700, key
     # the CA key exists only in ca/; every other folder gets the CA certificate only
@@ -34,6 +37,12 @@ def test_init_layout_modes_and_certificate(tmp_path):
     assert (out / "public" / "sites" / "clinic-c.pub").read_bytes() == (
         out / "sites" / "clinic-c" / "site.pub"
     ).read_bytes()
+    # the sites' identity public keys: a peers folder (one <site-id>.pem each)
+    peers = out / "public" / "secure-peers"
+    assert sorted(p.name for p in peers.iterdir()) == ["clinic-c.pem", "hospital-a.pem"]
+    for site in ("hospital-a", "clinic-c"):
+        identity = load_identity(out / "sites" / site / "identity.pem")
+        assert (peers / f"{site}.pem").read_bytes() == public_pem(identity)
     ca = x509.load_pem_x509_certificate((out / "ca" / "ca.crt").read_bytes())
     cert = x509.load_pem_x509_certificate((out / "superlink" / "server.crt").read_bytes())
     cert.verify_directly_issued_by(ca)  # raises if the signature or issuer does not match
@@ -101,12 +110,23 @@ def test_each_holder_gets_its_own_folder_and_only_its_own_files(tmp_path):
     for site in ("hospital-a", "clinic-c"):
         keys = tmp_path / f"{site}-keys"
         site_args = ["--out", str(keys), "--name", site, "--ca-cert", str(public / "ca.crt")]
-        assert main(["site-key", *site_args, "--publish", str(public / "sites")]) == 0
-        assert _files(keys) == {"ca.crt", "site.key", "site.pub"}
+        publish = ["--publish", str(public / "sites")]
+        publish += ["--publish-identity", str(public / "secure-peers")]
+        assert main(["site-key", *site_args, *publish]) == 0
+        assert _files(keys) == {"ca.crt", "site.key", "site.pub", "identity.pem"}
         assert _mode(keys / "site.key") == 0o600 and _mode(keys) == 0o700
+        assert _mode(keys / "identity.pem") == 0o600
     assert _files(ca) == {"ca.key", "ca.crt"}
     assert _files(tls) == {"ca.crt", "server.crt", "server.key"}
-    assert _files(public) == {"ca.crt", "sites/hospital-a.pub", "sites/clinic-c.pub"}
+    assert _files(public) == {
+        "ca.crt",
+        "sites/hospital-a.pub",
+        "sites/clinic-c.pub",
+        "secure-peers/hospital-a.pem",
+        "secure-peers/clinic-c.pem",
+    }
+    for file in public.rglob("*"):  # the public folder holds no private key
+        assert file.is_dir() or b"PRIVATE KEY" not in file.read_bytes(), file
     assert (public / "sites" / "clinic-c.pub").read_bytes() == (
         tmp_path / "clinic-c-keys" / "site.pub"
     ).read_bytes()
@@ -156,3 +176,79 @@ def test_site_key_without_the_coordinators_certificate_is_refused(tmp_path, caps
     assert main(["site-key", "--out", str(tmp_path / "k"), "--ca-cert", str(missing)]) == 2
     assert f"CA certificate {missing} not found" in capsys.readouterr().err
     assert not (tmp_path / "k").exists()
+
+
+_SPKI = (serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def test_the_identity_key_is_the_p256_key_the_site_signs_with(tmp_path):
+    """``identity.pem`` is what the site's ``secure-identity`` reads (P-256, PKCS8, 0600),
+    a different key from the SuperNode key (P-384)."""
+    from client.secure import identity_key
+
+    site_key(tmp_path / "keys", "hospital-a")
+    path = tmp_path / "keys" / "identity.pem"
+    assert path.read_text().startswith("-----BEGIN PRIVATE KEY-----\n")  # PKCS8
+    assert _mode(path) == 0o600
+    key = identity_key(tmp_path / "state", path)
+    assert isinstance(key.curve, ec.SECP256R1)
+    assert public_pem(key) == site_identity(tmp_path / "keys")
+    assert not (tmp_path / "state").exists()  # the named key is used, none made in the state
+    auth = load_ssh_private_key((tmp_path / "keys" / "site.key").read_bytes(), None)
+    assert public_pem(key) != auth.public_key().public_bytes(*_SPKI)
+
+
+def test_site_key_adds_an_identity_to_an_older_key_folder_and_keeps_it(tmp_path):
+    """A key folder from before identity keys: its SuperNode key pair is kept (it stays
+    registered) and the identity key is added; later runs keep both."""
+    keys = tmp_path / "keys"
+    site_key(keys, "hospital-a")
+    (keys / "identity.pem").unlink()
+    before = _snapshot(keys)
+    site_key(keys, "hospital-a")
+    after = _snapshot(keys)
+    assert {k: after[k] for k in before} == before and "identity.pem" in after
+    site_key(keys, "hospital-a", publish_identity=tmp_path / "peers")
+    assert _snapshot(keys) == after
+
+
+def test_a_stale_published_identity_follows_the_sites_key(tmp_path):
+    peers = tmp_path / "peers"
+    site_key(tmp_path / "old", "hospital-a", publish_identity=peers)
+    stale = (peers / "hospital-a.pem").read_bytes()
+    site_key(tmp_path / "keys", "hospital-a", publish_identity=peers)
+    published = (peers / "hospital-a.pem").read_bytes()
+    assert published != stale and published == site_identity(tmp_path / "keys")
+    assert _mode(peers / "hospital-a.pem") == 0o644
+
+
+@pytest.mark.parametrize("content", ["p384", "garbage"])
+def test_an_unusable_identity_key_is_refused_and_kept(tmp_path, capsys, content):
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    if content == "p384":
+        data = ec.generate_private_key(ec.SECP384R1()).private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    else:
+        data = b"-----BEGIN NOT A KEY-----\nsecret-looking-line\n"
+    (keys / "identity.pem").write_bytes(data)
+    assert main(["site-key", "--out", str(keys), "--name", "hospital-a"]) == 2
+    err = capsys.readouterr().err
+    assert f"{keys / 'identity.pem'} is not" in err
+    assert (keys / "identity.pem").read_bytes() == data  # never overwritten
+    assert data.decode().splitlines()[1] not in err  # the content is never quoted
+
+
+def test_site_key_command_prints_the_identity_public_key_only(tmp_path, capsys):
+    keys, peers = tmp_path / "k", tmp_path / "peers"
+    args = ["site-key", "--out", str(keys), "--name", "clinic-c", "--publish-identity", str(peers)]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    public = site_identity(keys)
+    assert public.decode().strip() in printed and "registry as clinic-c.pem" in printed
+    assert (peers / "clinic-c.pem").read_bytes() == public
+    body = [ln for ln in (keys / "identity.pem").read_text().splitlines() if "---" not in ln]
+    assert body and not any(line in printed for line in body)
