@@ -9,7 +9,8 @@ compose project with its own volumes and a free host port:
 1. ``docker compose up -d``: pki, the three key steps, the SuperLink (TLS + SuperNode
    authentication), register, three SuperNodes; the one-shots exit 0, the rest keep running.
 2. ``flwr run . prism-compose`` from the host over TLS with the CA copied out of the SuperLink:
-   a 1-round run finishes, the run folder lands in the bind-mounted ``runs/``, and the budget
+   a 1-round SECURE-AGGREGATION run finishes (the sites pin each other's published identity
+   keys), the run folder lands in the bind-mounted ``runs/``, and the budget
    report shows each site's epsilon (within its request, and its cap).
 3. A SuperNode container with a key the SuperLink never registered is refused
    (``Failed to activate SuperNode``).
@@ -129,7 +130,7 @@ def _site_ledger_lines(project: Project, site: str) -> int:
     return sum(1 for line in done.stdout.splitlines() if line.strip())
 
 
-def _run_config() -> str:
+def _run_config(**extra: object) -> str:
     values = {
         "num-rounds": 1,
         "local-steps": 1,
@@ -140,15 +141,17 @@ def _run_config() -> str:
         "target-epsilon": REQUEST,
         "min-sites": 3,
         "connect-timeout": 300,
+        **extra,
     }
     return " ".join(f"{k}={v}" for k, v in values.items())
 
 
-def _run(project: Project, env: dict[str, str], runs: Path) -> tuple[Path, float]:
-    """One ``flwr run``; return its new run folder and the wall time."""
+def _run(project: Project, env: dict[str, str], runs: Path, **extra: object) -> tuple[Path, float]:
+    """One ``flwr run`` (``extra``: run-config values); return its new run folder and the wall
+    time."""
     before = {p.parent for p in runs.glob("*/summary.json")}
     start = time.monotonic()
-    result = flwr_run(env, CONNECTION, _run_config(), timeout=900)
+    result = flwr_run(env, CONNECTION, _run_config(**extra), timeout=900)
     wall = time.monotonic() - start
     logs = "\n".join(project.logs(s)[-2000:] for s in ("superlink", "hospital-a"))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:] + logs
@@ -192,7 +195,11 @@ def test_compose_federation_on_a_real_engine(image_user, tmp_path):
         done = project("cp", "superlink:/tls/ca.crt", str(ca), timeout=60)
         assert done.returncode == 0, done.stderr
         write_connection(home, CONNECTION, f"127.0.0.1:{port}", root_certificates=str(ca))
-        run_dir, timings["run-1"] = _run(project, env, runs)
+        # with secure aggregation: the identity keys the key steps published are the pinned
+        # peers; each site counts on its own H = 2 (the compose default) of the run's 3
+        run_dir, timings["run-1"] = _run(
+            project, env, runs, **{"secure-aggregation": "true", "min-honest-sites": 3}
+        )
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["rounds-applied"] == 1, summary
         assert (run_dir / "adapter" / "adapter_config.json").is_file()
@@ -201,12 +208,15 @@ def test_compose_federation_on_a_real_engine(image_user, tmp_path):
         assert sorted(spent) == sorted(SITES), report["sites"]
         for site, eps in spent.items():  # each site spent (nearly) its request, never more
             assert 0.9 * REQUEST <= eps <= REQUEST + 1e-6, (site, eps)
+        for row in report["sites"]:  # the sum's epsilon at H = 2, and the share's alone
+            assert row["honest_sites"] == 2 and row["epsilon_collusion"] > row["epsilon"], row
         for site in SITES:
             assert _site_ledger_lines(project, site) == 1
             # the site's warm worker (the image's default executor) ran the round in-process
-            # with the installed ClientApp: no flwr-clientapp process, one task line
+            # with the installed ClientApp: no flwr-clientapp process, one task line for each of
+            # the secure round's four messages
             site_log = project.logs(site)
-            assert len(re.findall(r"task \d+ of run \d+: [0-9.]+ s", site_log)) == 1, site_log
+            assert len(re.findall(r"task \d+ of run \d+: [0-9.]+ s", site_log)) == 4, site_log
             assert "Start `flwr-clientapp` process" not in site_log
 
         # 3. a SuperNode container whose key was never registered is refused
