@@ -160,7 +160,12 @@ def _secure_advertise(msg: Message, context: Context) -> Message:
         refused = refuse(site.facts, site.ledger, server_round, code)
         return _facts_reply(msg, refused.accounting, nonce)
     content = secure.advertise(
-        site.policy, msg.content, context, server_round=server_round, length=site.secure.dim
+        site.policy,
+        msg.content,
+        context,
+        server_round=server_round,
+        length=site.secure.dim,
+        noise_share=site.secure.mu_share,
     )
     return Message(content=content, reply_to=msg)
 
@@ -192,7 +197,10 @@ def _secure_mask(msg: Message, context: Context) -> Message:
         return site_round.mask(encoded, participants=participants)
 
     arrays = cast(ArrayRecord, msg.content[ARRAYS]).to_torch_state_dict()
-    reply = site.secure_round(server_round, arrays, mask=mask)
+    # every honest site adds the largest share a participant signed for: each participant's
+    # own share mu_j / H_j is then covered by each of its H_j honest sites
+    mu_share = site_round.noise_share(participants)
+    reply = site.secure_round(server_round, arrays, mask=mask, mu_share=mu_share)
     secure.keep_round(context, site_round)
     answer = _facts_reply(msg, reply.accounting, nonce)
     if reply.masked is not None:

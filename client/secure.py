@@ -197,10 +197,18 @@ def drop_round(context: Context) -> None:
 
 
 def advertise(
-    policy: SitePolicy, content: RecordDict, context: Context, *, server_round: int, length: int
+    policy: SitePolicy,
+    content: RecordDict,
+    context: Context,
+    *,
+    server_round: int,
+    length: int,
+    noise_share: float,
 ) -> RecordDict:
     """Stage 1: a fresh ``SiteRound`` and its signed advertisement (the policy was checked by
-    the caller). ``length`` is the site's own coordinate count, which the request must name."""
+    the caller). ``length`` is the site's own coordinate count, which the request must name;
+    ``noise_share`` its ``mu / H``, the share it needs every honest site to add (signed with
+    its keys)."""
     config = cast(ConfigRecord, content["config"])
     round_id = _round_id(config, server_round)
     part = secure_part(content)
@@ -220,6 +228,7 @@ def advertise(
         round_id=round_id,
         identity_key=identity_key(policy.state_dir, policy.secure_identity),
         bits=request.bits,
+        noise_share=noise_share,
     )
     keep_round(context, site_round)
     return encode_advertise_reply(site_round.advertised, round_id=round_id)

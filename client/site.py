@@ -422,6 +422,7 @@ class Site:
         arrays: dict[str, Tensor],
         *,
         mask: Callable[[NDArray[np.int64]], NDArray[np.uint64]],
+        mu_share: float,
     ) -> SecureReply:
         """Answer one secure-aggregation round (``client.secure``'s third stage).
 
@@ -432,6 +433,11 @@ class Site:
         site's Skellam share of the noise, and ``mask``ed. Nothing moves at the site: the
         adaptive transform, the head's optimizer and the retraction run at the coordinator on
         the unmasked sum (post-processing of the central mechanism).
+
+        ``mu_share``: the Skellam share this site adds, the largest ``mu / H`` the round's
+        participants signed (``SiteRound.noise_share``), never less than its own: each honest
+        site then adds at least every participant's own share, so the sum carries each site's
+        ``mu`` when H of them are honest, whatever their sizes.
         """
         request = check_request(server_round, arrays, run_id="", site_id=self.site_id)
         if request is None:
@@ -441,6 +447,7 @@ class Site:
             reply = refuse(self.facts, self.ledger, request.server_round, code)
             return SecureReply(reply.accounting, None)
         noise = self.secure
+        mu_share = max(mu_share, noise.mu_share)
         with locked(self.state_dir / ".round.lock"):
             if not check_broadcast(self.limits, request, full_rank=True, site_id=self.site_id):
                 reply = refuse(self.facts, self.ledger, request.server_round, "bad-broadcast")
@@ -452,6 +459,7 @@ class Site:
                 mechanism=SKELLAM_MECHANISM,
                 unit=self.unit,
                 honest_sites=noise.honest,
+                # its own planned share: the one it adds is at least that (conservative)
                 share_sigma=noise.share_sigma,
             )
             planned = plan_charge(
@@ -478,7 +486,7 @@ class Site:
             shares = encode_share(
                 vector,
                 max_norm=trainer.config.max_norm,
-                mu_share=noise.mu_share,
+                mu_share=mu_share,
                 source=trainer.noise,
             )
             del clipped, vector  # private: nothing of them outlives the masked vector

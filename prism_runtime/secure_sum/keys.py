@@ -22,6 +22,8 @@ masked with; the mask public key plays that role for the reconstructed mask priv
 from __future__ import annotations
 
 import hashlib
+import math
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -41,6 +43,7 @@ __all__ = [
     "SHARE_PURPOSE",
     "AdvertisedKeys",
     "RoundId",
+    "noise_share_bytes",
     "pairwise_key",
     "seed_commitment",
     "sign_keys",
@@ -81,6 +84,9 @@ class AdvertisedKeys:
         share_public: Raw X25519 public key (32 bytes) of the share-encryption key pair.
         seed_commitment: ``seed_commitment(seed)`` of the site's self-mask seed (32 bytes).
         signature: DER ECDSA P-256/SHA-256 signature over all of the above, the run id and round.
+        noise_share: the Skellam parameter this site needs EVERY honest site to add (its
+            ``mu / H``); signed with the keys, so the coordinator cannot understate it to the
+            other sites (each adds the largest of the round's participants).
     """
 
     site_id: str
@@ -88,6 +94,7 @@ class AdvertisedKeys:
     share_public: bytes
     seed_commitment: bytes
     signature: bytes
+    noise_share: float = 0.0
 
 
 def seed_commitment(seed: bytes) -> bytes:
@@ -95,8 +102,24 @@ def seed_commitment(seed: bytes) -> bytes:
     return hashlib.sha256(frame(DOMAIN, "seed-commitment", seed)).digest()
 
 
+def noise_share_bytes(noise_share: float) -> bytes:
+    """The signed encoding of a noise share: 8 bytes, float64 little-endian.
+
+    Raises:
+        ConfigError: not a finite number >= 0.
+    """
+    if not (isinstance(noise_share, float | int) and math.isfinite(noise_share)) or noise_share < 0:
+        raise ConfigError(f"noise share {noise_share!r}: give a finite number >= 0")
+    return struct.pack("<d", float(noise_share))
+
+
 def _signed_bytes(
-    round_id: RoundId, site_id: str, mask_public: bytes, share_public: bytes, commitment: bytes
+    round_id: RoundId,
+    site_id: str,
+    mask_public: bytes,
+    share_public: bytes,
+    commitment: bytes,
+    noise_share: float,
 ) -> bytes:
     return frame(
         DOMAIN,
@@ -107,6 +130,7 @@ def _signed_bytes(
         mask_public,
         share_public,
         commitment,
+        noise_share_bytes(noise_share),
     )
 
 
@@ -118,6 +142,7 @@ def sign_keys(
     share_public: bytes,
     commitment: bytes,
     identity_key: ec.EllipticCurvePrivateKey,
+    noise_share: float = 0.0,
 ) -> AdvertisedKeys:
     """Sign a site's round keys with its identity key (ECDSA P-256, SHA-256).
 
@@ -132,9 +157,13 @@ def sign_keys(
     for name, value in (("mask_public", mask_public), ("share_public", share_public)):
         if len(value) != KEY_BYTES:
             raise ConfigError(f"site {site_id!r}: {name} has {len(value)} bytes, not {KEY_BYTES}")
-    message = _signed_bytes(round_id, site_id, mask_public, share_public, commitment)
+    message = _signed_bytes(
+        round_id, site_id, mask_public, share_public, commitment, float(noise_share)
+    )
     signature = identity_key.sign(message, ec.ECDSA(hashes.SHA256()))
-    return AdvertisedKeys(site_id, mask_public, share_public, commitment, signature)
+    return AdvertisedKeys(
+        site_id, mask_public, share_public, commitment, signature, float(noise_share)
+    )
 
 
 def verify_keys(
@@ -178,6 +207,7 @@ def verify_keys(
         advertised.mask_public,
         advertised.share_public,
         advertised.seed_commitment,
+        advertised.noise_share,
     )
     try:
         public.verify(advertised.signature, message, ec.ECDSA(hashes.SHA256()))

@@ -41,6 +41,8 @@ array. Its cost: a vector travels as one object (``MAX_VECTOR_LENGTH`` bounds it
 
 from __future__ import annotations
 
+import math
+import struct
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
@@ -49,7 +51,7 @@ from flwr.app import RecordDict
 
 from prism_runtime.errors import ConfigError
 from prism_runtime.secure_sum.field import MAX_BITS, FieldVector, modulus_mask
-from prism_runtime.secure_sum.keys import KEY_BYTES, AdvertisedKeys, RoundId
+from prism_runtime.secure_sum.keys import KEY_BYTES, AdvertisedKeys, RoundId, noise_share_bytes
 from prism_runtime.secure_sum.unmask import UnmaskRequest, UnmaskResponse
 from prism_runtime.secure_sum.wire import (
     FORMAT,
@@ -108,6 +110,7 @@ _ROSTER = (
     "roster-share-public",
     "roster-seed-commitment",
     "roster-signature",
+    "roster-noise-share",
 )
 
 
@@ -186,6 +189,15 @@ def decode_advertise_request(
 
 
 _KEY_FIELDS = ("mask-public", "share-public", "seed-commitment", "signature")
+_NOISE = "noise-share"
+_NOISE_MAX = 2.0**50  # prism_core.distributed.MU_SHARE_MAX: larger draws are not exact
+
+
+def _noise_share(read: MessageReader, key: str, value: bytes) -> float:
+    (share,) = struct.unpack("<d", value)
+    if not (math.isfinite(share) and 0 <= share <= _NOISE_MAX):
+        raise read.fail(key, f"holds a noise share outside [0, {_NOISE_MAX:g}]")
+    return float(share)
 
 
 def encode_advertise_reply(keys: AdvertisedKeys, *, round_id: RoundId) -> RecordDict:
@@ -194,13 +206,16 @@ def encode_advertise_reply(keys: AdvertisedKeys, *, round_id: RoundId) -> Record
         Stage.ADVERTISE_REPLY,
         round_id=round_id,
         site_id=keys.site_id,
-        payload=dict(
-            zip(
-                _KEY_FIELDS,
-                (keys.mask_public, keys.share_public, keys.seed_commitment, keys.signature),
-                strict=True,
-            )
-        ),
+        payload={
+            **dict(
+                zip(
+                    _KEY_FIELDS,
+                    (keys.mask_public, keys.share_public, keys.seed_commitment, keys.signature),
+                    strict=True,
+                )
+            ),
+            _NOISE: noise_share_bytes(keys.noise_share),
+        },
     )
     return _sent(
         content, lambda c: decode_advertise_reply(c, round_id=round_id, site_id=keys.site_id)
@@ -224,7 +239,7 @@ def decode_advertise_reply(
     read = MessageReader(
         content,
         stage=Stage.ADVERTISE_REPLY,
-        payload=_KEY_FIELDS,
+        payload=(*_KEY_FIELDS, _NOISE),
         round_id=round_id,
         site_id=site_id,
     )
@@ -233,7 +248,8 @@ def decode_advertise_reply(
     )
     signature = read.blob("signature", low=SIGNATURE_MIN_BYTES, high=SIGNATURE_MAX_BYTES)
     check_signature(signature, stage=read.stage, key="signature")
-    return AdvertisedKeys(read.site_id, mask, share, commitment, signature)
+    noise = _noise_share(read, _NOISE, read.blob(_NOISE, low=8, high=8))
+    return AdvertisedKeys(read.site_id, mask, share, commitment, signature, noise)
 
 
 # share ----------------------------------------------------------------------------------------
@@ -264,6 +280,7 @@ def encode_share_request(request: ShareRequest, *, round_id: RoundId, site_id: s
             "roster-share-public": [k.share_public for k in entries],
             "roster-seed-commitment": [k.seed_commitment for k in entries],
             "roster-signature": [k.signature for k in entries],
+            "roster-noise-share": [noise_share_bytes(k.noise_share) for k in entries],
         },
     )
     return _sent(content, lambda c: decode_share_request(c, round_id=round_id, site_id=site_id))
@@ -299,6 +316,8 @@ def decode_share_request(content: RecordDict, *, round_id: RoundId, site_id: str
     )
     for signature in signatures:
         check_signature(signature, stage=read.stage, key="roster-signature")
+    key = "roster-noise-share"
+    noises = [_noise_share(read, key, v) for v in read.blobs(key, count=n, low=8, high=8)]
     threshold = read.integer("threshold", low=1, high=MAX_SITES)
     if not n / 2 < threshold <= n:
         raise read.fail(
@@ -306,9 +325,9 @@ def decode_share_request(content: RecordDict, *, round_id: RoundId, site_id: str
             f"is {threshold} with {n} roster sites, not a majority of them ({n // 2 + 1}..{n})",
         )
     roster = {
-        site: AdvertisedKeys(site, mask, share, commitment, signature)
-        for site, mask, share, commitment, signature in zip(
-            sites, masks, shares, commitments, signatures, strict=True
+        site: AdvertisedKeys(site, mask, share, commitment, signature, noise)
+        for site, mask, share, commitment, signature, noise in zip(
+            sites, masks, shares, commitments, signatures, noises, strict=True
         )
     }
     return ShareRequest(roster=roster, threshold=threshold)

@@ -67,6 +67,7 @@ class SiteRound:
         round_id: RoundId,
         identity_key: ec.EllipticCurvePrivateKey,
         bits: int,
+        noise_share: float = 0.0,
     ) -> None:
         check_bits(bits)
         self.site_id = site_id
@@ -82,6 +83,7 @@ class SiteRound:
             share_public=self._share_key.public_key().public_bytes_raw(),
             commitment=seed_commitment(self._seed),
             identity_key=identity_key,
+            noise_share=noise_share,
         )
         self._roster: dict[str, AdvertisedKeys] = {}
         self._threshold = 0
@@ -213,6 +215,14 @@ class SiteRound:
             x, site=self.site_id, self_seed=self._seed, pairwise_keys=keys, bits=self.bits
         )
 
+    def noise_share(self, participants: Collection[str]) -> float:
+        """The largest noise share the ``participants`` advertised (signed, verified in
+        ``share``): what this site adds, so that every participant's own share is covered by
+        each honest site whatever the others' sizes."""
+        if not self._roster:
+            raise SecureSumError(f"site {self.site_id!r} has no verified roster this round")
+        return max(self._roster[p].noise_share for p in participants)
+
     def answer(self, request: UnmaskRequest) -> UnmaskResponse:
         """The shares ``request`` asks for, unless answering would reveal both secrets of a site.
 
@@ -272,7 +282,7 @@ class SiteRound:
 
         def keys(a: AdvertisedKeys) -> list[str]:
             fields = (a.mask_public, a.share_public, a.seed_commitment, a.signature)
-            return [a.site_id, *(f.hex() for f in fields)]
+            return [a.site_id, *(f.hex() for f in fields), float(a.noise_share).hex()]
 
         state: dict[str, Any] = {
             "site": self.site_id,
@@ -302,7 +312,9 @@ class SiteRound:
             state = json.loads(data)
 
             def keys(v: list[str]) -> AdvertisedKeys:
-                return AdvertisedKeys(v[0], *(bytes.fromhex(x) for x in v[1:5]))
+                mask, share, commitment, signature = (bytes.fromhex(x) for x in v[1:5])
+                noise = float.fromhex(v[5])
+                return AdvertisedKeys(v[0], mask, share, commitment, signature, noise)
 
             self = cls.__new__(cls)
             self.site_id = str(state["site"])

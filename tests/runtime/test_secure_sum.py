@@ -9,6 +9,7 @@ a 1%-unmasked input is computed (non-central chi-square) and asserted.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -63,7 +64,9 @@ def start_round(k: int, *, threshold: int, bits: int, server_round: int = 1) -> 
     ids = [f"s{i}" for i in range(k)]
     identities = {s: ec.generate_private_key(ec.SECP256R1()) for s in ids}
     sites = {
-        s: SiteRound(site_id=s, round_id=round_id, identity_key=identities[s], bits=bits)
+        s: SiteRound(
+            site_id=s, round_id=round_id, identity_key=identities[s], bits=bits, noise_share=12.5
+        )
         for s in ids
     }
     return Round(
@@ -365,6 +368,8 @@ def test_a_substituted_public_key_is_detected_and_names_the_site() -> None:
         "replayed from another round": start_round(4, threshold=3, bits=32, server_round=2)
         .sites["s2"]
         .advertised,
+        # the noise share s2 needs every honest site to add, understated by the coordinator
+        "noise share lowered": dataclasses.replace(honest, noise_share=honest.noise_share / 2),
     }
     for what, forged in substitutes.items():
         roster = {**rnd.roster, "s2": forged}

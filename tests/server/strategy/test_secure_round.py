@@ -233,3 +233,30 @@ def test_a_resumed_secure_run_ends_where_the_uninterrupted_one_does(tiny_bert, t
         assert sorted(a.keys()) == sorted(b.keys())
         for name in a.keys():  # noqa: SIM118 - safe_open has no iteration
             assert torch.equal(a.get_tensor(name), b.get_tensor(name)), name
+
+
+def test_every_honest_site_adds_the_largest_share_a_participant_signed(
+    tiny_bert, tmp_path, monkeypatch
+):
+    """Sites that count on different numbers of honest sites need different shares (mu / H):
+    every site adds the largest, so each site's own mu / H is covered by each honest site. A
+    site adding only its own share would leave site-0 (H = 1) with half the noise it charged."""
+    import client.site as site_module
+
+    added: list[float] = []
+    encode = site_module.encode_share
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        added.append(kwargs["mu_share"])
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(site_module, "encode_share", recording)
+    values = _config(tiny_bert, tmp_path / "run", **{"num-rounds": 1})
+    nodes = _nodes()
+    nodes[100]["min-honest-sites"] = 1  # site-0 counts on itself alone: its share is mu / 1
+    summary = _summary(_run(values, SecureGrid(values, nodes=nodes)))
+    (only,) = summary["rounds"]
+    assert only["applied"], only
+    own = {s.site_id: s.secure.mu_share for s in site_module._SITES.values() if s.secure}
+    assert own["site-0"] == pytest.approx(2 * own["site-1"], rel=1e-12)  # mu / 1 against mu / 2
+    assert added == [own["site-0"]] * SITES
