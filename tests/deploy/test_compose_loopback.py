@@ -180,6 +180,9 @@ def test_compose_services_on_loopback(tiny_bert, tmp_path):
         refused_procs = {}
         for name, change in refused.items():
             env = {**site_env, "PRISM_SITE_ID": name, "PRISM_CLIENTAPP_PORT": str(free_port())}
+            # no secure aggregation: its pinned-peers check would refuse these clients before
+            # Flower starts, and the SuperLink's refusal is what is tested here
+            env["PRISM_SECURE_AGGREGATION"] = "off"
             env.update(change)
             argv = [*svc["hospital-a"].argv, "--max-retries", "2"]
             refused_procs[name] = group.start(name, argv, env=env, cwd=tmp_path)
