@@ -190,9 +190,10 @@ def _secure_mask(msg: Message, context: Context) -> Message:
         site.policy, msg.content, context, server_round=server_round, honest=_honest(site)
     )
     bound = coordinate_bound()
+    # checked before the charge: the sum of every participant's share cannot wrap
+    check_sum_fits(sites=len(participants), bound=bound, bits=FIELD_BITS)
 
     def mask(shares: NDArray[np.int64]) -> NDArray[np.uint64]:
-        check_sum_fits(sites=len(participants), bound=bound, bits=FIELD_BITS)
         encoded = encode_signed(shares, bits=FIELD_BITS, bound=bound)
         return site_round.mask(encoded, participants=participants)
 

@@ -280,6 +280,8 @@ def receive_shares(
             "sites: nothing charged or sent"
         )
     site_round.receive(request.sealed)
+    # whatever mask() would refuse is refused now, before the round is charged
+    site_round.check_participants(request.participants)
     return site_round, request.participants
 
 

@@ -71,6 +71,7 @@ from prism_core.accounting import (
     calibrate_skellam_sigma,
 )
 from prism_core.distributed import (
+    UNITS_MAX,
     coordinate_dim,
     coordinate_shapes,
     discrete_sensitivity,
@@ -236,6 +237,11 @@ class Site:
             )
         self.sigma = self._sigma()
         if run.secure_aggregation:
+            if self.num_units > UNITS_MAX:  # encode_share's norm bound could then depend on data
+                raise ConfigError(
+                    f"site {self.site_id}: {self.num_units} units exceed the {UNITS_MAX} a "
+                    "secure-aggregation share can hold; split the site or run without it"
+                )
             self.secure = SecureNoise.for_sigma(
                 self.sigma,
                 honest=policy.honest_sites(run),

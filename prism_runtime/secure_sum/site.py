@@ -175,13 +175,9 @@ class SiteRound:
             )
         self._held.update(opened)
 
-    def mask(self, x: FieldVector, *, participants: Collection[str]) -> FieldVector:
-        """This site's masked input: ``x`` plus its self mask and a pairwise mask per participant.
-
-        Args:
-            x: The input in Z_(2^b) (``field.encode_signed``).
-            participants: The sites whose shares were relayed (``U2``), this one included; this
-                site must hold a share from each.
+    def check_participants(self, participants: Collection[str]) -> frozenset[str]:
+        """Everything ``mask`` checks of ``participants`` before it masks, so that a site can
+        check them before it spends anything on the input (``mask`` calls it again).
 
         Raises:
             SecureSumAbortedError: Fewer than t participants.
@@ -205,6 +201,22 @@ class SiteRound:
                 f"secure sum aborted: {len(everyone)} participants and the threshold needs "
                 f"{self._threshold}; nothing was sent"
             )
+        return everyone
+
+    def mask(self, x: FieldVector, *, participants: Collection[str]) -> FieldVector:
+        """This site's masked input: ``x`` plus its self mask and a pairwise mask per participant.
+
+        Args:
+            x: The input in Z_(2^b) (``field.encode_signed``).
+            participants: The sites whose shares were relayed (``U2``), this one included; this
+                site must hold a share from each.
+
+        Raises:
+            SecureSumAbortedError: Fewer than t participants.
+            SecureSumError: A participant is unknown or its shares did not arrive here, or this
+                site already masked an input this round.
+        """
+        everyone = self.check_participants(participants)
         keys = {
             peer: self._pairwise(self._roster[peer], MASK_PURPOSE)
             for peer in everyone

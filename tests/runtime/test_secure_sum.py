@@ -447,6 +447,22 @@ def test_a_site_masks_one_input_per_round() -> None:
         rnd.sites["s0"].mask(np.ones(4, dtype=np.uint64), participants=participants)
 
 
+def test_what_mask_refuses_is_refused_before_the_input_exists() -> None:
+    """A site checks the participants before it spends anything on its input: the same
+    refusals as ``mask``, and nothing recorded, so a valid list still masks afterwards."""
+    rnd = start_round(4, threshold=3, bits=32)
+    participants = relay_shares(rnd, rnd.sites)
+    site = rnd.sites["s0"]
+    with pytest.raises(SecureSumAbortedError, match="2 participants and the threshold needs 3"):
+        site.check_participants({"s0", "s1"})
+    with pytest.raises(SecureSumError, match="holds no shares from"):
+        site.check_participants({*participants, "s9"})
+    assert site.check_participants(participants) == frozenset(participants)
+    site.mask(np.zeros(4, dtype=np.uint64), participants=participants)
+    with pytest.raises(SecureSumError, match="already masked its input this round"):
+        site.check_participants(participants)
+
+
 def test_overflow_bound_just_inside_is_exact_and_just_outside_is_refused() -> None:
     """K = 4 sites at b = 16: M = 8191 gives K M = 32764 < 2^15; M = 8192 gives 2^15."""
     k, bits = 4, 16
