@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 import tempfile
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -45,27 +43,7 @@ from flower_harness import (  # noqa: E402  (real SuperLink/SuperNode processes 
     write_connection,
 )
 
-ROUND = re.compile(r"round (\d+): sent, answered and aggregated in ([0-9.]+) s")
-
-
-def _run_config(rounds: int, sites: int, run_dir: Path, secure: bool) -> str:
-    defaults = tomllib.loads((HERE / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
-    values: dict[str, Any] = {
-        **defaults,
-        "num-rounds": rounds,
-        "sites-per-round": sites,
-        "min-sites": sites,
-        "synthetic-examples": 256 * sites,  # each site's shard holds its expected batch of 128
-        "run-dir": str(run_dir),
-        "secure-aggregation": secure,
-        "min-honest-sites": sites,
-    }
-    return " ".join(
-        f"{k}='{v}'"
-        if isinstance(v, str)
-        else f"{k}={str(v).lower() if isinstance(v, bool) else v}"
-        for k, v in values.items()
-    )
+from bench.site_overhead import ROUND, run_config  # noqa: E402  (the same run, more sites)
 
 
 def one(secure: bool, sites: int, rounds: int, folder: Path) -> dict[str, Any]:
@@ -85,9 +63,15 @@ def one(secure: bool, sites: int, rounds: int, folder: Path) -> dict[str, Any]:
             supernode = insecure_supernode(port, node_config)
             group.start(f"site-{i}", [sys.executable, "-m", "client.worker", "--", *supernode])
         start = time.monotonic()
-        done = flwr_run(
-            env, "bench", _run_config(rounds, sites, folder / "run", secure), timeout=3600
-        )
+        overrides = {
+            "sites-per-round": sites,
+            "min-sites": sites,
+            "synthetic-examples": 256 * sites,  # each site's shard holds its expected batch
+            "secure-aggregation": secure,
+            "min-honest-sites": sites,
+        }
+        config = run_config(rounds, folder / "run", overrides)
+        done = flwr_run(env, "bench", config, timeout=3600)
         wall = time.monotonic() - start
         (folder / "flwr-run.log").write_text(done.stdout + done.stderr)
         if done.returncode != 0:

@@ -69,7 +69,9 @@ TASK = re.compile(
 )
 
 
-def _run_config(rounds: int, run_dir: Path) -> str:
+def run_config(rounds: int, run_dir: Path, overrides: dict[str, Any] | None = None) -> str:
+    """``--run-config`` of the app's defaults for ``rounds`` rounds of one site, plus
+    ``overrides`` (e.g. more sites per round)."""
     defaults = tomllib.loads((HERE / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     values: dict[str, Any] = {
         **defaults,
@@ -77,6 +79,7 @@ def _run_config(rounds: int, run_dir: Path) -> str:
         "sites-per-round": 1,
         "min-sites": 1,
         "run-dir": str(run_dir),
+        **(overrides or {}),
     }
     return " ".join(
         f"{k}='{v}'"
@@ -105,7 +108,7 @@ def one(executor: str, rounds: int, folder: Path) -> dict[str, Any]:
         wait_for(lambda: port_open(port), 60, "the SuperLink port")
         group.start("site", supernode)
         start = time.monotonic()
-        done = flwr_run(env, "bench", _run_config(rounds, folder / "run"), timeout=3600)
+        done = flwr_run(env, "bench", run_config(rounds, folder / "run"), timeout=3600)
         wall = time.monotonic() - start
         (folder / "flwr-run.log").write_text(done.stdout + done.stderr)
         if done.returncode != 0:
