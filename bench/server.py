@@ -219,6 +219,7 @@ def strategy_for(spec: dict[str, tuple], sites: int, folder: Path) -> PrismStrat
         noise_multiplier=None,
         max_norm=None,
         expected_batch_size=None,
+        sample_rate=None,
         seed=0,
         wait_for_nodes=0.0,
         connect_timeout=600.0,

@@ -272,13 +272,24 @@ def run_config_of(spec: dict[str, Any], folder: Path) -> dict[str, Any]:
         # --curve: the coordinator also evaluates the selection set after every round
         "server-eval-data": spec["select"] if spec.get("curve") else "",
         **spec["settings"],
-        # prism-secure: every site honest (H = K), the setting whose sum carries central noise
+        # prism-secure: every site honest (H = K), the setting whose sum carries central noise,
+        # and central's sampling: one rate q = K b / N for every site (expected batch q N_k)
         **(
-            {"secure-aggregation": True, "min-honest-sites": spec["sites"]}
+            {
+                "secure-aggregation": True,
+                "min-honest-sites": spec["sites"],
+                "sample-rate": spec["sites"] * spec["batch_size"] / pool_size(spec["pool"]),
+            }
             if spec["method"] == SECURE
             else {}
         ),
     }
+
+
+def pool_size(path: str) -> int:
+    """The rows of the pooled training data (central's N; the sites' shards partition it)."""
+    with open(path, encoding="utf-8") as rows:
+        return sum(1 for line in rows if line.strip())
 
 
 def federated_run(spec: dict[str, Any], folder: Path) -> Path:

@@ -155,7 +155,7 @@ class SitePolicy:
             return "delta-above-site-policy"
         elif not delta_below_one_over_n(run.delta, num_examples):
             return "delta-not-below-1/n"
-        if run.batch_size > num_examples:  # q = b / N would exceed 1: no such Poisson batch
+        if not run.sample_rate and run.batch_size > num_examples:  # q = b / N above 1
             return "batch-above-site-data"
         return None
 

@@ -191,7 +191,8 @@ class Site:
         """N in the site's privacy unit: its records, or its people."""
         self.ledger = SiteLedger(self.state_dir)
         self.ledger.group_size = self._group_size(people)
-        self.sample_rate = run.batch_size / self.num_units
+        self.sample_rate = run.sample_rate or run.batch_size / self.num_units
+        """q: the run's one public rate (secure aggregation), or b / N of this site."""
         self.refusal = policy.refusal(run, self.num_units)
         # What this site spends for this run: the request, which the policy check has bounded
         # by the site's own cap and delta (a refused run reports the site's own values).

@@ -282,6 +282,14 @@ class RunConfig(_Kebab):
         "adds noise std sigma C / sqrt(H)); a site never counts on more than its own "
         "min-honest-sites, and a round with fewer than H masked inputs is aborted",
     )
+    sample_rate: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="secure aggregation: ONE public Poisson rate q for every site (expected batch "
+        "q N_k, so sites weigh by shard size and all charge one sigma, exactly central PRISM's "
+        "sampling); 0: each site samples batch-size units of its own (q = b / N_k, equal weights)",
+    )
     max_norm: float | Literal["auto"] = Field(
         DEFAULT_MAX_NORM,
         description="clip C: the total sensitivity (LoRA + head), or 'auto': each site "
@@ -550,6 +558,11 @@ class RunConfig(_Kebab):
             )
         if self.secure_aggregation:
             self._check_secure()
+        elif self.sample_rate > 0:
+            raise ValueError(
+                f"sample-rate={self.sample_rate:g} needs secure-aggregation=true (a plain run "
+                "weighs its sites by aggregation); set sample-rate=0"
+            )
         if self.min_sites > self.sites_per_round:
             raise ValueError(
                 f"min-sites={self.min_sites} exceeds sites-per-round={self.sites_per_round} "

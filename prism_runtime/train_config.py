@@ -99,6 +99,13 @@ class TrainConfig(BaseModel):
         description="EXPECTED (Poisson) batch size b = q N, in privacy units: records, or "
         "people under privacy_unit='user'",
     )
+    sample_rate: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Poisson rate q, one public rate for every site of a secure-aggregation run "
+        "(expected batch q N; batch_size is then not used); None: q = batch_size / N",
+    )
     micro_batch_size: int = Field(
         DEFAULT_MICRO_BATCH_SIZE, ge=1, description="examples per forward/backward (memory)"
     )
@@ -207,6 +214,7 @@ def site_train_config(
         noise_multiplier=noise_multiplier if method != "nondp" else None,
         steps=run.local_steps,
         batch_size=run.batch_size,
+        sample_rate=run.sample_rate or None,
         micro_batch_size=run.micro_batch_size,
         max_norm=max_norm,
         lr=run.lr,

@@ -108,6 +108,7 @@ def poisson_loader(
     expected_batch_size: int,
     collate_fn: Collate,
     generator: torch.Generator,
+    sample_rate: float | None = None,
 ) -> tuple[DPDataLoader, float]:
     """Opacus data loader with Poisson sampling of rate ``q = expected_batch_size / len(dataset)``.
 
@@ -127,6 +128,8 @@ def poisson_loader(
         expected_batch_size: Mean batch size ``q * len(dataset)``, in ``[1, len(dataset)]``.
         collate_fn: Batch builder that returns 0-row tensors for an empty list.
         generator: Source of the sampling randomness.
+        sample_rate: ``q`` itself, in ``(0, 1]`` (one public rate for every site of a
+            secure-aggregation run); ``expected_batch_size`` is then not used.
 
     Returns:
         The loader and the sample rate ``q`` to record in the privacy ledger.
@@ -138,13 +141,16 @@ def poisson_loader(
     size = len(dataset)  # type: ignore[arg-type]
     if size == 0:
         raise ConfigError("The dataset is empty: there is nothing to sample.")
-    if not 1 <= expected_batch_size <= size:
+    if sample_rate is not None and not 0 < sample_rate <= 1:
+        raise ConfigError(f"The sample rate must be in (0, 1], got {sample_rate}.")
+    if sample_rate is None and not 1 <= expected_batch_size <= size:
         raise ConfigError(
             f"expected_batch_size must be between 1 and the dataset size {size}, got "
             f"{expected_batch_size}. Lower it or give this site more data."
         )
     _check_empty_collate(collate_fn)
-    sample_rate = expected_batch_size / size
+    if sample_rate is None:
+        sample_rate = expected_batch_size / size
     loader = DPDataLoader(
         dataset, sample_rate=sample_rate, collate_fn=collate_fn, generator=generator
     )

@@ -178,6 +178,7 @@ def user_poisson_loader(
     max_records: int,
     collate_fn: Collate,
     generator: torch.Generator,
+    sample_rate: float | None = None,
 ) -> tuple[DataLoader[Any], float]:
     """Person-level Poisson batches of ``dataset``: rate ``q = expected_users / N_users``.
 
@@ -193,6 +194,8 @@ def user_poisson_loader(
         max_records: ``k``, the most records of one person in a batch.
         collate_fn: batch builder that returns 0-row tensors for an empty list.
         generator: the source of every draw.
+        sample_rate: ``q`` itself, in ``(0, 1]`` (one public rate for every site of a
+            secure-aggregation run); ``expected_users`` is then not used.
 
     Returns:
         The loader and ``q``, the sample rate over PEOPLE to record in the privacy ledger.
@@ -204,7 +207,9 @@ def user_poisson_loader(
     users = len(records)
     if users == 0:
         raise ConfigError("The dataset has no people: there is nothing to sample.")
-    if not 1 <= expected_users <= users:
+    if sample_rate is not None and not 0 < sample_rate <= 1:
+        raise ConfigError(f"the sample rate must be in (0, 1], got {sample_rate}.")
+    if sample_rate is None and not 1 <= expected_users <= users:
         raise ConfigError(
             f"the expected number of people per batch must be between 1 and the number of "
             f"people {users}, got {expected_users}. Lower batch_size or give this site more "
@@ -215,7 +220,8 @@ def user_poisson_loader(
         for row in rows:
             person[row] = index
     _check_empty_collate(collate_fn)
-    sample_rate = expected_users / users
+    if sample_rate is None:
+        sample_rate = expected_users / users
     sampler = UserPoissonSampler(
         records, sample_rate=sample_rate, max_records=max_records, generator=generator
     )

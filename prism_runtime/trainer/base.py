@@ -183,12 +183,13 @@ class PrivateTrainer:
         self._records = self._person_records(dataset, units)
         self.num_units = self.num_examples if self._records is None else len(self._records)
         """N, the number of privacy units: records, or people at the person level."""
-        if self._records is None and config.batch_size > self.num_examples:
+        fixed = config.sample_rate is None  # else q is given: any N has its batch q N
+        if fixed and self._records is None and config.batch_size > self.num_examples:
             raise ConfigError(
                 f"batch_size={config.batch_size} is larger than the dataset ({self.num_examples} "
                 "examples): lower batch_size or add data"
             )
-        if self._records is not None and config.batch_size > self.num_units:
+        if fixed and self._records is not None and config.batch_size > self.num_units:
             raise ConfigError(
                 f"batch_size={config.batch_size} (the expected people per batch) is larger than "
                 f"the number of people ({self.num_units}): lower batch_size or add people"
@@ -261,6 +262,7 @@ class PrivateTrainer:
                 expected_batch_size=self.config.batch_size,
                 collate_fn=collate,
                 generator=generator,
+                sample_rate=self.config.sample_rate,
             )
         else:
             self._loader, self.sample_rate = user_poisson_loader(
@@ -270,6 +272,7 @@ class PrivateTrainer:
                 max_records=self.config.max_records_per_user,
                 collate_fn=collate,
                 generator=generator,
+                sample_rate=self.config.sample_rate,
             )
         self._batches = self._forever()
 

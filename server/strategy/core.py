@@ -110,6 +110,8 @@ class PrismStrategy(Strategy):
             it); None when each site calibrates its own.
         max_norm, expected_batch_size: the run's C and b every DP reply must state (None: not
             fixed by the run).
+        sample_rate: the run's one public q every DP reply must state (secure aggregation with
+            ``sample-rate``); None: each site's q is b / N_k.
         wait_for_nodes: seconds to wait for ``sites_per_round`` sites before going on with
             ``min_sites`` (``Selection``).
         update_bound: the sites' local optimizer settings; a reply whose update norm exceeds
@@ -151,6 +153,7 @@ class PrismStrategy(Strategy):
         mechanism: str,
         dp: bool,
         auto_clip: AutoClip | None,
+        sample_rate: float | None,
     ) -> None:
         scheduled_lr(server_lr, lr_schedule, 1, num_rounds)  # validates both
         if not 1 <= min_sites <= sites_per_round:
@@ -187,6 +190,7 @@ class PrismStrategy(Strategy):
             noise_multiplier=noise_multiplier,
             max_norm=max_norm,
             expected_batch_size=expected_batch_size,
+            sample_rate=sample_rate,
             auto_clip=auto_clip,
         )
         self.checker = UpdateChecker(
@@ -267,7 +271,8 @@ class PrismStrategy(Strategy):
             aggregation=run.aggregation,
             noise_multiplier=run.noise_multiplier if run.noise_multiplier >= 0 else None,
             max_norm=run.max_norm if isinstance(run.max_norm, float) else None,
-            expected_batch_size=float(run.batch_size),
+            expected_batch_size=None if run.sample_rate else float(run.batch_size),
+            sample_rate=run.sample_rate or None,
             seed=run.seed,
             wait_for_nodes=wait_for_nodes,
             connect_timeout=run.connect_timeout,

@@ -265,6 +265,8 @@ class RunTerms:
         delta: the run's delta (a reply's may be smaller, never larger).
         noise_multiplier: the run's sigma (None: not fixed by the run, each site calibrates).
         max_norm, expected_batch_size: the run's C and b (None: not fixed by the run).
+        sample_rate: the run's one public q (secure aggregation with ``sample-rate``; each
+            site's b is then its own q N_k); None: each site's q is b / N_k.
         auto_clip: set for a run with ``max-norm = auto``.
     """
 
@@ -275,6 +277,7 @@ class RunTerms:
     noise_multiplier: float | None = None
     max_norm: float | None = None
     expected_batch_size: float | None = None
+    sample_rate: float | None = None
     auto_clip: AutoClip | None = None
 
     def check(self, facts: dict[str, Any]) -> None:
@@ -332,6 +335,9 @@ class RunTerms:
                     raise ReplyError(
                         f"fact {name} is missing or not the run's {value!r}", "facts-mismatch"
                     )
+            q = self.sample_rate
+            if q is not None and not math.isclose(float(facts["q"]), q, rel_tol=_SCALE_RTOL):
+                raise ReplyError(f"fact q is not the run's sample-rate {q!r}", "facts-mismatch")
         if not refused and ("delta" not in facts or float(facts["delta"]) > self.delta):
             raise ReplyError(
                 f"delta {facts.get('delta')!r} is missing or above the run's {self.delta}",

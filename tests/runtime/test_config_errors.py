@@ -121,6 +121,32 @@ def test_rule_across_keys_names_both_and_the_rule():
     assert "1 <= min-sites <= sites-per-round" in message
 
 
+def test_a_secure_run_names_every_setting_it_cannot_run_with():
+    bad = {
+        "secure-aggregation": True,
+        "method": "ffa",
+        "local-steps": 2,
+        "max-norm": "auto",
+        "min-honest-sites": 4,
+        "sites-per-round": 3,
+    }
+    with pytest.raises(ConfigError) as info:
+        parse_config(RunConfig, bad, what="run config")
+    message = str(info.value)
+    for words in ("method='ffa'", "local-steps=2", "max-norm=auto", "min-honest-sites=4 > "):
+        assert words in message, message
+
+
+def test_one_sample_rate_is_a_secure_aggregation_setting():
+    with pytest.raises(ConfigError) as info:
+        parse_config(RunConfig, {"sample-rate": 0.01}, what="run config")
+    assert "sample-rate=0.01 needs secure-aggregation=true" in str(info.value)
+    run = parse_config(
+        RunConfig, {"sample-rate": 0.01, "secure-aggregation": True}, what="run config"
+    )
+    assert run.sample_rate == 0.01
+
+
 def test_removed_secure_rng_key_says_randomness_is_the_sites_choice():
     with pytest.raises(ConfigError, match="randomness is the site's choice") as info:
         parse_config(RunConfig, {"secure-rng": True}, what="run config")

@@ -473,6 +473,29 @@ def test_poisson_batch_sizes_are_binomial(bert_tok) -> None:
     assert len(set(sizes.tolist())) > 5
 
 
+def test_poisson_loader_at_a_given_rate_records_that_rate_exactly(bert_tok) -> None:
+    """A secure-aggregation run's one public q: the loader samples at q itself (not q N / N,
+    which can differ in the last bit from what the site calibrated its sigma for), whatever
+    ``expected_batch_size`` says, and a rate outside (0, 1] is refused."""
+    n, q = 70, 0.1 / 3
+    ds = _seq_cls_dataset(bert_tok, n)
+    collate = make_collate(bert_tok, "seq-cls")
+    loader, rate = poisson_loader(
+        ds, expected_batch_size=1, collate_fn=collate,
+        generator=torch.Generator().manual_seed(0), sample_rate=q,
+    )  # fmt: skip
+    assert rate == q and loader.sample_rate == q
+    sizes = np.array([len(b["labels"]) for _ in range(60) for b in loader], dtype=float)
+    var = n * q * (1 - q)
+    assert abs(sizes.mean() - n * q) < 5 * math.sqrt(var / len(sizes))  # false alarm < 1e-6
+    for bad in (0.0, 1.5):
+        with pytest.raises(ConfigError, match=f"sample rate must be in \\(0, 1\\], got {bad}"):
+            poisson_loader(
+                ds, expected_batch_size=1, collate_fn=collate,
+                generator=torch.Generator().manual_seed(0), sample_rate=bad,
+            )  # fmt: skip
+
+
 def test_poisson_loader_is_reproducible(bert_tok) -> None:
     ds = _seq_cls_dataset(bert_tok, 60)
     collate = make_collate(bert_tok, "seq-cls")

@@ -55,6 +55,33 @@ def test_person_records_group_rows_by_person_in_first_appearance_order() -> None
     assert unit_index([2, 1, 3]).tolist() == [0, 0, 1, 2, 2, 2]
 
 
+def test_people_at_a_given_rate_record_that_rate_exactly() -> None:
+    """A secure-aggregation run's one public q over people: recorded as given (no b_u / N
+    round trip), ``expected_users`` not used; a rate outside (0, 1] is refused."""
+    records, q = _people(COUNTS), 0.1 / 3
+    _, rate = user_poisson_loader(
+        _rows(sum(COUNTS)),
+        records,
+        expected_users=10**6,
+        max_records=4,
+        collate_fn=_rows_collate,
+        generator=torch.Generator().manual_seed(0),
+        sample_rate=q,
+    )
+    assert rate == q
+    for bad in (0.0, 1.5):
+        with pytest.raises(ConfigError, match=f"sample rate must be in \\(0, 1\\], got {bad}"):
+            user_poisson_loader(
+                _rows(sum(COUNTS)),
+                records,
+                expected_users=1,
+                max_records=4,
+                collate_fn=_rows_collate,
+                generator=torch.Generator().manual_seed(0),
+                sample_rate=bad,
+            )
+
+
 def test_people_are_sampled_at_rate_q_over_people() -> None:
     """q = b_u / N_users; over T draws the mean number of sampled people is b_u and each person's
     inclusion frequency is q, both within 5 binomial standard deviations."""

@@ -35,6 +35,7 @@ UNIT_SETTINGS: dict[str, Any] = {
     "noise_multiplier": None,
     "max_norm": None,
     "expected_batch_size": None,
+    "sample_rate": None,
     "seed": 0,
     "wait_for_nodes": 0.0,
     "connect_timeout": 600.0,

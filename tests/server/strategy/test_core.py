@@ -28,6 +28,7 @@ from reply_facts import honest_facts
 from strategy_helpers import strategy_for
 
 import server.strategy.core as core
+from prism_core.records import SKELLAM_MECHANISM
 from prism_runtime.config import RunConfig, parse_config
 from prism_runtime.faults import NO_FAULTS, Faults
 from prism_runtime.protocol import ACCOUNTING, CONFIG, REFUSAL_REASONS, UPDATE, key
@@ -213,6 +214,18 @@ def test_from_run_reads_every_setting_from_the_run_config(tmp_path) -> None:
         train = site_train_config(run, method="dp-adamw", max_norm=0.8, epsilon=5.0)
         assert strategy.update_bound == UpdateBound.for_sites(train) == UpdateBound.for_run(run)
         assert strategy.update_bound.lr == 0.01 and strategy.update_bound.max_norm == 0.8
+
+
+def test_a_secure_run_with_one_sample_rate_binds_q_not_the_batch(tmp_path) -> None:
+    run = parse_config(
+        RunConfig, {"secure-aggregation": True, "sample-rate": 0.004}, what="run config"
+    )
+    with Ledger.open(tmp_path / "ledger.sqlite") as ledger:
+        strategy = core.PrismStrategy.from_run(
+            run, modules=MODULES, head=[], ledger=ledger, run_id="run-1"
+        )
+    assert (strategy.terms.sample_rate, strategy.terms.expected_batch_size) == (0.004, None)
+    assert strategy.terms.mechanism == SKELLAM_MECHANISM
 
 
 def test_from_run_checks_a_private_clip_and_bounds_it_at_its_largest(tmp_path) -> None:

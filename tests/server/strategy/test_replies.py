@@ -447,6 +447,19 @@ def test_the_runs_clip_and_batch_are_matched_to_one_part_in_a_million():
     )
 
 
+def test_a_runs_one_sample_rate_binds_q_and_leaves_each_sites_batch_its_own():
+    """Secure aggregation with ``sample-rate``: every DP reply states the run's q (to one part
+    in a million); its expected batch is its own q N_k, so the run fixes none."""
+    terms = _terms(expected_batch_size=None, sample_rate=0.05)
+    terms.check(honest_facts("a", q=0.05 * (1 + 5e-7), expected_batch_size=3.0))
+    terms.check(honest_facts("b", q=0.05, expected_batch_size=400.0))
+    assert _mismatch(terms, honest_facts("a", q=0.05 * (1 + 5e-6))) == (
+        "fact q is not the run's sample-rate 0.05"
+    )
+    refusal = honest_facts("a", status="refused", reason=next(iter(REFUSAL_REASONS)), steps=0)
+    terms.check({**refusal, "q": 0.5, "sigma": 0.0})  # a refusal ran nothing: its q binds nothing
+
+
 def test_a_delta_above_the_runs_or_missing_is_named():
     assert _mismatch(_terms(), honest_facts("a", delta=2e-5)) == (
         "delta 2e-05 is missing or above the run's 1e-05"

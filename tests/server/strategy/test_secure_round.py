@@ -260,3 +260,66 @@ def test_every_honest_site_adds_the_largest_share_a_participant_signed(
     own = {s.site_id: s.secure.mu_share for s in site_module._SITES.values() if s.secure}
     assert own["site-0"] == pytest.approx(2 * own["site-1"], rel=1e-12)  # mu / 1 against mu / 2
     assert added == [own["site-0"]] * SITES
+
+
+def test_one_sample_rate_gives_unequal_sites_one_sigma_and_the_central_divisor(
+    tiny_bert, tmp_path, monkeypatch
+):
+    """``sample-rate = q``: sites of different sizes (Dirichlet label skew) all sample at q, so
+    they charge one sigma and add one share (no site pays for the smallest's), each expects
+    q N_k units, and the coordinator divides the sum by q (N_1 + ... + N_K): central PRISM's
+    sampling and divisor, shard-size weights by construction."""
+    import client.site as site_module
+    from server.strategy.central import CentralStep
+
+    added: list[float] = []
+    encode = site_module.encode_share
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        added.append(kwargs["mu_share"])
+        return encode(*args, **kwargs)
+
+    divisors: list[float] = []
+    apply = CentralStep.apply
+
+    def dividing(self: CentralStep, *args: Any, **kwargs: Any) -> Any:
+        divisors.append(kwargs["expected_batch"])
+        return apply(self, *args, **kwargs)
+
+    monkeypatch.setattr(site_module, "encode_share", recording)
+    monkeypatch.setattr(CentralStep, "apply", dividing)
+    q = 0.25
+    data = tmp_path / "train.jsonl"
+    words = ("dull", "grim", "bad", "good", "fine", "great")
+    data.write_text(
+        "".join(
+            json.dumps({"text": f"a {words[i % 6]} film {i}", "label": int(i % 6 >= 3)}) + "\n"
+            for i in range(180)
+        )
+    )
+    values = _config(
+        tiny_bert,
+        tmp_path / "run",
+        **{
+            "num-rounds": 1,
+            "sample-rate": q,
+            "data": str(data),
+            "server-eval-data": str(data),
+            "partitioner": "dirichlet",
+            "dirichlet-alpha": 0.3,
+        },
+    )
+    summary = _summary(_run(values, SecureGrid(values, nodes=_nodes())))
+    (only,) = summary["rounds"]
+    assert only["applied"], only
+    sites = {s.site_id: s for s in site_module._SITES.values() if s.secure}
+    sizes = sorted(s.num_units for s in sites.values())
+    assert len(sites) == SITES and sizes[0] < sizes[-1], sizes  # unequal shards
+    assert {s.sample_rate for s in sites.values()} == {q}
+    assert len({s.sigma for s in sites.values()}) == 1
+    (share,) = {s.secure.mu_share for s in sites.values()}
+    assert added == [share] * SITES
+    assert divisors == [pytest.approx(q * sum(sizes), rel=1e-12)]
+    for site_id in sites:
+        lines = (tmp_path / "run" / "sites" / site_id / "privacy-ledger.jsonl").read_text()
+        assert [json.loads(x)["q"] for x in lines.splitlines()] == [q]
