@@ -198,6 +198,16 @@ def run_federation(grid: Grid, run: RunConfig, *, faults: Faults = NO_FAULTS) ->
         )
         if run.secure_aggregation:  # the coordinator steps on the unmasked sum
             strategy.central = CentralStep(run, modules=modules, head=head, arrays=initial)
+            if not run.sample_rate:
+                log.warning(
+                    "secure aggregation with sample-rate = 0: every site samples batch-size = "
+                    "%d units of its own, so the sites weigh EQUALLY (aggregation = %s is not "
+                    "used) and every site adds the noise the smallest one needs; set sample-rate "
+                    "= sites x batch-size / total units for shard-size weights and one noise "
+                    "level (docs/usage.md)",
+                    run.batch_size,
+                    run.aggregation,
+                )
 
         first_round, initial_record, previous = 1, ArrayRecord(initial), None
         if ckpt is not None:

@@ -6,6 +6,7 @@ SuperNode does. Flower's transport is left out (tests/e2e runs it on real SuperN
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -88,10 +89,12 @@ def _summary(run_dir: Path) -> dict[str, Any]:
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def test_a_secure_run_applies_the_sum_and_records_both_epsilons(tiny_bert, tmp_path):
+def test_a_secure_run_applies_the_sum_and_records_both_epsilons(tiny_bert, tmp_path, caplog):
     values = _config(tiny_bert, tmp_path / "run")
     grid = SecureGrid(values, nodes=_nodes())
-    run_dir = _run(values, grid)
+    with caplog.at_level(logging.WARNING, logger="server.federation"):
+        run_dir = _run(values, grid)
+    assert any("sites weigh EQUALLY" in r.getMessage() for r in caplog.records)  # sample-rate 0
     summary = _summary(run_dir)
     assert summary["rounds-applied"] == ROUNDS, summary["rounds"]
     assert all(r["accepted"] and len(r["accepted"]) == SITES for r in summary["rounds"])
@@ -263,7 +266,7 @@ def test_every_honest_site_adds_the_largest_share_a_participant_signed(
 
 
 def test_one_sample_rate_gives_unequal_sites_one_sigma_and_the_central_divisor(
-    tiny_bert, tmp_path, monkeypatch
+    tiny_bert, tmp_path, monkeypatch, caplog
 ):
     """``sample-rate = q``: sites of different sizes (Dirichlet label skew) all sample at q, so
     they charge one sigma and add one share (no site pays for the smallest's), each expects
@@ -309,7 +312,9 @@ def test_one_sample_rate_gives_unequal_sites_one_sigma_and_the_central_divisor(
             "dirichlet-alpha": 0.3,
         },
     )
-    summary = _summary(_run(values, SecureGrid(values, nodes=_nodes())))
+    with caplog.at_level(logging.WARNING, logger="server.federation"):
+        summary = _summary(_run(values, SecureGrid(values, nodes=_nodes())))
+    assert not any("sites weigh EQUALLY" in r.getMessage() for r in caplog.records)
     (only,) = summary["rounds"]
     assert only["applied"], only
     sites = {s.site_id: s for s in site_module._SITES.values() if s.secure}
