@@ -61,7 +61,9 @@ from pathlib import Path
 from typing import Any
 from uuid import uuid4
 
-# This file is named like the repo's `server` package: make the package win the import.
+# This file is named like the repo's `server` package: make the package win the import; the
+# tests' strategy helper (tests/server) builds the strategy a unit test drives.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "server"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
@@ -82,6 +84,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from flwr.superlink.federation import NoOpFederationManager
 from flwr.superlink.grid import InMemoryGrid
 from step import environment, load_average
+from strategy_helpers import strategy_for as unit_strategy
 
 from prism_core.accounting import PrivacyEvent, epsilon
 from prism_runtime.protocol import ACCOUNTING, CONFIG, ROUND_NONCE, SERVER_ROUND, UPDATE, key
@@ -197,36 +200,17 @@ def _reset_peak() -> bool:
 
 
 def strategy_for(spec: dict[str, tuple], sites: int, folder: Path) -> PrismStrategy:
-    ledger = Ledger.open(folder / "ledger.sqlite")
-    return PrismStrategy(
+    """The tests' plain-round strategy (``tests/server/strategy_helpers.py``: C, b and sigma as
+    the replies state them, not fixed by a run config; the replies' shapes and values are
+    checked, not their norm) for ``sites`` sites of 10 local steps."""
+    return unit_strategy(
         modules=list(spec),
-        head=[],
-        mode="tangent",
-        ledger=ledger,
+        ledger=Ledger.open(folder / "ledger.sqlite"),
         run_id="bench-server",
         sites_per_round=sites,
-        min_sites=1,
-        server_lr=1.0,
-        lr_schedule="constant",
-        num_rounds=1,
-        server_optimizer="sgd",
         local_steps=10,
-        local_lr=1.0,
         target_epsilon=8.0,
-        delta=1e-5,
-        aggregation="inverse-noise",
-        # C, b and sigma as the replies state them (``facts``), not fixed by a run config
-        noise_multiplier=None,
-        max_norm=None,
-        expected_batch_size=None,
-        sample_rate=None,
-        seed=0,
-        wait_for_nodes=0.0,
-        connect_timeout=600.0,
-        update_bound=None,  # the replies' shapes and values are checked, not their norm
         mechanism="prism-tangent-gaussian",
-        dp=True,
-        auto_clip=None,
     )
 
 
@@ -241,7 +225,7 @@ def aggregation_child(sites: int, hold: str) -> dict[str, Any]:
             strategy.configure_train(1, glob, ConfigRecord(), _Grid(range(1, sites + 1)))
         )
         retract_s = 0.0
-        apply = strategy.aggregator.apply
+        apply = strategy.round_kind.aggregator.apply
 
         def timed_apply(means: dict[str, torch.Tensor], lr: float) -> dict[str, torch.Tensor]:
             nonlocal retract_s
@@ -250,7 +234,7 @@ def aggregation_child(sites: int, hold: str) -> dict[str, Any]:
             retract_s += time.perf_counter() - t0
             return out
 
-        strategy.aggregator.apply = timed_apply  # type: ignore[method-assign]
+        strategy.round_kind.aggregator.apply = timed_apply  # type: ignore[method-assign]
         build_s = 0.0
 
         def replies() -> Iterator[Message]:

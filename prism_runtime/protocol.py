@@ -49,12 +49,19 @@ __all__ = [
     "RNG_REPRODUCIBLE",
     "RNG_SECURE",
     "ROUND_NONCE",
+    "SECURE_ADVERTISE",
+    "SECURE_MASK",
+    "SECURE_SHARE",
+    "SECURE_STAGES",
+    "SECURE_UNMASK",
     "SERVER_ROUND",
     "SITE_ERROR_CODES",
     "STATUS_OK",
     "STATUS_REFUSED",
+    "TRAIN",
     "UPDATE",
     "key",
+    "message_type",
 ]
 
 APP_ID = "prism-fl/prism-fl"
@@ -67,6 +74,22 @@ UPDATE = "update"
 ACCOUNTING = "accounting"
 NONPRIVATE = "nonprivate-metrics"
 HEAD_PREFIX = "head/"
+
+TRAIN = "train"
+"""The plain round's action (Flower message type ``train``)."""
+SECURE_ADVERTISE = "secure_advertise"
+SECURE_SHARE = "secure_share"
+SECURE_MASK = "secure_mask"
+SECURE_UNMASK = "secure_unmask"
+SECURE_STAGES = (SECURE_ADVERTISE, SECURE_SHARE, SECURE_MASK, SECURE_UNMASK)
+"""The secure round's actions, in order: round keys, Shamir shares, the masked input (the
+charged stage), the shares that unmask the sum (docs/design.md §3.3)."""
+
+
+def message_type(action: str) -> str:
+    """Flower's message type of a round action: ``train`` or ``train.<secure stage>``."""
+    return TRAIN if action == TRAIN else f"{TRAIN}.{action}"
+
 
 SERVER_ROUND = "server-round"
 ROUND_NONCE = "round-nonce"

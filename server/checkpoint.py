@@ -3,7 +3,7 @@
 After every round the coordinator writes ``checkpoint.safetensors`` atomically (temporary file,
 fsync, ``os.replace``, fsync of the folder): the global arrays as tensors, and in the file's
 metadata one JSON document with the round number, the strategy state (site-selection RNG state,
-node -> site map, per-site mechanism, exhausted sites, round summaries), the server optimizer
+node -> site map, per-site mechanism, exhausted sites, round summaries), the round kind's
 state, the metrics so far and the run config. One file, one rename: a crash leaves either the
 previous round's checkpoint or this one, never a mix.
 
@@ -12,9 +12,10 @@ one per (run, round, site) and kind (``server.ledger``). A round re-run after a 
 its charges again and the ledger ignores those it holds, so a resumed run neither loses nor
 duplicates an unconfirmed charge, and a site's resent reply confirms one without counting twice.
 
-Server optimizer (``server.optimizer``): its tensors (momentum, adaptive moments, the base point
-they live at) are stored among the arrays under ``server-optimizer/``; its kind, step counts and
-``server-lr`` in the ``server-optimizer`` slot of the metadata. A resumed run continues bit for bit.
+The round kind's state (``server.strategy.contract.RoundKind.state_dict``: the plain round's
+server optimizer, the secure round's central step with its adaptive moments): its tensors are
+stored among the arrays under ``round-state/``, its JSON-ready values in the ``round-state``
+slot of the metadata. A resumed run continues bit for bit.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class Checkpoint:
     arrays: dict[str, Tensor]
     run_config: dict[str, Any]
     strategy: dict[str, Any]
-    server_optimizer: dict[str, Any]
+    round_state: dict[str, Any]
     train_metrics: dict[int, dict[str, Any]] = field(default_factory=dict)
     eval_metrics: dict[int, dict[str, Any]] = field(default_factory=dict)
 
@@ -65,7 +66,7 @@ def save_checkpoint(run_dir: Path, ckpt: Checkpoint, *, faults: Faults = NO_FAUL
         "round": ckpt.server_round,
         "run-config": ckpt.run_config,
         "strategy": ckpt.strategy,
-        "server-optimizer": ckpt.server_optimizer,
+        "round-state": ckpt.round_state,
         "train-metrics": {str(k): v for k, v in ckpt.train_metrics.items()},
         "eval-metrics": {str(k): v for k, v in ckpt.eval_metrics.items()},
     }
@@ -115,7 +116,7 @@ def load_checkpoint(run_dir: Path) -> Checkpoint | None:
         arrays=arrays,
         run_config=state["run-config"],
         strategy=state["strategy"],
-        server_optimizer=state["server-optimizer"],
+        round_state=state["round-state"],
         train_metrics={int(k): v for k, v in state["train-metrics"].items()},
         eval_metrics={int(k): v for k, v in state["eval-metrics"].items()},
     )

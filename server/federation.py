@@ -52,12 +52,10 @@ from server.checkpoint import (
 )
 from server.errors import ConfigError
 from server.ledger import Ledger
-from server.optimizer import STATE_PREFIX as OPTIMIZER_STATE
 from server.report import build_report, format_round_table, round_rows
 from server.report_files import write_reports
 from server.strategy import PrismStrategy, RoundSummary
-from server.strategy.central import STATE_PREFIX as CENTRAL_STATE
-from server.strategy.central import CentralStep
+from server.strategy.contract import STATE_PREFIX as ROUND_STATE
 
 __all__ = ["ADAPTER_DIR", "make_run_dir", "no_adapter_reason", "run_federation"]
 
@@ -194,34 +192,26 @@ def run_federation(grid: Grid, run: RunConfig, *, faults: Faults = NO_FAULTS) ->
         run_id = run_dir.name
         ledger.record_run(run_id, config)
         strategy = PrismStrategy.from_run(
-            run, modules=modules, head=head, ledger=ledger, run_id=run_id
+            run, modules=modules, head=head, ledger=ledger, run_id=run_id, arrays=initial
         )
-        if run.secure_aggregation:  # the coordinator steps on the unmasked sum
-            strategy.central = CentralStep(run, modules=modules, head=head, arrays=initial)
-            if not run.sample_rate:
-                log.warning(
-                    "secure aggregation with sample-rate = 0: every site samples batch-size = "
-                    "%d units of its own, so the sites weigh EQUALLY (aggregation = %s is not "
-                    "used) and every site adds the noise the smallest one needs; set sample-rate "
-                    "= sites x batch-size / total units for shard-size weights and one noise "
-                    "level (docs/usage.md)",
-                    run.batch_size,
-                    run.aggregation,
-                )
+        if run.secure_aggregation and not run.sample_rate:
+            log.warning(
+                "secure aggregation with sample-rate = 0: every site samples batch-size = "
+                "%d units of its own, so the sites weigh EQUALLY (aggregation = %s is not "
+                "used) and every site adds the noise the smallest one needs; set sample-rate "
+                "= sites x batch-size / total units for shard-size weights and one noise "
+                "level (docs/usage.md)",
+                run.batch_size,
+                run.aggregation,
+            )
 
         first_round, initial_record, previous = 1, ArrayRecord(initial), None
         if ckpt is not None:
             strategy.load_state_dict(ckpt.strategy)
-            strategy.optimizer.load_state_dict(ckpt.arrays, ckpt.server_optimizer)
-            if strategy.central is not None:
-                strategy.central.load_state_dict(ckpt.arrays)
+            strategy.round_kind.load_state_dict(ckpt.arrays, ckpt.round_state)
             first_round = ckpt.server_round + 1
             initial_record = ArrayRecord(
-                {
-                    k: v
-                    for k, v in ckpt.arrays.items()
-                    if not k.startswith((OPTIMIZER_STATE, CENTRAL_STATE))
-                }
+                {k: v for k, v in ckpt.arrays.items() if not k.startswith(ROUND_STATE)}
             )
             previous = _previous_result(ckpt)
             log.info("resuming run %s after round %d (%s)", run_id, ckpt.server_round, run_dir)
@@ -231,17 +221,15 @@ def run_federation(grid: Grid, run: RunConfig, *, faults: Faults = NO_FAULTS) ->
             server_round: int, arrays: ArrayRecord, summary: RoundSummary, result: Result
         ) -> None:
             faults.reach("before-checkpoint", server_round)
-            optimizer_tensors, optimizer_meta = strategy.optimizer.state_dict()
-            if strategy.central is not None:
-                optimizer_tensors = {**optimizer_tensors, **strategy.central.state_dict()}
+            round_tensors, round_state = strategy.round_kind.state_dict()
             save_checkpoint(
                 run_dir,
                 Checkpoint(
                     server_round=server_round,
-                    arrays={**arrays.to_torch_state_dict(), **optimizer_tensors},
+                    arrays={**arrays.to_torch_state_dict(), **round_tensors},
                     run_config=config,
                     strategy=strategy.state_dict(),
-                    server_optimizer=optimizer_meta,
+                    round_state=round_state,
                     train_metrics={r: dict(m) for r, m in result.train_metrics_clientapp.items()},
                     eval_metrics={r: dict(m) for r, m in result.evaluate_metrics_serverapp.items()},
                 ),

@@ -49,7 +49,7 @@ ServerOptimizerKind = Literal["sgd", "momentum", "adaptive"]
 SERVER_OPTIMIZERS: tuple[str, ...] = ("sgd", "momentum", "adaptive")
 LrSchedule = Literal["constant", "cosine"]
 LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine")
-STATE_PREFIX = "server-optimizer/"
+STATE_PREFIX = "round-state/server-optimizer/"
 """Prefix of the optimizer's tensors among the checkpoint's arrays."""
 
 

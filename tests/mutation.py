@@ -219,9 +219,6 @@ EQUIVALENT: dict[str, dict[str, str]] = {
         "'not closed'",
     },
     "strategy": {
-        "server.strategy.core.xǁPrismStrategyǁ__init____mutmut_19": "scheduled_lr called at "
-        "round 2 instead of 1 only to validate the schedule and num_rounds: the round number "
-        "enters none of its checks",
         **{
             f"server.strategy.aggregator.xǁStreamingAggregatorǁ__init____mutmut_{i}": "an "
             "initial value (broadcast, sums, noise list None) that begin_round replaces before "
@@ -245,13 +242,13 @@ EQUIVALENT: dict[str, dict[str, str]] = {
             for i in (4, 13, 17)
         },
         **{
-            f"server.strategy.loop.x__push__mutmut_{i}": "the default of node.get (None, none or "
-            "1 for 0) is never used: every id push_messages returns is the message_id the grid "
+            f"server.strategy.transport.x__push__mutmut_{i}": "the default of node.get (None, "
+            "none or 1 for 0) is never used: every id push_messages returns is the message_id the grid "
             "set on one of the pushed messages"
             for i in (21, 23, 24)
         },
         **{
-            f"server.strategy.loop.x_stream_replies__mutmut_{i}": "arrived = 1, -= 1 or += 2 "
+            f"server.strategy.transport.x_stream_replies__mutmut_{i}": "arrived = 1, -= 1 or += 2 "
             "for += 1: the count is read only as a truth value (did this pass find a reply)"
             for i in (42, 43, 44)
         },

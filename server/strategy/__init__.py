@@ -1,27 +1,42 @@
 """The coordinator's strategy, in parts:
 
-- ``core``: ``PrismStrategy``, the Flower strategy that wires the parts: selection (sites that can
-  still run within their caps, ``connect-timeout``), then per reply, in order: ``replies`` (typed
-  facts, error replies by code, the facts against the run's terms), ``binding`` (node <-> site,
-  round and nonce), ``charges`` (confirmed and unconfirmed ledger charges), ``bounds`` (what an
-  honest update can be), ``aggregator`` (Flower-free weighted streaming sums and the server step).
-  ``PrismStrategy.from_run`` builds it from a validated run config.
-- ``rounds``: the per-round summary; ``loop``: the round loop of ``PrismStrategy.start``.
+- ``core``: ``PrismStrategy``, the Flower strategy: selection (``selection``: sites that can
+  still run within their caps, ``connect-timeout``), ``binding`` (node <-> site, round and
+  nonce), and one round kind; ``PrismStrategy.from_run`` builds every part from a validated run
+  config and picks the kind.
+- ``contract``: what a round kind offers the loop (``RoundKind``, ``RoundContext``);
+  ``plain`` (``PlainRound``: one exchange, ``bounds`` checks each update, ``aggregator`` keeps
+  Flower-free weighted streaming sums and takes the server step) and ``secure``
+  (``SecureRound``: four exchanges, only the sum, ``central``'s PRISM step on it).
+- ``intake``: ``ReplyIntake``, every reply's way in, whatever the kind: ``replies`` (typed
+  facts, error replies by code, the facts against the run's terms), ``binding``, ``charges``
+  (confirmed and unconfirmed ledger charges).
+- ``transport``: push a round's messages, stream their replies; ``loop``: the round loop of
+  ``PrismStrategy.start``; ``rounds``: the per-round summary.
 
-See ``core`` for the mathematics of the tangent aggregation and the factor-averaging baselines.
+See ``plain`` for the mathematics of the tangent aggregation and the factor-averaging baselines.
 """
 
 from server.strategy.aggregator import StreamingAggregator
 from server.strategy.bounds import AutoClip, UpdateBound, UpdateChecker
+from server.strategy.contract import RoundContext, RoundKind
 from server.strategy.core import PrismStrategy
+from server.strategy.intake import ReplyIntake
+from server.strategy.plain import PlainRound
 from server.strategy.replies import RunTerms, error_reply_text, validate_facts
 from server.strategy.rounds import RoundSummary
+from server.strategy.secure import SecureRound
 
 __all__ = [
     "AutoClip",
+    "PlainRound",
     "PrismStrategy",
+    "ReplyIntake",
+    "RoundContext",
+    "RoundKind",
     "RoundSummary",
     "RunTerms",
+    "SecureRound",
     "StreamingAggregator",
     "UpdateBound",
     "UpdateChecker",

@@ -67,6 +67,7 @@ class StreamingAggregator:
         dp: bool,
         expected_batch_size: float | None = None,
     ) -> None:
+        scheduled_lr(server_lr, lr_schedule, 1, num_rounds)  # validates both
         self.modules, self.head, self.mode = modules, head, mode
         self.optimizer = optimizer
         self.server_lr, self.lr_schedule, self.num_rounds = server_lr, lr_schedule, num_rounds

@@ -43,7 +43,7 @@ __all__ = ["STATE_PREFIX", "CentralStep"]
 
 log = logging.getLogger("server.strategy")
 
-STATE_PREFIX = "central-state/"
+STATE_PREFIX = "round-state/central/"
 """Prefix of the central step's tensors in the coordinator's checkpoint."""
 
 

@@ -1,7 +1,9 @@
 """The coordinator's secure-aggregation round: four exchanges, then only the sum.
 
-Driven from the round loop (``server.strategy.loop``) when the run sets ``secure-aggregation``;
-the sites' side is ``client.secure``. With the round's chosen nodes (``configure_train``):
+The round kind of a run that sets ``secure-aggregation`` (``server.strategy.contract``); the
+sites' side is ``client.secure``. A workflow: one state record (``SecureState``) and one method
+per stage, each returning whether the round goes on (``SecureRound.run`` reads as the protocol).
+With the round's chosen nodes (``configure_train``):
 
 1. ``secure_advertise``: each node gets the round's field size and vector length. A site that
    refuses answers with the usual refused reply (checked, charged nothing, never asked again);
@@ -12,7 +14,7 @@ the sites' side is ``client.secure``. With the round's chosen nodes (``configure
 3. ``secure_mask``: each site of ``U2`` (those that shared) gets the broadcast, the round's
    config and the ciphertexts sealed for it; it checks, charges, computes and answers with its
    accounting facts and its masked vector. Facts are checked and charged as in a plain round
-   (``PrismStrategy._take``); the masked vectors are kept only until the sum is unmasked.
+   (the round's ``ReplyIntake``); the masked vectors are kept only until the sum is unmasked.
 4. ``secure_unmask``: with at least ``t`` masked inputs, the survivors reveal the shares that
    remove the masks; the coordinator keeps the SUM and drops every masked vector. With fewer,
    the round is ABORTED before anything is unmasked: nothing is released, and the charges of the
@@ -26,21 +28,33 @@ in a plain round; a node that never got the mask message cannot have charged and
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-from flwr.serverapp import Grid
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from numpy.typing import NDArray
+from torch import Tensor
 
 from prism_core.distributed import FIELD_BITS
 from prism_runtime.faults import NO_FAULTS, Faults
-from prism_runtime.protocol import ACCOUNTING, ARRAYS, CONFIG, STATUS_OK
+from prism_runtime.protocol import (
+    ACCOUNTING,
+    ARRAYS,
+    CONFIG,
+    SECURE_ADVERTISE,
+    SECURE_MASK,
+    SECURE_SHARE,
+    SECURE_UNMASK,
+    STATUS_OK,
+    message_type,
+)
 from prism_runtime.secure_sum import (
     AdvertisedKeys,
     RoundId,
     SecureSumError,
+    UnmaskRequest,
     UnmaskResponse,
     centre,
     plan_unmask,
@@ -61,15 +75,46 @@ from prism_runtime.secure_sum.messages import (
 )
 from prism_runtime.secure_sum.wire import RECORD
 from server.errors import ReplyError
-from server.strategy.central import noise_std_of
-from server.strategy.loop import stream_replies
+from server.strategy.binding import SiteBinding
+from server.strategy.central import CentralStep, noise_std_of
+from server.strategy.contract import RoundContext
+from server.strategy.intake import ReplyIntake
+from server.strategy.transport import LIGHT_POLL_S, send
 
-__all__ = ["LIGHT_POLL_S", "secure_round"]
+__all__ = ["SecureRound", "SecureState"]
 
 log = logging.getLogger("server.strategy")
 
-LIGHT_POLL_S = 0.05
-"""Seconds between polls in the key, share and unmask exchanges (the sites answer them at once)."""
+
+@dataclass
+class SecureState:
+    """One secure round as it goes through its stages (``SecureRound``)."""
+
+    round_: RoundContext
+    round_id: RoundId
+    config: ConfigRecord
+    arrays: ArrayRecord
+    nodes: list[int]
+    adverts: dict[str, tuple[int, AdvertisedKeys]] = field(default_factory=dict)
+    threshold: int = 0
+    sealed: dict[str, dict[str, bytes]] = field(default_factory=dict)
+    participants: frozenset[str] = frozenset()
+    masked: dict[str, NDArray[np.uint64]] = field(default_factory=dict)
+    shares: dict[str, float] = field(default_factory=dict)  # site -> its share's sigma
+    divisor: dict[str, float] = field(default_factory=dict)  # site -> its expected batch
+    unmask: UnmaskRequest | None = None
+    answers: list[UnmaskResponse] = field(default_factory=list)
+
+    @property
+    def intake(self) -> ReplyIntake:
+        return self.round_.intake
+
+    @property
+    def roster(self) -> dict[str, AdvertisedKeys]:
+        return {site: keys for site, (_, keys) in self.adverts.items()}
+
+    def node_of(self, site: str) -> int:
+        return self.adverts[site][0]
 
 
 def _part(content: RecordDict) -> RecordDict:
@@ -79,249 +124,305 @@ def _part(content: RecordDict) -> RecordDict:
     return RecordDict({RECORD: record})
 
 
-def _send(
-    grid: Grid,
-    contents: dict[int, RecordDict],
-    action: str,
-    *,
-    timeout: float,
-    poll_interval: float,
-    server_round: int,
-    faults: Faults = NO_FAULTS,
-) -> Iterable[Message]:
-    messages = [
-        Message(content=c, message_type=f"train.{action}", dst_node_id=n)
-        for n, c in sorted(contents.items())
-    ]
-    return stream_replies(
-        grid,
-        messages,
-        timeout=timeout,
-        poll_interval=poll_interval,
-        server_round=server_round,
-        faults=faults,
-    )
-
-
 def _with(base: dict[str, Any], secure: RecordDict) -> RecordDict:
     return RecordDict({**base, RECORD: secure[RECORD]})
 
 
-def secure_round(
-    strategy: Any,
-    grid: Grid,
-    messages: list[Message],
-    *,
-    server_round: int,
-    timeout: float,
-    poll_interval: float,
-    faults: Faults = NO_FAULTS,
-) -> tuple[ArrayRecord | None, MetricRecord]:
-    """One secure-aggregation round (module docstring) from ``configure_train``'s messages;
-    returns the next global arrays (None: nothing applied) and the round's metrics."""
-    from server.strategy.core import _Tally  # the plain round's per-round bookkeeping
+def _no_masked_input(site: str, facts: dict[str, Any], msg: Message) -> Callable[[], None]:
+    """The key exchange's handler: an answer there with accepted facts has no input to add."""
+    raise ReplyError("update is a NoneType, not an ArrayRecord", "keys")
 
-    summary = strategy.summaries[-1]
-    tally = _Tally()
-    config = cast(ConfigRecord, messages[0].content[CONFIG])
-    arrays = cast(ArrayRecord, messages[0].content[ARRAYS])
-    nodes = [m.metadata.dst_node_id for m in messages]
-    del messages
-    run_id = str(config["run-id"])
-    round_id = RoundId(run_id, server_round)
-    central = strategy.central
-    binding = strategy.binding
 
-    def send(
-        contents: dict[int, RecordDict], action: str, stage_faults: Faults = NO_FAULTS
-    ) -> Iterable[Message]:
-        # the key, share and unmask stages are milliseconds of work at a site: poll them often
-        light = action != "secure_mask"
-        return _send(
-            grid,
-            contents,
-            action,
-            timeout=timeout,
-            poll_interval=min(poll_interval, LIGHT_POLL_S) if light else poll_interval,
-            server_round=server_round,
-            faults=stage_faults,
+class SecureRound:
+    """The secure-aggregation round kind (module docstring).
+
+    Args:
+        central: PRISM's step on the unmasked sum (``CentralStep``), with its moments.
+        binding: the strategy's node <-> site binding (advertisements bind nodes to sites).
+        min_honest_sites: the run's ``min-honest-sites``, the least threshold.
+    """
+
+    def __init__(
+        self, *, central: CentralStep, binding: SiteBinding, min_honest_sites: int
+    ) -> None:
+        self.central, self.binding, self.min_honest_sites = central, binding, min_honest_sites
+
+    def begin(self, server_round: int, broadcast: dict[str, Tensor]) -> None:
+        """Nothing to prepare: the central step reads the broadcast from the mask messages."""
+
+    def run(self, round_: RoundContext) -> ArrayRecord | None:
+        """The four exchanges, then the central step on the sum (None: aborted or discarded)."""
+        state = self.start(round_)
+        for stage in (self.advertise, self.share_keys, self.collect_masked, self.unmask_sum):
+            if not stage(state):
+                return None
+        return self.step(state)
+
+    def start(self, round_: RoundContext) -> SecureState:
+        config = cast(ConfigRecord, round_.messages[0].content[CONFIG])
+        arrays = cast(ArrayRecord, round_.messages[0].content[ARRAYS])
+        nodes = [m.metadata.dst_node_id for m in round_.messages]
+        round_.messages.clear()  # the broadcast lives on in ``arrays``
+        return SecureState(
+            round_=round_,
+            round_id=RoundId(str(config["run-id"]), round_.server_round),
+            config=config,
+            arrays=arrays,
+            nodes=nodes,
         )
 
-    def abort(why: str) -> tuple[None, MetricRecord]:
-        summary.discarded = f"secure sum aborted: {why}"
-        log.warning("round %d: secure sum aborted (%s); nothing unmasked", server_round, why)
-        strategy._charge_unanswered(server_round, tally, summary)
-        return None, strategy._metrics(summary)
+    # -- stages ----------------------------------------------------------------------------
 
-    # 1. keys -------------------------------------------------------------------------------
-    ask = AdvertiseRequest(bits=FIELD_BITS, length=central.dim)
-    contents = {
-        n: _with(
-            {CONFIG: config},
-            encode_advertise_request(ask, round_id=round_id, site_id=binding.site_of(n)),
-        )
-        for n in nodes
-    }
-    adverts: dict[str, tuple[int, AdvertisedKeys]] = {}
-    for msg in send(contents, "secure_advertise"):
-        node = msg.metadata.src_node_id
-        if msg.has_error() or ACCOUNTING in msg.content:  # a refusal or an error: as usual
-            strategy._take(server_round, msg, tally, summary)
-            continue
-        try:
-            record = msg.content.get(RECORD)
-            claimed = record.get("site-id") if isinstance(record, ConfigRecord) else None
-            if not isinstance(claimed, str):
-                raise SecureSumError("the advertisement names no site")
-            keys = decode_advertise_reply(_part(msg.content), round_id=round_id, site_id=claimed)
-            bound = binding.node_site.get(node)
-            owner = binding.site_node.get(claimed)
-            if (bound is not None and bound != claimed) or (owner not in (None, node)):
-                raise SecureSumError(f"node {node} claims site {claimed!r}, bound elsewhere")
-            if claimed in adverts:
-                raise SecureSumError(f"site {claimed!r} advertised twice")
-        except (SecureSumError, ValueError, KeyError, TypeError) as exc:
-            log.warning(
-                "round %d: ignoring an advertisement from node %d: %s", server_round, node, exc
+    def advertise(self, state: SecureState) -> bool:
+        """1. Each chosen node's signed round keys, bound to the site its advertisement names."""
+        ask = AdvertiseRequest(bits=FIELD_BITS, length=self.central.dim)
+        contents = {
+            n: _with(
+                {CONFIG: state.config},
+                encode_advertise_request(
+                    ask, round_id=state.round_id, site_id=self.binding.site_of(n)
+                ),
             )
-            continue
-        binding.node_site[node] = claimed
-        adverts[claimed] = (node, keys)
-    threshold = max(strategy.min_honest_sites, len(adverts) // 2 + 1)
-    # only the nodes asked to mask can have charged themselves: the others are not charged
-    binding.sent_to = {n: server_round for n in tally.answered | tally.replied}
-    if len(adverts) < threshold:
-        return abort(f"{len(adverts)} sites advertised keys, the threshold needs {threshold}")
-
-    # 2. shares -----------------------------------------------------------------------------
-    roster = {site: keys for site, (_, keys) in adverts.items()}
-    share_ask = ShareRequest(roster=roster, threshold=threshold)
-    contents = {
-        node: _with(
-            {CONFIG: config}, encode_share_request(share_ask, round_id=round_id, site_id=site)
-        )
-        for site, (node, _) in adverts.items()
-    }
-    sealed: dict[str, dict[str, bytes]] = {}
-    for msg in send(contents, "secure_share"):
-        site = binding.site_of(msg.metadata.src_node_id)
-        if site not in adverts or msg.has_error():
-            log.warning("round %d: no shares from %s (error or unknown node)", server_round, site)
-            continue
-        try:
-            sealed[site] = decode_share_reply(
-                _part(msg.content), round_id=round_id, site_id=site, roster=list(roster)
-            )
-        except (SecureSumError, ValueError) as exc:
-            log.warning("round %d: ignoring the shares of %s: %s", server_round, site, exc)
-    participants = frozenset(sealed)
-    if len(participants) < threshold:
-        return abort(f"{len(participants)} sites shared, the threshold needs {threshold}")
-
-    # 3. masked inputs (the charged round) ----------------------------------------------------
-    contents = {}
-    for site in sorted(participants):
-        node = adverts[site][0]
-        for_site = {sender: sealed[sender][site] for sender in participants if sender != site}
-        mask_ask = MaskRequest(sealed=for_site, participants=participants)
-        contents[node] = _with(
-            {ARRAYS: arrays, CONFIG: config},
-            encode_mask_request(mask_ask, round_id=round_id, site_id=site),
-        )
-        binding.sent_to[node] = server_round
-    del sealed
-    masked: dict[str, NDArray[np.uint64]] = {}
-    shares: dict[str, float] = {}
-    divisor: dict[str, float] = {}
-
-    def keep(site: str, facts: dict[str, Any], msg: Message) -> None:
-        if site not in participants:
-            raise ReplyError(f"{site!r} is not a participant of this round", "invalid")
-        if facts["status"] != STATUS_OK:
-            return
-        try:
-            vector = decode_mask_reply(
-                _part(msg.content),
-                round_id=round_id,
-                site_id=site,
-                length=central.dim,
-                bits=FIELD_BITS,
-            )
-        except (SecureSumError, ValueError) as exc:
-            raise ReplyError(f"masked input: {exc}", "update") from None
-        masked[site] = vector
-        shares[site] = float(facts["share-sigma"])
-        divisor[site] = float(facts["expected-batch-size"])
-
-    for msg in send(contents, "secure_mask", faults):
-        strategy._take(server_round, msg, tally, summary, secure=keep)
-        del msg
-    strategy._charge_unanswered(server_round, tally, summary)
-    if len(masked) < threshold:
-        summary.discarded = (
-            f"secure sum aborted: {len(masked)} masked inputs, the threshold needs {threshold}"
-        )
-        log.warning("round %d: %s; nothing unmasked", server_round, summary.discarded)
-        return None, strategy._metrics(summary)
-
-    # 4. unmask -------------------------------------------------------------------------------
-    request = plan_unmask(masked, participants=participants, threshold=threshold)
-    contents = {
-        adverts[site][0]: _with(
-            {CONFIG: config}, encode_unmask_request(request, round_id=round_id, site_id=site)
-        )
-        for site in sorted(request.survivors)
-    }
-    answers: list[UnmaskResponse] = []
-    for msg in send(contents, "secure_unmask"):
-        site = binding.site_of(msg.metadata.src_node_id)
-        if site not in request.survivors or msg.has_error():
-            continue
-        try:
-            answers.append(
-                decode_unmask_reply(
-                    _part(msg.content), round_id=round_id, site_id=site, request=request
+            for n in state.nodes
+        }
+        binding = self.binding
+        for msg in self._send(state, contents, SECURE_ADVERTISE):
+            node = msg.metadata.src_node_id
+            if msg.has_error() or ACCOUNTING in msg.content:  # a refusal or an error: as usual
+                state.intake.take(msg, _no_masked_input)
+                continue
+            try:
+                record = msg.content.get(RECORD)
+                claimed = record.get("site-id") if isinstance(record, ConfigRecord) else None
+                if not isinstance(claimed, str):
+                    raise SecureSumError("the advertisement names no site")
+                keys = decode_advertise_reply(
+                    _part(msg.content), round_id=state.round_id, site_id=claimed
                 )
+                bound = binding.node_site.get(node)
+                owner = binding.site_node.get(claimed)
+                if (bound is not None and bound != claimed) or (owner not in (None, node)):
+                    raise SecureSumError(f"node {node} claims site {claimed!r}, bound elsewhere")
+                if claimed in state.adverts:
+                    raise SecureSumError(f"site {claimed!r} advertised twice")
+            except (SecureSumError, ValueError, KeyError, TypeError) as exc:
+                log.warning(
+                    "round %d: ignoring an advertisement from node %d: %s",
+                    state.round_.server_round,
+                    node,
+                    exc,
+                )
+                continue
+            binding.node_site[node] = claimed
+            state.adverts[claimed] = (node, keys)
+        state.threshold = max(self.min_honest_sites, len(state.adverts) // 2 + 1)
+        # only the nodes asked to mask can have charged themselves: the others are not charged
+        binding.sent_to = {
+            n: state.round_.server_round for n in state.intake.answered | state.intake.replied
+        }
+        return self._enough(state, len(state.adverts), "sites advertised keys")
+
+    def share_keys(self, state: SecureState) -> bool:
+        """2. The roster and threshold to every advertiser; their sealed Shamir shares back."""
+        share_ask = ShareRequest(roster=state.roster, threshold=state.threshold)
+        contents = {
+            node: _with(
+                {CONFIG: state.config},
+                encode_share_request(share_ask, round_id=state.round_id, site_id=site),
             )
-        except (SecureSumError, ValueError) as exc:
-            log.warning(
-                "round %d: ignoring the unmasking answer of %s: %s", server_round, site, exc
+            for site, (node, _) in state.adverts.items()
+        }
+        roster = list(state.adverts)
+        for msg in self._send(state, contents, SECURE_SHARE):
+            site = self.binding.site_of(msg.metadata.src_node_id)
+            if site not in state.adverts or msg.has_error():
+                log.warning(
+                    "round %d: no shares from %s (error or unknown node)",
+                    state.round_.server_round,
+                    site,
+                )
+                continue
+            try:
+                state.sealed[site] = decode_share_reply(
+                    _part(msg.content), round_id=state.round_id, site_id=site, roster=roster
+                )
+            except (SecureSumError, ValueError) as exc:
+                log.warning(
+                    "round %d: ignoring the shares of %s: %s", state.round_.server_round, site, exc
+                )
+        state.participants = frozenset(state.sealed)
+        return self._enough(state, len(state.participants), "sites shared")
+
+    def collect_masked(self, state: SecureState) -> bool:
+        """3. The charged stage: each participant's facts (through the intake) and masked input."""
+        contents = {}
+        for site in sorted(state.participants):
+            node = state.node_of(site)
+            for_site = {
+                sender: state.sealed[sender][site]
+                for sender in state.participants
+                if sender != site
+            }
+            mask_ask = MaskRequest(sealed=for_site, participants=state.participants)
+            contents[node] = _with(
+                {ARRAYS: state.arrays, CONFIG: state.config},
+                encode_mask_request(mask_ask, round_id=state.round_id, site_id=site),
             )
-    try:
-        total = unmask_sum(
-            masked,
-            answers,
-            roster=roster,
-            participants=participants,
-            threshold=threshold,
-            bits=FIELD_BITS,
-            round_id=round_id,
+            self.binding.sent_to[node] = state.round_.server_round
+        state.sealed.clear()
+
+        def keep_masked(site: str, facts: dict[str, Any], msg: Message) -> Callable[[], None]:
+            if site not in state.participants:
+                raise ReplyError(f"{site!r} is not a participant of this round", "invalid")
+            if facts["status"] != STATUS_OK:
+                return lambda: None
+            try:
+                vector = decode_mask_reply(
+                    _part(msg.content),
+                    round_id=state.round_id,
+                    site_id=site,
+                    length=self.central.dim,
+                    bits=FIELD_BITS,
+                )
+            except (SecureSumError, ValueError) as exc:
+                raise ReplyError(f"masked input: {exc}", "update") from None
+            share, divisor = float(facts["share-sigma"]), float(facts["expected-batch-size"])
+
+            def add() -> None:
+                state.masked[site] = vector
+                state.shares[site] = share
+                state.divisor[site] = divisor
+
+            return add
+
+        for msg in self._send(state, contents, SECURE_MASK, state.round_.faults):
+            state.intake.take(msg, keep_masked)
+            del msg
+        state.intake.charge_unanswered()
+        return self._enough(state, len(state.masked), "masked inputs", charged=True)
+
+    def unmask_sum(self, state: SecureState) -> bool:
+        """4. The survivors reveal the shares that remove the masks: the coordinator keeps the
+        SUM and drops every masked vector."""
+        request = state.unmask = plan_unmask(
+            state.masked, participants=state.participants, threshold=state.threshold
         )
-    except SecureSumError as exc:
-        masked.clear()
-        summary.discarded = f"secure sum aborted: {exc}"
-        log.warning("round %d: %s", server_round, summary.discarded)
-        return None, strategy._metrics(summary)
-    survivors = sorted(request.survivors)
-    masked.clear()  # from here on the coordinator holds the sum only
-    expected = sum(divisor[s] for s in survivors)
-    noise = noise_std_of(
-        [shares[s] for s in survivors], max_norm=central.max_norm, expected_batch=expected
-    )
-    broadcast = arrays.to_torch_state_dict()
-    new = central.apply(
-        broadcast, centre(total, bits=FIELD_BITS), expected_batch=expected, noise_std=noise
-    )
-    del total
-    if not all(bool(np.isfinite(v.numpy()).all()) for v in new.values()):
-        summary.discarded = "the unmasked step is not finite"
-        return None, strategy._metrics(summary)
-    summary.applied = True
-    log.info(
-        "round %d: secure sum of %d sites (%d dropped after sharing), threshold %d",
-        server_round,
-        len(survivors),
-        len(request.dropped),
-        threshold,
-    )
-    return ArrayRecord(new), strategy._metrics(summary)
+        contents = {
+            state.node_of(site): _with(
+                {CONFIG: state.config},
+                encode_unmask_request(request, round_id=state.round_id, site_id=site),
+            )
+            for site in sorted(request.survivors)
+        }
+        for msg in self._send(state, contents, SECURE_UNMASK):
+            site = self.binding.site_of(msg.metadata.src_node_id)
+            if site not in request.survivors or msg.has_error():
+                continue
+            try:
+                state.answers.append(
+                    decode_unmask_reply(
+                        _part(msg.content), round_id=state.round_id, site_id=site, request=request
+                    )
+                )
+            except (SecureSumError, ValueError) as exc:
+                log.warning(
+                    "round %d: ignoring the unmasking answer of %s: %s",
+                    state.round_.server_round,
+                    site,
+                    exc,
+                )
+        return True
+
+    def step(self, state: SecureState) -> ArrayRecord | None:
+        """The sum, then PRISM's central step on it (``CentralStep.apply``)."""
+        summary = state.intake.summary
+        request = state.unmask
+        assert request is not None
+        try:
+            total = unmask_sum(
+                state.masked,
+                state.answers,
+                roster=state.roster,
+                participants=state.participants,
+                threshold=state.threshold,
+                bits=FIELD_BITS,
+                round_id=state.round_id,
+            )
+        except SecureSumError as exc:
+            state.masked.clear()
+            summary.discarded = f"secure sum aborted: {exc}"
+            log.warning("round %d: %s", state.round_.server_round, summary.discarded)
+            return None
+        survivors = sorted(request.survivors)
+        state.masked.clear()  # from here on the coordinator holds the sum only
+        expected = sum(state.divisor[s] for s in survivors)
+        noise = noise_std_of(
+            [state.shares[s] for s in survivors],
+            max_norm=self.central.max_norm,
+            expected_batch=expected,
+        )
+        broadcast = state.arrays.to_torch_state_dict()
+        new = self.central.apply(
+            broadcast, centre(total, bits=FIELD_BITS), expected_batch=expected, noise_std=noise
+        )
+        del total
+        if not all(bool(np.isfinite(v.numpy()).all()) for v in new.values()):
+            summary.discarded = "the unmasked step is not finite"
+            return None
+        summary.applied = True
+        log.info(
+            "round %d: secure sum of %d sites (%d dropped after sharing), threshold %d",
+            state.round_.server_round,
+            len(survivors),
+            len(request.dropped),
+            state.threshold,
+        )
+        return ArrayRecord(new)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _send(
+        self,
+        state: SecureState,
+        contents: dict[int, RecordDict],
+        action: str,
+        faults: Faults = NO_FAULTS,
+    ) -> Iterator[Message]:
+        round_ = state.round_
+        # the key, share and unmask stages are milliseconds of work at a site: poll them often
+        light = action != SECURE_MASK
+        return send(
+            round_.grid,
+            contents,
+            message_type(action),
+            timeout=round_.timeout,
+            server_round=round_.server_round,
+            poll_interval=min(round_.poll_interval, LIGHT_POLL_S)
+            if light
+            else round_.poll_interval,
+            faults=faults,
+        )
+
+    def _enough(self, state: SecureState, count: int, what: str, *, charged: bool = False) -> bool:
+        """Whether ``count`` reaches the threshold; else the round is aborted, nothing unmasked
+        (the nodes asked and unanswered are charged unconfirmed unless already ``charged``)."""
+        if count >= state.threshold:
+            return True
+        summary = state.intake.summary
+        summary.discarded = (
+            f"secure sum aborted: {count} {what}, the threshold needs {state.threshold}"
+        )
+        log.warning("round %d: %s; nothing unmasked", state.round_.server_round, summary.discarded)
+        if not charged:
+            state.intake.charge_unanswered()
+        return False
+
+    def describe(self) -> str:
+        return f"secure aggregation, min-honest-sites={self.min_honest_sites}, lr={self.central.lr}"
+
+    def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        """The central step's moments (``CentralStep.state_dict``)."""
+        return self.central.state_dict(), {}
+
+    def load_state_dict(self, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]) -> None:
+        self.central.load_state_dict(dict(tensors))

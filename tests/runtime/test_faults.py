@@ -51,7 +51,7 @@ def checkpoint(rnd: int) -> Checkpoint:
         arrays={"w": torch.full((2,), float(rnd))},
         run_config={"seed": 0},
         strategy={},
-        server_optimizer={},
+        round_state={},
     )
 
 

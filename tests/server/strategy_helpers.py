@@ -2,7 +2,8 @@
 
 ``PrismStrategy.from_run`` builds the strategy of a run config, and the tests that model a run
 use it. The tests that drive the strategy's parts on a synthetic adapter build it with
-``strategy_for``: its constructor has no defaults, so ``UNIT_SETTINGS`` names each setting they
+``strategy_for``, which builds each part the way ``from_run`` does, from settings a run config
+need not be able to say: ``UNIT_SETTINGS`` names each setting they
 rely on and a test overrides the ones it is about. Where these differ from what a run config
 can say, they do so on purpose: no fixed clip C or batch b (each reply states its own), no bound
 on the update's norm (any finite update of the right shape is honest), inverse-noise weights,
@@ -15,7 +16,11 @@ from typing import Any
 
 from prism_runtime.train_config import MECHANISMS
 from server.ledger import Ledger
-from server.strategy import PrismStrategy
+from server.optimizer import ServerOptimizer, ServerOptimizerConfig
+from server.strategy import PlainRound, PrismStrategy, RunTerms, StreamingAggregator, UpdateChecker
+from server.strategy.binding import SiteBinding
+from server.strategy.charges import Charges
+from server.strategy.selection import Selection
 
 UNIT_SETTINGS: dict[str, Any] = {
     "head": [],
@@ -47,8 +52,78 @@ UNIT_SETTINGS: dict[str, Any] = {
 
 
 def strategy_for(*, modules: list[str], ledger: Ledger, **settings: Any) -> PrismStrategy:
-    """A strategy over ``modules`` charging ``ledger``: ``UNIT_SETTINGS`` with ``settings``."""
+    """A plain-round strategy over ``modules`` charging ``ledger``: ``UNIT_SETTINGS`` with
+    ``settings``, each handed to the part that uses it."""
     unknown = sorted(set(settings) - set(UNIT_SETTINGS))
     if unknown:
         raise TypeError(f"not a PrismStrategy setting: {unknown}")
-    return PrismStrategy(modules=modules, ledger=ledger, **{**UNIT_SETTINGS, **settings})
+    s = {**UNIT_SETTINGS, **settings}
+    if not 1 <= s["min_sites"] <= s["sites_per_round"]:
+        raise ValueError(
+            f"min-sites={s['min_sites']} with sites-per-round={s['sites_per_round']}: "
+            "use 1 <= min-sites <= sites-per-round"
+        )
+    head, mode = s["head"], s["mode"]
+    terms = RunTerms(
+        mechanism=s["mechanism"],
+        dp=s["dp"],
+        local_steps=s["local_steps"],
+        delta=s["delta"],
+        noise_multiplier=s["noise_multiplier"],
+        max_norm=s["max_norm"],
+        expected_batch_size=s["expected_batch_size"],
+        sample_rate=s["sample_rate"],
+        auto_clip=s["auto_clip"],
+    )
+    return PrismStrategy(
+        modules=modules,
+        head=head,
+        selection=Selection(
+            ledger=ledger,
+            run_id=s["run_id"],
+            local_steps=s["local_steps"],
+            sites_per_round=s["sites_per_round"],
+            min_sites=s["min_sites"],
+            seed=s["seed"],
+            wait_for_nodes=s["wait_for_nodes"],
+            connect_timeout=s["connect_timeout"],
+        ),
+        binding=SiteBinding(),
+        terms=terms,
+        charges=Charges(
+            ledger=ledger,
+            run_id=s["run_id"],
+            target_epsilon=s["target_epsilon"],
+            delta=s["delta"],
+            mechanism=s["mechanism"],
+            auto_clip=s["auto_clip"],
+        ),
+        round_kind=PlainRound(
+            checker=UpdateChecker(
+                modules=modules,
+                head=head,
+                mode=mode,
+                local_steps=s["local_steps"],
+                update_bound=s["update_bound"],
+            ),
+            aggregator=StreamingAggregator(
+                modules=modules,
+                head=head,
+                mode=mode,
+                optimizer=ServerOptimizer(
+                    ServerOptimizerConfig(kind=s["server_optimizer"], lr=s["server_lr"]),
+                    modules,
+                    head,
+                ),
+                server_lr=s["server_lr"],
+                lr_schedule=s["lr_schedule"],
+                num_rounds=s["num_rounds"],
+                local_lr=s["local_lr"],
+                local_steps=s["local_steps"],
+                aggregation=s["aggregation"],
+                dp=s["dp"],
+                expected_batch_size=s["expected_batch_size"],
+            ),
+            min_sites=s["min_sites"],
+        ),
+    )

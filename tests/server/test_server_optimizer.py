@@ -65,7 +65,7 @@ def test_state_survives_a_checkpoint_bit_for_bit(kind: str, tmp_path: Path) -> N
             ckpt = load_checkpoint(tmp_path)
             assert ckpt is not None
             cut = ServerOptimizer(config, MODULES, HEAD)
-            cut.load_state_dict(ckpt.arrays, ckpt.server_optimizer["optimizer"])
+            cut.load_state_dict(ckpt.arrays, ckpt.round_state["optimizer"])
         p_cut, h_cut = cut.step(p_cut, updates, hv, hd, noise_std=0.01)
     for m in MODULES:
         assert torch.equal(p_straight[m].A, p_cut[m].A)

@@ -468,8 +468,8 @@ def test_a_momentum_head_may_move_ten_times_one_sgd_steps_bound(tmp_path):
                 head_optimizer=optimizer,
             ),
         )
-        strategy.checker.broadcast = {"head/weight": torch.zeros(2, 8)}
-        bounds[optimizer] = strategy.checker.head_sgd_bound(facts)
+        strategy.round_kind.checker.broadcast = {"head/weight": torch.zeros(2, 8)}
+        bounds[optimizer] = strategy.round_kind.checker.head_sgd_bound(facts)
     assert bounds["sgd"] > 0
     assert bounds["momentum"] == pytest.approx(10.0 * bounds["sgd"], rel=1e-12)
 
@@ -545,7 +545,7 @@ def _fuzz_two_rounds(data):
             strategy.configure_train(2, ArrayRecord(broadcast), ConfigRecord(), hostile.Grid())
         )
         by_node = {r.metadata.dst_node_id: r for r in requests}
-        bound = strategy.checker.norm_bound
+        bound = strategy.round_kind.checker.norm_bound
         specs = []
         for node, request in by_node.items():
             kind = data.draw(st.sampled_from(hostile.KINDS), label=f"kind {node}")

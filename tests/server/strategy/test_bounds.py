@@ -601,22 +601,22 @@ def _one_round(strategy, site, server_round):
 def _norm_and_bound(strategy, arrays):
     """The strategy's own norm of a reply and this round's bound, via a rejected probe."""
     tensors = {k: torch.as_tensor(v) for k, v in arrays.items()}
-    strategy.checker.check_norm(tensors, {})  # raises if over the bound
-    if strategy.mode == "tangent":
+    strategy.round_kind.checker.check_norm(tensors, {})  # raises if over the bound
+    if strategy.round_kind.checker.mode == "tangent":
         from prism_core.manifold import tangent_norm_sq
 
         total = 0.0
         for m in strategy.modules:
-            point = strategy.checker.broadcast
+            point = strategy.round_kind.checker.broadcast
             A, B = point[f"{m}/A"].double(), point[f"{m}/B"].double()
             dA, dB = tensors[f"{m}/dA"].double(), tensors[f"{m}/dB"].double()
             total += float(tangent_norm_sq(A, B, dA, dB))
         for n in strategy.head:
             total += float(tensors[f"head/{n}"].double().square().sum())
-        return total**0.5, strategy.checker.norm_bound
+        return total**0.5, strategy.round_kind.checker.norm_bound
     ratios = [
-        float((tensors[k].double() - strategy.checker.broadcast[k].double()).norm()) / b
-        for k, b in strategy.checker.factor_bounds.items()
+        float((tensors[k].double() - strategy.round_kind.checker.broadcast[k].double()).norm()) / b
+        for k, b in strategy.round_kind.checker.factor_bounds.items()
     ]
     return max(ratios), 1.0
 
@@ -656,10 +656,10 @@ def test_honest_site_updates_pass_with_margin_and_scaled_ones_are_rejected(
     print(f"honest norm / bound = {norm / bound:.4f}")
     assert 0 < norm < MARGIN * bound, (norm, bound)
     factor = 1.5 * bound / norm
-    if strategy.mode == "tangent":
+    if strategy.round_kind.checker.mode == "tangent":
         arrays = {k: (v * factor).contiguous() for k, v in reply.arrays.items()}
     else:  # move the factors 1.5x further than the bound allows
-        point = strategy.checker.broadcast
+        point = strategy.round_kind.checker.broadcast
         arrays = {
             k: (point[k] + factor * (v - point[k])).contiguous() for k, v in reply.arrays.items()
         }
@@ -734,7 +734,7 @@ def test_sgd_head_bound_admits_an_honest_site_and_rejects_a_pushed_head(
     )
     site = Site(run, node, site_policy(node, env_secret="update-bound-sgd-head"))
     strategy = _strategy(run, site, tmp_path)
-    strategy.update_bound = UpdateBound(
+    strategy.round_kind.checker.update_bound = UpdateBound(
         lr=run.lr,
         max_norm=run.max_norm,
         expected_batch_size=run.batch_size,

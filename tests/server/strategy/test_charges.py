@@ -664,8 +664,10 @@ def test_the_estimate_is_charged_in_both_ledgers_and_in_the_report(tiny_bert, tm
         wait_for_nodes=0.0,
     )
     assert strategy.terms.auto_clip == AutoClip.for_run(run)
-    assert strategy.update_bound == UpdateBound.for_run(run)
-    assert strategy.update_bound.max_norm == run.auto_clip_range[1]  # the largest clip
+    assert strategy.round_kind.checker.update_bound == UpdateBound.for_run(run)
+    assert (
+        strategy.round_kind.checker.update_bound.max_norm == run.auto_clip_range[1]
+    )  # the largest clip
     arrays = to_arrays(site.loaded)
     for server_round in (1, 2):
         (request,) = clip_estimate.ask(strategy, server_round, arrays).values()

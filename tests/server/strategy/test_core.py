@@ -39,6 +39,7 @@ from server.optimizer import ServerOptimizerConfig
 from server.strategy import PrismStrategy
 from server.strategy.bounds import AutoClip, UpdateBound, UpdateChecker
 from server.strategy.replies import RunTerms
+from server.strategy.secure import SecureRound
 from server.strategy.selection import WAIT_FOR_NODES
 from strategy import three_sites
 from strategy.two_modules import (
@@ -98,7 +99,9 @@ def test_the_strategy_hands_its_settings_to_its_parts(tmp_path) -> None:
     assert strategy.terms.auto_clip is auto
     assert strategy.charges.auto_clip is auto
     # the server optimizer steps at the server lr (the lr its checkpoint records)
-    assert strategy.optimizer.config == ServerOptimizerConfig(kind="sgd", lr=0.25)
+    assert strategy.round_kind.aggregator.optimizer.config == ServerOptimizerConfig(
+        kind="sgd", lr=0.25
+    )
 
 
 def test_the_constructor_takes_every_setting_by_keyword_and_has_no_default() -> None:
@@ -118,7 +121,7 @@ def test_a_default_run_config_gives_the_products_settings(tmp_path) -> None:
         assert strategy.selection.connect_timeout == 600.0
         assert (strategy.selection.sites_per_round, strategy.selection.min_sites) == (3, 1)
         assert strategy.selection.rng.getstate() == random.Random(0).getstate()
-        aggregator = strategy.aggregator
+        aggregator = strategy.round_kind.aggregator
         assert (aggregator.local_lr, aggregator.local_steps) == (0.002, 1)
         assert (aggregator.server_lr, aggregator.lr_schedule, aggregator.num_rounds) == (
             1.0,
@@ -126,7 +129,9 @@ def test_a_default_run_config_gives_the_products_settings(tmp_path) -> None:
             30,
         )
         assert (aggregator.aggregation, aggregator.expected_batch_size) == ("examples", 128.0)
-        assert strategy.optimizer.config == ServerOptimizerConfig(kind="sgd", lr=1.0)
+        assert strategy.round_kind.aggregator.optimizer.config == ServerOptimizerConfig(
+            kind="sgd", lr=1.0
+        )
         # noise-multiplier = -1: each site calibrates its own, any in range is the run's
         assert strategy.terms == RunTerms(
             mechanism="prism-tangent-gaussian",
@@ -139,7 +144,7 @@ def test_a_default_run_config_gives_the_products_settings(tmp_path) -> None:
             auto_clip=None,
         )
         assert (strategy.charges.target_epsilon, strategy.charges.delta) == (3.0, 1e-5)
-        assert strategy.mode == "tangent" and strategy.dp
+        assert strategy.round_kind.checker.mode == "tangent" and strategy.terms.dp
 
 
 def test_from_run_reads_every_setting_from_the_run_config(tmp_path) -> None:
@@ -170,7 +175,7 @@ def test_from_run_reads_every_setting_from_the_run_config(tmp_path) -> None:
         strategy = core.PrismStrategy.from_run(
             run, modules=MODULES, head=["w"], ledger=ledger, run_id="run-9", wait_for_nodes=3.0
         )
-        assert (strategy.modules, strategy.head, strategy.mode) == (
+        assert (strategy.modules, strategy.head, strategy.round_kind.checker.mode) == (
             MODULES,
             ["w"],
             "factor-average",
@@ -180,7 +185,7 @@ def test_from_run_reads_every_setting_from_the_run_config(tmp_path) -> None:
         assert (sel.sites_per_round, sel.min_sites, sel.local_steps) == (4, 2, 3)
         assert (sel.wait_for_nodes, sel.connect_timeout) == (3.0, 42.0)
         assert sel.rng.getstate() == random.Random(9).getstate()
-        aggregator = strategy.aggregator
+        aggregator = strategy.round_kind.aggregator
         assert (aggregator.server_lr, aggregator.lr_schedule, aggregator.num_rounds) == (
             0.5,
             "cosine",
@@ -192,7 +197,9 @@ def test_from_run_reads_every_setting_from_the_run_config(tmp_path) -> None:
             True,
             32.0,
         )
-        assert strategy.optimizer.config == ServerOptimizerConfig(kind="sgd", lr=0.5)
+        assert strategy.round_kind.aggregator.optimizer.config == ServerOptimizerConfig(
+            kind="sgd", lr=0.5
+        )
         # the mechanism the run's method runs on the sites (fedavg-factors: dp-adamw there)
         assert strategy.terms == RunTerms(
             mechanism="factor-gaussian",
@@ -212,20 +219,52 @@ def test_from_run_reads_every_setting_from_the_run_config(tmp_path) -> None:
         )
         # the bound of the TrainConfig the sites derive from the same run config
         train = site_train_config(run, method="dp-adamw", max_norm=0.8, epsilon=5.0)
-        assert strategy.update_bound == UpdateBound.for_sites(train) == UpdateBound.for_run(run)
-        assert strategy.update_bound.lr == 0.01 and strategy.update_bound.max_norm == 0.8
+        assert (
+            strategy.round_kind.checker.update_bound
+            == UpdateBound.for_sites(train)
+            == UpdateBound.for_run(run)
+        )
+        assert (
+            strategy.round_kind.checker.update_bound.lr == 0.01
+            and strategy.round_kind.checker.update_bound.max_norm == 0.8
+        )
 
 
 def test_a_secure_run_with_one_sample_rate_binds_q_not_the_batch(tmp_path) -> None:
     run = parse_config(
-        RunConfig, {"secure-aggregation": True, "sample-rate": 0.004}, what="run config"
+        RunConfig,
+        {"secure-aggregation": True, "sample-rate": 0.004, "min-honest-sites": 3},
+        what="run config",
     )
     with Ledger.open(tmp_path / "ledger.sqlite") as ledger:
         strategy = core.PrismStrategy.from_run(
-            run, modules=MODULES, head=[], ledger=ledger, run_id="run-1"
+            run, modules=MODULES, head=[], ledger=ledger, run_id="run-1", arrays=adapter()
         )
     assert (strategy.terms.sample_rate, strategy.terms.expected_batch_size) == (0.004, None)
     assert strategy.terms.mechanism == SKELLAM_MECHANISM
+    # the secure round kind, sharing the strategy's binding, at the run's least threshold
+    kind = strategy.round_kind
+    assert isinstance(kind, SecureRound) and kind.binding is strategy.binding
+    assert kind.min_honest_sites == 3 and kind.central.max_norm == run.max_norm
+
+
+def test_a_secure_run_needs_the_initial_arrays_for_its_central_step(tmp_path) -> None:
+    run = parse_config(RunConfig, {"secure-aggregation": True}, what="run config")
+    with (
+        Ledger.open(tmp_path / "ledger.sqlite") as ledger,
+        pytest.raises(ValueError, match="arrays"),
+    ):
+        core.PrismStrategy.from_run(run, modules=MODULES, head=[], ledger=ledger, run_id="run-1")
+
+
+def test_a_secure_strategy_refuses_flowers_one_exchange_aggregation(tmp_path) -> None:
+    run = parse_config(RunConfig, {"secure-aggregation": True}, what="run config")
+    with Ledger.open(tmp_path / "ledger.sqlite") as ledger:
+        strategy = core.PrismStrategy.from_run(
+            run, modules=MODULES, head=[], ledger=ledger, run_id="run-1", arrays=adapter()
+        )
+        with pytest.raises(TypeError, match="four exchanges"):
+            strategy.aggregate_train(1, [])
 
 
 def test_from_run_checks_a_private_clip_and_bounds_it_at_its_largest(tmp_path) -> None:
@@ -242,8 +281,13 @@ def test_from_run_checks_a_private_clip_and_bounds_it_at_its_largest(tmp_path) -
         auto = AutoClip(low=low, high=high, steps=30, noise_multiplier=0.05 * 64)
         assert strategy.terms.auto_clip == auto and strategy.charges.auto_clip == auto
         assert strategy.terms.max_norm is None  # each site reports its own estimate
-        assert strategy.update_bound is not None and strategy.update_bound.max_norm == high
-        assert strategy.optimizer.config == ServerOptimizerConfig(kind="momentum", lr=1.0)
+        assert (
+            strategy.round_kind.checker.update_bound is not None
+            and strategy.round_kind.checker.update_bound.max_norm == high
+        )
+        assert strategy.round_kind.aggregator.optimizer.config == ServerOptimizerConfig(
+            kind="momentum", lr=1.0
+        )
 
 
 def test_from_run_of_a_nondp_run_expects_no_noise_and_no_clip_estimate(tmp_path) -> None:
@@ -252,7 +296,7 @@ def test_from_run_of_a_nondp_run_expects_no_noise_and_no_clip_estimate(tmp_path)
         strategy = core.PrismStrategy.from_run(
             run, modules=MODULES, head=[], ledger=ledger, run_id="run-1"
         )
-        assert (strategy.dp, strategy.mode) == (False, "factor-average")
+        assert (strategy.terms.dp, strategy.round_kind.checker.mode) == (False, "factor-average")
         assert (strategy.terms.mechanism, strategy.terms.dp) == ("none", False)
         assert strategy.terms.auto_clip is None and strategy.charges.auto_clip is None
         assert AutoClip.for_run(run) is None
@@ -273,7 +317,7 @@ def test_min_sites_from_one_to_sites_per_round_is_accepted(
     strategy, _ = strategy_and_ledger(
         tmp_path, min_sites=min_sites, sites_per_round=sites_per_round
     )
-    assert strategy.min_sites == min_sites
+    assert strategy.round_kind.min_sites == min_sites
 
 
 def test_start_hands_every_argument_and_flowers_defaults_to_the_round_loop(
@@ -344,8 +388,8 @@ def test_each_round_sets_the_update_bound_of_its_own_round_number(tmp_path) -> N
             modules=MODULES, head=[], mode="tangent", local_steps=2, update_bound=bound
         )
         reference.begin_round(server_round, adapter())
-        assert strategy.checker.norm_bound == reference.norm_bound
-        bounds[server_round] = strategy.checker.norm_bound
+        assert strategy.round_kind.checker.norm_bound == reference.norm_bound
+        bounds[server_round] = strategy.round_kind.checker.norm_bound
     assert bounds[3] > bounds[1] * 1.01
 
 
@@ -366,7 +410,7 @@ def test_one_site_with_a_weight_below_one_updates_the_model(tmp_path) -> None:
     # the run's clip must match the reply's: a run without a fixed C accepts any
     new, metrics = strategy.aggregate_train(1, [site_reply(request, _zero_update(), facts)])
     assert metrics["sites-accepted"] == 1
-    assert 0 < strategy.aggregator.total_weight < 1
+    assert 0 < strategy.round_kind.aggregator.total_weight < 1
     assert new is not None and metrics["applied"] == 1
 
 
@@ -471,14 +515,14 @@ def test_an_unexpected_error_on_one_reply_rejects_it_as_invalid_and_the_round_go
 ) -> None:
     strategy, ledger = strategy_and_ledger(tmp_path, sites_per_round=2, min_sites=1)
     requests = _ask(strategy, nodes=[11, 12])
-    real = strategy.aggregator.weight
+    real = strategy.round_kind.aggregator.weight
 
     def weight(facts):
         if facts["site-id"] == "site-b":
             raise ValueError("boom in weight")
         return real(facts)
 
-    strategy.aggregator.weight = weight
+    strategy.round_kind.aggregator.weight = weight
     replies = [
         site_reply(requests[0], _zero_update(), site_facts("site-a")),
         site_reply(requests[1], _zero_update(), site_facts("site-b")),
@@ -594,7 +638,7 @@ def test_the_strategy_logs_its_settings_once_at_start(
         strategy.summary()
     (line,) = [r.getMessage() for r in caplog.records if r.name == "server.strategy"]
     assert line == (
-        "PrismStrategy(mode=tangent, modules=1, head=0, sites/round=2, min-sites=2, "
+        "PrismStrategy(modules=1, head=0, sites/round=2, mode=tangent, min-sites=2, "
         "server-lr=0.25 cosine)"
     )
 

@@ -29,10 +29,12 @@ from sitegrid import Arrival, FlowerSites
 from strategy_helpers import strategy_for
 
 import server.strategy.loop as loop
+import server.strategy.transport as transport
 from prism_runtime.faults import Faults
 from prism_runtime.protocol import ACCOUNTING, CONFIG, UPDATE, key
 from server.ledger import Ledger
-from server.strategy.loop import run_rounds, stream_replies
+from server.strategy.loop import run_rounds
+from server.strategy.transport import stream_replies
 
 MAX_CALLS = 500  # pulls or sleeps: far more than any of these rounds needs
 
@@ -138,6 +140,7 @@ def requests(*nodes: int) -> list[Msg]:
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     fake = Clock()
     monkeypatch.setattr(loop, "time", fake)
+    monkeypatch.setattr(transport, "time", fake)
     return fake
 
 
@@ -267,8 +270,10 @@ class Summary:
 
 
 class Strategy:
-    """Asks ``nodes`` in every round up to ``last_round`` and none after; each round's new arrays
-    are ``f"after-{round}"`` (None in ``unchanged`` rounds), its metrics ``{"n": replies}``."""
+    """Asks ``nodes`` in every round up to ``last_round`` and none after; runs each round as a
+    plain round does (its replies streamed by ``stream_replies`` with the loop's timeout, poll
+    and crash points); each round's new arrays are ``f"after-{round}"`` (None in ``unchanged``
+    rounds), its metrics ``{"n": replies}``."""
 
     def __init__(
         self, nodes: tuple[int, ...], last_round: int = 99, unchanged: tuple[int, ...] = ()
@@ -284,7 +289,18 @@ class Strategy:
         self.summaries.append(Summary(server_round))
         return requests(*self.nodes)
 
-    def aggregate_train(self, server_round, replies):
+    def run_round(
+        self, server_round, grid, messages, *, timeout, pull_batch, poll_interval, faults
+    ):
+        replies = stream_replies(
+            grid,
+            messages,
+            timeout=timeout,
+            pull_batch=pull_batch,
+            poll_interval=poll_interval,
+            server_round=server_round,
+            faults=faults,
+        )
         count = sum(1 for _ in replies)
         new = None if server_round in self.unchanged else f"after-{server_round}"
         return new, {"n": count}

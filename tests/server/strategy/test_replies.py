@@ -622,7 +622,7 @@ def test_an_error_reason_is_never_logged_or_stored(tmp_path, caplog):
             arrays=three_sites.adapter(),
             run_config={},
             strategy=strategy.state_dict(),
-            server_optimizer={},
+            round_state={},
         ),
     )
     write_reports(build_report(ledger), run_dir)

@@ -1,0 +1,113 @@
+"""The plain round: one exchange, each site's noisy update streamed into a weighted mean.
+
+PRISM (``mode="tangent"``): every site of a round starts from the same broadcast point
+``Z_t = A B.T``, so their tangent updates live in one vector space and the weighted mean of the
+lifts IS the weighted mean of the ``dZ_k`` (the map ``(dA, dB) -> dA B.T + A dB.T`` is linear).
+The server then takes ``Retr_r(Z_t + eta_s * mean dZ)`` (QR + 2r x 2r SVD, full rank r kept).
+Baselines (``mode="factor-average"``): FedIT-style FedAvg of ``A`` and ``B`` separately
+(inexact: ``mean(A) mean(B).T != mean(A B.T)``), used with factor-space DP or FFA on the sites.
+
+Replies are consumed one at a time as they are pulled (``server.strategy.transport``) and none
+is kept after it is summed, so coordinator memory does not grow with the number of sites. Each
+reply goes through the round's ``ReplyIntake`` (facts checked and charged); its update is then
+checked (``UpdateChecker``: keys, shapes, values, the honest norm bound) and added to the
+``StreamingAggregator``. No NaN or Inf can reach the global adapter: the replies, their mean and
+the retracted result are all checked.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from flwr.app import ArrayRecord, Message
+from torch import Tensor
+
+from prism_runtime.protocol import UPDATE
+from server.strategy.aggregator import StreamingAggregator
+from server.strategy.bounds import UpdateChecker
+from server.strategy.contract import STATE_PREFIX, RoundContext
+from server.strategy.intake import ReplyIntake
+from server.strategy.transport import stream_replies
+
+__all__ = ["PlainRound"]
+
+log = logging.getLogger("server.strategy")
+
+
+class PlainRound:
+    """One exchange per round, the weighted mean of the checked updates, the server step.
+
+    Args:
+        checker: what an honest update can be (``UpdateChecker``).
+        aggregator: the weighted streaming sums and the server step (``StreamingAggregator``).
+        min_sites: the fewest accepted updates a round applies (run-config ``min-sites``).
+    """
+
+    def __init__(
+        self, *, checker: UpdateChecker, aggregator: StreamingAggregator, min_sites: int
+    ) -> None:
+        self.checker, self.aggregator, self.min_sites = checker, aggregator, min_sites
+
+    def begin(self, server_round: int, broadcast: dict[str, Tensor]) -> None:
+        """Start a round at the broadcast arrays: the bound's reference, empty sums."""
+        self.checker.begin_round(server_round, broadcast)
+        self.aggregator.begin_round(broadcast)
+
+    def run(self, round_: RoundContext) -> ArrayRecord | None:
+        """Send the round's messages and aggregate the replies as they arrive."""
+        replies = stream_replies(
+            round_.grid,
+            round_.messages,
+            timeout=round_.timeout,
+            pull_batch=round_.pull_batch,
+            poll_interval=round_.poll_interval,
+            server_round=round_.server_round,
+            faults=round_.faults,
+        )
+        return self.aggregate(round_.intake, replies)
+
+    def aggregate(self, intake: ReplyIntake, replies: Iterable[Message]) -> ArrayRecord | None:
+        """Take every reply through ``intake`` into the running sums; apply the mean if at
+        least ``min_sites`` updates were accepted (else the global adapter stays)."""
+        for msg in replies:
+            intake.take(msg, self.handle)
+            del msg  # the reply is summed: drop it before the next one is pulled
+        intake.charge_unanswered()
+        summary = intake.summary
+        if len(summary.accepted) < self.min_sites:  # >= 1: every accepted weight is > 0
+            log.warning(
+                "round %d: %d valid updates < min-sites=%d; global adapter unchanged",
+                intake.server_round,
+                len(summary.accepted),
+                self.min_sites,
+            )
+            return None
+        new = self.aggregator.finish(summary)
+        if new is None:
+            return None
+        summary.applied = True
+        return ArrayRecord(new)
+
+    def handle(self, site: str, facts: dict[str, Any], msg: Message) -> Callable[[], None]:
+        """Check the reply's update against the honest bound; return what adds it, weighted."""
+        update = self.checker.validate(msg.content.get(UPDATE), facts)
+        weight = self.aggregator.weight(facts)
+        return lambda: self.aggregator.add(update, facts, weight)
+
+    def describe(self) -> str:
+        aggregator = self.aggregator
+        return (
+            f"mode={aggregator.mode}, min-sites={self.min_sites}, "
+            f"server-lr={aggregator.server_lr} {aggregator.lr_schedule}"
+        )
+
+    def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        """The server optimizer's state (``ServerOptimizer.state_dict``)."""
+        tensors, meta = self.aggregator.optimizer.state_dict()
+        assert all(k.startswith(STATE_PREFIX) for k in tensors)
+        return tensors, {"server-optimizer": meta}
+
+    def load_state_dict(self, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]) -> None:
+        self.aggregator.optimizer.load_state_dict(tensors, meta["server-optimizer"])
