@@ -25,6 +25,17 @@ ROOT = Path(__file__).resolve().parents[1]
 # The patterns are assembled from pieces so that this file does not match them itself.
 _TITLE = r"[\"'\u201c\u2018][A-Z][^\"'\u201d\u2019\n]*\s[^\"'\u201d\u2019\n]+[\"'\u201d\u2019]"
 """A quoted title: capitalised, at least two words."""
+_ISSUE_WORD = r"(?i:\b(?:iss" + r"ues?|tick" + r"ets?|pull requests?)\b)"
+"""The word that names an issue, in any case."""
+_MACHINE_ROOTS = [
+    "wo" + "rk",
+    "ro" + "ot",
+    "tm" + "p",
+    "mn" + "t",
+    "Users",
+    r"home/(?!prism\b)[\w.-]+",
+]
+"""A build machine's checkout, home or scratch folders; ``/home/prism`` is the image's user."""
 
 MARKS = {
     "work session": re.compile(r"\bsess" + r"ion[ -]?[0-9]+", re.IGNORECASE),
@@ -32,28 +43,11 @@ MARKS = {
     "period-suffixed name": re.compile(r"[A-Za-z0-9_.]-" + r"s[0-9]+\b"),
     "issue number": re.compile(r"\biss" + r"ue ?#?[0-9]+", re.IGNORECASE),
     "outside design file": re.compile(re.escape("DESIGN" + ".md")),
-    # "issue", "ticket" or "pull request" next to a quoted title, on either side.
     "issue cited by title": re.compile(
-        r"\b(?:iss"
-        + r"ues?|tick"
-        + r"ets?|pull requests?)\b[\s:,(]{0,4}"
-        + _TITLE
-        + "|"
-        + _TITLE
-        + r"\s{1,3}(?:iss"
-        + r"ue|tick"
-        + r"et|pull request)\b",
-        re.IGNORECASE,
+        rf"{_ISSUE_WORD}[\s:,(]{{0,4}}{_TITLE}|{_TITLE}\s{{1,3}}{_ISSUE_WORD}"
     ),
-    # A checkout, home or scratch folder of a build machine; /home/prism is the image's user.
     "build-machine path": re.compile(
-        r"(?<![\w.~$/-])/(?:wo"
-        + r"rk|ro"
-        + r"ot|tm"
-        + r"p|mn"
-        + r"t|Users"
-        + r"|home/(?!prism\b)[\w.-]+)/|\b[A-Za-z]:\\Us"
-        + r"ers\\"
+        r"(?<![\w.~$/-])/(?:" + "|".join(_MACHINE_ROOTS) + r")/|\b[A-Za-z]:\\Us" + r"ers\\"
     ),
 }
 EXEMPT = {"CHANGELOG.md"}
@@ -170,6 +164,7 @@ _CLEAN = [
     f"an {_ISSUE} with the round is logged",
     f'raise ValueError("{_ISSUE} with the key")',
     'the section "Secure aggregation" of docs/benchmarks.md',
+    f'the {_ISSUE} "bad round or stale" code',
 ]
 
 
