@@ -39,7 +39,8 @@ PRIVACY_UNITS: Final = ("record", "user")
 """What one event's epsilon protects (docs/design.md §3.2): one record, or one person (a user
 and all of their records)."""
 DEFAULT_UNIT: Final = "record"
-"""The unit of every event a site runs today: one record."""
+"""The unit of an event that names none: one record (a site at ``privacy-unit = user`` emits
+events per person)."""
 
 SKELLAM_MECHANISM: Final = "prism-tangent-skellam"
 """PRISM's step under secure aggregation (docs/design.md §3.3): the site's rounded clipped sum plus

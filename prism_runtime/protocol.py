@@ -12,7 +12,7 @@ Site -> server (train reply): RecordDict with
   ``ACCOUNTING`` ConfigRecord of accounting facts only (see ``ACCOUNTING_KEYS``);
   ``NONPRIVATE`` MetricRecord, present only when the run opts in (labelled non-private).
 
-Refusals and errors (issue "The site owns its privacy"): a site that will not run a round replies
+Refusals and errors: a site that will not run a round replies
 ``status = STATUS_REFUSED`` with ``reason`` set to one of ``REFUSAL_REASONS`` (a code, never free
 text) and charges nothing. A site that fails replies with a Flower error message whose
 ``Error.code`` is one of ``SITE_ERROR_CODES`` and whose ``Error.reason`` is that code's fixed text:

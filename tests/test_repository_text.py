@@ -2,10 +2,14 @@
 
 Every tracked text file (binary files and the changelog excepted) is scanned for the marks of a
 work diary: a numbered session, a parenthesised period tag such as ``(s`` + ``12)``, a file or
-folder name ending in ``-s`` + ``12``, an issue number, and the name of a design file that lives
-outside the repository (the design the code cites is ``docs/design.md``). Each hit is reported
-as ``file:line: text``. The documentation's relative links must resolve to files that exist,
-and a link's ``#anchor`` into a markdown file to one of its headings.
+folder name ending in ``-s`` + ``12``, an issue cited by number or by its quoted title, the name
+of a design file that lives outside the repository (the design the code cites is
+``docs/design.md``), and an absolute path of the machine the work was done on (a checkout, a home
+or a scratch folder; the container's own paths, such as ``/data`` or the image user's
+``/home/prism``, are the product's). Each hit is reported as ``file:line: text``; a test of the
+checker proves it catches a planted example of each mark. The documentation's relative links
+must resolve to files that exist, and a link's ``#anchor`` into a markdown file to one of its
+headings.
 """
 
 from __future__ import annotations
@@ -19,15 +23,40 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # The patterns are assembled from pieces so that this file does not match them itself.
+_TITLE = r"[\"'\u201c\u2018][A-Z][^\"'\u201d\u2019\n]*\s[^\"'\u201d\u2019\n]+[\"'\u201d\u2019]"
+"""A quoted title: capitalised, at least two words."""
+_ISSUE_WORD = r"(?i:\b(?:iss" + r"ues?|tick" + r"ets?|pull requests?)\b)"
+"""The word that names an issue, in any case."""
+_MACHINE_ROOTS = [
+    "wo" + "rk",
+    "ro" + "ot",
+    "tm" + "p",
+    "mn" + "t",
+    "Users",
+    r"home/(?!prism\b)[\w.-]+",
+]
+"""A build machine's checkout, home or scratch folders; ``/home/prism`` is the image's user."""
+
 MARKS = {
     "work session": re.compile(r"\bsess" + r"ion[ -]?[0-9]+", re.IGNORECASE),
     "period tag": re.compile(r"\(" + r"s[0-9]+\)", re.IGNORECASE),
     "period-suffixed name": re.compile(r"[A-Za-z0-9_.]-" + r"s[0-9]+\b"),
-    "issue number": re.compile(r"\biss" + r"ue[ #]?[0-9]+", re.IGNORECASE),
+    "issue number": re.compile(r"\biss" + r"ue ?#?[0-9]+", re.IGNORECASE),
     "outside design file": re.compile(re.escape("DESIGN" + ".md")),
+    "issue cited by title": re.compile(
+        rf"{_ISSUE_WORD}[\s:,(]{{0,4}}{_TITLE}|{_TITLE}\s{{1,3}}{_ISSUE_WORD}"
+    ),
+    "build-machine path": re.compile(
+        r"(?<![\w.~$/-])/(?:" + "|".join(_MACHINE_ROOTS) + r")/|\b[A-Za-z]:\\Us" + r"ers\\"
+    ),
 }
 EXEMPT = {"CHANGELOG.md"}
 """Files whose subject is the project's history."""
+
+RAW_RESULTS = "docs/results/"
+HAND_WRITTEN = {"notes.md", "README.md"}
+"""Under ``RAW_RESULTS`` every file but these is a benchmark's output, kept as it was written:
+it records the paths of the machine that ran it, so only the build-machine mark skips it."""
 
 DOCUMENTATION = (
     "README.md",
@@ -40,7 +69,7 @@ DOCUMENTATION = (
 """Prefixes of the documentation a reader opens first."""
 
 LINKED_DOCS = ("README.md", "CONTRIBUTING.md", "CHANGELOG.md", "deploy/README.md")
-"""Markdown files whose links are checked, with every ``docs/*.md``."""
+"""Markdown files whose links are checked, with every ``docs/*.md`` and the results' notes."""
 
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)
@@ -78,6 +107,19 @@ def _is_documentation(name: str) -> bool:
     return any(name == p or (p.endswith("/") and name.startswith(p)) for p in DOCUMENTATION)
 
 
+def _is_raw_result(name: str) -> bool:
+    return name.startswith(RAW_RESULTS) and Path(name).name not in HAND_WRITTEN
+
+
+def _marks(line: str, *, raw_result: bool = False) -> list[str]:
+    """The kinds of mark ``line`` carries (a raw result's machine paths are its record)."""
+    return [
+        kind
+        for kind, pattern in MARKS.items()
+        if pattern.search(line) and not (raw_result and kind == "build-machine path")
+    ]
+
+
 def _hits(names: list[str]) -> list[str]:
     hits = []
     for name in names:
@@ -86,11 +128,62 @@ def _hits(names: list[str]) -> list[str]:
         text = _text(name)
         if text is None:
             continue
+        raw = _is_raw_result(name)
         for number, line in enumerate(text.splitlines(), start=1):
-            for kind, pattern in MARKS.items():
-                if pattern.search(line):
-                    hits.append(f"{name}:{number}: {kind}: {line.strip()[:160]}")
+            for kind in _marks(line, raw_result=raw):
+                hits.append(f"{name}:{number}: {kind}: {line.strip()[:160]}")
     return hits
+
+
+# Planted lines, one per mark, assembled from pieces like the patterns.
+_ISSUE = "iss" + "ue"
+_PLANTED = [
+    ("see sess" + "ion 12's notes", "work session"),
+    ("measured (s" + "12)", "period tag"),
+    ("bench-results/step-s" + "12.json", "period-suffixed name"),
+    ("as " + _ISSUE + " #37 asks", "issue number"),
+    ("the design in DES" + "IGN.md", "outside design file"),
+    (f'Refusals ({_ISSUE} "The site owns its privacy"): a code', "issue cited by title"),
+    (f'the "Secure aggregation with distributed noise" {_ISSUE} adds', "issue cited by title"),
+    ("tick" + "et \u201cOne round contract for all\u201d", "issue cited by title"),
+    (f"{_ISSUE}: 'Private training at a real budget'", "issue cited by title"),
+    ('SST2 = Path("/wo' + 'rk/shared/data/sst2/train.jsonl")', "build-machine path"),
+    ("--out /tm" + "p/step-t1.json", "build-machine path"),
+    ("cp /ho" + "me/alice/ca.crt .", "build-machine path"),
+    ("HOME=/ro" + "ot/.cache", "build-machine path"),
+    ("C:\\Us" + "ers\\alice\\data", "build-machine path"),
+]
+_CLEAN = [
+    "#!/usr/bin/env bash",
+    "HOME=/home/prism FLWR_HOME=/home/prism/.flwr",
+    "- ./data:/data:ro",
+    "state-dir = /var/lib/prism/state",
+    "--out bench-results/tmp/step.json",
+    "see https://example.org/work/tmp/page",
+    "PRISM_DATA_DIR=$HOME/work/data ~/work/x",
+    f"an {_ISSUE} with the round is logged",
+    f'raise ValueError("{_ISSUE} with the key")',
+    'the section "Secure aggregation" of docs/benchmarks.md',
+    f'the {_ISSUE} "bad round or stale" code',
+]
+
+
+@pytest.mark.parametrize(("line", "kind"), _PLANTED)
+def test_each_mark_catches_its_planted_example(line: str, kind: str) -> None:
+    assert _marks(line) == [kind]
+
+
+@pytest.mark.parametrize("line", _CLEAN)
+def test_the_marks_pass_ordinary_text(line: str) -> None:
+    assert _marks(line) == []
+
+
+def test_a_raw_result_keeps_its_machine_paths_and_nothing_else() -> None:
+    path_line, issue_line = _PLANTED[9][0], _PLANTED[3][0]
+    assert _is_raw_result("docs/results/step/sst2.json")
+    assert not _is_raw_result("docs/results/step/notes.md")
+    assert _marks(path_line, raw_result=True) == []
+    assert _marks(issue_line, raw_result=True) == ["issue number"]
 
 
 @pytest.mark.parametrize("part", ["documentation", "code and configuration"])
@@ -123,6 +216,7 @@ def _anchors(path: Path) -> set[str]:
 
 def _linked_docs() -> list[Path]:
     docs = sorted((ROOT / "docs").glob("*.md"))
+    docs += sorted(p for p in (ROOT / RAW_RESULTS).rglob("*.md") if p.name in HAND_WRITTEN)
     return [ROOT / name for name in LINKED_DOCS if (ROOT / name).is_file()] + docs
 
 
