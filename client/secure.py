@@ -162,6 +162,10 @@ def registered_keys(policy: SitePolicy) -> dict[str, ec.EllipticCurvePublicKey]:
 class SecureStage:
     """One message of a site's secure round with its context, resolved once (``resolve``).
 
+    The round id (``round_id``) and the site's secure noise (``noise``) are resolved when a stage
+    first reads them: a site refusing the run answers ``advertise`` with its refusal whatever
+    else the message holds.
+
     Attributes:
         site: the site (``client.site.get_site``).
         server_round: the message's round number, checked.
