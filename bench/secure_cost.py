@@ -132,7 +132,8 @@ def main() -> int:
         base = Path(tmp)
         peers = base / "peers"  # every run's sites pin the same identity keys
         peers.mkdir()
-        from client.secure import IDENTITY_PUBLIC, identity_key
+        from client.secure import identity_key
+        from prism_runtime.identity import IDENTITY_PUBLIC
 
         for secure in (False, True):
             folder = base / ("secure" if secure else "plain")

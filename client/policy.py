@@ -81,7 +81,7 @@ class SitePolicy:
     secure_peers: Path | None = None
     """Deployed: the folder of the peers' pinned identity keys (``<site-id>.pem``)."""
     secure_identity: Path | None = None
-    """The site's identity private key; None: ``<state-dir>/secure-identity.pem``."""
+    """The site's identity private key; None: ``<state-dir>/identity.pem``."""
     rng_secret: bytes | None = field(default=None, repr=False)
     cache_dir: Path | None = (
         None  # prism_runtime.cache: from the node config or the site's env only

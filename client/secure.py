@@ -1,22 +1,25 @@
 """A site's part in a secure-aggregation round (docs/design.md §3.3): four messages, one charge.
 
 The coordinator drives four exchanges per round (``server.strategy.secure``); each arrives as a
-``train`` message with its own action (``ACTIONS``) and is answered here:
+``train`` message with its own action (``ACTIONS``). The ClientApp resolves the message's context
+once (``SecureStage.resolve``: the site, the round number and nonce, the round id, the site's
+noise) and hands it to the stage of that action, which answers it:
 
-1. ``secure_advertise``: the site checks its policy (a refusal is the usual refused reply,
-   charging nothing), makes the round's ``prism_runtime.secure_sum.SiteRound`` (fresh X25519 key
-   pairs and self-mask seed) and returns its public keys signed with its IDENTITY key
-   (``identity_key``: ECDSA P-256, made once in its state folder, never sent);
-2. ``secure_share``: it verifies every site's advertisement against the PINNED identity keys
-   of its peers (``registered_keys``; a key the coordinator substituted fails here), refuses a
-   threshold below its own H, and returns Shamir shares of its secrets sealed for each peer;
-3. ``secure_mask``: the round itself (``client.site.Site.secure_round``): request and policy
-   checks, the charge at the noise the sum carries if H sites are honest, one clipped sum at the
-   broadcast point in public tangent coordinates, randomized rounding and a Skellam share of the
-   noise (``prism_core.distributed``), then the masks; the reply carries the accounting facts and
-   the masked vector, never anything a coordinator could read alone;
-4. ``secure_unmask``: it reveals the shares that remove the masks of the sum, and only when at
-   least its H masked inputs survived (fewer: the round is aborted with nothing unmasked).
+1. ``advertise``: the site checks its policy (a refusal is the usual refused reply, charging
+   nothing), makes the round's ``prism_runtime.secure_sum.SiteRound`` (fresh X25519 key pairs and
+   self-mask seed) and returns its public keys signed with its IDENTITY key (``identity_key``:
+   ECDSA P-256, made once in its state folder, never sent);
+2. ``share``: it verifies every site's advertisement against the PINNED identity keys of its
+   peers (``registered_keys``; a key the coordinator substituted fails here), refuses a threshold
+   below its own H, and returns Shamir shares of its secrets sealed for each peer;
+3. ``mask``: it opens the shares sealed for it and checks the participants, then runs the round
+   itself: the site's one admission (``client.site.Site.admit``: request and policy checks, the
+   charge at the noise the sum carries if H sites are honest), and the secure ending
+   (``client.masked_input``: one clipped sum, randomized rounding with a Skellam share of the
+   noise, the masks); the reply carries the accounting facts and the masked vector, never
+   anything a coordinator could read alone;
+4. ``unmask``: it reveals the shares that remove the masks of the sum, and only when at least its
+   H masked inputs survived (fewer: the round is aborted with nothing unmasked).
 
 Between messages the round's secrets live in ``context.state`` (the SuperNode's memory on the
 site's own machine, or the simulation's), never on disk and never in a message; the state of a
@@ -25,25 +28,35 @@ finished or replaced round is dropped. Any failure is a coded error reply (``cli
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from flwr.app import ConfigRecord, Context, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 
+from client.masked_input import MaskedInput, masked_input
 from client.policy import SitePolicy
-from prism_core.distributed import FIELD_BITS
+from client.reply import RoundReply, refuse
+from client.request import valid_round
+from client.site import SecureNoise, Site
+from prism_core.distributed import FIELD_BITS, coordinate_bound
 from prism_runtime.durable import atomic_write, make_dirs
 from prism_runtime.errors import ConfigError
-from prism_runtime.secure_sum import RoundId, SecureSumAbortedError, SiteRound
+from prism_runtime.identity import IDENTITY_KEY, IDENTITY_PUBLIC
+from prism_runtime.protocol import ACCOUNTING, ARRAYS, CONFIG, ROUND_NONCE, SERVER_ROUND
+from prism_runtime.secure_sum import RoundId, SecureSumAbortedError, SiteRound, check_sum_fits
 from prism_runtime.secure_sum.messages import (
     decode_advertise_request,
     decode_mask_request,
     decode_share_request,
     decode_unmask_request,
     encode_advertise_reply,
+    encode_mask_reply,
     encode_share_reply,
     encode_unmask_reply,
 )
@@ -51,14 +64,12 @@ from prism_runtime.secure_sum.wire import RECORD
 
 __all__ = [
     "ACTIONS",
-    "IDENTITY_KEY",
-    "IDENTITY_PUBLIC",
     "STATE",
+    "SecureStage",
     "advertise",
     "identity_key",
-    "load_round",
+    "mask",
     "registered_keys",
-    "secure_part",
     "share",
     "unmask",
 ]
@@ -69,10 +80,6 @@ ACTIONS = ("secure_advertise", "secure_share", "secure_mask", "secure_unmask")
 """The ``train.<action>`` message types of a secure-aggregation round, in order."""
 STATE = "prism-secure-sum"
 """The ``context.state`` record holding the current round's ``SiteRound`` (its secrets)."""
-IDENTITY_KEY = "secure-identity.pem"
-"""The site's identity private key in its state folder (ECDSA P-256, mode 0600)."""
-IDENTITY_PUBLIC = "secure-identity.pub"
-"""Its public key beside it (PEM): what the federation pins as this site's identity."""
 
 
 def identity_key(state_dir: Path, path: Path | None = None) -> ec.EllipticCurvePrivateKey:
@@ -151,159 +158,237 @@ def registered_keys(policy: SitePolicy) -> dict[str, ec.EllipticCurvePublicKey]:
     return keys
 
 
-def _round_id(config: ConfigRecord, server_round: int) -> RoundId:
-    run_id = config.get("run-id", "")
-    if not isinstance(run_id, str) or not 0 < len(run_id) <= 256:
-        raise ConfigError("the secure-aggregation message names no run id of at most 256 chars")
-    return RoundId(run_id, server_round)
+@dataclass(frozen=True)
+class SecureStage:
+    """One message of a site's secure round with its context, resolved once (``resolve``).
 
+    The round id (``round_id``) and the site's secure noise (``noise``) are resolved when a stage
+    first reads them: a site refusing the run answers ``advertise`` with its refusal whatever
+    else the message holds.
 
-def secure_part(content: RecordDict) -> RecordDict:
-    """The secure-sum record of a message, alone (what its codec checks)."""
-    record = content.get(RECORD)
-    if not isinstance(record, ConfigRecord):
-        raise ConfigError("the secure-aggregation message carries no secure-sum record")
-    return RecordDict({RECORD: record})
-
-
-def load_round(context: Context, round_id: RoundId) -> SiteRound:
-    """This round's ``SiteRound`` from ``context.state``.
-
-    Raises:
-        SecureSumAbortedError: none is kept for this round (the site restarted, or the
-            coordinator skipped a stage): the site cannot take part any more this round.
+    Attributes:
+        site: the site (``client.site.get_site``).
+        server_round: the message's round number, checked.
+        nonce: the message's round nonce, echoed in a reply that carries facts.
+        content: the message's records.
+        context: the node's Flower context; its ``state`` keeps the round's ``SiteRound``
+            between messages.
     """
-    record = context.state.get(STATE)
-    blob = record.get("round") if isinstance(record, ConfigRecord) else None
-    if isinstance(blob, bytes):
-        kept = SiteRound.from_bytes(blob)
-        if kept.round_id == round_id:
-            return kept
-    raise SecureSumAbortedError(
-        f"no secure-sum state of round {round_id.server_round} at this site (restarted, or a "
-        "stage was skipped): it cannot take part in this round any more"
-    )
+
+    site: Site
+    server_round: int
+    nonce: str
+    content: RecordDict
+    context: Context
+
+    @classmethod
+    def resolve(
+        cls, content: RecordDict, context: Context, *, open_site: Callable[[], Site]
+    ) -> SecureStage:
+        """The stage of the message ``content``; the site is opened (``open_site``) only once
+        the round number is checked.
+
+        Raises:
+            ConfigError: the message carries no valid round number.
+        """
+        config = cast(ConfigRecord, content[CONFIG])
+        server_round = config.get(SERVER_ROUND)
+        if not valid_round(server_round):
+            raise ConfigError("the secure-aggregation message carries no valid round number")
+        return cls(open_site(), server_round, str(config.get(ROUND_NONCE, "")), content, context)
+
+    @functools.cached_property
+    def round_id(self) -> RoundId:
+        """The coordinator's run id and the round, which the round's keys and shares are bound to.
+
+        Raises:
+            ConfigError: the message names no run id of at most 256 characters.
+        """
+        run_id = cast(ConfigRecord, self.content[CONFIG]).get("run-id", "")
+        if not isinstance(run_id, str) or not 0 < len(run_id) <= 256:
+            raise ConfigError("the secure-aggregation message names no run id of at most 256 chars")
+        return RoundId(run_id, self.server_round)
+
+    @property
+    def noise(self) -> SecureNoise:
+        """The site's secure noise for this run (H, its share, the vector's length).
+
+        Raises:
+            ConfigError: the site takes no part in secure aggregation for this run.
+        """
+        if self.site.secure is None:
+            raise ConfigError("this site takes no part in secure aggregation for this run")
+        return self.site.secure
+
+    def secure_part(self) -> RecordDict:
+        """The message's secure-sum record, alone (what its codec checks)."""
+        record = self.content.get(RECORD)
+        if not isinstance(record, ConfigRecord):
+            raise ConfigError("the secure-aggregation message carries no secure-sum record")
+        return RecordDict({RECORD: record})
+
+    def load_round(self) -> SiteRound:
+        """This round's ``SiteRound`` from ``context.state``.
+
+        Raises:
+            SecureSumAbortedError: none is kept for this round (the site restarted, or the
+                coordinator skipped a stage): the site cannot take part any more this round.
+        """
+        record = self.context.state.get(STATE)
+        blob = record.get("round") if isinstance(record, ConfigRecord) else None
+        if isinstance(blob, bytes):
+            kept = SiteRound.from_bytes(blob)
+            if kept.round_id == self.round_id:
+                return kept
+        raise SecureSumAbortedError(
+            f"no secure-sum state of round {self.server_round} at this site (restarted, or a "
+            "stage was skipped): it cannot take part in this round any more"
+        )
+
+    def keep_round(self, site_round: SiteRound) -> None:
+        """Keep ``site_round`` for the round's next message (replacing any earlier round's)."""
+        self.context.state[STATE] = ConfigRecord({"round": site_round.to_bytes()})
+
+    def drop_round(self) -> None:
+        """Forget the round's secrets (after the last message of the round, or an abort)."""
+        if STATE in self.context.state:
+            del self.context.state[STATE]
+
+    def facts_reply(self, accounting: dict[str, object]) -> RecordDict:
+        """A reply carrying the accounting facts ``accounting`` and this message's nonce."""
+        record = ConfigRecord(accounting)  # type: ignore[arg-type]  # the facts are config values
+        record[ROUND_NONCE] = self.nonce
+        return RecordDict({ACCOUNTING: record})
 
 
-def keep_round(context: Context, site_round: SiteRound) -> None:
-    """Keep ``site_round`` for the round's next message (replacing any earlier round's)."""
-    context.state[STATE] = ConfigRecord({"round": site_round.to_bytes()})
+def advertise(stage: SecureStage) -> RecordDict:
+    """Stage 1: the policy's refusal, or a fresh ``SiteRound`` and its signed advertisement.
 
-
-def drop_round(context: Context) -> None:
-    """Forget the round's secrets (after the last message of the round)."""
-    if STATE in context.state:
-        del context.state[STATE]
-
-
-def advertise(
-    policy: SitePolicy,
-    content: RecordDict,
-    context: Context,
-    *,
-    server_round: int,
-    length: int,
-    noise_share: float,
-) -> RecordDict:
-    """Stage 1: a fresh ``SiteRound`` and its signed advertisement (the policy was checked by
-    the caller). ``length`` is the site's own coordinate count, which the request must name;
-    ``noise_share`` its ``mu / H``, the share it needs every honest site to add (signed with
-    its keys)."""
-    config = cast(ConfigRecord, content["config"])
-    round_id = _round_id(config, server_round)
-    part = secure_part(content)
+    The request must name the site's own coordinate count and field; the advertisement signs,
+    with the round's keys, the site's ``mu / H``: the share it needs every honest site to add.
+    """
+    site = stage.site
+    refusal = site.admission_refusal(secure=True)
+    if refusal is not None:
+        refused = refuse(site.facts, site.ledger, stage.server_round, refusal)
+        return stage.facts_reply(refused.accounting)
+    noise, round_id = stage.noise, stage.round_id
+    part = stage.secure_part()
     # The coordinator addresses a node it has not bound yet as node-<id>; the keys are signed
     # with the site's own id, which its peers check against their pinned keys.
     addressee = part[RECORD].get("site-id")
-    expected = policy.site_id if addressee == policy.site_id else f"node-{context.node_id}"
+    expected = site.site_id if addressee == site.site_id else f"node-{stage.context.node_id}"
     request = decode_advertise_request(part, round_id=round_id, site_id=expected)
-    if request.bits != FIELD_BITS or request.length != length:
+    if request.bits != FIELD_BITS or request.length != noise.dim:
         raise ConfigError(
             f"secure-aggregation request for {request.bits} bits and {request.length} "
-            f"coordinates; this site sends {FIELD_BITS} bits and {length} coordinates (another "
-            "model or version)"
+            f"coordinates; this site sends {FIELD_BITS} bits and {noise.dim} coordinates "
+            "(another model or version)"
         )
     site_round = SiteRound(
-        site_id=policy.site_id,
+        site_id=site.site_id,
         round_id=round_id,
-        identity_key=identity_key(policy.state_dir, policy.secure_identity),
+        identity_key=identity_key(site.policy.state_dir, site.policy.secure_identity),
         bits=request.bits,
-        noise_share=noise_share,
+        noise_share=noise.mu_share,
     )
-    keep_round(context, site_round)
+    stage.keep_round(site_round)
     return encode_advertise_reply(site_round.advertised, round_id=round_id)
 
 
-def share(
-    policy: SitePolicy, content: RecordDict, context: Context, *, server_round: int, honest: int
-) -> RecordDict:
+def share(stage: SecureStage) -> RecordDict:
     """Stage 2: verify the roster against the pinned keys, then the sealed shares.
 
     Raises:
-        SecureSumAbortedError: the threshold is below the site's ``honest`` sites H (a sum of
-            fewer masked inputs could be unmasked), so it shares nothing.
+        SecureSumAbortedError: the threshold is below the site's H honest sites (a sum of fewer
+            masked inputs could be unmasked), so it shares nothing.
         KeyBindingError: an advertisement does not verify (a substituted key).
     """
-    config = cast(ConfigRecord, content["config"])
-    round_id = _round_id(config, server_round)
-    site_round = load_round(context, round_id)
-    request = decode_share_request(secure_part(content), round_id=round_id, site_id=policy.site_id)
+    site, honest, round_id = stage.site, stage.noise.honest, stage.round_id
+    site_round = stage.load_round()
+    request = decode_share_request(stage.secure_part(), round_id=round_id, site_id=site.site_id)
     if request.threshold < honest:
-        drop_round(context)
+        stage.drop_round()
         raise SecureSumAbortedError(
             f"threshold {request.threshold} is below this site's {honest} honest sites: a sum of "
             "fewer masked inputs could be unmasked; nothing shared"
         )
     sealed = site_round.share(
-        request.roster, registered=registered_keys(policy), threshold=request.threshold
+        request.roster, registered=registered_keys(site.policy), threshold=request.threshold
     )
-    keep_round(context, site_round)
-    return encode_share_reply(sealed, round_id=round_id, site_id=policy.site_id)
+    stage.keep_round(site_round)
+    return encode_share_reply(sealed, round_id=round_id, site_id=site.site_id)
 
 
-def receive_shares(
-    policy: SitePolicy, content: RecordDict, context: Context, *, server_round: int, honest: int
-) -> tuple[SiteRound, frozenset[str]]:
-    """Stage 3's first half: the shares sealed for this site and the participants U2.
+def mask(stage: SecureStage) -> RecordDict:
+    """Stage 3: the round itself, answered with its facts and, unless refused, its masked input.
+
+    First the shares sealed for this site and the participants U2, refused before anything is
+    charged: fewer than H participants, or a participant set ``SiteRound.mask`` or the field
+    (``check_sum_fits``) could not take. Then the site's admission (``Site.admit``, a secure
+    round) and the secure ending (``client.masked_input``), adding the largest share a
+    participant signed (``SiteRound.noise_share``), never less than its own: each participant's
+    own share ``mu_j / H_j`` is then covered by each of its ``H_j`` honest sites, whatever their
+    sizes.
 
     Raises:
-        SecureSumAbortedError: fewer participants than the site's ``honest`` sites H.
+        SecureSumAbortedError: fewer participants than the site's H honest sites.
     """
-    config = cast(ConfigRecord, content["config"])
-    round_id = _round_id(config, server_round)
-    site_round = load_round(context, round_id)
-    request = decode_mask_request(secure_part(content), round_id=round_id, site_id=policy.site_id)
-    if len(request.participants) < honest:
-        drop_round(context)
+    site, noise, round_id = stage.site, stage.noise, stage.round_id
+    site_round = stage.load_round()
+    request = decode_mask_request(stage.secure_part(), round_id=round_id, site_id=site.site_id)
+    participants = request.participants
+    if len(participants) < noise.honest:
+        stage.drop_round()
         raise SecureSumAbortedError(
-            f"{len(request.participants)} participants, fewer than this site's {honest} honest "
+            f"{len(participants)} participants, fewer than this site's {noise.honest} honest "
             "sites: nothing charged or sent"
         )
     site_round.receive(request.sealed)
     # whatever mask() would refuse is refused now, before the round is charged
-    site_round.check_participants(request.participants)
-    return site_round, request.participants
+    site_round.check_participants(participants)
+    # the sum of every participant's share cannot wrap
+    check_sum_fits(sites=len(participants), bound=coordinate_bound(), bits=FIELD_BITS)
+    arrays = cast(ArrayRecord, stage.content[ARRAYS]).to_torch_state_dict()
+    mu_share = max(site_round.noise_share(participants), noise.mu_share)
+    answer: RoundReply | MaskedInput
+    with site.admit(stage.server_round, arrays, secure=True) as admitted:
+        if isinstance(admitted, RoundReply):  # a refusal: nothing charged
+            answer = admitted
+        else:
+            answer = masked_input(
+                site,
+                admitted,
+                site_round=site_round,
+                participants=participants,
+                mu_share=mu_share,
+            )
+    stage.keep_round(site_round)
+    reply = stage.facts_reply(answer.accounting)
+    if isinstance(answer, MaskedInput):
+        sent = encode_mask_reply(
+            answer.masked, round_id=round_id, site_id=site.site_id, bits=FIELD_BITS
+        )
+        reply[RECORD] = sent[RECORD]
+    return reply
 
 
-def unmask(
-    policy: SitePolicy, content: RecordDict, context: Context, *, server_round: int, honest: int
-) -> RecordDict:
+def unmask(stage: SecureStage) -> RecordDict:
     """Stage 4: the shares that unmask the sum, only if at least H masked inputs survived.
 
     Raises:
-        SecureSumAbortedError: fewer survivors than the site's ``honest`` sites H; nothing is
+        SecureSumAbortedError: fewer survivors than the site's H honest sites; nothing is
             revealed and the round's secrets are dropped.
     """
-    config = cast(ConfigRecord, content["config"])
-    round_id = _round_id(config, server_round)
-    site_round = load_round(context, round_id)
-    request = decode_unmask_request(secure_part(content), round_id=round_id, site_id=policy.site_id)
+    site, honest, round_id = stage.site, stage.noise.honest, stage.round_id
+    site_round = stage.load_round()
+    request = decode_unmask_request(stage.secure_part(), round_id=round_id, site_id=site.site_id)
     if len(request.survivors) < honest:
-        drop_round(context)
+        stage.drop_round()
         raise SecureSumAbortedError(
             f"{len(request.survivors)} masked inputs survived, fewer than this site's {honest} "
             "honest sites: nothing revealed"
         )
     response = site_round.answer(request)
-    drop_round(context)
+    stage.drop_round()
     return encode_unmask_reply(response, round_id=round_id)

@@ -1,26 +1,34 @@
 """One federated site: its data, model and durable privacy ledger, and the pipeline of a round.
 
 A round (docs/design.md §3) is one straight pipeline of stages, each a function or class of its
-own with explicit inputs and outputs, in this order, so a refusal never costs anything:
+own with explicit inputs and outputs, in this order, so a refusal never costs anything. Stages 1
+to 6 are the ADMISSION (``Site.admit``), one for both kinds of round; then each kind has its own
+ending: a plain round trains and releases its update (stages 7 to 9,
+``Site.train_and_release``), a secure-aggregation round masks one clipped sum
+(``client.masked_input``, driven by ``client.secure``).
 
 1. REQUEST (``client.request.check_request``): the round number, an integer in
    ``[1, SERVER_ROUND_MAX]``, else ``bad-round`` (reported as round 0). Then the site's POLICY
    (``client.policy``; decided once per run config): a run asking for more epsilon or delta than
    the site allows, a delta not below 1/N, a non-private method or non-private metrics the site
-   does not allow, is refused with its code (``client.reply.refuse``).
-2. RESEND (``client.round_store.RoundStore.resend``): a round this site already answered (same
-   coordinator run id, same round, same broadcast point by SHA-256) is answered with the stored
-   reply: it is already DP output, so resending is post-processing and spends nothing.
+   does not allow, is refused with its code (``client.reply.refuse``); so is a secure round of a
+   run the site holds no secure noise for (``secure-aggregation-off``).
+2. RESEND (``client.round_store.RoundStore.resend``, plain rounds): a round this site already
+   answered (same coordinator run id, same round, same broadcast point by SHA-256) is answered
+   with the stored reply: it is already DP output, so resending is post-processing and spends
+   nothing. A secure round is never resent: a re-asked round has new masks, so a new charge.
 3. BROADCAST (``client.broadcast.check_broadcast``): keys, shapes, finiteness, magnitudes and
    (PRISM) full rank r, else ``bad-broadcast``.
-4. CAP (``client.charge.plan_charge``): the round's planned steps, and with ``max-norm = auto``
-   a private clip estimate still pending for this run (``client.clip_quantile.AutoClip.pending``),
-   must fit under the site's cap composed with its whole ledger, else ``cap-exhausted``.
+4. CAP (``client.charge.plan_charge``): the round's planned event (plain: ``local-steps`` steps of
+   the site's mechanism; secure: one clipped sum at the noise the sum carries with H honest
+   sites), and with ``max-norm = auto`` a private clip estimate still pending for this run
+   (``client.clip_quantile.AutoClip.pending``), must fit under the site's cap composed with its
+   whole ledger, else ``cap-exhausted``.
 5. CLIP (``client.clip_quantile.AutoClip.resolve``, ``max-norm = auto`` only): the estimate's
    own event is charged, its K quantile steps run at the broadcast point, and the estimate is
    stored, all before the training charge.
 6. CHARGE (``client.charge.charge``): the round's event is fsync'ed to the site ledger BEFORE
-   training.
+   training; then the ``site-training`` fault point.
 7. TRAIN (``client.training.train``): ``tau`` private steps from the broadcast point.
 8. RELEASE (``client.release.release``): the mechanism's ``PrivacyEvent``s must agree with the
    charge (``AccountingMismatchError`` otherwise, nothing sent); the reply's facts are built from
@@ -33,34 +41,34 @@ own with explicit inputs and outputs, in this order, so a refusal never costs an
    sent. A round that must run again (the site died before storing its reply) is charged again
    and draws fresh randomness.
 
-Stages 2 to 9 run under the site's round lock (``.round.lock`` in its state folder).
-Randomness: sampling, dropout and noise come from the OS at the site by default; in the site's
-reproducible mode (``client.policy``) from a secret only the site holds, one seed per charge.
+Stages 2 to the end of either ending run under the site's round lock (``.round.lock`` in its
+state folder). Randomness: sampling, dropout and noise come from the OS at the site by default;
+in the site's reproducible mode (``client.policy``) from a secret only the site holds, one seed
+per charge.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import opacus
-from numpy.typing import NDArray
 from torch import Tensor
 
 from client.broadcast import BroadcastLimits, broadcast_limits, check_broadcast
-from client.charge import charge, plan_charge
+from client.charge import Charge, charge, plan_charge
 from client.clip_quantile import AutoClip, ClipPlan, ClipStore
 from client.policy import SitePolicy
 from client.release import release
-from client.reply import RoundReply, SiteFacts, event_facts, refuse
-from client.request import check_request
+from client.reply import RoundReply, SiteFacts, refuse
+from client.request import RoundRequest, check_request
 from client.round_store import RoundStore
 from client.site_data import check_text_pairs, person_counts, site_examples
 from client.site_ledger import SiteLedger
@@ -75,9 +83,6 @@ from prism_core.distributed import (
     coordinate_dim,
     coordinate_shapes,
     discrete_sensitivity,
-    encode_share,
-    flatten,
-    tangent_coordinates,
 )
 from prism_core.records import SKELLAM_MECHANISM
 from prism_core.skellam_accounting import skellam_mu, skellam_sigma
@@ -86,17 +91,16 @@ from prism_runtime.config import RunConfig, SiteConfig, site_method
 from prism_runtime.data import TokenizedDataset
 from prism_runtime.durable import locked
 from prism_runtime.errors import ConfigError
-from prism_runtime.exchange import load_arrays
 from prism_runtime.faults import NO_FAULTS, Faults
 from prism_runtime.lora import read_points
 from prism_runtime.model import LoadedModel, load_model, model_config_for
-from prism_runtime.protocol import REFUSAL_REASONS, STATUS_OK
+from prism_runtime.protocol import REFUSAL_REASONS
 from prism_runtime.train_config import MECHANISMS, site_train_config
-from prism_runtime.trainer import PrismTrainer, make_trainer
+from prism_runtime.trainer import make_trainer
 
 __all__ = [
+    "AdmittedRound",
     "SecureNoise",
-    "SecureReply",
     "Site",
     "get_site",
 ]
@@ -143,18 +147,26 @@ class SecureNoise:
         return cls(honest, sigma, mu, share, alone, dim)
 
 
-@dataclass
-class SecureReply:
-    """A secure-aggregation round's answer: the accounting facts and, unless the site refused,
-    its masked vector (``None``: a refusal)."""
+@dataclass(frozen=True)
+class AdmittedRound:
+    """A round the site admitted (``Site.admit``): checked, and charged before anything ran.
 
-    accounting: dict[str, Any]
-    masked: NDArray[np.uint64] | None
+    Attributes:
+        request: the round's checked request (its broadcast passed ``check_broadcast``).
+        charged: the round's charge, durable on the site's ledger (its ``entry`` is the event
+            the round's mechanism must run).
+        quantile: the released event of a private clip estimate charged this round, or None.
+    """
+
+    request: RoundRequest
+    charged: Charge
+    quantile: PrivacyEvent | None
 
 
 class Site:
     """A site's long-lived state within one process (policy, data, model, trainer, ledger) and
-    its round (``train_round``).
+    its round: the admission both kinds of round share (``admit``) and the plain round
+    (``train_round``).
 
     Args:
         run: the run config (the coordinator's REQUEST).
@@ -350,163 +362,152 @@ class Site:
             return SKELLAM_MECHANISM
         return MECHANISMS[self.method]
 
-    def train_round(
-        self, server_round: object, arrays: dict[str, Tensor], *, run_id: str = ""
-    ) -> RoundReply:
-        """Answer one round from the broadcast ``arrays``: refuse, resend, or train.
+    def admission_refusal(self, *, secure: bool) -> str | None:
+        """The ``REFUSAL_REASONS`` code with which this site refuses every round of the run, or
+        None: its policy's (``refusal``), else, for a secure-aggregation round of a run this site
+        does not hold secure noise for, ``secure-aggregation-off``."""
+        if self.refusal is None and secure and self.secure is None:
+            return "secure-aggregation-off"
+        return self.refusal
 
-        ``server_round`` is the message's value as received: a round number that is not an
-        integer in ``[1, SERVER_ROUND_MAX]`` is refused (``bad-round``, reported as round 0).
-        With a ``run_id`` (the coordinator's run), a round this site already answered from the
-        same broadcast point is answered again with the stored reply, spending nothing.
-        """
-        request = check_request(server_round, arrays, run_id=run_id, site_id=self.site_id)
-        if request is None:
-            return refuse(self.facts, self.ledger, 0, "bad-round")
-        if self.refusal is not None:
-            return refuse(self.facts, self.ledger, request.server_round, self.refusal)
-        with locked(self.state_dir / ".round.lock"):
-            stored = self.rounds.resend(request)
-            if stored is not None:
-                return stored
-            full_rank = self.method == "prism"  # PRISM's tangent space needs rank r
-            if not check_broadcast(self.limits, request, full_rank=full_rank, site_id=self.site_id):
-                return refuse(self.facts, self.ledger, request.server_round, "bad-broadcast")
-            estimate = self.clip.pending(request.run_id)
-            steps = PrivacyEvent(
-                self.sigma,
-                self.sample_rate,
-                self.run.local_steps,
-                mechanism=self.mechanism,
-                unit=self.unit,
-            )
-            planned = plan_charge(
-                self.ledger,
-                steps,
-                server_round=request.server_round,
-                delta=self.delta,
-                cap=None if self.method == "nondp" else self.epsilon_cap,
-                before=[estimate.event()] if estimate is not None else [],
-                site_id=self.site_id,
-            )
-            if planned is None:
-                return refuse(self.facts, self.ledger, request.server_round, "cap-exhausted")
-            quantile = self.clip.resolve(
-                estimate,
-                request,
-                self.ledger,
-                delta=self.delta,
-                loaded=self.loaded,
-                round_seed=self.policy.round_seed,
-            )
-            charged = charge(self.ledger, planned)
-            self.faults.reach("site-training", request.server_round)
-            trained = train(
-                self.trainer,
-                self.loaded,
-                request,
-                charged,
-                seed=self.policy.round_seed(request.server_round, charged.attempt),
-                rounds=self.rounds,
-            )
-            reply = release(
-                trained,
-                planned,
-                request,
-                facts=self.facts,
-                spent=self.ledger.epsilon(self.delta),
-                quantile=quantile,
-                loaded=self.loaded,
-                method=self.method,
-                report_train_loss=self.run.report_train_loss,  # the policy allowed it
-            )
-            self.rounds.store(request, reply, trained.moments)
-            return reply
-
-    def secure_round(
+    @contextlib.contextmanager
+    def admit(
         self,
         server_round: object,
         arrays: dict[str, Tensor],
         *,
-        mask: Callable[[NDArray[np.int64]], NDArray[np.uint64]],
-        mu_share: float,
-    ) -> SecureReply:
-        """Answer one secure-aggregation round (``client.secure``'s third stage).
+        run_id: str = "",
+        secure: bool = False,
+    ) -> Iterator[AdmittedRound | RoundReply]:
+        """Admit one round (stages 1 to 6 of the module's pipeline): check its request and the
+        site's policy, take the round lock, resend a round already answered, check the broadcast,
+        check the cap, resolve a private clip estimate, charge the round's event durably and pass
+        the ``site-training`` fault point.
 
-        The stages of ``train_round`` in the same order (request, policy, broadcast, cap,
-        charge), with no resend (a re-asked round has new masks, so it is a new charge), then
-        ONE clipped sum at the broadcast point written in the public tangent coordinates
-        (``prism_core.distributed``), rounded randomly at scale ``gamma = C / 2^20`` with this
-        site's Skellam share of the noise, and ``mask``ed. Nothing moves at the site: the
-        adaptive transform, the head's optimizer and the retraction run at the coordinator on
-        the unmasked sum (post-processing of the central mechanism).
+        Yields the ``AdmittedRound`` (charged: its event is fsync'ed to the site's ledger) with
+        the round lock held until the ``with`` body, the round's ending, returns; or the reply
+        that ends the round here: a refusal with its code (nothing charged), or the stored reply
+        of a round already answered (resent, nothing charged).
 
-        ``mu_share``: the Skellam share this site adds, the largest ``mu / H`` the round's
-        participants signed (``SiteRound.noise_share``), never less than its own: each honest
-        site then adds at least every participant's own share, so the sum carries each site's
-        ``mu`` when H of them are honest, whatever their sizes.
+        Args:
+            server_round: the message's round number as received: one that is not an integer
+                in ``[1, SERVER_ROUND_MAX]`` is refused (``bad-round``, reported as round 0).
+            arrays: the broadcast arrays as received.
+            run_id: the coordinator's run ("" if the message names none): with one, a round
+                this site already answered from the same broadcast point is resent.
+            secure: a secure-aggregation round: it charges one clipped sum at the noise the sum
+                carries with H honest sites, and is never resent (a re-asked round has new
+                masks, so it is a new charge).
         """
-        request = check_request(server_round, arrays, run_id="", site_id=self.site_id)
+        request = check_request(server_round, arrays, run_id=run_id, site_id=self.site_id)
         if request is None:
-            return SecureReply(refuse(self.facts, self.ledger, 0, "bad-round").accounting, None)
-        if self.refusal is not None or self.secure is None:
-            code = self.refusal or "secure-aggregation-off"
-            reply = refuse(self.facts, self.ledger, request.server_round, code)
-            return SecureReply(reply.accounting, None)
-        noise = self.secure
-        mu_share = max(mu_share, noise.mu_share)
+            yield refuse(self.facts, self.ledger, 0, "bad-round")
+            return
+        refusal = self.admission_refusal(secure=secure)
+        if refusal is not None:
+            yield refuse(self.facts, self.ledger, request.server_round, refusal)
+            return
         with locked(self.state_dir / ".round.lock"):
-            if not check_broadcast(self.limits, request, full_rank=True, site_id=self.site_id):
-                reply = refuse(self.facts, self.ledger, request.server_round, "bad-broadcast")
-                return SecureReply(reply.accounting, None)
-            event = PrivacyEvent(
-                noise.sigma,
-                self.sample_rate,
-                1,
-                mechanism=SKELLAM_MECHANISM,
-                unit=self.unit,
-                honest_sites=noise.honest,
-                # its own planned share: the one it adds is at least that (conservative)
-                share_sigma=noise.share_sigma,
-            )
-            planned = plan_charge(
-                self.ledger,
-                event,
-                server_round=request.server_round,
-                delta=self.delta,
-                cap=self.epsilon_cap,
-                site_id=self.site_id,
-            )
-            if planned is None:
-                reply = refuse(self.facts, self.ledger, request.server_round, "cap-exhausted")
-                return SecureReply(reply.accounting, None)
-            charged = charge(self.ledger, planned)
-            self.faults.reach("site-training", request.server_round)
-            trainer = self.trainer
-            if not isinstance(trainer, PrismTrainer):  # RunConfig allows PRISM only
-                raise ConfigError("secure aggregation runs PRISM only")
-            load_arrays(self.loaded, request.arrays)
-            trainer.begin_round(charged.history, 1)
-            trainer.reseed(self.policy.round_seed(request.server_round, charged.attempt))
-            clipped, frames = trainer.secure_clipped_sum()
-            vector = flatten(tangent_coordinates(frames, clipped.sums), clipped.euclidean)
-            shares = encode_share(
-                vector,
-                max_norm=trainer.config.max_norm,
-                mu_share=mu_share,
-                source=trainer.noise,
-            )
-            del clipped, vector  # private: nothing of them outlives the masked vector
-            masked = mask(shares)
-            facts = self.facts.common(
-                request.server_round,
-                STATUS_OK,
-                spent=self.ledger.epsilon(self.delta),
-            )
-            facts.update(event_facts(event))
-            facts["max-norm"] = float(trainer.config.max_norm)
-            facts["expected-batch-size"] = float(trainer.expected_batch_size)
-            return SecureReply(facts, masked)
+            yield self._charge_round(request, secure=secure)
+
+    def _charge_round(self, request: RoundRequest, *, secure: bool) -> AdmittedRound | RoundReply:
+        """``admit``'s stages under the round lock: resend, broadcast, cap, clip, charge."""
+        if not secure:
+            stored = self.rounds.resend(request)
+            if stored is not None:
+                return stored
+        full_rank = self.method == "prism"  # PRISM's tangent space needs rank r
+        if not check_broadcast(self.limits, request, full_rank=full_rank, site_id=self.site_id):
+            return refuse(self.facts, self.ledger, request.server_round, "bad-broadcast")
+        estimate = self.clip.pending(request.run_id)
+        planned = plan_charge(
+            self.ledger,
+            self._secure_event() if secure else self._steps_event(),
+            server_round=request.server_round,
+            delta=self.delta,
+            cap=None if self.method == "nondp" else self.epsilon_cap,
+            before=[estimate.event()] if estimate is not None else [],
+            site_id=self.site_id,
+        )
+        if planned is None:
+            return refuse(self.facts, self.ledger, request.server_round, "cap-exhausted")
+        quantile = self.clip.resolve(
+            estimate,
+            request,
+            self.ledger,
+            delta=self.delta,
+            loaded=self.loaded,
+            round_seed=self.policy.round_seed,
+        )
+        charged = charge(self.ledger, planned)
+        self.faults.reach("site-training", request.server_round)
+        return AdmittedRound(request, charged, quantile)
+
+    def _steps_event(self) -> PrivacyEvent:
+        """The event a plain round charges: ``local-steps`` steps of the site's mechanism."""
+        return PrivacyEvent(
+            self.sigma,
+            self.sample_rate,
+            self.run.local_steps,
+            mechanism=self.mechanism,
+            unit=self.unit,
+        )
+
+    def _secure_event(self) -> PrivacyEvent:
+        """The event a secure-aggregation round charges: one clipped sum, at the noise the sum
+        carries when H sites are honest (``SecureNoise.sigma``)."""
+        noise = self.secure
+        if noise is None:  # admit refuses such a round first (secure-aggregation-off)
+            raise ConfigError("this site takes no part in secure aggregation for this run")
+        return PrivacyEvent(
+            noise.sigma,
+            self.sample_rate,
+            1,
+            mechanism=SKELLAM_MECHANISM,
+            unit=self.unit,
+            honest_sites=noise.honest,
+            # its own planned share: the one it adds is at least that (conservative)
+            share_sigma=noise.share_sigma,
+        )
+
+    def train_round(
+        self, server_round: object, arrays: dict[str, Tensor], *, run_id: str = ""
+    ) -> RoundReply:
+        """Answer one plain round from the broadcast ``arrays``: refuse, resend, or train.
+
+        The round is admitted (``admit``), then trained from the broadcast point and released
+        (``train_and_release``).
+        """
+        with self.admit(server_round, arrays, run_id=run_id) as admitted:
+            if isinstance(admitted, RoundReply):  # a refusal, or a stored reply resent
+                return admitted
+            return self.train_and_release(admitted)
+
+    def train_and_release(self, admitted: AdmittedRound) -> RoundReply:
+        """The plain round's ending (stages 7 to 9): ``tau`` private steps from the broadcast
+        point, the released update and its facts, stored before the reply is returned."""
+        request, charged = admitted.request, admitted.charged
+        trained = train(
+            self.trainer,
+            self.loaded,
+            request,
+            charged,
+            seed=self.policy.round_seed(request.server_round, charged.attempt),
+            rounds=self.rounds,
+        )
+        reply = release(
+            trained,
+            charged.entry,
+            request,
+            facts=self.facts,
+            spent=self.ledger.epsilon(self.delta),
+            quantile=admitted.quantile,
+            loaded=self.loaded,
+            method=self.method,
+            report_train_loss=self.run.report_train_loss,  # the policy allowed it
+        )
+        self.rounds.store(request, reply, trained.moments)
+        return reply
 
 
 _SITES: dict[tuple[str, ...], Site] = {}

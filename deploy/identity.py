@@ -1,9 +1,9 @@
 """A deployed site's secure-aggregation identity key and its folder of pinned peer keys.
 
 In a secure-aggregation round every site signs its round keys with its IDENTITY key (ECDSA
-P-256, PKCS8 PEM, mode 0600; ``IDENTITY_KEY`` in the site's key folder, made by
-``python -m deploy.pki site-key``) and checks every other site's signature against the public
-keys it PINNED: the peers folder (node config ``secure-peers``) holds one ``<site-id>.pem``
+P-256, PKCS8 PEM, mode 0600; ``prism_runtime.identity.IDENTITY_KEY`` in the site's key folder,
+made by ``python -m deploy.pki site-key``) and checks every other site's signature against the
+public keys it PINNED: the peers folder (node config ``secure-peers``) holds one ``<site-id>.pem``
 (SubjectPublicKeyInfo PEM) per site of the federation, this site's own included, installed by
 the site's operator from the federation's registry, never sent by the coordinator. The identity
 key is not the SuperNode authentication key (``site.key``, P-384 OpenSSH), which only the
@@ -18,12 +18,10 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from deploy.errors import DeployError, InsecureSetupError
+from prism_runtime.identity import IDENTITY_KEY
 
-__all__ = ["IDENTITY_KEY", "check_peers", "load_identity", "public_pem"]
+__all__ = ["check_peers", "load_identity", "public_pem"]
 
-IDENTITY_KEY = "identity.pem"
-"""The identity private key's name in a site's key folder (not ``*.key``: that folder's
-launcher check refuses foreign ``*.key`` files)."""
 _PRIVATE_MARK = b"PRIVATE KEY"
 
 
@@ -106,7 +104,7 @@ def check_peers(folder: Path, *, site_id: str, identity: Path | None, variable: 
         raise DeployError(
             f"{folder} ({variable}) pins the federation's identity keys but PRISM_SECURE_IDENTITY "
             "is not set: name this site's identity key (`python -m deploy.pki site-key` makes "
-            f"identity.pem), whose public half the registry holds as {site_id}.pem"
+            f"{IDENTITY_KEY}), whose public half the registry holds as {site_id}.pem"
         )
     own = pinned.get(site_id)
     if own is None:

@@ -53,7 +53,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from deploy.errors import DeployError
-from deploy.identity import IDENTITY_KEY, load_identity, public_pem
+from deploy.identity import load_identity, public_pem
+from prism_runtime.identity import IDENTITY_KEY
 
 __all__ = [
     "DEFAULT_SANS",

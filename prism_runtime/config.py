@@ -729,14 +729,14 @@ class SiteConfig(_Kebab):
     secure_identity: str = Field(
         "",
         description="secure aggregation: this site's identity private key (ECDSA P-256, PEM, "
-        "mode 0600) whose public half its peers pin; default <state-dir>/secure-identity.pem, "
+        "mode 0600) whose public half its peers pin; default <state-dir>/identity.pem, "
         "made on first use",
     )
     secure_peers: str = Field(
         "",
         description="secure aggregation, deployed site: the folder of the federation's pinned "
         "identity public keys, one <site-id>.pem per site (a simulated site reads its peers' "
-        "<state-dir>/secure-identity.pub)",
+        "<state-dir>/identity.pub)",
     )
     share_num_examples: bool = Field(False, description="report the shard size to the server")
     state_dir: str = Field(

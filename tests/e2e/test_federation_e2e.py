@@ -23,11 +23,12 @@ from peft import PeftModel
 from safetensors import safe_open
 from transformers import AutoModel
 
-from client.secure import IDENTITY_PUBLIC, identity_key
+from client.secure import identity_key
 from prism_core.accounting import PrivacyEvent, epsilon
 from prism_core.quantile import QUANTILE_MECHANISM
 from prism_core.records import SKELLAM_MECHANISM
 from prism_runtime.export import load_exported
+from prism_runtime.identity import IDENTITY_PUBLIC
 from server.checkpoint import CHECKPOINT
 from server.cli import main as prism_fl
 from server.demo import demo_summary, stop_local_superlinks

@@ -244,16 +244,17 @@ def test_every_honest_site_adds_the_largest_share_a_participant_signed(
     """Sites that count on different numbers of honest sites need different shares (mu / H):
     every site adds the largest, so each site's own mu / H is covered by each honest site. A
     site adding only its own share would leave site-0 (H = 1) with half the noise it charged."""
+    import client.masked_input as masked_input_module
     import client.site as site_module
 
     added: list[float] = []
-    encode = site_module.encode_share
+    encode = masked_input_module.encode_share
 
     def recording(*args: Any, **kwargs: Any) -> Any:
         added.append(kwargs["mu_share"])
         return encode(*args, **kwargs)
 
-    monkeypatch.setattr(site_module, "encode_share", recording)
+    monkeypatch.setattr(masked_input_module, "encode_share", recording)
     values = _config(tiny_bert, tmp_path / "run", **{"num-rounds": 1})
     nodes = _nodes()
     nodes[100]["min-honest-sites"] = 1  # site-0 counts on itself alone: its share is mu / 1
@@ -272,11 +273,12 @@ def test_one_sample_rate_gives_unequal_sites_one_sigma_and_the_central_divisor(
     they charge one sigma and add one share (no site pays for the smallest's), each expects
     q N_k units, and the coordinator divides the sum by q (N_1 + ... + N_K): central PRISM's
     sampling and divisor, shard-size weights by construction."""
+    import client.masked_input as masked_input_module
     import client.site as site_module
     from server.strategy.central import CentralStep
 
     added: list[float] = []
-    encode = site_module.encode_share
+    encode = masked_input_module.encode_share
 
     def recording(*args: Any, **kwargs: Any) -> Any:
         added.append(kwargs["mu_share"])
@@ -289,7 +291,7 @@ def test_one_sample_rate_gives_unequal_sites_one_sigma_and_the_central_divisor(
         divisors.append(kwargs["expected_batch"])
         return apply(self, *args, **kwargs)
 
-    monkeypatch.setattr(site_module, "encode_share", recording)
+    monkeypatch.setattr(masked_input_module, "encode_share", recording)
     monkeypatch.setattr(CentralStep, "apply", dividing)
     q = 0.25
     data = tmp_path / "train.jsonl"
