@@ -80,14 +80,14 @@ from typing import Any
 # This folder holds a script named like the repo's `server` package: make the package win.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from tests.helpers.shared_data import SHARED_DATA
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
 LOG = logging.getLogger("bench.utility")
-DATA_DIR = Path(
-    os.environ.get("PRISM_DATA_DIR", Path(__file__).resolve().parents[2] / "shared/data")
-)
+DATA_DIR = SHARED_DATA  # PRISM_DATA_DIR or ../shared/data (tests/helpers/shared_data.py)
 TASKS = {  # name: (folder, number of labels)
     "sst2": ("sst2", 2),
     "medical_questions_pairs": ("medical_questions_pairs", 2),
