@@ -23,7 +23,6 @@ from prism_core.records import SKELLAM_MECHANISM
 from prism_runtime.faults import NO_FAULTS, Faults
 from server.errors import InvalidEventError, LedgerConflictError, LedgerError
 from server.ledger.budget import (
-    epsilon_series,
     history_collusion_epsilon,
     history_epsilon,
     within_cap,
@@ -412,20 +411,6 @@ class Ledger:
                 f"ledger {self._path}: no events of site {site_id!r}; pass delta to get 0."
             )
         return history_collusion_epsilon(events, d)
-
-    def epsilon_by_round(
-        self, site_id: str, *, delta: float | None = None
-    ) -> list[tuple[int, float]]:
-        """PRV epsilon of a site after each round it took part in (ran steps > 0), in order.
-
-        Each value composes the site's whole history up to and including that round (all runs,
-        in insertion order); ``delta`` defaults to the site's smallest delta as in ``epsilon``.
-        With several runs the round numbers restart; the list stays in ledger order.
-        """
-        events = self.events(site_id=site_id)
-        if not events:
-            return []
-        return epsilon_series(events, min(e.delta for e in events) if delta is None else delta)
 
     def can_run(
         self,
