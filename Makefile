@@ -9,7 +9,8 @@ export TRANSFORMERS_OFFLINE := 1
 export FLWR_TELEMETRY_ENABLED := 0
 export FLWR_DISABLE_UPDATE_CHECK := 1
 
-.PHONY: install demo test lint typecheck pytest test-slow test-gpu test-compose mutation bench-mechanism clean
+.PHONY: install demo test lint typecheck pytest test-fast test-slow test-gpu test-compose mutation
+.PHONY: bench-mechanism clean
 .PHONY: bench-server bench-diagnostics bench-utility bench-gpu bench-accountant
 
 $(BIN)/python:
@@ -37,11 +38,16 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 # Two pytest-xdist workers; the real-Flower tests share one group (tests/conftest.py), so one
-# federation runs at a time beside the in-process tests.
+# federation runs at a time beside the in-process tests. The 15 slowest tests are listed last.
 PYTEST_WORKERS ?= 2
 
 pytest: $(STAMP)
-	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadgroup
+	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadgroup --durations=15
+
+# The everyday inner loop: no lint or typecheck, and none of the tests that start real Flower
+# processes (marker `flower`); `make test` still runs them all.
+test-fast: $(STAMP)
+	$(BIN)/pytest -n $(PYTEST_WORKERS) -m 'not slow and not gpu and not docker and not flower'
 
 test: lint typecheck pytest
 

@@ -52,6 +52,8 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# the checkout, for its tests.helpers.shared_data: the data folder of the tests and benchmarks
+sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 import torch
@@ -72,12 +74,11 @@ from prism_runtime.data import TokenizedDataset, dirichlet_partition, load_examp
 from prism_runtime.lora import per_example_factor_grads, read_points, write_points_
 from prism_runtime.model import LoadedModel, ModelConfig, load_model
 from prism_runtime.trainer import per_example_loss
+from tests.helpers.shared_data import SHARED_DATA
 
 LOG = logging.getLogger("bench.diagnostics")
 GAUGES = (0.25, 0.5, 1.0, 2.0, 4.0)
-DATA_DIR = Path(
-    os.environ.get("PRISM_DATA_DIR", Path(__file__).resolve().parents[2] / "shared/data")
-)
+DATA_DIR = SHARED_DATA  # PRISM_DATA_DIR or ../shared/data (tests/helpers/shared_data.py)
 
 
 def model_path() -> str:

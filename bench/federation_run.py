@@ -41,7 +41,9 @@ def _value(text: str) -> Any:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--task", default="sst2", help="folder under ../shared/data")
+    parser.add_argument(
+        "--task", default="sst2", help="a folder of PRISM_DATA_DIR (default ../shared/data)"
+    )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--sites", type=int, default=3)
     parser.add_argument("--select-rows", type=int, default=500)

@@ -10,7 +10,8 @@ optimistic (an upper bound, not a method)::
     PYTHONPATH=. python bench/linear_probe.py --task medical_abstracts --max-length 64 256
 
 ``--task`` is a task of ``bench/utility.py`` (its data folder and public label texts, e.g. the
-published class names), or a folder under ../shared/data with ``--label-texts 'a|b|...'``.
+published class names), or a folder of the data folder (``PRISM_DATA_DIR``, default
+../shared/data) with ``--label-texts 'a|b|...'``.
 Single-text tasks only (``text``, ``label`` rows). Prints one line per max length.
 """
 

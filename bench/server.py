@@ -34,7 +34,8 @@ coordinator's loop (configure, push, pull, validation, ledger, sums, retraction)
 collect-all loop (Flower's ``Grid.send_and_receive`` returns every reply in a list, then
 ``aggregate_train``) and the streaming loop (``server.strategy.loop.run_rounds``: push, then
 pull and sum one reply at a time). The grid is Flower's own ``InMemoryGrid`` (the simulation
-engine's) over an in-memory LinkState with K registered SuperNodes; no SuperLink or SuperNode
+engine's) over an in-memory LinkState with K registered SuperNodes (the tests' loopback grid,
+``tests/helpers/grids.py``'s ``FlowerSites``, answering on pull); no SuperLink or SuperNode
 process runs: each site builds its reply (public random update of the adapter's shapes) when
 the coordinator pulls its message id, so a reply exists in this process from its pull on, as a
 reply pulled from a SuperLink in another process does. Also reports the most reply
@@ -50,16 +51,13 @@ import gc
 import json
 import logging
 import os
-import secrets
 import subprocess
 import sys
 import tempfile
 import time
-import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
-from uuid import uuid4
 
 # This file is named like the repo's `server` package: make the package win the import; the
 # tests' strategy helper (tests/server) builds the strategy a unit test drives.
@@ -68,21 +66,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
-from flwr.common.constant import (
-    HEARTBEAT_INTERVAL_INF,
-    NOOP_ACCOUNT_NAME,
-    NOOP_FLWR_AID,
-    SUPERLINK_NODE_ID,
-)
-from flwr.server.superlink.linkstate import LinkStateFactory
-from flwr.server.superlink.linkstate.in_memory_linkstate import RunRecord, Task
-from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME, NOOP_FEDERATION_ID
+from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
-from flwr.supercore.object_store import ObjectStoreFactory
-from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
-from flwr.superlink.federation import NoOpFederationManager
-from flwr.superlink.grid import InMemoryGrid
 from step import environment, load_average
 from strategy_helpers import strategy_for as unit_strategy
 
@@ -92,6 +78,7 @@ from server.ledger import Ledger
 from server.strategy import PrismStrategy
 from server.strategy.loop import run_rounds
 from server.strategy.replies import in_order
+from tests.helpers.grids import FlowerSites
 
 LOG = logging.getLogger("bench.server")
 
@@ -271,62 +258,9 @@ def aggregation_child(sites: int, hold: str) -> dict[str, Any]:
     }
 
 
-class SitesOnPull(InMemoryGrid):
-    """Flower's ``InMemoryGrid`` (its simulation engine's grid) over an in-memory LinkState with
-    ``sites`` registered SuperNodes. A site answers when the coordinator pulls its message id:
-    the reply is built then (``reply``, public random update of the adapter's shapes), stored in
-    the LinkState as a SuperNode's reply is, and pulled through Flower's code, so it exists in
-    this process only from the pull on, as a reply pulled from a SuperLink process does. Also
-    counts the most pulled reply ArrayRecords alive at once (weak references)."""
-
-    def __init__(self, sites: int, spec: dict[str, tuple]) -> None:
-        factory = LinkStateFactory(
-            FLWR_IN_MEMORY_DB_NAME, NoOpFederationManager(), ObjectStoreFactory()
-        )
-        super().__init__(factory, pull_interval=0.01)
-        state: Any = self.state
-        self.index = {}
-        for i in range(sites):
-            node = state.create_node(
-                NOOP_FLWR_AID, NOOP_ACCOUNT_NAME, secrets.token_bytes(32), HEARTBEAT_INTERVAL_INF
-            )
-            state.acknowledge_node_heartbeat(
-                node_id=node, heartbeat_interval=HEARTBEAT_INTERVAL_INF
-            )
-            self.index[node] = i
-        run = Run.create_empty(run_id=TaskIdentity.run_id)
-        run.primary_task_id, run.federation_id = TaskIdentity.task_id, NOOP_FEDERATION_ID
-        state.run_ids[run.run_id] = RunRecord(run=run)  # as flwr.simulation.run_simulation does
-        state.task_store[run.primary_task_id] = Task(task_id=run.primary_task_id, run_id=run.run_id)
-        self.set_run(run)
-        self.spec = spec
-        self.peak_held = 0
-        self._refs: list[weakref.ref[Any]] = []
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        ids = list(message_ids)
-        state: Any = self.state
-        for mid in ids:
-            request = state.message_ins_store.get(mid)
-            if request is None:
-                continue
-            for ins in state.get_message_ins(node_id=request.metadata.dst_node_id, limit=1):
-                i = self.index[ins.metadata.dst_node_id]
-                answer = reply(ins, site_update(self.spec, i), f"site-{i}")
-                answer.metadata.__dict__["_message_id"] = str(uuid4())
-                state.store_message_res(answer)
-                del answer
-        held = sum(ref() is not None for ref in self._refs)
-        got = list(super().pull_messages(ids))
-        for msg in got:
-            if msg.has_content() and isinstance(msg.content.get(UPDATE), ArrayRecord):
-                self._refs.append(weakref.ref(msg.content[UPDATE]))
-        self.peak_held = max(self.peak_held, held + len(got))
-        return got
-
-
 def round_memory_child(sites: int, path: str) -> dict[str, Any]:
-    """One round of ``sites`` sites through the coordinator's round loop on ``SitesOnPull``:
+    """One round of ``sites`` sites through the coordinator's round loop on ``FlowerSites``
+    (each site answers when its message id is pulled):
     ``stream`` is ``server.strategy.loop.run_rounds`` (replies pulled and summed one at a
     time); ``collect`` is the loop before it: ``Grid.send_and_receive`` (Flower's, which
     returns every reply in a list), ``in_order``, then ``aggregate_train``. Peak extra RSS of
@@ -335,7 +269,11 @@ def round_memory_child(sites: int, path: str) -> dict[str, Any]:
     spec = shapes(GEMMA_MODULES, LAYERS, RANK)
     with tempfile.TemporaryDirectory(prefix="bench-server-") as tmp:
         strategy = strategy_for(spec, sites, Path(tmp))
-        grid = SitesOnPull(sites, spec)
+        grid = FlowerSites(
+            sites,
+            lambda i, request: reply(request, site_update(spec, i), f"site-{i}"),
+            answer_on_pull=True,
+        )
         glob = ArrayRecord(global_arrays(spec))
         gc.collect()
         reset = _reset_peak()

@@ -32,9 +32,9 @@ the other samples; the ratio ``start / round`` is the number the issue asks abou
         [--data synthetic|sst2] [--roots DIR ...] [--threads T] [--out FILE.json]
 
 ``--data sst2``: the site's data file is the first ``--sst2-rows`` rows (default 22,450, a
-third of SST-2's training set, as for one of three sites) of ``/work/shared/data/sst2``
-(``PRISM_SST2`` overrides), given as the node's ``data-path`` (a deployed site: its own
-``epsilon-cap``, ``delta`` and ``state-dir``).
+third of SST-2's training set, as for one of three sites) of ``sst2/train.jsonl`` in the data
+folder (``PRISM_DATA_DIR``, default ``../shared/data`` next to the checkout), given as the
+node's ``data-path`` (a deployed site: its own ``epsilon-cap``, ``delta`` and ``state-dir``).
 """
 
 from __future__ import annotations
@@ -53,8 +53,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+# the checkout, for its tests.helpers.shared_data: the data folder of the tests and benchmarks
+sys.path.append(str(Path(__file__).resolve().parent.parent))
+
+from tests.helpers.shared_data import SHARED_DATA
+
 HERE = Path(__file__).resolve().parent.parent
-SST2 = Path(os.environ.get("PRISM_SST2", "/work/shared/data/sst2/train.jsonl"))
+SST2 = SHARED_DATA / "sst2" / "train.jsonl"  # PRISM_DATA_DIR or ../shared/data
 
 WRAPPED: tuple[tuple[str, str, str], ...] = (
     ("read rows", "client.site", "site_examples"),

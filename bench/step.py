@@ -74,6 +74,8 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# the checkout, for its tests.helpers.shared_data: the data folder of the tests and benchmarks
+sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 import torch
 import transformers
@@ -86,6 +88,7 @@ from prism_runtime.config import RunConfig
 from prism_runtime.data import TokenizedDataset, load_examples
 from prism_runtime.model import LoadedModel, ModelConfig, load_model, load_tokenizer
 from prism_runtime.trainer import DPTrainer, PrivateTrainer, TrainConfig
+from tests.helpers.shared_data import SHARED_DATA
 
 METHODS = ("prism", "prism-inorder", "dp-adamw", "nondp")
 DEFAULT_METHODS = ("prism", "dp-adamw", "nondp")
@@ -108,11 +111,11 @@ EXPECTED_BATCH = 64
 MICRO_BATCH = 64
 REAL_MAX_LENGTH = 128
 NOISE_MULTIPLIER = 1.0
-SST2 = Path("/work/shared/data/sst2/train.jsonl")
+SST2 = SHARED_DATA / "sst2" / "train.jsonl"  # PRISM_DATA_DIR or ../shared/data
 DATA = {
     "packed": SST2,
     "sst2": SST2,
-    "medical_abstracts": Path("/work/shared/data/medical_abstracts_testsplit/train.jsonl"),
+    "medical_abstracts": SHARED_DATA / "medical_abstracts_testsplit" / "train.jsonl",
 }
 LOG = logging.getLogger("bench.step")
 CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}

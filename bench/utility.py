@@ -80,14 +80,14 @@ from typing import Any
 # This folder holds a script named like the repo's `server` package: make the package win.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from tests.helpers.shared_data import SHARED_DATA
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
 LOG = logging.getLogger("bench.utility")
-DATA_DIR = Path(
-    os.environ.get("PRISM_DATA_DIR", Path(__file__).resolve().parents[2] / "shared/data")
-)
+DATA_DIR = SHARED_DATA  # PRISM_DATA_DIR or ../shared/data (tests/helpers/shared_data.py)
 TASKS = {  # name: (folder, number of labels)
     "sst2": ("sst2", 2),
     "medical_questions_pairs": ("medical_questions_pairs", 2),
@@ -186,20 +186,19 @@ def run_id(spec: dict[str, Any]) -> str:
 
 
 def _local_grid(run_config: dict[str, Any], sites: int) -> Any:
-    """A grid that hands each message to the site's ClientApp (``client.app.app``, which routes
-    it by its message type: ``train`` and the ``train.secure_*`` stages) in this process when it
-    is pushed; the coordinator pulls the replies (``Grid.push_messages`` / ``pull_messages``,
-    with a fresh id per message as Flower's ``InMemoryGrid`` gives). Each node keeps ONE
-    ``Context``, so its ``context.state`` lives from message to message as a SuperNode's does
-    (secure aggregation keeps a round's secrets there between its stages)."""
-    from uuid import uuid4
-
-    from flwr.app import Context, RecordDict
+    """A loopback grid (``tests/helpers/grids.py``'s ``LoopbackSites``: each message is answered
+    when it is pushed, with a fresh id per message as Flower's ``InMemoryGrid`` gives, and the
+    coordinator pulls the replies) whose sites are the ClientApp (``client.app.app``, which
+    routes a message by its type: ``train`` and the ``train.secure_*`` stages) in this process.
+    Each node keeps ONE ``Context``, so its ``context.state`` lives from message to message as a
+    SuperNode's does (secure aggregation keeps a round's secrets there between its stages)."""
+    from flwr.app import Context, Message, RecordDict
     from flwr.supercore.task_identity import TaskIdentity
 
     import client.app as client_app
+    from tests.helpers.grids import LoopbackSites
 
-    class LocalGrid:
+    class LocalGrid(LoopbackSites):
         def __init__(self) -> None:
             self.contexts = {
                 node: Context(
@@ -218,27 +217,17 @@ def _local_grid(run_config: dict[str, Any], sites: int) -> Any:
                 )
                 for node in range(1, sites + 1)
             }
-            self.replies: dict[str, Any] = {}
 
         def get_node_ids(self) -> list[int]:
             return sorted(self.contexts)
 
-        def push_messages(self, messages: Any) -> list[str]:
-            ids = []
-            for msg in messages:
-                msg.metadata.__dict__["_message_id"] = str(uuid4())
-                node = msg.metadata.dst_node_id
-                TaskIdentity.node_id = node
-                try:
-                    reply = client_app.app(msg, self.contexts[node])
-                finally:
-                    TaskIdentity.node_id = 0
-                self.replies[msg.metadata.message_id] = reply
-                ids.append(msg.metadata.message_id)
-            return ids
-
-        def pull_messages(self, message_ids: Any) -> list:
-            return [self.replies.pop(i) for i in message_ids if i in self.replies]
+        def answer(self, msg: Message) -> Message:
+            node = msg.metadata.dst_node_id
+            TaskIdentity.node_id = node
+            try:
+                return client_app.app(msg, self.contexts[node])
+            finally:
+                TaskIdentity.node_id = 0
 
     return LocalGrid()
 

@@ -16,7 +16,9 @@ import json
 import os
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+from tests.helpers.shared_data import SHARED_DATA
+
+DATA = SHARED_DATA  # PRISM_DATA_DIR or ../shared/data (tests/helpers/shared_data.py)
 DEFAULTS = [
     (DATA / "sst2" / "dev.jsonl", "this is bad|this is great"),
     (DATA / "medical_questions_pairs" / "dev.jsonl", ""),

@@ -5,17 +5,18 @@ moments in rank space (r x r), and the preconditioner ``(V + lambda I)^{-1/2}`` 
 ``lambda`` tied to the known DP noise level ``s = sigma C / b`` so that it cannot amplify
 the privacy noise without bound (Thm 3.5). State is an explicit frozen dataclass per module.
 
-Defaults follow the released reference: scalar floor ``0.5 s^2``, ``cond_max = 1e4``,
-minimum-norm re-lift of the final direction, no noise debiasing. The reference's other re-lift,
-of the noisy gradient, is no longer an option: ``prism_core.mechanism.privatize`` already
-releases the minimum-norm lift (App. A.7) of the noisy ``dZ``, the only representative that
-carries no un-noised component, so the moments below always see a function of ``dZ`` alone.
+The floor is the released reference's scalar one, ``lambda = floor_scale * s^2`` for both
+factors (``floor_scale = 0.5``), with ``cond_max = 1e4`` and a minimum-norm re-lift of the final
+direction; the paper's per-factor floors ``lambda_A ~ s^2 tr(N^{-1}) / r`` (eq. 26) and its
+noise debiasing (App. A.26) are not implemented. The update is used as given, never re-lifted
+(the reference's other option): ``prism_core.mechanism.privatize`` already releases the
+minimum-norm lift (App. A.7) of the noisy ``dZ``, the only representative that carries no
+un-noised component, so the moments below always see a function of ``dZ`` alone.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor
@@ -32,32 +33,25 @@ class AdaptiveConfig:
     Attributes:
         beta1: first-moment decay (factor space, eq. 24).
         beta2: second-moment decay (rank space, eq. 24).
-        floor_mode: ``"scalar"``: ``lambda = floor_scale * s^2`` for both factors (reference);
-            ``"geometry"``: ``lambda_A = floor_scale * s^2 tr(N^{-1}) / r`` and
-            ``lambda_B = floor_scale * s^2 tr(M^{-1}) / r`` (eq. 26).
-        floor_scale: multiplier of the DP-aware floor.
+        floor_scale: multiplier of the DP-aware floor ``lambda = floor_scale * s^2`` (both
+            factors).
         min_floor: absolute lower bound of lambda (keeps non-DP runs, s = 0, well posed).
         cond_max: largest allowed condition number of ``V + lambda I``.
         bias_correction: Adam-style ``1 / (1 - beta^t)`` correction of both moments.
-        debias_second_moment: subtract the known rank-space noise covariance (App. A.26).
         relift_direction: min-norm re-lift of the final direction.
     """
 
     beta1: float = 0.9
     beta2: float = 0.999
-    floor_mode: Literal["scalar", "geometry"] = "scalar"
     floor_scale: float = 0.5
     min_floor: float = 1e-12
     cond_max: float = 1e4
     bias_correction: bool = True
-    debias_second_moment: bool = False
     relift_direction: bool = True
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0):
             raise ValueError(f"beta1={self.beta1}, beta2={self.beta2}: both must be in [0, 1)")
-        if self.floor_mode not in ("scalar", "geometry"):
-            raise ValueError(f"floor_mode={self.floor_mode!r}: use 'scalar' or 'geometry'")
         if not (self.floor_scale >= 0 and self.min_floor > 0 and self.cond_max >= 1):
             raise ValueError("need floor_scale >= 0, min_floor > 0 and cond_max >= 1")
 
@@ -89,26 +83,14 @@ def init_state(A: Tensor, B: Tensor) -> AdaptiveState:
     )
 
 
-def _inv_sqrt_floored(V: Tensor, floor: float, cond_max: float, noise_cov: Tensor | None) -> Tensor:
-    """``(V - noise_cov + floor I)^{-1/2}`` with eigenvalues clamped to a condition number."""
+def _inv_sqrt_floored(V: Tensor, floor: float, cond_max: float) -> Tensor:
+    """``(V + floor I)^{-1/2}`` with eigenvalues clamped to a condition number."""
     V = 0.5 * (V + V.mT)
-    if noise_cov is not None:
-        V = V - noise_cov
     w, Q = torch.linalg.eigh(V)
     w = w.clamp_min(0.0) + floor
     w = torch.maximum(w, w.max() / cond_max)
     inv_sqrt: Tensor = (Q * w.rsqrt().unsqueeze(-2)) @ Q.mT
     return inv_sqrt
-
-
-def _gram_inv_trace(X: Tensor) -> tuple[Tensor, float]:
-    """``(X.T X)^{-1}`` and its trace, through the triangular factor of a thin QR."""
-    R = torch.linalg.qr(X, mode="r")[1]
-    R_inv = torch.linalg.solve_triangular(
-        R, torch.eye(R.shape[-1], dtype=R.dtype, device=R.device), upper=True
-    )
-    gram_inv = R_inv @ R_inv.mT
-    return gram_inv, float(torch.diagonal(gram_inv).sum())
 
 
 def adaptive_direction(
@@ -126,8 +108,9 @@ def adaptive_direction(
         m_A <- b1 m_A + (1 - b1) dA_dp,        V_A <- b2 V_A + (1 - b2) dA_dp.T dA_dp / m
         U_A  = m_A_hat (V_A_hat + lambda_A I)^{-1/2}            (and the same for B with n, M)
 
-    with DP-aware floors ``lambda`` (see ``AdaptiveConfig.floor_mode``) and a condition-number
-    clamp. The result is post-processing of the DP update and costs no privacy.
+    with the DP-aware floor of eq. (26) in its scalar form, ``lambda_A = lambda_B =
+    floor_scale * s^2`` (at least ``min_floor``), and a condition-number clamp. The result is
+    post-processing of the DP update and costs no privacy.
 
     Args:
         point: the module's current ``Point(A, B)``.
@@ -142,16 +125,13 @@ def adaptive_direction(
 
     Notes:
         Equivariant under orthogonal gauge changes ``(A R, B R)`` (Prop. A.30) when moments
-        transform alongside. ``debias_second_moment`` subtracts ``s^2 (m - r)/m N^{-1}`` and
-        ``s^2 M^{-1}`` (App. A.26), the covariance of the sampler's un-relifted noise; the
-        released update is min-norm re-lifted, so this is an approximation. r x r work is done
-        in float32 or better.
+        transform alongside. r x r work is done in float32 or better.
     """
     A, B = point
     dtype = work_dtype(A, B, update.dA, update.dB)
     A, B = A.to(dtype), B.to(dtype)
     dA, dB = update.dA.to(dtype), update.dB.to(dtype)
-    (m, r), n = A.shape[-2:], B.shape[-2]
+    m, n = A.shape[-2], B.shape[-2]
     b1, b2 = config.beta1, config.beta2
     step = state.step + 1
     mA = b1 * state.mA.to(dtype) + (1 - b1) * dA
@@ -161,20 +141,9 @@ def adaptive_direction(
     c1 = 1 - b1**step if config.bias_correction else 1.0
     c2 = 1 - b2**step if config.bias_correction else 1.0
 
-    s2 = float(noise_std) ** 2
-    N_inv, tr_N_inv = _gram_inv_trace(B)
-    M_inv, tr_M_inv = _gram_inv_trace(A)
-    if config.floor_mode == "scalar":
-        lam_A = lam_B = config.floor_scale * s2
-    else:
-        lam_A = config.floor_scale * s2 * tr_N_inv / r
-        lam_B = config.floor_scale * s2 * tr_M_inv / r
-    lam_A, lam_B = max(lam_A, config.min_floor), max(lam_B, config.min_floor)
-    cov_A = s2 * (m - r) / m * N_inv if config.debias_second_moment else None
-    cov_B = s2 * M_inv if config.debias_second_moment else None
-
-    U_A = (mA / c1) @ _inv_sqrt_floored(VA / c2, lam_A, config.cond_max, cov_A)
-    U_B = (mB / c1) @ _inv_sqrt_floored(VB / c2, lam_B, config.cond_max, cov_B)
+    lam = max(config.floor_scale * float(noise_std) ** 2, config.min_floor)
+    U_A = (mA / c1) @ _inv_sqrt_floored(VA / c2, lam, config.cond_max)
+    U_B = (mB / c1) @ _inv_sqrt_floored(VB / c2, lam, config.cond_max)
     if config.relift_direction:
         U_A, U_B = min_norm_lift(A, B, U_A, U_B)
     return Tangent(U_A, U_B), AdaptiveState(mA, mB, VA, VB, step)

@@ -39,7 +39,6 @@ __all__ = [
     "factor_dp_gradient",
     "factor_norms_sq",
     "factor_privatize",
-    "nondp_gradient",
 ]
 
 
@@ -179,11 +178,3 @@ def factor_dp_gradient(
         sampling=sampling,
         mechanism=mechanism,
     )
-
-
-def nondp_gradient(per_example_grads: Sequence[Tensor]) -> list[Tensor]:
-    """Mean gradient over the realised batch (no clipping, no noise: NOT private).
-
-    Implements the non-private LoRA baseline of §4 (Table 2, "Non-DP").
-    """
-    return [g.mean(dim=0) for g in per_example_grads]

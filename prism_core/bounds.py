@@ -77,8 +77,9 @@ def adam_gain(
         ``G = sup_{1 <= t <= max_step} G_t`` (``inf`` if unbounded).
 
     Notes:
-        Assumes no second-moment debiasing (``debias_second_moment=False``): subtracting a noise
-        covariance from ``V`` can make the ratio arbitrarily large. For ``t`` past the point where
+        Assumes ``V`` is the plain second moment: subtracting a noise covariance from it (the
+        paper's debiasing, not implemented) could make the ratio arbitrarily large. For ``t``
+        past the point where
         ``b1^t < 1e-12`` the remaining terms are bounded in closed form, so the loop is short.
     """
     if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):

@@ -65,8 +65,6 @@ __all__ = [
     "flatten",
     "from_coordinates",
     "gamma",
-    "share_noise_std",
-    "sum_noise_std",
     "tangent_coordinates",
     "unflatten",
 ]
@@ -446,19 +444,3 @@ def decode_sum(total: NDArray[np.int64], *, max_norm: float) -> Tensor:
             f"shape {array.shape}"
         )
     return torch.from_numpy(array.astype(np.float64)) * step
-
-
-def share_noise_std(mu_share: float, *, max_norm: float) -> float:
-    """The standard deviation one share's noise adds to each coordinate, in update units:
-    ``gamma sqrt(2 mu_share)`` (``Sk(mu)`` has variance ``2 mu``; docs/design.md §3.3)."""
-    _check_mu_share(mu_share)
-    return gamma(max_norm) * math.sqrt(2 * mu_share)
-
-
-def sum_noise_std(mu_share: float, *, sites: int, max_norm: float) -> float:
-    """The standard deviation of the noise of the sum of ``sites`` independent shares, in update
-    units: ``gamma sqrt(2 mu_share sites)`` (their sum is ``Sk(sites mu_share)``)."""
-    _check_mu_share(mu_share)
-    if isinstance(sites, bool) or not isinstance(sites, int) or sites < 1:
-        raise PrivacyParameterError(f"sites={sites!r} must be an integer >= 1")
-    return gamma(max_norm) * math.sqrt(2 * mu_share * sites)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, Literal, get_args
+from typing import Any, Literal, get_args
 
 import annotated_types
 from pydantic import (
@@ -497,19 +497,6 @@ class RunConfig(_Kebab):
             return value
         raise ValueError(f"is neither true, false nor {AUTO!r}")
 
-    REMOVED_KEYS: ClassVar[dict[str, str]] = {
-        "secure-rng": (
-            "randomness is the site's choice, not the run's: every site draws its sampling, "
-            "dropout and noise from the OS CSPRNG unless its OWN operator sets reproducible mode "
-            "(node-config rng-secret or PRISM_FL_RNG_SECRET, for tests and benchmarks). Remove "
-            "secure-rng from the run config"
-        ),
-        "weight-by-examples": (
-            "use aggregation='examples' (FedAvg weights by shard size, read from q = b / N) or "
-            "aggregation='inverse-noise'"
-        ),
-    }
-
     @field_validator("noise_multiplier")
     @classmethod
     def _sigma_or_calibrate(cls, value: float) -> float:
@@ -840,12 +827,6 @@ def parse_config(model: type[_Kebab], values: Mapping[str, Any], *, what: str) -
         ConfigError: one ``<what> <key>=<value>: <problem> (allowed: <range>)`` per problem.
     """
     valid = sorted(_alias(name) for name in model.model_fields)
-    removed: dict[str, str] = getattr(model, "REMOVED_KEYS", {})
-    gone = [
-        f"{what} key {k!r} no longer exists: {removed[k]}" for k in sorted(values) if k in removed
-    ]
-    if gone:
-        raise ConfigError("; ".join(gone))
     unknown = sorted(k for k in values if k not in valid)
     if unknown:
         raise ConfigError(f"unknown {what} key(s) {unknown}; valid keys: {valid}")

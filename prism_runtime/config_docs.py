@@ -127,12 +127,6 @@ def _auto_section() -> list[str]:
     return [_AUTO_TITLE, "", doc]
 
 
-def _removed_section() -> list[str]:
-    lines = ["## Removed run-config keys", "", "A run config that still sets one is refused:", ""]
-    lines += [f"- `{key}`: {reason}." for key, reason in RunConfig.REMOVED_KEYS.items()]
-    return lines
-
-
 def render() -> str:
     """The whole page."""
     site_doc = _markdown(" ".join((SiteConfig.__doc__ or "").split("\n\n", 1)[-1].split()))
@@ -149,8 +143,6 @@ def render() -> str:
         *_table(SiteConfig, lambda _key: "site operator (node config)"),
         "",
         *_auto_section(),
-        "",
-        *_removed_section(),
     ]
     text = "\n".join(lines)
     while "\n\n\n" in text:

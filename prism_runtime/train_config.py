@@ -71,10 +71,8 @@ class AdaptiveSettings(BaseModel):
 
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.999, ge=0, lt=1)
-    floor_mode: Literal["scalar", "geometry"] = "scalar"
     floor_scale: float = Field(0.5, ge=0)
     cond_max: float = Field(1e4, ge=1)
-    debias_second_moment: bool = False
     relift_direction: bool = True
 
     def to_config(self) -> AdaptiveConfig:

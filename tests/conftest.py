@@ -31,20 +31,23 @@ CRASH_SEED = int(os.environ.get(CRASH_SEED_ENV) or time.time_ns() % 1_000_000)
 os.environ[CRASH_SEED_ENV] = str(CRASH_SEED)  # pytest-xdist's workers inherit the printed seed
 
 FLOWER_GROUP = "flower"
-"""xdist group of the tests that run a real Flower federation (``make test`` runs pytest with
-``-n 2 --dist loadgroup``): one federation at a time, beside one worker of in-process tests, so
-Flower's 60 s heartbeats never starve on the 2 cores."""
+"""Marker and xdist group of the tests that run a real Flower federation (``make test`` runs
+pytest with ``-n 2 --dist loadgroup``): one federation at a time, beside one worker of in-process
+tests, so Flower's 60 s heartbeats never starve on the 2 cores; ``make test-fast`` leaves them
+out (``-m 'not flower'``)."""
 _FLOWER_TESTS = ("tests/e2e/", "tests/deploy/test_compose_loopback.py")
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)  # two workers on two cores: no thread oversubscription
 
 
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     root = Path(__file__).resolve().parents[1]
     for item in items:
         where = item.path.resolve().relative_to(root).as_posix()
         if where.startswith(_FLOWER_TESTS):
+            item.add_marker(pytest.mark.flower)
             item.add_marker(pytest.mark.xdist_group(FLOWER_GROUP))
 
 

@@ -194,16 +194,9 @@ EQUIVALENT: dict[str, dict[str, str]] = {
             )
             for i in numbers
         },
-        **{
-            f"server.ledger.schema.x_migrate__mutmut_{i}": "migrate's return value is not "
-            "read by its one caller (connect)"
-            for i in (14, 87)
-        },
         "server.ledger.schema.x_create_ledger__mutmut_12": "isolation_level left at Python's "
         "legacy default: the one transaction is an explicit BEGIN IMMEDIATE, inside which no "
         "implicit BEGIN is added, and the two PRAGMAs run before it, outside any transaction",
-        "server.ledger.schema.x_migrate__mutmut_50": "not reached: INSERT ... SELECT copies "
-        "every row or raises (no OR IGNORE); the count check guards against a future change",
         "server.ledger.checks.x_validate_rows__mutmut_47": "not reached: the "
         "SELECT could fail before its first row only on a missing column, which "
         "validate_ledger now refuses before validate_rows runs",

@@ -38,7 +38,6 @@ from tqdm import tqdm
 
 from prism_core.accounting import PrivacyEvent
 from prism_core.errors import BudgetExceededError
-from prism_core.manifold import Point
 from prism_core.rng import NoiseSource, SecureRNG
 from prism_runtime.data import IGNORE_INDEX, make_collate, micro_batches, poisson_loader
 from prism_runtime.data.units import (
@@ -48,7 +47,6 @@ from prism_runtime.data.units import (
     user_poisson_loader,
 )
 from prism_runtime.errors import ConfigError
-from prism_runtime.lora import read_points
 from prism_runtime.model import LoadedModel
 from prism_runtime.protocol import RNG_REPRODUCIBLE, RNG_SECURE
 from prism_runtime.train_config import PrivacyUnit, TrainConfig
@@ -395,10 +393,6 @@ class PrivateTrainer:
                 if show and (self.steps_done % every == 0 or len(results) == todo):
                     bar.set_postfix(epsilon=f"{self.epsilon():.3f}")
         return results
-
-    def current_points(self) -> list[Point]:
-        """The current factors ``(A, B)`` of every LoRA module."""
-        return read_points(self.loaded.handles)
 
 
 def make_trainer(

@@ -32,7 +32,6 @@ __all__ = [
     "BLOCKS",
     "POWER",
     "VarianceTest",
-    "block_dimensions",
     "tangent_block_energies",
     "variance_test",
 ]
@@ -60,11 +59,6 @@ def tangent_block_energies(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor) -> dict
         name: float(block.square().sum())
         for name, block in zip(BLOCKS, (core, a_perp, b_perp), strict=True)
     }
-
-
-def block_dimensions(m: int, n: int, r: int) -> dict[str, int]:
-    """Coordinates of each block for an (m x r, n x r) module: ``r^2, (m - r) r, r (n - r)``."""
-    return dict(zip(BLOCKS, (r * r, (m - r) * r, r * (n - r)), strict=True))
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,6 @@ __all__ = [
     "CanaryRun",
     "CanarySettings",
     "canary_experiment",
-    "canary_scores",
     "epsilon_lower_bound",
     "p_value",
     "run_canary_audit",
@@ -387,14 +386,6 @@ def canary_experiment(settings: CanarySettings, mechanism: Mechanism = CORRECT) 
     scores /= math.sqrt(s.modules + 1)  # inner product with the unit direction
     energy, dof = _residual_energy(s, modules, coords, head, head_owned, included)
     return CanaryRun(scores, included, energy, dof)
-
-
-def canary_scores(
-    settings: CanarySettings, mechanism: Mechanism = CORRECT
-) -> tuple[Tensor, Tensor]:
-    """Scores of every canary after ``settings.steps`` releases, and the secret inclusion mask."""
-    run = canary_experiment(settings, mechanism)
-    return run.scores, run.included
 
 
 def _noise_tests(s: CanarySettings, run: CanaryRun) -> tuple[VarianceTest, ...]:

@@ -17,8 +17,8 @@ and fails the audit on any of these non-private settings or facts:
 and on any of these values outside the accepted ranges (``prism_runtime.ranges``):
 
 - a run config the current ``prism_runtime.config.RunConfig`` refuses (an older or a hostile
-  one): each refused key with its value and its allowed range, an unknown or removed key, or a
-  rule across keys it breaks;
+  one): each refused key with its value and its allowed range, an unknown key, or a rule
+  across keys it breaks;
 - a fact ``sigma`` other than 0 (reported above) outside ``[SIGMA_MIN, SIGMA_MAX]``, a
   ``quantile-sigma`` outside it, a ``max-norm`` outside ``[MAX_NORM_MIN, MAX_NORM_MAX]``,
   ``steps`` above ``LOCAL_STEPS_MAX`` (``QUANTILE_STEPS_MAX`` for a clip estimate's steps) or a
@@ -161,13 +161,14 @@ def config_range_findings(
     config: Mapping[str, Any], *, source: str, subject: str
 ) -> list[RunFinding]:
     """What the current ``RunConfig`` refuses in one recorded run config (kebab-case or
-    snake_case keys): each key out of its accepted range with the range, each unknown or removed
-    key, each rule across keys it breaks. The config is read, never trusted to validate."""
+    snake_case keys): each key out of its accepted range with the range, each unknown key,
+    each rule across keys it breaks. The config is read, never trusted to validate."""
     values = {str(k).replace("_", "-"): v for k, v in config.items()}
     found = []
     for key in sorted(set(values) - set(_RUN_KEYS)):
-        why = RunConfig.REMOVED_KEYS.get(key, "no key of that name exists")
-        found.append((key, _shown(values[key]), f"the run config refuses the key: {why}"))
+        found.append(
+            (key, _shown(values[key]), "the run config refuses the key: no key of that name exists")
+        )
     known = {k: v for k, v in values.items() if k in _RUN_KEYS}
     try:
         RunConfig.model_validate(known)

@@ -7,10 +7,10 @@ charge counts on and the sigma of the site's own noise share). Epsilon is never 
 ``Ledger.epsilon`` recomputes it from the site's whole history with ``prism_core.accounting``
 (PRV, with the RDP cross-check) every time.
 
-File layout (schema version 5):
+File layout (schema version 1):
 
-- ``meta(key, value)``: ``application = "prism-fl-ledger"``, ``schema_version = "5"``,
-  ``created_at`` (and ``migrated_from_<v>_at`` on a migrated file); the SQLite header also carries
+- ``meta(key, value)``: ``application = "prism-fl-ledger"``, ``schema_version = "1"``,
+  ``created_at``; the SQLite header also carries
   ``application_id = LEDGER_APPLICATION_ID`` and ``user_version = SCHEMA_VERSION``, so a foreign
   file is recognised from its first 100 bytes.
 - ``events``: append-only (TRIGGERs abort any UPDATE or DELETE). Each row is a charge, either
@@ -36,13 +36,8 @@ File layout (schema version 5):
   every epsilon is computed from) leaves the superseded rows out; ``Ledger.records`` shows all.
 - ``runs(run_id, started_at, config_json)``: one row per federated run, append-only too.
 
-Schema versions 1 (before unconfirmed charges and the rng fact), 2 (one row per (run, round,
-site, confirmed), before the private clip estimate), 3 (before the ``unit`` column) and 4 (before
-the ``honest_sites`` and ``share_sigma`` columns) are still read: opened for writing they are
-migrated in place, in one transaction (every row kept; a version-1 row as confirmed with rng
-unknown; a row of version 1 to 3 as ``unit = 'record'``; a row of version 1 to 4 with
-``honest_sites`` and ``share_sigma`` NULL); opened read-only they are read as they are, with
-those same values.
+A file of another schema version is refused, unchanged, naming the version it found; this
+prism-fl reads and writes version 1 only.
 
 Durability: WAL journal, ``synchronous = FULL`` (a committed append survives power loss), every
 write in one ``BEGIN IMMEDIATE`` transaction. A new ledger is built in a temporary file and
@@ -52,7 +47,7 @@ The triggers guard against accidents (a stray ``DELETE``), not against someone w
 to the file, who can drop them; the trust model is in docs/security.md.
 
 Modules: ``events`` (the event record and its validation), ``schema`` (tables, triggers, row
-conversion, creation, migration), ``checks`` (opening a file read-only first, refusing anything
+conversion, creation), ``checks`` (opening a file read-only first, refusing anything
 that is not a prism-fl ledger), ``store`` (the ``Ledger``), ``budget`` (epsilon maths over a
 history).
 """
@@ -69,7 +64,6 @@ from server.ledger.events import (
 from server.ledger.schema import (
     APPLICATION,
     LEDGER_APPLICATION_ID,
-    OLD_SCHEMA_VERSIONS,
     SCHEMA_VERSION,
 )
 from server.ledger.store import Ledger
@@ -78,7 +72,6 @@ __all__ = [
     "APPLICATION",
     "DEFAULT_MECHANISM",
     "LEDGER_APPLICATION_ID",
-    "OLD_SCHEMA_VERSIONS",
     "SCHEMA_VERSION",
     "UNKNOWN_HONEST_SITES",
     "UNKNOWN_Q",

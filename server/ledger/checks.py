@@ -13,16 +13,13 @@ from server.ledger.schema import (
     APPLICATION,
     BUSY_TIMEOUT_S,
     EVENT_COLUMNS,
+    EVENT_SELECT,
     LEDGER_APPLICATION_ID,
-    OLD_SCHEMA_VERSIONS,
     SCHEMA_VERSION,
     TABLES,
     TRIGGERS,
-    columns,
     create_ledger,
     event_from_row,
-    event_select,
-    migrate,
 )
 
 __all__ = ["check_header", "connect", "validate_ledger"]
@@ -85,8 +82,8 @@ def table_names(path: Path) -> list[str] | str:
     return sorted(str(r[0]) for r in rows)
 
 
-def validate_ledger(conn: sqlite3.Connection, path: Path) -> int:
-    """Check integrity, meta, tables and triggers of an open ledger; return its schema version.
+def validate_ledger(conn: sqlite3.Connection, path: Path) -> None:
+    """Check integrity, meta, schema version, tables, triggers and rows of an open ledger.
 
     Raises:
         LedgerError: what is wrong, and what to do.
@@ -115,27 +112,25 @@ def validate_ledger(conn: sqlite3.Connection, path: Path) -> int:
             f"{sorted(tables)}), expected {APPLICATION!r}; not a prism-fl ledger."
         )
     version = meta.get("schema_version")
-    readable = [str(v) for v in (*OLD_SCHEMA_VERSIONS, SCHEMA_VERSION)]
-    if version not in readable:
+    if version != str(SCHEMA_VERSION):
         raise LedgerError(
-            f"ledger {path}: schema version {version!r}, this prism-fl reads versions "
-            f"{', '.join(readable)}. Use the prism-fl release that wrote it."
+            f"ledger {path}: schema version {version!r}, this prism-fl reads schema version "
+            f"{SCHEMA_VERSION} only. Open it with the prism-fl release that wrote it, or point "
+            "to another ledger file; the file was not modified."
         )
-    schema = int(version)
     missing = sorted((TABLES - tables) | (TRIGGERS - triggers))
     if not missing:  # (a missing events table is named as such, not as all its columns)
         found = {str(r[1]) for r in conn.execute("PRAGMA table_info(events)")}
-        missing = sorted(f"events.{c}" for c in {"id", *columns(schema)} - found)
+        missing = sorted(f"events.{c}" for c in {"id", *EVENT_COLUMNS} - found)
     if missing:
         raise LedgerError(
             f"ledger {path}: tables, columns or append-only triggers missing: {missing}. The "
             "ledger was altered outside prism-fl; restore it from a backup."
         )
-    validate_rows(conn, path, schema)
-    return schema
+    validate_rows(conn, path)
 
 
-def validate_rows(conn: sqlite3.Connection, path: Path, version: int) -> None:
+def validate_rows(conn: sqlite3.Connection, path: Path) -> None:
     """Every stored event must be a valid ``LedgerEvent`` with the column types it was written with.
 
     SQLite does not re-check CHECK constraints or column types on read, so a row edited outside
@@ -151,14 +146,13 @@ def validate_rows(conn: sqlite3.Connection, path: Path, version: int) -> None:
     kinds["rng"] = text | {"null"}
     kinds["honest_sites"] = integer | {"null"}
     kinds["share_sigma"] = number | {"null"}
-    stored = columns(version)
-    types = ", ".join(f"typeof({c})" for c in stored)
+    types = ", ".join(f"typeof({c})" for c in EVENT_COLUMNS)
     n = len(EVENT_COLUMNS)
     row_id: object = "?"
     try:
-        for row in conn.execute(f"SELECT {event_select(version)}, {types} FROM events"):
+        for row in conn.execute(f"SELECT {EVENT_SELECT}, {types} FROM events"):
             row_id = row[0]
-            found = dict(zip(stored, row[1 + n :], strict=True))
+            found = dict(zip(EVENT_COLUMNS, row[1 + n :], strict=True))
             wrong = {c: t for c, t in found.items() if t not in kinds[c]}
             if wrong:
                 raise InvalidEventError(f"column types {wrong}")
@@ -170,12 +164,12 @@ def validate_rows(conn: sqlite3.Connection, path: Path, version: int) -> None:
         ) from exc
 
 
-def connect(p: Path, *, create: bool, read_only: bool) -> tuple[sqlite3.Connection, int]:
-    """The connection ``Ledger.open`` wraps, and the schema version it reads.
+def connect(p: Path, *, create: bool, read_only: bool) -> sqlite3.Connection:
+    """The connection ``Ledger.open`` wraps.
 
     Creates a missing file (``create``, not ``read_only``); checks an existing one without
-    writing (header, then integrity, meta, tables, triggers and rows on a read-only
-    connection); opens it for writing only if it passes, migrating an older schema version.
+    writing (header, then integrity, meta, schema version, tables, triggers and rows on a
+    read-only connection); opens it for writing only if it passes.
 
     Raises:
         LedgerError: what is wrong with the file, and what to do; the file is left unchanged.
@@ -199,18 +193,17 @@ def connect(p: Path, *, create: bool, read_only: bool) -> tuple[sqlite3.Connecti
     except sqlite3.Error as exc:
         raise LedgerError(f"ledger {p}: cannot open it read-only ({exc}).") from exc
     try:
-        version = validate_ledger(ro, p)
+        validate_ledger(ro, p)
     finally:
         ro.close()
     if read_only:
-        conn = sqlite3.connect(
+        return sqlite3.connect(
             f"{p.resolve().as_uri()}?mode=ro",
             uri=True,
             isolation_level=None,
             check_same_thread=False,
             timeout=BUSY_TIMEOUT_S,
         )
-        return conn, version
     conn = sqlite3.connect(p, isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_S)
     try:
         mode = str(conn.execute("PRAGMA journal_mode = WAL").fetchone()[0])
@@ -220,13 +213,4 @@ def connect(p: Path, *, create: bool, read_only: bool) -> tuple[sqlite3.Connecti
         raise LedgerError(f"ledger {p}: cannot open it for writing ({exc}).") from exc
     if mode.lower() != "wal":
         log.warning("ledger %s: WAL journal unavailable, using %s", p, mode)
-    if version != SCHEMA_VERSION:
-        try:
-            migrate(conn, p)
-        except (sqlite3.Error, LedgerError) as exc:
-            conn.close()
-            raise LedgerError(
-                f"ledger {p}: cannot migrate it from schema version {version} to "
-                f"{SCHEMA_VERSION} ({exc}); the file was left as it was."
-            ) from exc
-    return conn, SCHEMA_VERSION
+    return conn

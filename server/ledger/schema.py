@@ -1,5 +1,5 @@
-"""The ledger file's schema: tables, append-only triggers, row conversion, creation and
-migration of older schema versions (the layout is described in ``server.ledger``)."""
+"""The ledger file's schema: tables, append-only triggers, row conversion and creation (the
+layout is described in ``server.ledger``)."""
 
 from __future__ import annotations
 
@@ -22,33 +22,37 @@ __all__ = [
     "APPLICATION",
     "BUSY_TIMEOUT_S",
     "EVENT_COLUMNS",
+    "EVENT_SELECT",
     "LEDGER_APPLICATION_ID",
-    "OLD_SCHEMA_VERSIONS",
     "SCHEMA_VERSION",
     "TABLES",
     "TRIGGERS",
-    "columns",
     "create_ledger",
     "event_from_row",
-    "event_select",
-    "migrate",
 ]
 
 log = logging.getLogger("server.ledger")
 
 APPLICATION: Final = "prism-fl-ledger"
 """Value of ``meta.application`` in every prism-fl ledger."""
-SCHEMA_VERSION: Final = 5
-"""Schema version written by this module (versions 1 to 4 are still read, and migrated on
-write)."""
-OLD_SCHEMA_VERSIONS: Final = (1, 2, 3, 4)
-"""Older schema versions this module reads (read-only) and migrates (opened for writing)."""
+SCHEMA_VERSION: Final = 1
+"""Schema version written, and the only one read, by this module."""
 LEDGER_APPLICATION_ID: Final = 0x50524C47  # "PRLG"
 """``PRAGMA application_id`` of a prism-fl ledger (bytes 68-71 of the SQLite header)."""
 
 BUSY_TIMEOUT_S: Final = 30.0
 
-_EVENTS_BODY: Final = """
+_SCHEMA: Final = f"""
+CREATE TABLE meta (
+    key TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+CREATE TABLE runs (
+    run_id TEXT PRIMARY KEY CHECK (length(run_id) > 0),
+    started_at TEXT NOT NULL,
+    config_json TEXT NOT NULL
+);
+CREATE TABLE events (
     id INTEGER PRIMARY KEY,
     run_id TEXT NOT NULL CHECK (length(run_id) > 0),
     round INTEGER NOT NULL CHECK (round >= 0),
@@ -73,38 +77,19 @@ _EVENTS_BODY: Final = """
     CHECK (share_sigma IS NULL OR share_sigma <= sigma),
     CHECK (confirmed = 0 OR (params_known = 1 AND code = '')),
     CHECK (params_known = 1 OR (sigma = 0 AND q = 1)),
-    UNIQUE (run_id, round, site_id, mechanism, confirmed)""".strip("\n")
-_EVENTS_EXTRAS: Final = """
+    UNIQUE (run_id, round, site_id, mechanism, confirmed)
+);
 CREATE INDEX events_by_site ON events (site_id, id);
 CREATE TRIGGER events_no_update BEFORE UPDATE ON events
 BEGIN SELECT RAISE(ABORT, 'prism-fl ledger: events are append-only, UPDATE refused'); END;
 CREATE TRIGGER events_no_delete BEFORE DELETE ON events
 BEGIN SELECT RAISE(ABORT, 'prism-fl ledger: events are append-only, DELETE refused'); END;
-""".strip()
-_META_NO_UPDATE: Final = """
-CREATE TRIGGER meta_no_update BEFORE UPDATE ON meta
-BEGIN SELECT RAISE(ABORT, 'prism-fl ledger: meta is read-only, UPDATE refused'); END;
-""".strip()
-
-_SCHEMA: Final = f"""
-CREATE TABLE meta (
-    key TEXT PRIMARY KEY,
-    value TEXT NOT NULL
-);
-CREATE TABLE runs (
-    run_id TEXT PRIMARY KEY CHECK (length(run_id) > 0),
-    started_at TEXT NOT NULL,
-    config_json TEXT NOT NULL
-);
-CREATE TABLE events (
-{_EVENTS_BODY}
-);
-{_EVENTS_EXTRAS}
 CREATE TRIGGER runs_no_update BEFORE UPDATE ON runs
 BEGIN SELECT RAISE(ABORT, 'prism-fl ledger: runs are append-only, UPDATE refused'); END;
 CREATE TRIGGER runs_no_delete BEFORE DELETE ON runs
 BEGIN SELECT RAISE(ABORT, 'prism-fl ledger: runs are append-only, DELETE refused'); END;
-{_META_NO_UPDATE}
+CREATE TRIGGER meta_no_update BEFORE UPDATE ON meta
+BEGIN SELECT RAISE(ABORT, 'prism-fl ledger: meta is read-only, UPDATE refused'); END;
 CREATE TRIGGER meta_no_delete BEFORE DELETE ON meta
 BEGIN SELECT RAISE(ABORT, 'prism-fl ledger: meta is read-only, DELETE refused'); END;
 PRAGMA application_id = {LEDGER_APPLICATION_ID};
@@ -121,7 +106,7 @@ TRIGGERS: Final = frozenset(
         "meta_no_delete",
     }
 )
-_V1_COLUMNS: Final = (
+EVENT_COLUMNS: Final = (
     "run_id",
     "round",
     "site_id",
@@ -134,27 +119,21 @@ _V1_COLUMNS: Final = (
     "delta",
     "epsilon_cap",
     "recorded_at",
+    "confirmed",
+    "params_known",
+    "rng",
+    "code",
+    "unit",
+    "honest_sites",
+    "share_sigma",
 )
-_V2_DEFAULTS: Final[dict[str, str]] = {
-    "confirmed": "1",
-    "params_known": "1",
-    "rng": "NULL",
-    "code": "''",
-}
-"""Columns added by schema version 2, with the value a version-1 row reads as."""
-_V4_DEFAULTS: Final[dict[str, str]] = {"unit": "'record'"}
-"""Columns added by schema version 4 (the event's privacy unit), with the value an older row
-reads as."""
-_V5_DEFAULTS: Final[dict[str, str]] = {"honest_sites": "NULL", "share_sigma": "NULL"}
-"""Columns added by schema version 5 (a secure-aggregation event's honest sites and its own
-share's sigma, ``prism_core.records.SKELLAM_MECHANISM``), with the value an older row reads as
-(every older row is of another mechanism)."""
-_DEFAULTS: Final = {**_V2_DEFAULTS, **_V4_DEFAULTS, **_V5_DEFAULTS}
-EVENT_COLUMNS: Final = (*_V1_COLUMNS, *_DEFAULTS)
+"""The stored columns of an event, ``id`` aside."""
+EVENT_SELECT: Final = ", ".join(("id", *EVENT_COLUMNS))
+"""SQL select list of a stored event row: ``id``, then ``EVENT_COLUMNS``."""
 
 
 def event_from_row(row: Sequence[Any]) -> LedgerEvent:
-    """The event of a row of ``EVENT_COLUMNS`` (an older row reads with the defaults)."""
+    """The event of a row of ``EVENT_COLUMNS``."""
     values = dict(zip(EVENT_COLUMNS, row, strict=True))
     for name in ("confirmed", "params_known"):
         if values[name] not in (0, 1):
@@ -175,25 +154,6 @@ def event_from_row(row: Sequence[Any]) -> LedgerEvent:
         params_known=bool(values["params_known"]),
         rng=values["rng"],
         code=values["code"],
-    )
-
-
-def columns(version: int) -> tuple[str, ...]:
-    """The event columns stored by a schema version (version 3 changed only the UNIQUE key)."""
-    if version == 1:
-        return _V1_COLUMNS
-    if version in (2, 3):
-        return (*_V1_COLUMNS, *_V2_DEFAULTS)
-    if version == 4:
-        return (*_V1_COLUMNS, *_V2_DEFAULTS, *_V4_DEFAULTS)
-    return EVENT_COLUMNS
-
-
-def event_select(version: int) -> str:
-    """SQL select list giving ``EVENT_COLUMNS`` of a stored row of ``version`` (with ``id``)."""
-    stored = columns(version)
-    return ", ".join(
-        ["id", *(c if c in stored else f"{_DEFAULTS[c]} AS {c}" for c in EVENT_COLUMNS)]
     )
 
 
@@ -245,64 +205,3 @@ def statements(script: str) -> list[str]:
             out.append(buf.strip())
             buf = ""
     return out
-
-
-def migrate(conn: sqlite3.Connection, path: Path) -> bool:
-    """Migrate a ledger of one of ``OLD_SCHEMA_VERSIONS`` to ``SCHEMA_VERSION`` in place, in ONE
-    transaction.
-
-    The events table is rebuilt with the current UNIQUE key, columns and CHECKs (SQLite cannot
-    change a UNIQUE constraint or add a CHECK in place): every row is copied with its id (a
-    version-1 row as a confirmed charge with the rng fact unknown; a row of version 1 to 3 as a
-    record-level event; a row of version 1 to 4 with ``honest_sites`` and ``share_sigma``
-    NULL), then the append-only triggers are restored and ``meta`` records the new version and
-    when it was migrated. A crash leaves the file as it was before or as it is after, never
-    between.
-
-    Returns:
-        True if this call migrated the file, False if it already had the current version (another
-        process migrated it meanwhile).
-    """
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        (version,) = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-        if version == str(SCHEMA_VERSION):
-            conn.execute("ROLLBACK")
-            return False
-        (before,) = conn.execute("SELECT count(*) FROM events").fetchone()
-        old = ", ".join(("id", *columns(int(version))))
-        for statement in (
-            "DROP TRIGGER events_no_update",
-            "DROP TRIGGER events_no_delete",
-            "DROP TRIGGER meta_no_update",
-            f"CREATE TABLE events_new (\n{_EVENTS_BODY}\n)",
-            f"INSERT INTO events_new ({old}) SELECT {old} FROM events ORDER BY id",
-            "DROP TABLE events",
-            "ALTER TABLE events_new RENAME TO events",
-            *statements(_EVENTS_EXTRAS),
-        ):
-            conn.execute(statement)
-        (after,) = conn.execute("SELECT count(*) FROM events").fetchone()
-        if after != before:
-            raise LedgerError(f"ledger {path}: migration copied {after} of {before} events.")
-        conn.execute(
-            "UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),)
-        )
-        conn.execute(
-            "INSERT INTO meta (key, value) VALUES (?, ?)", (f"migrated_from_{version}_at", now())
-        )
-        conn.execute(_META_NO_UPDATE)
-        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-        conn.execute("COMMIT")
-    except BaseException:
-        with contextlib.suppress(sqlite3.Error):
-            conn.execute("ROLLBACK")
-        raise
-    log.warning(
-        "ledger %s: migrated from schema version %s to %d (%d events kept)",
-        path,
-        version,
-        SCHEMA_VERSION,
-        before,
-    )
-    return True

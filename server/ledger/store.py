@@ -23,19 +23,13 @@ from prism_core.records import SKELLAM_MECHANISM
 from prism_runtime.faults import NO_FAULTS, Faults
 from server.errors import InvalidEventError, LedgerConflictError, LedgerError
 from server.ledger.budget import (
-    epsilon_series,
     history_collusion_epsilon,
     history_epsilon,
     within_cap,
 )
 from server.ledger.checks import connect
 from server.ledger.events import LedgerEvent, RunRecord, now, validate_event
-from server.ledger.schema import (
-    EVENT_COLUMNS,
-    SCHEMA_VERSION,
-    event_from_row,
-    event_select,
-)
+from server.ledger.schema import EVENT_COLUMNS, EVENT_SELECT, event_from_row
 
 __all__ = ["Ledger"]
 
@@ -54,14 +48,12 @@ class Ledger:
         path: Path,
         *,
         read_only: bool,
-        version: int = SCHEMA_VERSION,
         faults: Faults = NO_FAULTS,
     ) -> None:
         self._conn = conn
         self._faults = faults
         self._path = path
         self._read_only = read_only
-        self._version = version
         self._lock = threading.RLock()
         self._closed = False
 
@@ -80,10 +72,8 @@ class Ledger:
 
         An existing file is first checked without writing anything: its SQLite header (the
         ``application_id``), then, on a read-only connection, its integrity, ``meta`` table,
-        schema version, tables and triggers. Only a file that passes is opened for writing. A
-        ledger of an older schema version (``OLD_SCHEMA_VERSIONS``) opened for writing is
-        migrated to ``SCHEMA_VERSION`` (one transaction, every event kept); opened read-only it
-        is read as it is.
+        schema version (``SCHEMA_VERSION``), tables, triggers and rows. Only a file that passes
+        is opened for writing.
 
         Args:
             path: the ledger file.
@@ -99,8 +89,8 @@ class Ledger:
                 ledger of another schema version.
         """
         p = Path(path)
-        conn, version = connect(p, create=create, read_only=read_only)
-        return cls(conn, p, read_only=read_only, version=version, faults=faults)
+        conn = connect(p, create=create, read_only=read_only)
+        return cls(conn, p, read_only=read_only, faults=faults)
 
     @property
     def path(self) -> Path:
@@ -319,7 +309,7 @@ class Ledger:
         clause, params = self._where(site_id, run_id)
         same = "f.run_id = e.run_id AND f.round = e.round AND f.site_id = e.site_id"
         rows = self._query(
-            f"WITH ev AS (SELECT {event_select(self._version)} FROM events) "
+            f"WITH ev AS (SELECT {EVENT_SELECT} FROM events) "
             f"SELECT {', '.join(f'e.{c}' for c in EVENT_COLUMNS)} FROM ev e "
             f"WHERE (e.confirmed = 1 OR NOT EXISTS "
             f"(SELECT 1 FROM ev f WHERE f.confirmed = 1 AND {same})){clause} "
@@ -332,7 +322,7 @@ class Ledger:
         """Every stored event, superseded unconfirmed ones included, in insertion order."""
         clause, params = self._where(site_id, run_id)
         rows = self._query(
-            f"WITH ev AS (SELECT {event_select(self._version)} FROM events) "
+            f"WITH ev AS (SELECT {EVENT_SELECT} FROM events) "
             f"SELECT {', '.join(f'e.{c}' for c in EVENT_COLUMNS)} FROM ev e "
             f"WHERE 1{clause} ORDER BY e.id",
             params,
@@ -421,20 +411,6 @@ class Ledger:
                 f"ledger {self._path}: no events of site {site_id!r}; pass delta to get 0."
             )
         return history_collusion_epsilon(events, d)
-
-    def epsilon_by_round(
-        self, site_id: str, *, delta: float | None = None
-    ) -> list[tuple[int, float]]:
-        """PRV epsilon of a site after each round it took part in (ran steps > 0), in order.
-
-        Each value composes the site's whole history up to and including that round (all runs,
-        in insertion order); ``delta`` defaults to the site's smallest delta as in ``epsilon``.
-        With several runs the round numbers restart; the list stays in ledger order.
-        """
-        events = self.events(site_id=site_id)
-        if not events:
-            return []
-        return epsilon_series(events, min(e.delta for e in events) if delta is None else delta)
 
     def can_run(
         self,

@@ -127,7 +127,7 @@ def test_decoder_runs_a_private_step_on_real_rows(step, monkeypatch, tmp_path):
     model with r = 16 LoRA on q, k, v, up, down, SST-2 rows as instruction/response, one PRISM
     step that records its privacy event."""
     if not step.SST2.exists():
-        pytest.skip(f"needs {step.SST2} (../shared/data)")
+        pytest.skip(f"needs {step.SST2} (PRISM_DATA_DIR or ../shared/data)")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setitem(step.SETTINGS, "model", "gemma3-tiny")
     monkeypatch.setitem(step.SETTINGS, "device", "cpu")

@@ -9,15 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers.shared_data import SHARED_DATA
 
 from client.cli import EXIT_CONFIG_ERROR, EXIT_DATA_ERROR, EXIT_OK, main
 from prism_runtime.evaluate import extract_last_number, numeric_match
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-DATA_DIR = Path(
-    os.environ.get("PRISM_DATA_DIR", Path(__file__).resolve().parents[3] / "shared/data")
-)
+DATA_DIR = SHARED_DATA
 SST2 = DATA_DIR / "sst2"
 REQUIRED_KEYS = {
     "method",

@@ -12,7 +12,6 @@ from prism_core.baselines import (
     factor_clip_and_sum,
     factor_dp_gradient,
     factor_norms_sq,
-    nondp_gradient,
 )
 from prism_core.manifold import tangent_to_dense
 
@@ -83,12 +82,6 @@ def test_ffa_uses_only_trainable_factor():
     )
     assert len(out) == 1 and rec.mechanism == "ffa-gaussian"
     torch.testing.assert_close(out[0], grads[0].sum(0) / 12.0)
-
-
-def test_nondp_gradient_is_batch_mean():
-    grads = _per_example(2)
-    for out, g in zip(nondp_gradient(grads), grads, strict=True):
-        torch.testing.assert_close(out, g.mean(0))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

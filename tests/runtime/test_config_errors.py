@@ -147,13 +147,6 @@ def test_one_sample_rate_is_a_secure_aggregation_setting():
     assert run.sample_rate == 0.01
 
 
-def test_removed_secure_rng_key_says_randomness_is_the_sites_choice():
-    with pytest.raises(ConfigError, match="randomness is the site's choice") as info:
-        parse_config(RunConfig, {"secure-rng": True}, what="run config")
-    assert "'secure-rng' no longer exists" in str(info.value)
-    assert "rng-secret" in str(info.value)  # what a site operator can do instead
-
-
 def test_unknown_key_lists_the_valid_ones():
     with pytest.raises(ConfigError, match=r"unknown run config key\(s\) \['lora-rnk'\]") as info:
         parse_config(RunConfig, {"lora-rnk": 4}, what="run config")

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers.shared_data import SHARED_DATA
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,9 +31,7 @@ from prism_runtime.errors import ConfigError, DataError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-DATA_DIR = Path(
-    os.environ.get("PRISM_DATA_DIR", Path(__file__).resolve().parents[3] / "shared/data")
-)
+DATA_DIR = SHARED_DATA
 VOCAB = [
     "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[EOS]",
     "below", "is", "an", "instruction", "that", "describes", "a", "task", "write", "response",

@@ -3,7 +3,7 @@
 Used by ``test_resume.py`` as a subprocess that the test SIGKILLs at a pause point
 (``prism_runtime.faults``). The grid delivers each train message to the real ClientApp
 (``client.app.app``) of an in-process site, in message order, when it is pushed, and the
-coordinator pulls the replies (``sitegrid.LoopbackSites``): Flower's
+coordinator pulls the replies (``helpers.grids.LoopbackSites``): Flower's
 transport is left out, everything else (strategy, ledger, checkpoint, sites and their durable
 state) is the real code. Usage: ``python resume_driver.py RUN_CONFIG_JSON NUM_SITES``.
 """
@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
+
+# run as a script, this folder is on the import path, not tests/ (the tests' helpers)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flwr.app import Context, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
-from sitegrid import LoopbackSites
+from helpers.grids import LoopbackSites
 
 from client.app import app as client_app
 from prism_runtime.config import RunConfig, parse_config

@@ -14,12 +14,16 @@ from prism_core.mechanism import tangent_noise
 from server.audit.blocks import (
     BLOCKS,
     POWER,
-    block_dimensions,
     tangent_block_energies,
     variance_test,
 )
 
 Z = 5.0  # z-score bound of the statistical checks: two-sided p ~ 6e-7 under the null
+
+
+def _block_dimensions(m: int, n: int, r: int) -> dict[str, int]:
+    """Coordinates of each block for an (m x r, n x r) module: ``r^2, (m - r) r, r (n - r)``."""
+    return dict(zip(BLOCKS, (r * r, (m - r) * r, r * (n - r)), strict=True))
 
 
 def _dense_blocks(A, B, dZ):
@@ -64,7 +68,7 @@ def test_tangent_noise_puts_unit_variance_on_every_coordinate_of_every_block():
     g = torch.Generator().manual_seed(4)
     As, Bs = A.expand(K, m, r), B.expand(K, n, r)  # K independent draws in one stacked call
     energy = tangent_block_energies(As, Bs, *tangent_noise(As, Bs, g))  # summed over the K
-    for name, dof in block_dimensions(m, n, r).items():
+    for name, dof in _block_dimensions(m, n, r).items():
         d = K * dof  # chi-square with d degrees of freedom: mean d, std sqrt(2 d)
         assert abs(energy[name] - d) < Z * math.sqrt(2 * d), name
 

@@ -12,7 +12,7 @@ import pytest
 
 from server.audit.canary import (
     CanarySettings,
-    canary_scores,
+    canary_experiment,
     epsilon_lower_bound,
     p_value,
     run_canary_audit,
@@ -80,7 +80,8 @@ def test_lower_bound_holds_with_the_stated_confidence_for_randomized_response():
 
 def test_canary_scores_have_mean_C_over_b_and_std_sigma_C_over_b():
     s = CanarySettings(canaries=1000, noise_multiplier=2.0, steps=2)
-    scores, included = canary_scores(s, CORRECT)
+    run = canary_experiment(s, CORRECT)
+    scores, included = run.scores, run.included
     b = s.canaries / 2
     signal, sd = s.steps * s.max_norm / b, math.sqrt(s.steps) * s.noise_multiplier * s.max_norm / b
     z_in = (scores[included] - signal) / sd

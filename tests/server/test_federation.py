@@ -14,9 +14,9 @@ import json
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from helpers.grids import LoopbackSites
 from reply_facts import honest_facts
 from safetensors.torch import load_file
-from sitegrid import LoopbackSites
 
 from prism_runtime.config import RunConfig, parse_config
 from prism_runtime.export import ADAPTER_WEIGHTS, CLASSIFIER_WEIGHTS

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+from ledger.sample_events import epsilon_by_round
 from ledger_events import ledger_event
 from strategy import three_sites
 
@@ -89,7 +90,7 @@ def test_report_numbers_match_the_ledger(ledger_path: Path, report: dict[str, ob
             assert by_site[site]["epsilon"] == pytest.approx(eps.prv, rel=1e-12)
             assert by_site[site]["epsilon_rdp"] == pytest.approx(eps.rdp, rel=1e-12)
             series = report["series"][site]  # type: ignore[index]
-            assert [(p["round"], p["epsilon"]) for p in series] == led.epsilon_by_round(site)
+            assert [(p["round"], p["epsilon"]) for p in series] == epsilon_by_round(led, site)
     a, b, c, z = (by_site[s] for s in "abcz")
     assert (a["rounds"], a["steps"], a["sigma"], a["q"], a["delta"]) == (2, 40, 1.0, 0.01, DELTA)
     assert (a["status"], b["status"], c["status"], z["status"]) == (

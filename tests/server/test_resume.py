@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from sitegrid import LoopbackSites
+from helpers.grids import LoopbackSites
 
 from server.checkpoint import load_checkpoint
 from server.errors import ConfigError, LedgerError

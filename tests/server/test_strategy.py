@@ -26,9 +26,9 @@ from pathlib import Path
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from helpers.grids import LoopbackSites
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from sitegrid import LoopbackSites
 from strategy import hostile
 from strategy.two_modules import MODULES, Grid, adapter, site_facts, site_reply, strategy_and_ledger
 from strategy_helpers import strategy_for

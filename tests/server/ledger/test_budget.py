@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from opacus.accountants import PRVAccountant, RDPAccountant
 
-from ledger.sample_events import DELTA, ev, unconfirmed
+from ledger.sample_events import DELTA, epsilon_by_round, ev, unconfirmed
 from prism_core.accounting import PRV_EPS_ERROR, PrivacyEvent, collusion_epsilon, epsilon
 from prism_core.errors import AccountingError
 from prism_core.quantile import QUANTILE_MECHANISM
@@ -55,7 +55,7 @@ def test_rdp_never_below_prv_and_sites_are_separate(
 
 def test_epsilon_by_round_recomputes_each_prefix(ledger: Ledger) -> None:
     ledger.append_many([ev(0, steps=50), ev(1, steps=0), ev(2, steps=50, sigma=1.2)])
-    series = ledger.epsilon_by_round("a")
+    series = epsilon_by_round(ledger, "a")
     assert [r for r, _ in series] == [0, 2]  # round 1 ran no steps
     expected = [
         epsilon([PrivacyEvent(1.0, 0.01, 50)], DELTA),
@@ -63,7 +63,7 @@ def test_epsilon_by_round_recomputes_each_prefix(ledger: Ledger) -> None:
     ]
     assert [e for _, e in series] == pytest.approx(expected, rel=1e-12)
     assert series[-1][1] == pytest.approx(ledger.epsilon("a").prv, rel=1e-12)
-    assert ledger.epsilon_by_round("nobody") == []
+    assert epsilon_by_round(ledger, "nobody") == []
 
 
 def test_different_deltas_use_the_smallest(ledger: Ledger) -> None:
@@ -132,12 +132,12 @@ def test_the_round_series_has_one_point_per_round_that_ran_steps(ledger: Ledger)
             ev(2, steps=40),  # same round: one point, after both
         ]
     )
-    series = ledger.epsilon_by_round("a")
+    series = epsilon_by_round(ledger, "a")
     assert [r for r, _ in series] == [1, 2]
     history = [PrivacyEvent(1.0, 0.01, 1), PrivacyEvent(1.0, 0.01, 2), PrivacyEvent(1.0, 0.01, 40)]
     assert series[-1][1] == pytest.approx(epsilon(history, DELTA), rel=1e-12)
     # an explicit delta is used, not the site's own
-    at = ledger.epsilon_by_round("a", delta=1e-3)
+    at = epsilon_by_round(ledger, "a", delta=1e-3)
     assert at[-1][1] == pytest.approx(epsilon(history, 1e-3), rel=1e-12)
     assert at[-1][1] < series[-1][1]
 

@@ -1,8 +1,8 @@
 """Opening checks (``server.ledger.checks``): a file that is not a sound prism-fl ledger
-(missing, a directory, empty, truncated, corrupt, foreign, spoofed, newer, tampered with,
-damaged in its write-ahead log, an old schema with an invalid row) is refused with the
-reason and never touched; a ledger of the smallest or largest page size opens; a
-connection waits for another process's lock past sqlite's default busy time."""
+(missing, a directory, empty, truncated, corrupt, foreign, spoofed, of another schema version,
+tampered with, damaged in its write-ahead log) is refused with the reason and never touched; a
+ledger of the smallest or largest page size opens; a connection waits for another process's
+lock past sqlite's default busy time."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from ledger.old_schemas import v1_ledger
 from ledger.sample_events import ev
 from server.errors import LedgerError
 from server.ledger import LEDGER_APPLICATION_ID, SCHEMA_VERSION, Ledger
@@ -54,14 +53,19 @@ def _spoofed_sqlite(path: Path) -> None:
     conn.close()
 
 
-def _newer_schema(path: Path) -> None:
-    with Ledger.open(path):
-        pass
-    conn = sqlite3.connect(path)
-    conn.execute("DROP TRIGGER meta_no_update")
-    conn.execute(f"UPDATE meta SET value = '{SCHEMA_VERSION + 1}' WHERE key = 'schema_version'")
-    conn.commit()
-    conn.close()
+def _schema_version(version: str) -> object:
+    """A real ledger whose ``meta.schema_version`` reads ``version``."""
+
+    def make(path: Path) -> None:
+        with Ledger.open(path):
+            pass
+        conn = sqlite3.connect(path)
+        conn.execute("DROP TRIGGER meta_no_update")
+        conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (version,))
+        conn.commit()
+        conn.close()
+
+    return make
 
 
 def _truncated_ledger(keep: int | None) -> object:
@@ -149,7 +153,15 @@ def _garbled_page(path: Path) -> None:
         (_garbled_page, "corrupt|integrity check failed"),
         (_foreign_sqlite, r"application_id 0x0 and tables \['patients'\]"),
         (_spoofed_sqlite, "meta.application is 'something-else'"),
-        (_newer_schema, f"schema version '{SCHEMA_VERSION + 1}'"),
+        (
+            _schema_version(str(SCHEMA_VERSION + 1)),
+            re.escape(
+                f"schema version '{SCHEMA_VERSION + 1}', this prism-fl reads schema version "
+                f"{SCHEMA_VERSION} only. Open it with the prism-fl release that wrote it, or "
+                "point to another ledger file; the file was not modified."
+            ),
+        ),
+        (_schema_version("0"), "schema version '0', this prism-fl reads schema version 1 only"),
         (lambda p: p.write_bytes(random.Random(0).randbytes(5000)), "not an SQLite database"),
         (lambda p: p.write_text("site,epsilon\na,1.0\n"), "not an SQLite database"),
         (lambda p: p.write_bytes(b""), "empty"),
@@ -173,6 +185,7 @@ def _garbled_page(path: Path) -> None:
         "foreign",
         "spoofed",
         "newer",
+        "older",
         "random",
         "text",
         "empty",
@@ -386,23 +399,3 @@ def test_a_ledger_sqlite_cannot_open_is_refused_with_the_reason(tmp_path: Path) 
     assert str(info.value) == (
         f"ledger {path}: cannot open it read-only (unable to open database file)."
     )
-
-
-def test_a_schema_1_ledger_with_an_invalid_row_is_refused_untouched(tmp_path: Path) -> None:
-    path = tmp_path / "old.sqlite"
-    v1_ledger(path)
-    conn = sqlite3.connect(path)
-    conn.execute("PRAGMA ignore_check_constraints = ON")
-    conn.execute("DROP TRIGGER events_no_update")
-    conn.execute("UPDATE events SET q = 2.0 WHERE id = 2")
-    conn.execute(
-        "CREATE TRIGGER events_no_update BEFORE UPDATE ON events BEGIN SELECT "
-        "RAISE(ABORT, 'prism-fl ledger: events are append-only, UPDATE refused'); END"
-    )
-    conn.commit()
-    conn.close()
-    before = path.read_bytes()
-    for kw in ({}, {"read_only": True}):
-        with pytest.raises(LedgerError, match="event row 2 is invalid"):
-            Ledger.open(path, **kw)  # type: ignore[arg-type]
-    assert path.read_bytes() == before  # not migrated

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ledger.sample_events import DELTA, TRAIN, eps, estimate, ev, unconfirmed
+from ledger.sample_events import DELTA, TRAIN, eps, epsilon_by_round, estimate, ev, unconfirmed
 from prism_core.accounting import PrivacyEvent, epsilon
 from prism_core.quantile import QUANTILE_MECHANISM
 from prism_core.records import SKELLAM_MECHANISM
@@ -293,7 +293,7 @@ def test_unconfirmed_charges_count_once_and_a_confirmation_supersedes_them(ledge
         (2, True, ""),
     ]
     assert ledger.last_confirmed("a") == records[-1]
-    assert ledger.epsilon_by_round("a")[-1][1] == pytest.approx(ledger.epsilon("a").prv)
+    assert epsilon_by_round(ledger, "a")[-1][1] == pytest.approx(ledger.epsilon("a").prv)
 
 
 def test_a_confirmed_conflict_raises_the_conflict_error_and_keeps_the_stored_record(
@@ -319,7 +319,7 @@ def test_a_round_holds_a_clip_estimate_and_its_training_and_epsilon_composes_bot
     both = epsilon([PrivacyEvent(6.4, 0.01, 30), PrivacyEvent(1.0, 0.01, 200)], DELTA)
     assert ledger.epsilon("a").prv == pytest.approx(both, rel=1e-12)
     assert both > epsilon([PrivacyEvent(1.0, 0.01, 200)], DELTA)  # the estimate is counted
-    assert ledger.epsilon_by_round("a") == [
+    assert epsilon_by_round(ledger, "a") == [
         (
             1,
             pytest.approx(

@@ -7,7 +7,7 @@ only when the loop sleeps, a reply reaches the grid at a set time after the push
 fakes fail a loop that never ends (a bounded number of pulls and sleeps) instead of
 hanging.
 
-Through Flower's own ``InMemoryGrid`` (``sitegrid.FlowerSites``) and the real strategy:
+Through Flower's own ``InMemoryGrid`` (``helpers.grids.FlowerSites``) and the real strategy:
 the loop aggregates replies as they arrive, holds a bounded number of them, ignores
 replies after the timeout and still enforces min-sites and the ledger charges."""
 
@@ -23,9 +23,9 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp.strategy.result import Result
 from flwr.supercore.task_identity import TaskIdentity
+from helpers.grids import Arrival, FlowerSites
 from helpers.points import random_point
 from reply_facts import honest_facts
-from sitegrid import Arrival, FlowerSites
 from strategy_helpers import strategy_for
 
 import server.strategy.loop as loop

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, RecordDict
+from helpers.grids import LoopbackSites
 from helpers.points import random_point
 from reply_facts import honest_facts
-from sitegrid import LoopbackSites
 from strategy_helpers import strategy_for
 
 from prism_core.accounting import PrivacyEvent, epsilon

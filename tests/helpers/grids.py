@@ -1,4 +1,6 @@
-"""Grids for the coordinator tests: Flower's ``Grid`` message calls with sites in this process.
+"""Loopback grids: Flower's ``Grid`` message calls with the sites in this process, for the
+coordinator tests and the benchmarks (bench/server.py, bench/utility.py put ``tests/`` on their
+import path and import this module as ``helpers.grids``, as the tests do).
 
 ``LoopbackSites``: a mixin for the tests' small grids (fixed node ids): the sites answer when the
 messages are pushed and their replies wait to be pulled, with the semantics of Flower's
@@ -7,10 +9,11 @@ given ids, each once; a site that never answers leaves its id pending until the 
 
 ``FlowerSites``: Flower's own ``flwr.superlink.grid.InMemoryGrid`` (the simulation engine's grid)
 over an in-memory LinkState with registered SuperNodes, whose sites answer in this process
-according to a schedule (after so many ``pull_messages`` calls and/or seconds after the push): a
-reply is stored in the LinkState as a SuperNode's reply is, and pulled through Flower's code. It
-records which replies each pull returned and how many of the replies pulled before a call are
-still alive (weak references): what the coordinator holds.
+according to a schedule (after so many ``pull_messages`` calls and/or seconds after the push), or
+only once the coordinator pulls their message id (``answer_on_pull``): a reply is stored in the
+LinkState as a SuperNode's reply is, and pulled through Flower's code. It records which replies
+each pull returned and how many of the replies pulled before a call are still alive (weak
+references): what the coordinator holds.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import secrets
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 from uuid import uuid4
@@ -76,9 +79,11 @@ class FlowerSites(InMemoryGrid):
     """Flower's ``InMemoryGrid`` with ``num_nodes`` SuperNodes answered by ``answer(index, msg)``.
 
     ``arrival(index)`` says when node ``index``'s reply arrives (default: at once). Node
-    ``index`` is ``self.node_ids[index]`` (random ids, as a LinkState assigns them). The run is
-    ``TaskIdentity.run_id``'s, and ``TaskIdentity.node_id`` must be the SuperLink's (1) while
-    the coordinator's messages are built, as in Flower's simulation.
+    ``index`` is ``self.node_ids[index]`` (random ids, as a LinkState assigns them). With
+    ``answer_on_pull`` a due site answers only when ``pull_messages`` is given its message id, so
+    its reply exists in this process from that pull on, as a reply pulled from a SuperLink
+    process does. The run is ``TaskIdentity.run_id``'s, and ``TaskIdentity.node_id`` must be the
+    SuperLink's (1) while the coordinator's messages are built, as in Flower's simulation.
     """
 
     def __init__(
@@ -86,6 +91,8 @@ class FlowerSites(InMemoryGrid):
         num_nodes: int,
         answer: Callable[[int, Message], Message | None],
         arrival: Callable[[int], Arrival | None] = lambda index: Arrival(),
+        *,
+        answer_on_pull: bool = False,
     ) -> None:
         factory = LinkStateFactory(
             FLWR_IN_MEMORY_DB_NAME, NoOpFederationManager(), ObjectStoreFactory()
@@ -112,6 +119,7 @@ class FlowerSites(InMemoryGrid):
         state.task_store[run.primary_task_id] = Task(task_id=run.primary_task_id, run_id=run.run_id)
         self.set_run(run)
         self.answer, self.arrival = answer, arrival
+        self.answer_on_pull = answer_on_pull
         self.pulls = 0
         self.pushed_at = 0.0
         self.pulled: list[list[int]] = []  # per pull_messages call: src nodes of its replies
@@ -128,10 +136,11 @@ class FlowerSites(InMemoryGrid):
         return sum(ref() is not None for ref in self._pulled_refs)
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        ids = list(message_ids)
         held = self.held()
-        self.deliver()
+        self.deliver(ids if self.answer_on_pull else None)
         self.pulls += 1
-        replies = list(super().pull_messages(message_ids))
+        replies = list(super().pull_messages(ids))
         self.pulled.append([m.metadata.src_node_id for m in replies])
         for msg in replies:
             # not ``content.array_records``: its _SyncedDict is a reference cycle that would
@@ -142,12 +151,19 @@ class FlowerSites(InMemoryGrid):
         self.peak_held = max(self.peak_held, held + len(replies))
         return replies
 
-    def deliver(self) -> None:
-        """Sites whose reply is due answer now (a SuperNode storing its reply)."""
+    def deliver(self, message_ids: Collection[str] | None = None) -> None:
+        """Sites whose reply is due answer now (a SuperNode storing its reply); with
+        ``message_ids``, only the sites those messages went to."""
         elapsed = time.monotonic() - self.pushed_at
+        state: Any = self.state
+        if message_ids is not None:
+            sent = [state.message_ins_store.get(i) for i in message_ids]
+            to = {m.metadata.dst_node_id for m in sent if m is not None}
         for index, node in enumerate(self.node_ids):
             due = self.arrival(index)
             if due is None or self.pulls < due.pulls or elapsed < due.seconds:
+                continue
+            if message_ids is not None and node not in to:
                 continue
             for msg in self.state.get_message_ins(node_id=node, limit=1):
                 reply = self.answer(index, msg)
