@@ -61,7 +61,6 @@ from typing import Any
 
 # This file is named like the repo's `server` package: make the package win the import; the
 # tests' strategy helper (tests/server) builds the strategy a unit test drives.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "server"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
@@ -70,7 +69,6 @@ from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 from flwr.supercore.task_identity import TaskIdentity
 from step import environment, load_average
-from strategy_helpers import strategy_for as unit_strategy
 
 from prism_core.accounting import PrivacyEvent, epsilon
 from prism_runtime.protocol import ACCOUNTING, CONFIG, ROUND_NONCE, SERVER_ROUND, UPDATE, key
@@ -79,6 +77,7 @@ from server.strategy import PrismStrategy
 from server.strategy.loop import run_rounds
 from server.strategy.replies import in_order
 from tests.helpers.grids import FlowerSites
+from tests.server.strategy_helpers import strategy_for as unit_strategy
 
 LOG = logging.getLogger("bench.server")
 

@@ -236,8 +236,8 @@ EQUIVALENT: dict[str, dict[str, str]] = {
         },
         **{
             f"server.strategy.transport.x__push__mutmut_{i}": "the default of node.get (None, "
-            "none or 1 for 0) is never used: every id push_messages returns is the message_id the grid "
-            "set on one of the pushed messages"
+            "none or 1 for 0) is never used: every id push_messages returns is the message_id "
+            "the grid set on one of the pushed messages"
             for i in (21, 23, 24)
         },
         **{
