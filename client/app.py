@@ -43,6 +43,10 @@ from prism_runtime.protocol import (
     CONFIG,
     NONPRIVATE,
     ROUND_NONCE,
+    SECURE_ADVERTISE,
+    SECURE_MASK,
+    SECURE_SHARE,
+    SECURE_UNMASK,
     SERVER_ROUND,
     SITE_ERROR_CODES,
     UPDATE,
@@ -90,25 +94,25 @@ def train(msg: Message, context: Context) -> Message:
     return _answer(msg, context, _train)
 
 
-@app.train("secure_advertise")
+@app.train(SECURE_ADVERTISE)
 def secure_advertise(msg: Message, context: Context) -> Message:
     """Secure aggregation, stage 1: the round's signed keys, or a refusal (``client.secure``)."""
     return _answer(msg, context, functools.partial(_secure, stage=secure.advertise))
 
 
-@app.train("secure_share")
+@app.train(SECURE_SHARE)
 def secure_share(msg: Message, context: Context) -> Message:
     """Secure aggregation, stage 2: the sealed shares of the site's secrets."""
     return _answer(msg, context, functools.partial(_secure, stage=secure.share))
 
 
-@app.train("secure_mask")
+@app.train(SECURE_MASK)
 def secure_mask(msg: Message, context: Context) -> Message:
     """Secure aggregation, stage 3: the charged round, answered with its masked vector."""
     return _answer(msg, context, functools.partial(_secure, stage=secure.mask))
 
 
-@app.train("secure_unmask")
+@app.train(SECURE_UNMASK)
 def secure_unmask(msg: Message, context: Context) -> Message:
     """Secure aggregation, stage 4: the shares that unmask the sum of the survivors."""
     return _answer(msg, context, functools.partial(_secure, stage=secure.unmask))

@@ -1,9 +1,10 @@
 """A site's part in a secure-aggregation round (docs/design.md §3.3): four messages, one charge.
 
 The coordinator drives four exchanges per round (``server.strategy.secure``); each arrives as a
-``train`` message with its own action (``ACTIONS``). The ClientApp resolves the message's context
-once (``SecureStage.resolve``: the site, the round number and nonce, the round id, the site's
-noise) and hands it to the stage of that action, which answers it:
+``train`` message with its own action (``prism_runtime.protocol.SECURE_STAGES``). The ClientApp
+resolves the message's context once (``SecureStage.resolve``: the site, the round number and
+nonce, the round id, the site's noise) and hands it to the stage of that action, which answers
+it:
 
 1. ``advertise``: the site checks its policy (a refusal is the usual refused reply, charging
    nothing), makes the round's ``prism_runtime.secure_sum.SiteRound`` (fresh X25519 key pairs and
@@ -63,7 +64,6 @@ from prism_runtime.secure_sum.messages import (
 from prism_runtime.secure_sum.wire import RECORD
 
 __all__ = [
-    "ACTIONS",
     "STATE",
     "SecureStage",
     "advertise",
@@ -76,8 +76,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ACTIONS = ("secure_advertise", "secure_share", "secure_mask", "secure_unmask")
-"""The ``train.<action>`` message types of a secure-aggregation round, in order."""
 STATE = "prism-secure-sum"
 """The ``context.state`` record holding the current round's ``SiteRound`` (its secrets)."""
 

@@ -75,8 +75,11 @@ def test_local_grid_routes_secure_stages_and_keeps_each_nodes_state(utility, mon
 
         return handle
 
-    for name in ("_train", "_secure_advertise", "_secure_share"):
-        monkeypatch.setattr(client.app, name, handler(name))
+    def secure_stage(msg, context, *, stage):  # the app's secure actions name their stage
+        return handler(stage.__name__)(msg, context)
+
+    monkeypatch.setattr(client.app, "_train", handler("train"))
+    monkeypatch.setattr(client.app, "_secure", secure_stage)
     spec = _spec(utility, "prism-secure", tmp_path / "pool.jsonl")
     grid = utility._local_grid(utility.run_config_of(spec, tmp_path), SITES)
     assert grid.get_node_ids() == [1, 2, 3]
@@ -85,9 +88,7 @@ def test_local_grid_routes_secure_stages_and_keeps_each_nodes_state(utility, mon
         ids = grid.push_messages(messages)
         assert len(grid.pull_messages(ids)) == 2
     assert [(n, s) for n, s, _ in seen] == [
-        (1, "_secure_advertise"), (2, "_secure_advertise"), (1, "_secure_share"),
-        (2, "_secure_share"), (1, "_train"), (2, "_train"),
+        (1, "advertise"), (2, "advertise"), (1, "share"), (2, "share"), (1, "train"), (2, "train"),
     ]  # fmt: skip
     kept = [None if k is None else k["stage"] for _, _, k in seen]
-    assert kept == [None, None, "_secure_advertise", "_secure_advertise", "_secure_share",
-                    "_secure_share"]  # fmt: skip
+    assert kept == [None, None, "advertise", "advertise", "share", "share"]
