@@ -24,7 +24,13 @@ from opacus.accountants import PRVAccountant, RDPAccountant
 from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
 
 from prism_core.errors import AccountingError, PrivacyParameterError
-from prism_core.records import ADJACENCY, DEFAULT_UNIT, SKELLAM_MECHANISM, PrivacyEvent
+from prism_core.records import (
+    ADJACENCY,
+    DEFAULT_UNIT,
+    SKELLAM_MECHANISM,
+    PrivacyEvent,
+    SkellamShare,
+)
 from prism_core.skellam_accounting import DEFAULT_ORDERS
 
 __all__ = [
@@ -277,18 +283,16 @@ def collusion_epsilon(
 
     Implements the secure-aggregation guarantee of docs/design.md §3.3 without its honesty
     assumption: ``epsilon`` of the history with every ``SKELLAM_MECHANISM`` event's
-    ``noise_multiplier`` replaced by its ``share_sigma`` (the RDP-equivalent multiplier of the
-    site's share alone), composed like ``epsilon`` (integer-order RDP). At least ``epsilon(events,
-    delta)`` (``share_sigma <= noise_multiplier``); equal to it for a history without Skellam
-    events.
+    ``noise_multiplier`` replaced by its ``secure.share_sigma`` (the RDP-equivalent multiplier
+    of the site's share alone), composed like ``epsilon`` (integer-order RDP). At least
+    ``epsilon(events, delta)`` (``share_sigma <= noise_multiplier``); equal to it for a history
+    without Skellam events.
 
     Raises:
         AccountingError, PrivacyParameterError: as ``epsilon``.
     """
     alone = [
-        replace(e, noise_multiplier=e.share_sigma)
-        if e.mechanism == SKELLAM_MECHANISM and e.share_sigma is not None
-        else e
+        replace(e, noise_multiplier=e.secure.share_sigma) if e.secure is not None else e
         for e in events
     ]
     return epsilon(alone, delta, group_size=group_size)
@@ -555,15 +559,10 @@ def calibrate_skellam_sigma(
     unit = history_unit(earlier)
 
     def eps_at(sigma: float) -> float:
-        # honest_sites and share_sigma do not enter epsilon; they only make the event valid
+        # epsilon reads sigma alone; the share stated is that of one honest site (all of it)
+        alone = SkellamShare(honest_sites=1, share_sigma=sigma)
         more = PrivacyEvent(
-            sigma,
-            sample_rate,
-            steps,
-            mechanism=SKELLAM_MECHANISM,
-            unit=unit,
-            honest_sites=1,
-            share_sigma=sigma,
+            sigma, sample_rate, steps, mechanism=SKELLAM_MECHANISM, unit=unit, secure=alone
         )
         return epsilon([*earlier, more], delta)
 
