@@ -157,10 +157,9 @@ def event_facts(event: PrivacyEvent) -> dict[str, Any]:
         "q": float(event.sample_rate),
         "steps": int(event.steps),
     }
-    # a PrivacyEvent has both exactly when its mechanism is SKELLAM_MECHANISM
-    if event.honest_sites is not None and event.share_sigma is not None:
-        facts["honest-sites"] = int(event.honest_sites)
-        facts["share-sigma"] = float(event.share_sigma)
+    if event.secure is not None:  # exactly when its mechanism is SKELLAM_MECHANISM
+        facts["honest-sites"] = int(event.secure.honest_sites)
+        facts["share-sigma"] = float(event.secure.share_sigma)
     return facts
 
 

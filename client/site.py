@@ -84,7 +84,7 @@ from prism_core.distributed import (
     coordinate_shapes,
     discrete_sensitivity,
 )
-from prism_core.records import SKELLAM_MECHANISM
+from prism_core.records import SKELLAM_MECHANISM, SkellamShare
 from prism_core.skellam_accounting import skellam_mu, skellam_sigma
 from prism_runtime.cache import cached_float
 from prism_runtime.config import RunConfig, SiteConfig, site_method
@@ -465,9 +465,8 @@ class Site:
             1,
             mechanism=SKELLAM_MECHANISM,
             unit=self.unit,
-            honest_sites=noise.honest,
             # its own planned share: the one it adds is at least that (conservative)
-            share_sigma=noise.share_sigma,
+            secure=SkellamShare(honest_sites=noise.honest, share_sigma=noise.share_sigma),
         )
 
     def train_round(

@@ -95,8 +95,7 @@ class SiteLedgerEntry(EventColumns):
             "unit": self.event.unit,
         }
         if self.event.mechanism == SKELLAM_MECHANISM:
-            line["honest_sites"] = self.event.honest_sites
-            line["share_sigma"] = self.event.share_sigma
+            line["honest_sites"], line["share_sigma"] = self.honest_sites, self.share_sigma
         return line
 
     @classmethod

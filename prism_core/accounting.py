@@ -24,7 +24,13 @@ from opacus.accountants import PRVAccountant, RDPAccountant
 from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
 
 from prism_core.errors import AccountingError, PrivacyParameterError
-from prism_core.records import ADJACENCY, DEFAULT_UNIT, SKELLAM_MECHANISM, PrivacyEvent
+from prism_core.records import (
+    ADJACENCY,
+    DEFAULT_UNIT,
+    SKELLAM_MECHANISM,
+    PrivacyEvent,
+    SkellamShare,
+)
 from prism_core.skellam_accounting import DEFAULT_ORDERS
 
 __all__ = [
@@ -32,6 +38,7 @@ __all__ = [
     "EpsilonReport",
     "PrivacyEvent",
     "calibrate_noise_multiplier",
+    "calibrate_sigma",
     "calibrate_skellam_sigma",
     "collusion_epsilon",
     "compose_events",
@@ -276,18 +283,16 @@ def collusion_epsilon(
 
     Implements the secure-aggregation guarantee of docs/design.md §3.3 without its honesty
     assumption: ``epsilon`` of the history with every ``SKELLAM_MECHANISM`` event's
-    ``noise_multiplier`` replaced by its ``share_sigma`` (the RDP-equivalent multiplier of the
-    site's share alone), composed like ``epsilon`` (integer-order RDP). At least ``epsilon(events,
-    delta)`` (``share_sigma <= noise_multiplier``); equal to it for a history without Skellam
-    events.
+    ``noise_multiplier`` replaced by its ``secure.share_sigma`` (the RDP-equivalent multiplier
+    of the site's share alone), composed like ``epsilon`` (integer-order RDP). At least
+    ``epsilon(events, delta)`` (``share_sigma <= noise_multiplier``); equal to it for a history
+    without Skellam events.
 
     Raises:
         AccountingError, PrivacyParameterError: as ``epsilon``.
     """
     alone = [
-        replace(e, noise_multiplier=e.share_sigma)
-        if e.mechanism == SKELLAM_MECHANISM and e.share_sigma is not None
-        else e
+        replace(e, noise_multiplier=e.secure.share_sigma) if e.secure is not None else e
         for e in events
     ]
     return epsilon(alone, delta, group_size=group_size)
@@ -380,19 +385,95 @@ def _check_calibration(
     target_epsilon: float, delta: float, sample_rate: float, steps: int, relative_tolerance: float
 ) -> None:
     """The arguments every calibration shares, each in its range."""
-    if not (target_epsilon > 0 and math.isfinite(target_epsilon)):
-        raise PrivacyParameterError(
-            f"target_epsilon={target_epsilon!r} must be a finite number > 0"
-        )
+    _check_target(target_epsilon, relative_tolerance)
     if steps < 1:
         raise PrivacyParameterError(f"steps={steps!r} must be >= 1 to calibrate a noise multiplier")
     if not 0 < sample_rate <= 1:
         raise PrivacyParameterError(f"sample_rate={sample_rate!r} must be in (0, 1]")
-    if not 0 < relative_tolerance < 1:  # 0 would never end Opacus' own bisection
+    _check_delta(delta)
+
+
+def _check_target(target_epsilon: float, relative_tolerance: float) -> None:
+    if not (target_epsilon > 0 and math.isfinite(target_epsilon)):
+        raise PrivacyParameterError(
+            f"target_epsilon={target_epsilon!r} must be a finite number > 0"
+        )
+    if not 0 < relative_tolerance < 1:  # 0 would never end the bisection
         raise PrivacyParameterError(
             f"relative_tolerance={relative_tolerance!r} must be in (0, 1), e.g. 0.005"
         )
-    _check_delta(delta)
+
+
+_SIGMA_SEARCH_MAX = 1e6
+"""The largest sigma the calibration tries before it calls the budget too small."""
+
+
+def calibrate_sigma(
+    epsilon_at: Callable[[float], float],
+    *,
+    target_epsilon: float,
+    relative_tolerance: float = 0.005,
+    low: float = 0.0,
+    first: float | None = None,
+    what: str = "the target",
+) -> float:
+    """Smallest sigma (to a tolerance) with ``epsilon_at(sigma) <= target_epsilon``, never below
+    ``SIGMA_MIN``.
+
+    Implements the calibration side of Thm 3.4 of PRISM (sigma for a target epsilon) for any
+    mechanism whose epsilon decreases in sigma: ``epsilon_at`` builds the events of one sigma
+    (on top of any history) and accounts them. The search is Opacus' ``get_noise_multiplier``:
+    ``max(low, SIGMA_MIN)`` is returned when it meets the target; otherwise sigma doubles from
+    ``first`` (default ``2 max(10, low)``) until its epsilon is below the target, then
+    bisection from ``low`` (a sigma at or below the answer) narrows the two ends until the
+    upper end's epsilon lies in ``[(1 - relative_tolerance) target, target]``, or, where
+    epsilon jumps over that band (PRV is a discretised estimate), until the ends meet to 1e-9
+    relative. The upper end is returned.
+
+    Args:
+        epsilon_at: epsilon of the events at one sigma, decreasing in sigma.
+        target_epsilon: the epsilon not to exceed.
+        relative_tolerance: the width of the band below the target, relative to it.
+        low: a sigma whose epsilon is at or above the target (or 0).
+        first: the first upper end tried, for a search that knows the answer is near ``low``.
+        what: the target in words, for the error.
+
+    Raises:
+        PrivacyParameterError: a target or tolerance out of range, or no sigma up to 10^6
+            meets the target.
+    """
+    _check_target(target_epsilon, relative_tolerance)
+    floor = max(low, SIGMA_MIN)
+    if epsilon_at(floor) <= target_epsilon:
+        return floor
+    tolerance = relative_tolerance * target_epsilon
+    sigma_low, sigma_high, eps_high = low, first / 2 if first else max(10.0, low), math.inf
+    while eps_high > target_epsilon:
+        sigma_high *= 2
+        eps_high = epsilon_at(sigma_high)
+        if sigma_high > _SIGMA_SEARCH_MAX:
+            raise PrivacyParameterError(
+                f"cannot reach {what}: the privacy budget is too low. Raise the budget or lower "
+                "the steps or the sampling rate."
+            )
+    while target_epsilon - eps_high > tolerance and sigma_high - sigma_low > 1e-9 * sigma_high:
+        sigma = (sigma_low + sigma_high) / 2
+        eps = epsilon_at(sigma)
+        if eps < target_epsilon:
+            sigma_high, eps_high = sigma, eps
+        else:
+            sigma_low = sigma
+    return sigma_high
+
+
+def _check_room(spent: float, *, target_epsilon: float, delta: float, steps: int) -> None:
+    """Refuse a history whose epsilon ``spent`` (with its accountant) reaches the target."""
+    if not spent < target_epsilon:
+        raise PrivacyParameterError(
+            f"the earlier events alone spend epsilon={spent:.4f} of the target {target_epsilon} "
+            f"at delta={delta}: no noise multiplier leaves room for {steps} more steps. Raise "
+            "the budget or make the earlier events cheaper."
+        )
 
 
 def calibrate_noise_multiplier(
@@ -404,83 +485,48 @@ def calibrate_noise_multiplier(
     relative_tolerance: float = 0.005,
     history: Sequence[PrivacyEvent] = (),
 ) -> float:
-    """Smallest sigma (to a tolerance) whose PRV epsilon after ``steps`` stays below the target.
+    """Smallest sigma (to a tolerance) whose PRV epsilon after ``history`` and ``steps``
+    Poisson-subsampled Gaussian steps at rate ``sample_rate`` stays below the target.
 
-    Implements the calibration side of Thm 3.4 of PRISM (sigma for a target epsilon).
-
-    Searches as Opacus' ``get_noise_multiplier`` does, through ``epsilon`` (PRV, the accountant
-    that reports epsilon, within its memory bounds), with an absolute tolerance of
-    ``relative_tolerance * target_epsilon``: the calibrated epsilon lies in
-    ``[(1 - relative_tolerance) target, target]``. Never below ``SIGMA_MIN``: a target that less
-    noise would reach is met at ``SIGMA_MIN`` (its epsilon is then below the target).
-
-    With a ``history`` (events that run before these steps, e.g. a private clip estimate), sigma
-    is the smallest whose PRV epsilon of ``history`` plus the ``steps`` stays below the target,
-    found by bisection on the same accountant (``_calibrate_after``); the epsilon then lies in
-    ``[(1 - relative_tolerance) target, target]`` too, unless the history alone comes that close.
+    ``calibrate_sigma`` through ``epsilon`` (PRV, the accountant that reports epsilon, within
+    its memory bounds), so the epsilon lies in ``[(1 - relative_tolerance) target, target]``,
+    unless the history alone comes that close. With a ``history`` (events that run before these
+    steps, e.g. a private clip estimate), the search starts from the sigma without it (a lower
+    end: the history only adds to epsilon).
 
     Raises:
         PrivacyParameterError: for a non-positive target or steps, a budget too small, or a
             history that alone spends the target.
     """
     _check_calibration(target_epsilon, delta, sample_rate, steps, relative_tolerance)
-    if compose_events(history):
-        return _calibrate_after(
-            list(history),
+    earlier = list(history) if compose_events(history) else []
+    low = 0.0
+    if earlier:
+        spent = epsilon(earlier, delta)
+        _check_room(spent, target_epsilon=target_epsilon, delta=delta, steps=steps)
+        low = calibrate_noise_multiplier(
             target_epsilon=target_epsilon,
             delta=delta,
             sample_rate=sample_rate,
             steps=steps,
             relative_tolerance=relative_tolerance,
         )
+    unit = history_unit(earlier)
 
     def eps_at(sigma: float) -> float:
-        return epsilon([PrivacyEvent(sigma, sample_rate, steps)], delta)
+        return epsilon([*earlier, PrivacyEvent(sigma, sample_rate, steps, unit=unit)], delta)
 
-    if eps_at(SIGMA_MIN) <= target_epsilon:
-        return SIGMA_MIN
-    return _bisect_sigma(
+    return calibrate_sigma(
         eps_at,
         target_epsilon=target_epsilon,
-        tolerance=relative_tolerance * target_epsilon,
-        what=f"epsilon={target_epsilon} at delta={delta} with q={sample_rate}, {steps} steps",
+        relative_tolerance=relative_tolerance,
+        low=low,
+        first=2 * low if earlier else None,
+        what=(
+            f"epsilon={target_epsilon} at delta={delta} with q={sample_rate}, {steps} steps"
+            + (f" after {len(earlier)} earlier events" if earlier else "")
+        ),
     )
-
-
-_SIGMA_SEARCH_MAX = 1e6
-"""The largest sigma the calibration tries before it calls the budget too small."""
-
-
-def _bisect_sigma(
-    eps_at: Callable[[float], float],
-    *,
-    target_epsilon: float,
-    tolerance: float,
-    what: str,
-    low: float = 0.0,
-) -> float:
-    """Opacus' ``get_noise_multiplier`` search (double from 20, then bisect from ``low``, a
-    sigma whose epsilon exceeds the target) through ``epsilon``, so every evaluation is bounded
-    in memory (``_prv_fits``): the sigma returned is the upper end, whose epsilon is within
-    ``tolerance`` below the target (or, where epsilon jumps from PRV to RDP, the end of that
-    jump)."""
-    sigma_low, sigma_high, eps_high = low, max(10.0, low), math.inf
-    while eps_high > target_epsilon:
-        sigma_high *= 2
-        eps_high = eps_at(sigma_high)
-        if sigma_high > _SIGMA_SEARCH_MAX:
-            raise PrivacyParameterError(
-                f"cannot reach {what}: the privacy budget is too low. Raise the budget or lower "
-                "the steps or the sampling rate."
-            )
-    while target_epsilon - eps_high > tolerance and sigma_high - sigma_low > 1e-9 * sigma_high:
-        sigma = (sigma_low + sigma_high) / 2
-        eps = eps_at(sigma)
-        if eps < target_epsilon:
-            sigma_high, eps_high = sigma, eps
-        else:
-            sigma_low = sigma
-    return sigma_high
 
 
 def calibrate_skellam_sigma(
@@ -495,13 +541,11 @@ def calibrate_skellam_sigma(
     """Smallest RDP-equivalent sigma (to a tolerance) of ``steps`` Skellam steps at rate
     ``sample_rate`` whose epsilon after ``history`` stays below the target.
 
-    Implements the calibration side of Thm 3.4 of PRISM for the secure sum of docs/design.md
-    §3.3: ``history`` plus the ``steps`` (``SKELLAM_MECHANISM`` events at sigma and q) composed
-    as ``epsilon`` composes a history holding a Skellam event, by RDP at the integer orders
-    ``SKELLAM_ORDERS``. Epsilon decreases in sigma; the search is ``calibrate_noise_multiplier``'s
-    (double, then bisect), so the epsilon lies in ``[(1 - relative_tolerance) target, target]``
-    unless the history alone comes that close. Never below ``SIGMA_MIN``. The sites' Skellam
-    parameter for the sigma returned is ``prism_core.skellam_accounting.skellam_mu``.
+    The calibration for the secure sum of docs/design.md §3.3: ``calibrate_sigma`` from
+    ``SIGMA_MIN`` over ``history`` plus the ``steps`` (``SKELLAM_MECHANISM`` events at sigma
+    and q) composed as ``epsilon`` composes a history holding a Skellam event, by RDP at the
+    integer orders ``SKELLAM_ORDERS``. The sites' Skellam parameter for the sigma returned is
+    ``prism_core.skellam_accounting.skellam_mu``.
 
     Raises:
         PrivacyParameterError: for a non-positive target or steps, a budget too small, or a
@@ -510,99 +554,28 @@ def calibrate_skellam_sigma(
     """
     _check_calibration(target_epsilon, delta, sample_rate, steps, relative_tolerance)
     earlier = list(history)
-    spent = _epsilon(earlier, delta, _INTEGER_RDP, None)
-    if not spent < target_epsilon:
-        raise PrivacyParameterError(
-            f"the earlier events alone spend epsilon={spent:.4f} (integer-order RDP) of the "
-            f"target {target_epsilon} at delta={delta}: no noise multiplier leaves room for "
-            f"{steps} more steps. Raise the budget or make the earlier events cheaper."
-        )
+    spent = _epsilon(earlier, delta, _INTEGER_RDP, None)  # as epsilon composes Skellam
+    _check_room(spent, target_epsilon=target_epsilon, delta=delta, steps=steps)
     unit = history_unit(earlier)
 
     def eps_at(sigma: float) -> float:
-        # honest_sites and share_sigma do not enter epsilon; they only make the event valid
+        # epsilon reads sigma alone; the share stated is that of one honest site (all of it)
+        alone = SkellamShare(honest_sites=1, share_sigma=sigma)
         more = PrivacyEvent(
-            sigma,
-            sample_rate,
-            steps,
-            mechanism=SKELLAM_MECHANISM,
-            unit=unit,
-            honest_sites=1,
-            share_sigma=sigma,
+            sigma, sample_rate, steps, mechanism=SKELLAM_MECHANISM, unit=unit, secure=alone
         )
         return epsilon([*earlier, more], delta)
 
-    if eps_at(SIGMA_MIN) <= target_epsilon:
-        return SIGMA_MIN
-    return _bisect_sigma(
+    return calibrate_sigma(
         eps_at,
         target_epsilon=target_epsilon,
-        tolerance=relative_tolerance * target_epsilon,
+        relative_tolerance=relative_tolerance,
+        low=SIGMA_MIN,
         what=(
             f"epsilon={target_epsilon} at delta={delta} with {steps} Skellam steps at "
             f"q={sample_rate} after {len(earlier)} earlier events"
         ),
-        low=SIGMA_MIN,
     )
-
-
-_MAX_SIGMA_DOUBLINGS = 40
-"""How often ``_calibrate_after`` doubles sigma looking for one that fits, before giving up."""
-
-
-def _calibrate_after(
-    history: list[PrivacyEvent],
-    *,
-    target_epsilon: float,
-    delta: float,
-    sample_rate: float,
-    steps: int,
-    relative_tolerance: float,
-) -> float:
-    """Bisection for the smallest sigma with ``epsilon(history + steps) <= target`` (PRV).
-
-    Implements the calibration of Thm 3.4 of PRISM after a prefix of events: epsilon decreases
-    in sigma, so the fresh calibration (no history) is a lower end; doubling finds an upper end
-    that fits, and bisection narrows the two until the upper end's epsilon is within
-    ``relative_tolerance * target`` of the target (or the ends meet).
-    """
-    spent = epsilon(history, delta)
-    if not spent < target_epsilon:
-        raise PrivacyParameterError(
-            f"the earlier events alone spend epsilon={spent:.4f} of the target {target_epsilon} "
-            f"at delta={delta}: no noise multiplier leaves room for {steps} more steps. Raise "
-            "the budget or make the earlier events cheaper."
-        )
-
-    def eps_at(sigma: float) -> float:
-        more = PrivacyEvent(sigma, sample_rate, steps, unit=history_unit(history))
-        return epsilon([*history, more], delta)
-
-    lo = calibrate_noise_multiplier(
-        target_epsilon=target_epsilon,
-        delta=delta,
-        sample_rate=sample_rate,
-        steps=steps,
-        relative_tolerance=relative_tolerance,
-    )
-    if eps_at(lo) <= target_epsilon:
-        return lo
-    hi = 2 * lo
-    for _ in range(_MAX_SIGMA_DOUBLINGS):
-        if eps_at(hi) <= target_epsilon:
-            break
-        lo, hi = hi, 2 * hi
-    else:
-        raise PrivacyParameterError(
-            f"no noise multiplier up to {hi:.3g} keeps epsilon of the earlier events plus "
-            f"{steps} steps at q={sample_rate} within {target_epsilon} at delta={delta}: the "
-            f"earlier events spend {spent:.4f}. Raise the budget."
-        )
-    tolerance = relative_tolerance * target_epsilon
-    while target_epsilon - eps_at(hi) > tolerance and hi - lo > 1e-9 * hi:
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if eps_at(mid) > target_epsilon else (lo, mid)
-    return hi
 
 
 def max_steps(

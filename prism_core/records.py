@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Final
+from typing import Any, Final, TypeGuard
 
 from prism_core.errors import PrivacyParameterError
 
@@ -27,6 +27,7 @@ __all__ = [
     "SKELLAM_MECHANISM",
     "EventColumns",
     "PrivacyEvent",
+    "SkellamShare",
 ]
 
 ADJACENCY: Final = "add-remove"
@@ -46,14 +47,63 @@ SKELLAM_MECHANISM: Final = "prism-tangent-skellam"
 """PRISM's step under secure aggregation (docs/design.md §3.3): the site's rounded clipped sum plus
 its Skellam share of the noise, summed over the round's sites. Its ``noise_multiplier`` is the
 RDP-equivalent Gaussian multiplier of the noise the SUM carries when at least ``honest_sites``
-sites are honest (``prism_core.skellam_accounting.skellam_sigma``); ``share_sigma`` is that of the
-site's own share alone. Accounted by RDP at integer orders only (``prism_core.accounting``)."""
+sites are honest (``prism_core.skellam_accounting.skellam_sigma``); its ``SkellamShare`` states
+H and the multiplier of the site's own share alone. Accounted by RDP at integer orders only
+(``prism_core.accounting``)."""
 
 _TEXT_FIELDS: Final = ("mechanism", "sampling", "adjacency")
+_SECURE_COLUMNS: Final = ("honest_sites", "share_sigma")
+"""The ledgers' columns of a ``SkellamShare`` (``honest-sites``, ``share-sigma`` in facts)."""
 
 
-def _real(x: object) -> bool:
+def _real(x: object) -> TypeGuard[float]:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _secure_text(h: object, share: object) -> str:
+    return f"honest_sites={h!r}, share_sigma={share!r}"
+
+
+@dataclass(frozen=True)
+class SkellamShare:
+    """The secure-aggregation part of a ``SKELLAM_MECHANISM`` event: what its charge counts on.
+
+    Attributes:
+        honest_sites: H, the number of honest sites the charge counts on (the site's own
+            ``min-honest-sites``), ``>= 1``.
+        share_sigma: the RDP-equivalent multiplier of the site's own noise share alone (the
+            guarantee if every other site colluded with the coordinator), ``>= 0`` and at most
+            the event's ``noise_multiplier`` (``PrivacyEvent`` checks that bound).
+
+    Raises:
+        PrivacyParameterError: on construction, naming every field out of its range.
+    """
+
+    honest_sites: int
+    share_sigma: float
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise PrivacyParameterError("invalid Skellam share: " + "; ".join(problems))
+
+    def problems(self, sigma: float | None = None) -> list[str]:
+        """What is out of range, one phrase per field; ``sigma``: the event's multiplier, the
+        share's upper bound."""
+        return _share_problems(self.honest_sites, self.share_sigma, sigma)
+
+
+def _share_problems(h: object, share: object, sigma: float | None) -> list[str]:
+    problems = []
+    if not (isinstance(h, int) and not isinstance(h, bool) and h >= 1):
+        problems.append(f"honest_sites={h!r} must be an integer >= 1 for a Skellam event")
+    if sigma is None and not (_real(share) and share >= 0):
+        problems.append(f"share_sigma={share!r} must be a finite number >= 0")
+    elif sigma is not None and not (_real(share) and 0 <= share <= sigma):
+        problems.append(
+            f"share_sigma={share!r} must be a finite number in [0, noise_multiplier={sigma!r}]"
+        )
+    return problems
 
 
 @dataclass(frozen=True)
@@ -75,11 +125,8 @@ class PrivacyEvent:
             recorded.
         unit: what the event's epsilon protects, one of ``PRIVACY_UNITS``: ``"record"`` (q
             samples records) or ``"user"`` (q samples people, each clipped once).
-        honest_sites: H, for a ``SKELLAM_MECHANISM`` event only: the number of honest sites the
-            charge counts on (the site's own ``min-honest-sites``); None otherwise.
-        share_sigma: for a ``SKELLAM_MECHANISM`` event only: the RDP-equivalent multiplier of
-            the site's own noise share alone (the guarantee if every other site colluded with
-            the coordinator), ``<= noise_multiplier``; None otherwise.
+        secure: the ``SkellamShare`` of a ``SKELLAM_MECHANISM`` event (which needs one); None
+            for any other mechanism.
 
     Raises:
         PrivacyParameterError: on construction, naming every field out of its range.
@@ -94,8 +141,7 @@ class PrivacyEvent:
     max_norm: float | None = None
     expected_batch_size: float | None = None
     unit: str = DEFAULT_UNIT
-    honest_sites: int | None = None
-    share_sigma: float | None = None
+    secure: SkellamShare | None = None
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -126,38 +172,41 @@ class PrivacyEvent:
         return problems
 
     def _secure_problems(self) -> list[str]:
-        """The secure-aggregation fields: both set exactly for a Skellam event."""
-        h, share = self.honest_sites, self.share_sigma
+        """The secure-aggregation part: present exactly on a Skellam event, its share at most
+        the event's sigma."""
+        part = self.secure
         if self.mechanism != SKELLAM_MECHANISM:
-            if h is not None or share is not None:
-                return [
-                    f"honest_sites={h!r}, share_sigma={share!r}: only a {SKELLAM_MECHANISM!r} "
-                    "event has them"
-                ]
-            return []
-        problems = []
-        if not (isinstance(h, int) and not isinstance(h, bool) and h >= 1):
-            problems.append(f"honest_sites={h!r} must be an integer >= 1 for a Skellam event")
-        sigma = self.noise_multiplier
-        if not (_real(share) and share is not None and 0 <= share <= sigma):
-            problems.append(
-                f"share_sigma={share!r} must be a finite number in [0, noise_multiplier={sigma!r}]"
-            )
-        return problems
+            if part is None:
+                return []
+            return [
+                f"{_secure_text(part.honest_sites, part.share_sigma)}: only a "
+                f"{SKELLAM_MECHANISM!r} event has them"
+            ]
+        if not isinstance(part, SkellamShare):
+            return [
+                f"secure={part!r}: a {SKELLAM_MECHANISM!r} event needs its SkellamShare "
+                "(honest_sites, share_sigma)"
+            ]
+        return part.problems(self.noise_multiplier)
 
     @classmethod
     def from_columns(cls, row: Mapping[str, Any]) -> PrivacyEvent:
         """The event of a ledger row or a reply's facts, under the ledgers' column names
         (``sigma``, ``q``, ``steps``, ``mechanism``; ``sampling``, ``adjacency`` and ``unit``
-        where the row has them, else the defaults), the inverse of ``EventColumns``. The numbers are
-        converted as the ledgers store them; the texts are taken as they are (and checked)."""
+        where the row has them, else the defaults; ``honest_sites`` and ``share_sigma``, or
+        ``honest-sites`` and ``share-sigma``, the ``SkellamShare`` where the row states either),
+        the inverse of ``EventColumns``. The numbers are converted as the ledgers store them;
+        the texts are taken as they are (and checked)."""
         optional: dict[str, Any] = {
             k: row[k] for k in ("sampling", "adjacency", "unit") if k in row
         }
-        for name, convert in (("honest_sites", int), ("share_sigma", float)):
-            value = row.get(name, row.get(name.replace("_", "-")))
-            if value is not None:
-                optional[name] = convert(value)
+        h, share = (row.get(name, row.get(name.replace("_", "-"))) for name in _SECURE_COLUMNS)
+        if h is not None or share is not None:
+            h, share = (None if h is None else int(h)), (None if share is None else float(share))
+            problems = _share_problems(h, share, None)
+            if problems or h is None or share is None:
+                raise PrivacyParameterError("invalid Skellam share: " + "; ".join(problems))
+            optional["secure"] = SkellamShare(h, share)
         return cls(
             float(row["sigma"]),
             float(row["q"]),
@@ -179,8 +228,7 @@ class PrivacyEvent:
             self.sampling,
             self.adjacency,
             self.unit,
-            self.honest_sites,
-            self.share_sigma,
+            *_secure_columns(self.secure),
         )
 
     def same_but_steps(self, other: PrivacyEvent) -> bool:
@@ -194,8 +242,9 @@ class PrivacyEvent:
 
 class EventColumns:
     """Read-through of a ledger record's ``event`` under the ledgers' column names (``sigma``,
-    ``q``, ``steps``, ``mechanism``, ``sampling``, ``adjacency``, ``unit``): a record that adds
-    the round, site or run to a ``PrivacyEvent`` holds it, never copies its fields."""
+    ``q``, ``steps``, ``mechanism``, ``sampling``, ``adjacency``, ``unit``, and ``honest_sites``
+    and ``share_sigma``, its ``SkellamShare``'s or None): a record that adds the round, site or
+    run to a ``PrivacyEvent`` holds it, never copies its fields."""
 
     event: PrivacyEvent
 
@@ -229,8 +278,13 @@ class EventColumns:
 
     @property
     def honest_sites(self) -> int | None:
-        return self.event.honest_sites
+        return _secure_columns(self.event.secure)[0]
 
     @property
     def share_sigma(self) -> float | None:
-        return self.event.share_sigma
+        return _secure_columns(self.event.secure)[1]
+
+
+def _secure_columns(part: SkellamShare | None) -> tuple[int | None, float | None]:
+    """``honest_sites`` and ``share_sigma`` of the columns of ``part`` (None and None)."""
+    return (None, None) if part is None else (part.honest_sites, part.share_sigma)

@@ -292,31 +292,8 @@ EQUIVALENT: dict[str, dict[str, str]] = {
         "bound in factor-average mode: check_norm replaces it by the head's own SGD bound",
     },
     "accounting": {
-        "prism_core.accounting.x__calibrate_after__mutmut_31": "the fresh calibration that "
-        "brackets the search at the default tolerance: any lower end that does not fit gives a "
-        "sigma in the same band [(1 - tol) target, target] that the function promises",
-        **{
-            f"prism_core.accounting.x__calibrate_after__mutmut_{i}": "another first upper end "
-            "(2 / lo, 3 lo) or tripling instead of doubling it: any upper end that fits gives a "
-            "sigma in the promised band"
-            for i in (35, 36, 43)
-        },
-        **{
-            f"prism_core.accounting.x__calibrate_after__mutmut_{i}": "the bisection runs until "
-            "its ends meet, or to a finer end: a sigma closer to the smallest, in the same band"
-            for i in (48, 52, 53)
-        },
-        **{
-            f"prism_core.accounting.x__calibrate_after__mutmut_{i}": "< for <= (or the reverse) "
-            "against the target or the tolerance: differs only at exact float equality of two "
-            "PRV estimates, which no input was found to produce"
-            for i in (33, 39, 50, 63)
-        },
-        "prism_core.accounting.x_max_steps__mutmut_15": "< for <= against the target: exact "
-        "float equality only, as above",
-        "prism_core.accounting.x__calibrate_after__mutmut_44": "the message when doubling sigma "
-        "never fits: not reached (PRV of the history plus steps at a large sigma came out at or "
-        "below the history's own estimate, so a doubling always fitted; no input found)",
+        "prism_core.accounting.x_max_steps__mutmut_15": "< for <= against the target: differs "
+        "only at exact float equality of two PRV estimates, which no input was found to produce",
         "prism_core.accounting.x_calibrate_noise_multiplier__mutmut_41": "simplefilter('ignore')"
         " for every warning class, not only UserWarning: only warnings, inside that call",
         "prism_core.accounting.x_calibrate_noise_multiplier__mutmut_58": "eps_error not passed: "

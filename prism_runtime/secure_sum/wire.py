@@ -13,13 +13,20 @@ Errors are ``MessageFormatError``: the message names the stage and the field and
 found (a type, a length, a count, a duplicated or unexpected site id once it is known to be a
 valid one), never a key, share, ciphertext or vector, and never a string before its length is
 checked.
+
+A message is declared once, as a ``Message``: its stage and its payload fields, each a typed
+field (``Int``, ``One``, ``Sites``, ``Table``) that writes its keys and reads them back with
+their checks. ``Message.encode`` and ``Message.decode`` are driven by that one declaration, and
+``encode`` decodes what it built, so a side never sends what the other side refuses.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 from enum import StrEnum
 from itertools import islice
+from typing import Any, Generic, Protocol, TypeVar
 
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 from flwr.app import ConfigRecord, RecordDict
@@ -37,18 +44,21 @@ __all__ = [
     "MAX_SITE_ID_CHARS",
     "MAX_VECTOR_LENGTH",
     "RECORD",
-    "RUN_ID",
     "SEALED_SHARES_BYTES",
     "SHARE_BYTES",
     "SIGNATURE_MAX_BYTES",
     "SIGNATURE_MIN_BYTES",
-    "SITE_ID",
+    "Bytes",
+    "Int",
+    "Message",
     "MessageFormatError",
     "MessageReader",
+    "One",
+    "Signature",
+    "Sites",
     "Stage",
-    "check_signature",
-    "check_site_id",
-    "new_message",
+    "Table",
+    "WireValue",
 ]
 
 RECORD = "secure-sum"
@@ -114,7 +124,7 @@ def _kind(value: object) -> str:
     return f"an {name}" if name[:1] in "aeiou" else f"a {name}"
 
 
-def check_site_id(value: object, *, stage: Stage, key: str) -> str:
+def _check_site_id(value: object, *, stage: Stage, key: str) -> str:
     """``value`` if it is a site id: a str of 1 to ``MAX_SITE_ID_CHARS`` printable characters."""
     if not isinstance(value, str):
         raise _fail(stage, key, f"holds {_kind(value)}, not a site id string")
@@ -127,33 +137,15 @@ def check_site_id(value: object, *, stage: Stage, key: str) -> str:
     return value
 
 
-def check_signature(value: bytes, *, stage: Stage, key: str) -> bytes:
-    """``value`` if it is a well-formed DER ECDSA P-256 signature (not verified against any key)."""
-    if not SIGNATURE_MIN_BYTES <= len(value) <= SIGNATURE_MAX_BYTES:
-        raise _fail(
-            stage,
-            key,
-            f"holds a signature of {len(value)} bytes, outside the DER bounds "
-            f"{SIGNATURE_MIN_BYTES}..{SIGNATURE_MAX_BYTES} of ECDSA P-256",
-        )
-    try:
-        r, s = decode_dss_signature(value)
-    except ValueError:
-        raise _fail(stage, key, "holds a signature that is not DER SEQUENCE {r, s}") from None
-    if not (0 < r < _P256_ORDER and 0 < s < _P256_ORDER):
-        raise _fail(stage, key, "holds a signature with r or s outside [1, n) of P-256")
-    return value
+WireValue = int | str | bytes | list[str] | list[bytes]
+"""The value of one field of a secure-sum message."""
 
 
-def new_message(
-    stage: Stage,
-    *,
-    round_id: RoundId,
-    site_id: str,
-    payload: dict[str, int | str | bytes | list[str] | list[bytes]],
+def _new_message(
+    stage: Stage, *, round_id: RoundId, site_id: str, payload: dict[str, WireValue]
 ) -> RecordDict:
     """The ``RecordDict`` of one secure-sum message: the envelope fields and ``payload``."""
-    fields: dict[str, int | str | bytes | list[str] | list[bytes]] = {
+    fields: dict[str, WireValue] = {
         _FORMAT_KEY: FORMAT,
         _STAGE_KEY: str(stage),
         RUN_ID: round_id.run_id,
@@ -166,11 +158,11 @@ def new_message(
 
 
 class MessageReader:
-    """The checked fields of one secure-sum message of a known stage, round and site.
+    """One secure-sum message of a known stage, round and site, its envelope checked.
 
     The constructor checks the envelope: a ``RecordDict`` with exactly one ``ConfigRecord``
     under ``RECORD`` whose keys are exactly the envelope's and ``payload``'s, this ``FORMAT``,
-    ``stage``, ``round_id`` and (when given) ``site_id``. The methods read payload fields.
+    ``stage``, ``round_id`` and (when given) ``site_id``. The declared fields read the payload.
     """
 
     def __init__(
@@ -205,9 +197,9 @@ class MessageReader:
             raise _fail(stage, RUN_ID, f"holds {_kind(run_id)}, not a str")
         if run_id != round_id.run_id:
             raise _fail(stage, RUN_ID, f"is not this round's run {round_id.run_id!r}")
-        if self.integer(SERVER_ROUND, low=0, high=2**63 - 1) != round_id.server_round:
+        if Int(SERVER_ROUND, 0, 2**63 - 1).read(self, {}) != round_id.server_round:
             raise _fail(stage, SERVER_ROUND, f"is not this round's {round_id.server_round}")
-        self.site_id = self.site(SITE_ID)
+        self.site_id = _check_site_id(self.record[SITE_ID], stage=stage, key=SITE_ID)
         if site_id is not None and self.site_id != site_id:
             raise _fail(stage, SITE_ID, f"names site {self.site_id!r}, not {site_id!r}")
 
@@ -231,31 +223,8 @@ class MessageReader:
         """The error for field ``key`` of this message (``problem`` never holds its value)."""
         return _fail(self.stage, key, problem)
 
-    def integer(self, key: str, *, low: int, high: int) -> int:
-        """Field ``key``, an int (not a bool) in ``[low, high]``."""
-        value = self.record[key]
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise self.fail(key, f"holds {_kind(value)}, not an int")
-        if not low <= value <= high:
-            shown = value if -(2**63) <= value < 2**64 else "beyond 64 bits"
-            raise self.fail(key, f"is {shown}, outside [{low}, {high}]")
-        return value
-
-    def site(self, key: str) -> str:
-        """Field ``key``, a site id."""
-        return check_site_id(self.record[key], stage=self.stage, key=key)
-
-    def blob(self, key: str, *, low: int, high: int) -> bytes:
-        """Field ``key``, bytes of ``low`` to ``high`` bytes."""
-        value = self.record[key]
-        if not isinstance(value, bytes):
-            raise self.fail(key, f"holds {_kind(value)}, not bytes")
-        if not low <= len(value) <= high:
-            size = f"{low}" if low == high else f"{low}..{high}"
-            raise self.fail(key, f"holds {len(value)} bytes, not {size}")
-        return value
-
-    def _items(self, key: str, *, count: int | None) -> Sequence[object]:
+    def items(self, key: str, *, count: int | None = None) -> Sequence[object]:
+        """Field ``key``, a list of at most ``MAX_SITES`` items (``count`` if given)."""
         value = self.record[key]
         if not isinstance(value, list):
             raise self.fail(key, f"holds {_kind(value)}, not a list")
@@ -265,26 +234,258 @@ class MessageReader:
             raise self.fail(key, f"holds {len(value)} items, not {count} (one per site)")
         return value
 
-    def sites(self, key: str, *, count: int | None = None) -> list[str]:
-        """Field ``key``, a list of at most ``MAX_SITES`` distinct site ids (``count`` if given)."""
+    def sites(self, key: str) -> list[str]:
+        """Field ``key``, a list of at most ``MAX_SITES`` distinct site ids."""
         ids: list[str] = []
         seen: set[str] = set()
-        for value in self._items(key, count=count):
-            site = check_site_id(value, stage=self.stage, key=key)
+        for value in self.items(key):
+            site = _check_site_id(value, stage=self.stage, key=key)
             if site in seen:
                 raise self.fail(key, f"names site {site!r} twice")
             seen.add(site)
             ids.append(site)
         return ids
 
-    def blobs(self, key: str, *, count: int, low: int, high: int) -> list[bytes]:
-        """Field ``key``, a list of ``count`` byte strings of ``low`` to ``high`` bytes each."""
-        out: list[bytes] = []
-        for at, value in enumerate(self._items(key, count=count)):
-            if not isinstance(value, bytes):
-                raise self.fail(key, f"item {at} is {_kind(value)}, not bytes")
-            if not low <= len(value) <= high:
-                size = f"{low}" if low == high else f"{low}..{high}"
-                raise self.fail(key, f"item {at} holds {len(value)} bytes, not {size}")
-            out.append(value)
+
+# the declared fields of a message --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bytes:
+    """A byte string of ``low`` to ``high`` bytes; ``load`` and ``dump`` map it to its value."""
+
+    low: int
+    high: int
+
+    def check(self, read: MessageReader, key: str, value: object, item: str = "") -> bytes:
+        """``value`` if it is bytes of a valid size (``item``: its place in a list)."""
+        where = f"{item} is" if item else "holds"
+        if not isinstance(value, bytes):
+            raise read.fail(key, f"{where} {_kind(value)}, not bytes")
+        if not self.low <= len(value) <= self.high:
+            size = f"{self.low}" if self.low == self.high else f"{self.low}..{self.high}"
+            raise read.fail(key, f"{item} holds {len(value)} bytes, not {size}".lstrip())
+        return value
+
+    def load(self, read: MessageReader, key: str, raw: bytes) -> Any:
+        return raw
+
+    def dump(self, value: Any) -> bytes:
+        return bytes(value)
+
+
+@dataclass(frozen=True)
+class Signature(Bytes):
+    """A DER ECDSA P-256 signature ``SEQUENCE {r, s}`` with r, s in [1, n): well-formed, not
+    verified against any key (``verify_keys`` does that)."""
+
+    low: int = SIGNATURE_MIN_BYTES
+    high: int = SIGNATURE_MAX_BYTES
+
+    def load(self, read: MessageReader, key: str, raw: bytes) -> bytes:
+        try:
+            r, s = decode_dss_signature(raw)
+        except ValueError:
+            raise read.fail(key, "holds a signature that is not DER SEQUENCE {r, s}") from None
+        if not (0 < r < _P256_ORDER and 0 < s < _P256_ORDER):
+            raise read.fail(key, "holds a signature with r or s outside [1, n) of P-256")
+        return raw
+
+
+class Field(Protocol):
+    """A declared payload field: the decoded object's attribute ``name``, its wire ``keys``."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def keys(self) -> tuple[str, ...]: ...
+    def write(self, value: Any) -> dict[str, WireValue]: ...
+    def read(self, read: MessageReader, got: Mapping[str, Any]) -> Any: ...
+
+
+@dataclass(frozen=True)
+class _Keyed:
+    key: str
+
+    @property
+    def name(self) -> str:
+        return self.key.replace("-", "_")
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return (self.key,)
+
+    def write(self, value: Any) -> dict[str, WireValue]:
+        return {self.key: value}
+
+
+@dataclass(frozen=True)
+class Int(_Keyed):
+    """Field ``key``: an int (not a bool) in ``[low, high]``."""
+
+    low: int
+    high: int
+
+    def read(self, read: MessageReader, got: Mapping[str, Any]) -> int:
+        value = read.record[self.key]
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise read.fail(self.key, f"holds {_kind(value)}, not an int")
+        if not self.low <= value <= self.high:
+            shown = value if -(2**63) <= value < 2**64 else "beyond 64 bits"
+            raise read.fail(self.key, f"is {shown}, outside [{self.low}, {self.high}]")
+        return value
+
+
+@dataclass(frozen=True)
+class One(_Keyed):
+    """Field ``key``: one ``item``."""
+
+    item: Bytes
+
+    def write(self, value: Any) -> dict[str, WireValue]:
+        return {self.key: self.item.dump(value)}
+
+    def read(self, read: MessageReader, got: Mapping[str, Any]) -> Any:
+        raw = self.item.check(read, self.key, read.record[self.key])
+        return self.item.load(read, self.key, raw)
+
+
+def _check_addressee(read: MessageReader, key: str, sites: Collection[str]) -> None:
+    if read.site_id not in sites:
+        raise read.fail(key, f"does not list the addressee {read.site_id!r}")
+
+
+@dataclass(frozen=True)
+class Sites(_Keyed):
+    """Field ``key``: a set of distinct site ids, sent sorted (``addressee``: it holds the
+    message's site)."""
+
+    addressee: bool = False
+
+    def write(self, value: Collection[str]) -> dict[str, WireValue]:
+        return {self.key: sorted(value)}
+
+    def read(self, read: MessageReader, got: Mapping[str, Any]) -> frozenset[str]:
+        sites = read.sites(self.key)
+        if self.addressee:
+            _check_addressee(read, self.key, sites)
+        return frozenset(sites)
+
+
+Expect = Callable[[Mapping[str, Any]], Collection[str] | None]
+"""The owners a ``Table`` must list, from what ``Message.decode`` has read and been given
+(None: no list is right)."""
+
+
+@dataclass(frozen=True)
+class Table:
+    """A mapping from site id to a row, as parallel lists sorted by site id: ``owners`` and one
+    list per column, one item per owner.
+
+    A row is the one column's item when ``row`` is None, else ``row(owner, *items)``, whose
+    attributes are the column keys less the ``owners`` prefix (``roster-mask-public``:
+    ``mask_public``). ``addressee``: the owners hold the message's site; ``expect``: the owners
+    are exactly the sites it gives, which ``what`` names.
+    """
+
+    name: str
+    owners: str
+    columns: tuple[tuple[str, Bytes], ...]
+    row: Callable[..., Any] | None = None
+    addressee: bool = False
+    expect: Expect | None = None
+    what: str = ""
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return (self.owners, *(key for key, _ in self.columns))
+
+    def _cells(self, row: Any) -> tuple[Any, ...]:
+        if self.row is None:
+            return (row,)
+        prefix = f"{self.owners}-"
+        return tuple(
+            getattr(row, key.removeprefix(prefix).replace("-", "_")) for key, _ in self.columns
+        )
+
+    def write(self, value: Mapping[str, Any]) -> dict[str, WireValue]:
+        owners = sorted(value)
+        rows = [self._cells(value[owner]) for owner in owners]
+        out: dict[str, WireValue] = {self.owners: owners}
+        for at, (key, item) in enumerate(self.columns):
+            out[key] = [item.dump(cells[at]) for cells in rows]
         return out
+
+    def read(self, read: MessageReader, got: Mapping[str, Any]) -> dict[str, Any]:
+        owners = read.sites(self.owners)
+        if self.addressee:
+            _check_addressee(read, self.owners, owners)
+        if self.expect is not None:
+            wanted = self.expect(got)
+            if wanted is None or set(owners) != set(wanted):
+                raise read.fail(
+                    self.owners,
+                    f"lists {len(owners)} sites, not exactly the {len(wanted or ())} {self.what}",
+                )
+        columns = [
+            [
+                item.load(read, key, item.check(read, key, value, f"item {at}"))
+                for at, value in enumerate(read.items(key, count=len(owners)))
+            ]
+            for key, item in self.columns
+        ]
+        if self.row is None:
+            return dict(zip(owners, columns[0], strict=True))
+        return {cells[0]: self.row(*cells) for cells in zip(owners, *columns, strict=True)}
+
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Message(Generic[T]):
+    """One message, declared once: its stage and payload ``fields`` in wire order.
+
+    ``decode`` reads the fields in order, then applies ``check`` (the rules across fields),
+    and builds ``make(**fields)``, with ``site_id`` (the sender) when ``sender``; the fields and
+    ``check`` see in ``got`` the fields read so far, the receiver's ``context`` and ``site_id``.
+    ``encode`` writes the fields of a mapping of attribute values and decodes the result.
+    """
+
+    stage: Stage
+    fields: tuple[Field, ...]
+    make: Callable[..., T]
+    sender: bool = False
+    check: Callable[[MessageReader, Mapping[str, Any]], None] | None = None
+
+    def encode(
+        self, values: Mapping[str, Any], *, round_id: RoundId, site_id: str, **context: Any
+    ) -> RecordDict:
+        """The message of ``values`` to or from ``site_id``; ``MessageFormatError`` ("refusing
+        to send") where the receiver's ``decode`` with ``context`` would refuse it."""
+        payload: dict[str, WireValue] = {}
+        for field in self.fields:
+            payload.update(field.write(values[field.name]))
+        content = _new_message(self.stage, round_id=round_id, site_id=site_id, payload=payload)
+        try:
+            self.decode(content, round_id=round_id, site_id=site_id, **context)
+        except MessageFormatError as err:
+            raise MessageFormatError(f"refusing to send a malformed message: {err}") from None
+        return content
+
+    def decode(
+        self, content: object, *, round_id: RoundId, site_id: str | None, **context: Any
+    ) -> T:
+        """The object of ``content`` (``site_id`` None: from the sender it states), or
+        ``MessageFormatError`` naming the first field that breaks its declaration or a rule."""
+        keys = [key for field in self.fields for key in field.keys]
+        read = MessageReader(
+            content, stage=self.stage, payload=keys, round_id=round_id, site_id=site_id
+        )
+        got: dict[str, Any] = {**context, "site_id": read.site_id}
+        for field in self.fields:
+            got[field.name] = field.read(read, got)
+        if self.check is not None:
+            self.check(read, got)
+        values = {field.name: got[field.name] for field in self.fields}
+        return self.make(site_id=read.site_id, **values) if self.sender else self.make(**values)

@@ -19,7 +19,7 @@ from typing import Any, Self
 
 from prism_core.accounting import EpsilonReport, PrivacyEvent, history_unit
 from prism_core.quantile import QUANTILE_MECHANISM
-from prism_core.records import SKELLAM_MECHANISM
+from prism_core.records import SKELLAM_MECHANISM, SkellamShare
 from prism_runtime.faults import NO_FAULTS, Faults
 from server.errors import InvalidEventError, LedgerConflictError, LedgerError
 from server.ledger.budget import (
@@ -445,8 +445,7 @@ class Ledger:
         new = PrivacyEvent(sigma, q, steps, unit=history_unit([e.event for e in events]))
         last = events[-1].event if events else None
         if last is not None and last.mechanism == SKELLAM_MECHANISM:  # accounted as its kind
-            share = min(last.share_sigma or 0.0, sigma)
-            new = replace(
-                last, noise_multiplier=sigma, sample_rate=q, steps=steps, share_sigma=share
-            )
+            part = last.secure
+            share = SkellamShare(part.honest_sites, min(part.share_sigma, sigma)) if part else None
+            new = replace(last, noise_multiplier=sigma, sample_rate=q, steps=steps, secure=share)
         return within_cap(events, new, epsilon_cap=epsilon_cap, delta=delta, site_id=site_id)

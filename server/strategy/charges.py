@@ -19,7 +19,7 @@ from typing import Any
 
 from prism_core.errors import PrivacyParameterError
 from prism_core.quantile import QUANTILE_MECHANISM
-from prism_core.records import SKELLAM_MECHANISM, PrivacyEvent
+from prism_core.records import SKELLAM_MECHANISM, PrivacyEvent, SkellamShare
 from prism_runtime.protocol import RNG
 from server.errors import InvalidEventError, LedgerConflictError, LedgerError, ReplyError
 from server.ledger import UNKNOWN_HONEST_SITES, UNKNOWN_Q, UNKNOWN_SIGMA, Ledger, LedgerEvent
@@ -89,8 +89,7 @@ class Charges:
                     noise_multiplier=float(facts["quantile-sigma"]),
                     sample_rate=float(facts["quantile-q"]),
                     steps=int(facts["quantile-steps"]),
-                    honest_sites=None,
-                    share_sigma=None,
+                    secure=None,
                 )
                 events.insert(0, replace(event, event=quantile))
         except (PrivacyParameterError, InvalidEventError) as exc:
@@ -184,10 +183,12 @@ class Charges:
 
     def _unknown(self, steps: int) -> PrivacyEvent:
         """``steps`` steps of the run's mechanism with unknown parameters (epsilon inf)."""
-        secure: dict[str, Any] = {}
+        secure = None
         if self.mechanism == SKELLAM_MECHANISM:
-            secure = {"honest_sites": UNKNOWN_HONEST_SITES, "share_sigma": UNKNOWN_SIGMA}
-        return PrivacyEvent(UNKNOWN_SIGMA, UNKNOWN_Q, steps, mechanism=self.mechanism, **secure)
+            secure = SkellamShare(UNKNOWN_HONEST_SITES, UNKNOWN_SIGMA)
+        return PrivacyEvent(
+            UNKNOWN_SIGMA, UNKNOWN_Q, steps, mechanism=self.mechanism, secure=secure
+        )
 
     def _estimate(
         self, site: str, last: LedgerEvent | None, event: LedgerEvent
@@ -210,7 +211,6 @@ class Charges:
             mechanism=QUANTILE_MECHANISM,
             noise_multiplier=auto.noise_multiplier,
             steps=auto.steps,
-            honest_sites=None,
-            share_sigma=None,
+            secure=None,
         )
         return [replace(event, event=quantile)]

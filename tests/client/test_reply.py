@@ -10,7 +10,7 @@ import pytest
 from client.reply import SiteFacts, event_facts, refuse
 from client.site_ledger import SiteLedger, SiteLedgerEntry
 from prism_core.accounting import epsilon
-from prism_core.records import SKELLAM_MECHANISM, PrivacyEvent
+from prism_core.records import SKELLAM_MECHANISM, PrivacyEvent, SkellamShare
 from prism_runtime.protocol import ACCOUNTING_KEYS, RNG_SECURE, STATUS_OK, STATUS_REFUSED
 
 FACTS = SiteFacts(
@@ -80,7 +80,7 @@ def test_the_facts_of_a_gaussian_event_state_what_ran_and_no_secure_facts():
 @pytest.mark.parametrize(("honest", "share"), [(1, 0.0), (3, 0.7), (10_000, 1.2)])
 def test_the_facts_of_a_secure_event_add_its_honest_sites_and_share_sigma(honest, share):
     event = PrivacyEvent(
-        1.2, 0.05, 3, mechanism=SKELLAM_MECHANISM, honest_sites=honest, share_sigma=share
+        1.2, 0.05, 3, mechanism=SKELLAM_MECHANISM, secure=SkellamShare(honest, share)
     )
     facts = event_facts(event)
     assert facts["mechanism"] == SKELLAM_MECHANISM

@@ -11,7 +11,7 @@ import pytest
 
 import client.site_ledger as site_ledger_module
 from client.site_ledger import SiteLedger, SiteLedgerEntry
-from prism_core.records import SKELLAM_MECHANISM, PrivacyEvent
+from prism_core.records import SKELLAM_MECHANISM, PrivacyEvent, SkellamShare
 from prism_runtime.errors import ConfigError
 
 
@@ -259,7 +259,7 @@ def test_every_entry_stores_its_unit_and_a_line_without_one_reads_as_a_record(tm
 
 def _secure(round_: int, honest: int = 3, share: float = 0.5) -> SiteLedgerEntry:
     event = PrivacyEvent(
-        1.1, 0.05, 5, mechanism=SKELLAM_MECHANISM, honest_sites=honest, share_sigma=share
+        1.1, 0.05, 5, mechanism=SKELLAM_MECHANISM, secure=SkellamShare(honest, share)
     )
     return SiteLedgerEntry(round_, event, 1e-5)
 

@@ -14,7 +14,7 @@ from client.policy import site_policy
 from client.reply import RoundReply
 from client.site import AdmittedRound, SecureNoise, Site
 from prism_core.distributed import discrete_sensitivity
-from prism_core.records import SKELLAM_MECHANISM
+from prism_core.records import SKELLAM_MECHANISM, SkellamShare
 from prism_core.skellam_accounting import skellam_sigma
 from prism_runtime.exchange import to_arrays
 from prism_runtime.protocol import STATUS_REFUSED, key
@@ -62,7 +62,7 @@ def test_a_secure_round_is_admitted_with_its_skellam_event_durable_before_its_en
         event = admitted.charged.entry.event
         assert (event.mechanism, event.steps) == (SKELLAM_MECHANISM, 1)
         assert event.noise_multiplier == site.secure.sigma
-        assert (event.honest_sites, event.share_sigma) == (2, site.secure.share_sigma)
+        assert event.secure == SkellamShare(honest_sites=2, share_sigma=site.secure.share_sigma)
         (line,) = _ledger_lines(site)  # on disk before the ending runs
         assert json.loads(line)["mechanism"] == SKELLAM_MECHANISM
     with site.admit(1, to_arrays(site.loaded), run_id="r", secure=True) as again:

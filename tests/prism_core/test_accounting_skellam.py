@@ -4,6 +4,7 @@ the collusion guarantee, and the calibration of the RDP-equivalent sigma."""
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from dataclasses import replace
 
@@ -19,7 +20,7 @@ from prism_core.accounting import (
     epsilon_report,
 )
 from prism_core.errors import PrivacyParameterError
-from prism_core.records import SKELLAM_MECHANISM
+from prism_core.records import SKELLAM_MECHANISM, SkellamShare
 
 DELTA = 1e-5
 
@@ -30,8 +31,7 @@ def _skellam(sigma: float, q: float, steps: int, *, share: float | None = None, 
         q,
         steps,
         mechanism=SKELLAM_MECHANISM,
-        honest_sites=2,
-        share_sigma=sigma if share is None else share,
+        secure=SkellamShare(honest_sites=2, share_sigma=sigma if share is None else share),
         **kw,
     )
 
@@ -142,3 +142,23 @@ def test_the_skellam_calibration_refuses_a_spent_budget():
         )
     with pytest.raises(PrivacyParameterError, match="steps"):
         calibrate_skellam_sigma(target_epsilon=1.0, delta=DELTA, sample_rate=0.01, steps=0)
+
+
+def test_a_skellam_event_carries_its_share_and_no_other_event_does():
+    """The ``SkellamShare`` (H >= 1, 0 <= share sigma <= sigma) exists exactly on a Skellam
+    event; the ledgers' columns read through to it and back."""
+    event = _skellam(1.0, 0.01, 10, share=0.4)
+    assert event.secure == SkellamShare(2, 0.4)
+    columns = {"sigma": 1.0, "q": 0.01, "steps": 10, "mechanism": SKELLAM_MECHANISM}
+    assert PrivacyEvent.from_columns({**columns, "honest_sites": 2, "share_sigma": 0.4}) == event
+    with pytest.raises(PrivacyParameterError, match="needs its SkellamShare"):
+        PrivacyEvent(1.0, 0.01, 10, mechanism=SKELLAM_MECHANISM)
+    with pytest.raises(PrivacyParameterError, match="only a 'prism-tangent-skellam' event"):
+        PrivacyEvent(1.0, 0.01, 10, secure=SkellamShare(2, 0.4))
+    with pytest.raises(PrivacyParameterError, match=r"share_sigma=1.5 must be .* in \[0, noise"):
+        _skellam(1.0, 0.01, 10, share=1.5)
+    for h, share, what in ((0, 0.4, "honest_sites=0"), (2, -0.1, "share_sigma=-0.1")):
+        with pytest.raises(PrivacyParameterError, match=re.escape(what)):
+            SkellamShare(h, share)
+    with pytest.raises(PrivacyParameterError, match=re.escape("share_sigma=None")):
+        PrivacyEvent.from_columns({**columns, "honest_sites": 2})

@@ -109,8 +109,8 @@ def test_a_secure_run_applies_the_sum_and_records_both_epsilons(tiny_bert, tmp_p
     assert len(events) == SITES * ROUNDS
     for e in events:
         assert e.mechanism == SKELLAM_MECHANISM
-        assert e.event.honest_sites == 2
-        assert 0 < e.event.share_sigma < e.event.noise_multiplier
+        assert e.event.secure is not None and e.event.secure.honest_sites == 2
+        assert 0 < e.event.secure.share_sigma < e.event.noise_multiplier
     report = json.loads((run_dir / "report.json").read_text())
     for row in report["sites"]:
         collusion = next(v for k, v in row.items() if "collu" in k and isinstance(v, float))
