@@ -69,10 +69,12 @@ MODULES: dict[str, Target] = {
             "tests/server/strategy/test_bounds.py",
             "tests/server/strategy/test_charges.py",
             "tests/server/strategy/test_core.py",
+            "tests/server/strategy/test_intake.py",
             "tests/server/strategy/test_loop.py",
             "tests/server/strategy/test_replies.py",
             "tests/server/strategy/test_rounds.py",
             "tests/server/strategy/test_selection.py",
+            "tests/server/strategy/test_transport.py",
             # the strategy's other fast test files (not test_resume.py, whose SIGKILL test
             # takes a minute)
             "tests/server/test_federation.py",
