@@ -44,7 +44,7 @@ Run (full study on SST-2, then a medical task)::
 Defaults: every method at the PRODUCT's defaults (``prism_runtime.config.RunConfig``, the same as
 ``[tool.flwr.app.config]``): rounds, local steps, expected batch, micro-batch, max length, C and
 PRISM's lr, and the classifier and coordinator keys of ``SETTINGS`` (pooling, zero-shot head from
-public label texts, the head's clip share, optimizer and lr, aggregation, server optimizer), the
+public label texts, the head's clip share, optimizer and lr, aggregation, server lr), the
 same for every method so the comparison is fair (``--set KEY=VALUE`` changes one for all; each
 task has its public head start in ``TASK_SETTINGS``). The baselines' Adam steps get their own lr
 grid ``BASELINE_GRID_LR`` on the selection set (``--method-grid-lr`` to change); the grid runs at
@@ -122,7 +122,7 @@ NONDP_EPSILON = 0.0  # marker in run ids: no privacy
 # product's defaults, or --set KEY=VALUE), so the comparison is fair.
 SETTINGS = (
     "lora-head", "pooling", "pair-encoding", "text-pairs", "head-init", "label-texts",
-    "head-lr", "head-max-norm", "head-optimizer", "aggregation", "server-optimizer", "server-lr",
+    "head-lr", "head-max-norm", "head-optimizer", "aggregation", "server-lr",
     "server-lr-schedule", "privacy-unit", "user-field", "max-records-per-user",
 )  # fmt: skip
 

@@ -359,11 +359,6 @@ class RunConfig(_Kebab):
         "replies' checked facts: the unbiased estimate of the pooled step under label skew), "
         "inverse-noise ((b / (sigma C))^2: least noise when the sites' data agree), or uniform",
     )
-    server_optimizer: Literal["sgd", "momentum", "adaptive"] = Field(
-        "sgd",
-        description="server step on the aggregate (post-processing): sgd, momentum, or PRISM's "
-        "adaptive transform with DP-aware floors (prism only)",
-    )
     round_timeout: float = Field(3600.0, gt=0, description="seconds to wait for replies")
     connect_timeout: float = Field(
         600.0,
@@ -521,11 +516,6 @@ class RunConfig(_Kebab):
                 f"head-max-norm={self.head_max_norm} must be > 0 and < max-norm={self.max_norm} "
                 "(max-norm is the total clip C; the head gets a share of it), or -1 for a "
                 "joint clip"
-            )
-        if self.server_optimizer != "sgd" and self.method != "prism":
-            raise ValueError(
-                f"server-optimizer={self.server_optimizer!r} steps in PRISM's tangent space; "
-                f"method={self.method!r} averages factors: use server-optimizer='sgd'"
             )
         if self.planned_site_steps > SITE_STEPS_MAX:
             raise ValueError(

@@ -12,8 +12,8 @@ one per (run, round, site) and kind (``server.ledger``). A round re-run after a 
 its charges again and the ledger ignores those it holds, so a resumed run neither loses nor
 duplicates an unconfirmed charge, and a site's resent reply confirms one without counting twice.
 
-The round kind's state (``server.strategy.contract.RoundKind.state_dict``: the plain round's
-server optimizer, the secure round's central step with its adaptive moments): its tensors are
+The round kind's state (``server.strategy.contract.RoundKind.state_dict``: none for a plain
+round, the secure round's central step with its adaptive moments): its tensors are
 stored among the arrays under ``round-state/``, its JSON-ready values in the ``round-state``
 slot of the metadata. A resumed run continues bit for bit.
 """

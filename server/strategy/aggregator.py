@@ -1,5 +1,5 @@
 """The streaming aggregator: weighted sums of the replies' updates, one reply at a time, then
-the server step (exact tangent mean + the server optimizer's retraction, or FedAvg of factors).
+the server step (exact tangent mean + the retraction, or FedAvg of factors).
 
 Flower-free: it takes tensors and a reply's CHECKED facts (``server.strategy.replies``), so it can
 be driven by the strategy, a benchmark or a test alike. Memory holds one running sum per tensor,
@@ -10,7 +10,6 @@ in different orders can differ at float64 rounding (float addition is not associ
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 from typing import Any, Literal
@@ -18,11 +17,11 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from prism_core.aggregation import Aggregation, aggregate_noise_std, site_noise_std
+from prism_core.aggregation import Aggregation, site_noise_std
 from prism_core.manifold import Point, Tangent
 from prism_runtime.protocol import HEAD_PREFIX, MAX_EXAMPLES, key
 from server.errors import ReplyError
-from server.optimizer import ServerOptimizer, scheduled_lr
+from server.optimizer import scheduled_lr, server_step
 from server.strategy.rounds import RoundSummary
 
 __all__ = ["Mode", "StreamingAggregator"]
@@ -42,9 +41,7 @@ class StreamingAggregator:
     Args:
         modules, head, mode: the global arrays' LoRA modules and head tensors; ``tangent``
             (PRISM) or ``factor-average`` (baselines).
-        optimizer: the server optimizer (its state survives rounds and is checkpointed).
         server_lr, lr_schedule, num_rounds: the server lr of round t (``scheduled_lr``).
-        local_lr, local_steps: the sites' step, to express the aggregate's noise in update units.
         aggregation: ``inverse-noise``, ``uniform`` or ``examples`` (``prism_core.aggregation``).
         dp: whether the replies carry DP noise (non-DP: noise std 0, uniform inverse-noise).
         expected_batch_size: the run's expected batch b (``examples``: a site's shard size is
@@ -57,41 +54,34 @@ class StreamingAggregator:
         modules: list[str],
         head: list[str],
         mode: Mode,
-        optimizer: ServerOptimizer,
         server_lr: float,
         lr_schedule: str,
         num_rounds: int,
-        local_lr: float,
-        local_steps: int,
         aggregation: Aggregation,
         dp: bool,
         expected_batch_size: float | None = None,
     ) -> None:
         scheduled_lr(server_lr, lr_schedule, 1, num_rounds)  # validates both
         self.modules, self.head, self.mode = modules, head, mode
-        self.optimizer = optimizer
         self.server_lr, self.lr_schedule, self.num_rounds = server_lr, lr_schedule, num_rounds
-        self.local_lr, self.local_steps = local_lr, local_steps
         self.aggregation: Aggregation = aggregation
         self.dp = dp
         self.expected_batch_size = expected_batch_size
         self.broadcast: dict[str, Tensor] = {}
         self._sums: dict[str, Tensor] = {}
         self._total = 0.0
-        self._noise: list[tuple[float, float]] = []  # (weight, noise std) of this round's updates
 
     def begin_round(self, broadcast: dict[str, Tensor]) -> None:
         """Start a round at the broadcast arrays: empty sums."""
         self.broadcast = broadcast
-        self._sums, self._total, self._noise = {}, 0.0, []
+        self._sums, self._total = {}, 0.0
 
-    def add(self, update: dict[str, Tensor], facts: dict[str, Any], weight: float) -> None:
+    def add(self, update: dict[str, Tensor], weight: float) -> None:
         """Add one checked reply's update, with its ``weight(facts)``, to the running sums."""
         for name, tensor in update.items():
             value = weight * tensor.double()
             self._sums[name] = self._sums[name] + value if name in self._sums else value
         self._total += weight
-        self._noise.append((weight, self.noise_std(facts)))
 
     @property
     def total_weight(self) -> float:
@@ -161,7 +151,6 @@ class StreamingAggregator:
     ) -> dict[str, Tensor] | None:
         """``apply``, guarded: a non-finite mean or result, or lost rank, keeps the old adapter."""
         reason = ""
-        saved = copy.deepcopy(self.optimizer)  # a discarded step must not move its moments
         if not all(torch.isfinite(v).all() for v in means.values()):
             reason = "the aggregated update is not finite"
         else:
@@ -180,26 +169,10 @@ class StreamingAggregator:
                         reason = f"the new {m} lost rank (singular values {sv.tolist()})"
                         break
         if reason:
-            self.optimizer = saved
             summary.discarded = reason
             log.error("round %d: %s; global adapter unchanged", summary.server_round, reason)
             return None
         return new
-
-    def _aggregate_noise_std(self) -> float:
-        """Per-coordinate noise std of this round's weighted mean, in the update's units.
-
-        ``sqrt(sum_k w_k^2 s_k^2) / sum_k w_k`` with ``s_k = sigma_k C_k / b_k`` is the noise of
-        the mean of one DP step per site; a site's update is ``tau`` local steps of size ``lr``,
-        so it is scaled by ``lr sqrt(tau)`` (exact for plain SGD steps, the scale of the noise
-        for the adaptive ones). Sets the adaptive server optimizer's DP-aware floors (eq. 26).
-        """
-        if not self._noise:
-            return 0.0
-        total = math.fsum(w for w, _ in self._noise)
-        weights = [w / total for w, _ in self._noise]
-        std = aggregate_noise_std(weights, [s for _, s in self._noise])
-        return self.local_lr * math.sqrt(self.local_steps) * std
 
     def apply(self, means: dict[str, Tensor], lr: float) -> dict[str, Tensor]:
         """The next global arrays from this round's means, with server lr ``lr``."""
@@ -219,16 +192,14 @@ class StreamingAggregator:
         return new
 
     def _apply_tangent(self, means: dict[str, Tensor], lr: float) -> dict[str, Tensor]:
-        """The server optimizer's step (``server.optimizer``) from the aggregated tangent update."""
+        """The server step (``server.optimizer.server_step``) from the aggregated tangent update."""
         points = {
             m: Point(self.broadcast[key(m, "A")], self.broadcast[key(m, "B")]) for m in self.modules
         }
         updates = {m: Tangent(means[key(m, "dA")], means[key(m, "dB")]) for m in self.modules}
         values = {n: self.broadcast[HEAD_PREFIX + n] for n in self.head}
         deltas = {n: means[HEAD_PREFIX + n] for n in self.head}
-        moved, head = self.optimizer.step(
-            points, updates, values, deltas, noise_std=self._aggregate_noise_std(), lr=lr
-        )
+        moved, head = server_step(points, updates, values, deltas, lr=lr)
         new: dict[str, Tensor] = {}
         for m in self.modules:
             new[key(m, "A")] = moved[m].A.to(torch.float32).contiguous()

@@ -27,7 +27,6 @@ from prism_runtime.faults import NO_FAULTS, Faults
 from prism_runtime.protocol import ARRAYS, CONFIG, ROUND_NONCE, SERVER_ROUND, TRAIN
 from prism_runtime.train_config import MECHANISMS
 from server.ledger import Ledger
-from server.optimizer import ServerOptimizer, ServerOptimizerConfig
 from server.strategy.aggregator import Mode, StreamingAggregator
 from server.strategy.binding import SiteBinding
 from server.strategy.bounds import AutoClip, UpdateBound, UpdateChecker
@@ -359,8 +358,7 @@ def plain_round(
     terms: RunTerms,
     update_bound: UpdateBound | None,
 ) -> PlainRound:
-    """The plain round kind of ``run``: its update checker, streaming aggregator and server
-    optimizer."""
+    """The plain round kind of ``run``: its update checker and streaming aggregator."""
     return PlainRound(
         checker=UpdateChecker(
             modules=modules,
@@ -373,14 +371,9 @@ def plain_round(
             modules=modules,
             head=head,
             mode=mode,
-            optimizer=ServerOptimizer(
-                ServerOptimizerConfig(kind=run.server_optimizer, lr=run.server_lr), modules, head
-            ),
             server_lr=run.server_lr,
             lr_schedule=run.server_lr_schedule,
             num_rounds=run.num_rounds,
-            local_lr=run.lr,
-            local_steps=run.local_steps,
             aggregation=run.aggregation,
             dp=terms.dp,
             expected_batch_size=terms.expected_batch_size,

@@ -27,7 +27,7 @@ from torch import Tensor
 from prism_runtime.protocol import UPDATE
 from server.strategy.aggregator import StreamingAggregator
 from server.strategy.bounds import UpdateChecker
-from server.strategy.contract import STATE_PREFIX, RoundContext
+from server.strategy.contract import RoundContext
 from server.strategy.intake import ReplyIntake
 from server.strategy.transport import stream_replies
 
@@ -94,7 +94,7 @@ class PlainRound:
         """Check the reply's update against the honest bound; return what adds it, weighted."""
         update = self.checker.validate(msg.content.get(UPDATE), facts)
         weight = self.aggregator.weight(facts)
-        return lambda: self.aggregator.add(update, facts, weight)
+        return lambda: self.aggregator.add(update, weight)
 
     def describe(self) -> str:
         aggregator = self.aggregator
@@ -104,10 +104,8 @@ class PlainRound:
         )
 
     def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
-        """The server optimizer's state (``ServerOptimizer.state_dict``)."""
-        tensors, meta = self.aggregator.optimizer.state_dict()
-        assert all(k.startswith(STATE_PREFIX) for k in tensors)
-        return tensors, {"server-optimizer": meta}
+        """Nothing: the server step is stateless (``server.optimizer.server_step``)."""
+        return {}, {}
 
     def load_state_dict(self, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]) -> None:
-        self.aggregator.optimizer.load_state_dict(tensors, meta["server-optimizer"])
+        """Nothing to restore (``state_dict``)."""

@@ -7,7 +7,7 @@ need not be able to say: ``UNIT_SETTINGS`` names each setting they
 rely on and a test overrides the ones it is about. Where these differ from what a run config
 can say, they do so on purpose: no fixed clip C or batch b (each reply states its own), no bound
 on the update's norm (any finite update of the right shape is honest), inverse-noise weights,
-one round, a local lr of 1, and no wait for sites that are not connected.
+one round, and no wait for sites that are not connected.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from typing import Any
 
 from prism_runtime.train_config import MECHANISMS
 from server.ledger import Ledger
-from server.optimizer import ServerOptimizer, ServerOptimizerConfig
 from server.strategy import PlainRound, PrismStrategy, RunTerms, StreamingAggregator, UpdateChecker
 from server.strategy.binding import SiteBinding
 from server.strategy.charges import Charges
@@ -31,9 +30,7 @@ UNIT_SETTINGS: dict[str, Any] = {
     "server_lr": 1.0,
     "lr_schedule": "constant",
     "num_rounds": 1,
-    "server_optimizer": "sgd",
     "local_steps": 2,
-    "local_lr": 1.0,
     "target_epsilon": 10.0,
     "delta": 1e-5,
     "aggregation": "inverse-noise",
@@ -110,16 +107,9 @@ def strategy_for(*, modules: list[str], ledger: Ledger, **settings: Any) -> Pris
                 modules=modules,
                 head=head,
                 mode=mode,
-                optimizer=ServerOptimizer(
-                    ServerOptimizerConfig(kind=s["server_optimizer"], lr=s["server_lr"]),
-                    modules,
-                    head,
-                ),
                 server_lr=s["server_lr"],
                 lr_schedule=s["lr_schedule"],
                 num_rounds=s["num_rounds"],
-                local_lr=s["local_lr"],
-                local_steps=s["local_steps"],
                 aggregation=s["aggregation"],
                 dp=s["dp"],
                 expected_batch_size=s["expected_batch_size"],

@@ -35,7 +35,6 @@ from prism_runtime.protocol import ACCOUNTING, CONFIG, REFUSAL_REASONS, UPDATE, 
 from prism_runtime.ranges import SIGMA_MIN
 from prism_runtime.train_config import site_train_config
 from server.ledger import Ledger
-from server.optimizer import ServerOptimizerConfig
 from server.strategy import PrismStrategy
 from server.strategy.bounds import AutoClip, UpdateBound, UpdateChecker
 from server.strategy.replies import RunTerms
@@ -98,10 +97,8 @@ def test_the_strategy_hands_its_settings_to_its_parts(tmp_path) -> None:
     assert sel.rng.getstate() == random.Random(1234).getstate()
     assert strategy.terms.auto_clip is auto
     assert strategy.charges.auto_clip is auto
-    # the server optimizer steps at the server lr (the lr its checkpoint records)
-    assert strategy.round_kind.aggregator.optimizer.config == ServerOptimizerConfig(
-        kind="sgd", lr=0.25
-    )
+    # the server step is taken at the server lr
+    assert strategy.round_kind.aggregator.server_lr == 0.25
 
 
 def test_the_constructor_takes_every_setting_by_keyword_and_has_no_default() -> None:
@@ -122,16 +119,12 @@ def test_a_default_run_config_gives_the_products_settings(tmp_path) -> None:
         assert (strategy.selection.sites_per_round, strategy.selection.min_sites) == (3, 1)
         assert strategy.selection.rng.getstate() == random.Random(0).getstate()
         aggregator = strategy.round_kind.aggregator
-        assert (aggregator.local_lr, aggregator.local_steps) == (0.002, 1)
         assert (aggregator.server_lr, aggregator.lr_schedule, aggregator.num_rounds) == (
             1.0,
             "constant",
             30,
         )
         assert (aggregator.aggregation, aggregator.expected_batch_size) == ("examples", 128.0)
-        assert strategy.round_kind.aggregator.optimizer.config == ServerOptimizerConfig(
-            kind="sgd", lr=1.0
-        )
         # noise-multiplier = -1: each site calibrates its own, any in range is the run's
         assert strategy.terms == RunTerms(
             mechanism="prism-tangent-gaussian",
@@ -191,14 +184,11 @@ def test_from_run_reads_every_setting_from_the_run_config(tmp_path) -> None:
             "cosine",
             7,
         )
-        assert (aggregator.local_lr, aggregator.local_steps) == (0.01, 3)
+        assert strategy.round_kind.checker.local_steps == 3
         assert (aggregator.aggregation, aggregator.dp, aggregator.expected_batch_size) == (
             "uniform",
             True,
             32.0,
-        )
-        assert strategy.round_kind.aggregator.optimizer.config == ServerOptimizerConfig(
-            kind="sgd", lr=0.5
         )
         # the mechanism the run's method runs on the sites (fedavg-factors: dp-adamw there)
         assert strategy.terms == RunTerms(
@@ -270,7 +260,7 @@ def test_a_secure_strategy_refuses_flowers_one_exchange_aggregation(tmp_path) ->
 def test_from_run_checks_a_private_clip_and_bounds_it_at_its_largest(tmp_path) -> None:
     run = parse_config(
         RunConfig,
-        {"max-norm": "auto", "server-optimizer": "momentum", "batch-size": 64},
+        {"max-norm": "auto", "batch-size": 64},
         what="run config",
     )
     low, high = run.auto_clip_range
@@ -284,9 +274,6 @@ def test_from_run_checks_a_private_clip_and_bounds_it_at_its_largest(tmp_path) -
         assert (
             strategy.round_kind.checker.update_bound is not None
             and strategy.round_kind.checker.update_bound.max_norm == high
-        )
-        assert strategy.round_kind.aggregator.optimizer.config == ServerOptimizerConfig(
-            kind="momentum", lr=1.0
         )
 
 
