@@ -143,14 +143,7 @@ class PrismStrategy(Strategy):
                 min_honest_sites=run.min_honest_sites,
             )
         else:
-            round_kind = plain_round(
-                run,
-                modules=modules,
-                head=head,
-                mode="tangent" if run.method == "prism" else "factor-average",
-                terms=terms,
-                update_bound=UpdateBound.for_run(run),
-            )
+            round_kind = plain_round(run, modules=modules, head=head, terms=terms)
         return cls(
             modules=modules,
             head=head,
@@ -354,18 +347,18 @@ def plain_round(
     *,
     modules: list[str],
     head: list[str],
-    mode: Mode,
     terms: RunTerms,
-    update_bound: UpdateBound | None,
 ) -> PlainRound:
-    """The plain round kind of ``run``: its update checker and streaming aggregator."""
+    """The plain round kind of ``run``: its update checker (the bound of the sites' own
+    ``TrainConfig``, ``UpdateBound.for_run``) and streaming aggregator, in the run's mode."""
+    mode: Mode = "tangent" if run.method == "prism" else "factor-average"
     return PlainRound(
         checker=UpdateChecker(
             modules=modules,
             head=head,
             mode=mode,
             local_steps=run.local_steps,
-            update_bound=update_bound,
+            update_bound=UpdateBound.for_run(run),
         ),
         aggregator=StreamingAggregator(
             modules=modules,
