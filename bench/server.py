@@ -71,6 +71,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from step import environment, load_average
 
 from prism_core.accounting import PrivacyEvent, epsilon
+from prism_core.records import ADJACENCY, SAMPLING
 from prism_runtime.protocol import ACCOUNTING, CONFIG, ROUND_NONCE, SERVER_ROUND, UPDATE, key
 from server.ledger import Ledger
 from server.strategy import PrismStrategy
@@ -132,8 +133,8 @@ def facts(site: str, steps: int = 10) -> dict[str, Any]:
         "reason": "",
         "server-round": 1,
         "mechanism": "prism-tangent-gaussian",
-        "adjacency": "add-remove",
-        "sampling": "poisson",
+        "adjacency": ADJACENCY,
+        "sampling": SAMPLING,
         "sigma": 1.0,
         "q": 0.01,
         "steps": steps,

@@ -100,8 +100,8 @@ def check_charged(
         site_id: this site, for the message.
 
     Raises:
-        AccountingMismatchError: the mechanism, sigma, q, the step count, the sampling or the
-            adjacency differ (the charge stays).
+        AccountingMismatchError: the mechanism, sigma, q, the step count, the unit or the
+            Skellam share differ (``PrivacyEvent.accounted``; the charge stays).
     """
     if event.accounted() != charged.event.accounted():
         raise AccountingMismatchError(

@@ -22,7 +22,7 @@ from client.request import RoundRequest
 from client.site_ledger import SiteLedgerEntry
 from client.training import Trained
 from prism_core.manifold import Point, tangent_displacement
-from prism_core.records import PrivacyEvent
+from prism_core.records import ADJACENCY, SAMPLING, PrivacyEvent
 from prism_runtime.errors import AccountingMismatchError
 from prism_runtime.exchange import head_named
 from prism_runtime.model import LoadedModel
@@ -112,8 +112,8 @@ def released_facts(
     out.update(
         {
             "mechanism": facts.mechanism,
-            "adjacency": event.adjacency,
-            "sampling": event.sampling,
+            "adjacency": ADJACENCY,
+            "sampling": SAMPLING,
             "unit": event.unit,
             "sigma": float(event.noise_multiplier),
             "q": float(event.sample_rate),

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from client.site_ledger import SiteLedger
 from prism_core.accounting import compose_events
-from prism_core.records import ADJACENCY, DEFAULT_UNIT, PrivacyEvent
+from prism_core.records import ADJACENCY, DEFAULT_UNIT, SAMPLING, PrivacyEvent
 from prism_runtime.errors import AccountingMismatchError
 from prism_runtime.protocol import REFUSAL_REASONS, STATUS_REFUSED
 
@@ -105,7 +105,7 @@ def refuse(facts: SiteFacts, ledger: SiteLedger, server_round: int, reason: str)
         {
             "mechanism": facts.mechanism,
             "adjacency": ADJACENCY,
-            "sampling": "poisson",
+            "sampling": SAMPLING,
             "unit": facts.unit,
             "sigma": float(facts.sigma),
             "q": float(min(facts.sample_rate, 1.0)),
@@ -150,8 +150,8 @@ def event_facts(event: PrivacyEvent) -> dict[str, Any]:
     noise share). A refusal states neither (``refuse``: nothing ran)."""
     facts: dict[str, Any] = {
         "mechanism": event.mechanism,
-        "adjacency": event.adjacency,
-        "sampling": event.sampling,
+        "adjacency": ADJACENCY,
+        "sampling": SAMPLING,
         "unit": event.unit,
         "sigma": float(event.noise_multiplier),
         "q": float(event.sample_rate),

@@ -25,7 +25,6 @@ from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
 
 from prism_core.errors import AccountingError, PrivacyParameterError
 from prism_core.records import (
-    ADJACENCY,
     DEFAULT_UNIT,
     SKELLAM_MECHANISM,
     PrivacyEvent,
@@ -228,10 +227,9 @@ def epsilon(
         0.0 for an empty history, ``inf`` if any step ran without noise.
 
     Raises:
-        AccountingError: for a sampling scheme other than Poisson or another adjacency, a
-            history that mixes privacy units without ``group_size`` (record-level events
-            convert to a person-level guarantee only by group privacy, never silently), or an
-            accountant other than ``"prv"`` and ``"rdp"``.
+        AccountingError: for a history that mixes privacy units without ``group_size``
+            (record-level events convert to a person-level guarantee only by group privacy,
+            never silently), or an accountant other than ``"prv"`` and ``"rdp"``.
     """
     _check_delta(delta)
     if accountant not in _ACCOUNTANTS:
@@ -252,13 +250,6 @@ def _epsilon(
 def _unit_epsilon(events: Sequence[PrivacyEvent], delta: float, method: _Method) -> float:
     """Epsilon of a history of one privacy unit by ``method`` (``epsilon``'s checks)."""
     history = [e for e in events if e.steps > 0]  # _accountant_key merges equal neighbours
-    for e in history:
-        if e.sampling != "poisson" or e.adjacency != ADJACENCY:
-            raise AccountingError(
-                f"cannot account sampling={e.sampling!r}, adjacency={e.adjacency!r}: only Poisson "
-                "subsampling with add/remove adjacency is supported (sample with Opacus' "
-                "DPDataLoader)"
-            )
     units = sorted({e.unit for e in history})
     if len(units) > 1:
         raise AccountingError(

@@ -119,7 +119,6 @@ def factor_privatize(
     expected_batch_size: float,
     sample_rate: float,
     generator: NoiseSource,
-    sampling: str = "poisson",
     mechanism: str = "factor-gaussian",
 ) -> tuple[list[Tensor], PrivacyEvent]:
     """Add i.i.d. ``N(0, sigma^2 C^2)`` noise to every summed factor entry, divide by b.
@@ -146,7 +145,6 @@ def factor_privatize(
         expected_batch_size=float(expected_batch_size),
         sample_rate=float(sample_rate),
         steps=1,
-        sampling=sampling,
     )
     return out, record
 
@@ -159,7 +157,6 @@ def factor_dp_gradient(
     expected_batch_size: float,
     sample_rate: float,
     generator: NoiseSource,
-    sampling: str = "poisson",
     mechanism: str = "factor-gaussian",
 ) -> tuple[list[Tensor], PrivacyEvent]:
     """Factor-space DP gradient for a batch in memory: clip, sum, noise, divide by b.
@@ -175,6 +172,5 @@ def factor_dp_gradient(
         expected_batch_size=expected_batch_size,
         sample_rate=sample_rate,
         generator=generator,
-        sampling=sampling,
         mechanism=mechanism,
     )

@@ -14,7 +14,7 @@ class PrivacyParameterError(PrismError, ValueError):
 
 
 class AccountingError(PrismError):
-    """A privacy history cannot be accounted for as claimed (e.g. non-Poisson sampling)."""
+    """A privacy history cannot be accounted for as claimed (e.g. privacy units mixed)."""
 
 
 class BudgetExceededError(PrismError):

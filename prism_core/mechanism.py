@@ -692,7 +692,6 @@ def privatize(
     expected_batch_size: float,
     sample_rate: float,
     generator: NoiseSource,
-    sampling: str = "poisson",
     frames: StepFrames | None = None,
 ) -> PrivateStep:
     """Add Gaussian noise once to a clipped sum, normalise by b, release the min-norm lift.
@@ -719,7 +718,6 @@ def privatize(
         expected_batch_size: b = q * N. The realised batch size is never used.
         sample_rate: Poisson rate q, recorded for accounting.
         generator: noise source, see ``tangent_noise``.
-        sampling: how the batch was drawn, recorded for accounting.
         frames: ``step_frames(points)`` if already computed for this step.
 
     Returns:
@@ -764,7 +762,6 @@ def privatize(
         expected_batch_size=float(expected_batch_size),
         sample_rate=float(sample_rate),
         steps=1,
-        sampling=sampling,
     )
     return PrivateStep(tangents, euclidean, record)
 
@@ -778,7 +775,6 @@ def dp_tangent_update(
     expected_batch_size: float,
     sample_rate: float,
     generator: NoiseSource,
-    sampling: str = "poisson",
     euclidean: Sequence[Tensor] = (),
 ) -> PrivateStep:
     """One-shot PRISM step for a batch that fits in memory: ``clip_and_sum`` then ``privatize``.
@@ -795,5 +791,4 @@ def dp_tangent_update(
         expected_batch_size=expected_batch_size,
         sample_rate=sample_rate,
         generator=generator,
-        sampling=sampling,
     )

@@ -79,7 +79,6 @@ def noisy_fraction_below(
     expected_batch_size: float,
     sample_rate: float,
     generator: NoiseSource,
-    sampling: str = "poisson",
 ) -> tuple[float, PrivacyEvent]:
     """The DP fraction of a Poisson batch whose norms are ``<= C``, and its ``PrivacyEvent``.
 
@@ -93,7 +92,6 @@ def noisy_fraction_below(
         expected_batch_size: b = q * N, the divisor. The realised batch size is never used.
         sample_rate: Poisson rate q, recorded for accounting.
         generator: noise source (a seeded ``torch.Generator`` or ``SecureRNG``).
-        sampling: how the batch was drawn, recorded for accounting.
 
     Returns:
         ``(f~, record)``: the released fraction (not clipped to [0, 1]) and what ran.
@@ -123,7 +121,6 @@ def noisy_fraction_below(
         expected_batch_size=float(expected_batch_size),
         sample_rate=float(sample_rate),
         steps=1,
-        sampling=sampling,
     )
     return fraction, record
 

@@ -24,14 +24,20 @@ __all__ = [
     "DEFAULT_MECHANISM",
     "DEFAULT_UNIT",
     "PRIVACY_UNITS",
+    "SAMPLING",
     "SKELLAM_MECHANISM",
     "EventColumns",
     "PrivacyEvent",
     "SkellamShare",
 ]
 
+SAMPLING: Final = "poisson"
+"""How every event's batches are drawn: Poisson subsampling at rate q (Opacus' DPDataLoader),
+the only sampling the accountants compose as subsampled. A run-level constant, not a field of
+an event: a ledger row or reply that states another is refused (``PrivacyEvent.from_columns``)."""
 ADJACENCY: Final = "add-remove"
-"""Neighbouring relation of every mechanism here: add or remove one example."""
+"""Neighbouring relation of every mechanism here: add or remove one example (or one person at
+the person level). A run-level constant, refused otherwise as ``SAMPLING`` is."""
 
 DEFAULT_MECHANISM: Final = "prism-tangent-gaussian"
 """The product's mechanism: PRISM's tangent-space Gaussian step (``prism_core.mechanism``)."""
@@ -51,7 +57,8 @@ sites are honest (``prism_core.skellam_accounting.skellam_sigma``); its ``Skella
 H and the multiplier of the site's own share alone. Accounted by RDP at integer orders only
 (``prism_core.accounting``)."""
 
-_TEXT_FIELDS: Final = ("mechanism", "sampling", "adjacency")
+_CONSTANTS: Final = {"sampling": SAMPLING, "adjacency": ADJACENCY}
+"""The run-level constants a ledger row or a reply's facts state, under their column names."""
 _SECURE_COLUMNS: Final = ("honest_sites", "share_sigma")
 """The ledgers' columns of a ``SkellamShare`` (``honest-sites``, ``share-sigma`` in facts)."""
 
@@ -115,8 +122,6 @@ class PrivacyEvent:
             (0 means no privacy: epsilon is infinite).
         sample_rate: Poisson rate q, in ``(0, 1]``.
         steps: number of steps with these parameters, ``>= 0``.
-        sampling: how the batches were drawn; only ``"poisson"`` can be accounted as subsampled.
-        adjacency: the neighbouring relation, always ``"add-remove"``.
         mechanism: what ran: ``"prism-tangent-gaussian"``, a baseline's name or the private
             clip's quantile count.
         max_norm: clip threshold C (the L2 sensitivity of the sum under add/remove), as the
@@ -135,8 +140,6 @@ class PrivacyEvent:
     noise_multiplier: float
     sample_rate: float
     steps: int
-    sampling: str = "poisson"
-    adjacency: str = ADJACENCY
     mechanism: str = DEFAULT_MECHANISM
     max_norm: float | None = None
     expected_batch_size: float | None = None
@@ -158,10 +161,9 @@ class PrivacyEvent:
             problems.append(f"sample_rate q={q!r} must be in (0, 1]")
         if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0):
             problems.append(f"steps={steps!r} must be an integer >= 0")
-        for name in _TEXT_FIELDS:
-            value = getattr(self, name)
-            if not isinstance(value, str) or not value.strip():
-                problems.append(f"{name}={value!r} must be a non-empty string")
+        mechanism = self.mechanism
+        if not isinstance(mechanism, str) or not mechanism.strip():
+            problems.append(f"mechanism={mechanism!r} must be a non-empty string")
         for name in ("max_norm", "expected_batch_size"):
             value = getattr(self, name)
             if value is not None and not (_real(value) and value > 0):
@@ -192,14 +194,24 @@ class PrivacyEvent:
     @classmethod
     def from_columns(cls, row: Mapping[str, Any]) -> PrivacyEvent:
         """The event of a ledger row or a reply's facts, under the ledgers' column names
-        (``sigma``, ``q``, ``steps``, ``mechanism``; ``sampling``, ``adjacency`` and ``unit``
-        where the row has them, else the defaults; ``honest_sites`` and ``share_sigma``, or
-        ``honest-sites`` and ``share-sigma``, the ``SkellamShare`` where the row states either),
-        the inverse of ``EventColumns``. The numbers are converted as the ledgers store them;
-        the texts are taken as they are (and checked)."""
-        optional: dict[str, Any] = {
-            k: row[k] for k in ("sampling", "adjacency", "unit") if k in row
-        }
+        (``sigma``, ``q``, ``steps``, ``mechanism``; ``unit`` where the row has it, else the
+        default; ``honest_sites`` and ``share_sigma``, or ``honest-sites`` and ``share-sigma``,
+        the ``SkellamShare`` where the row states either), the inverse of ``EventColumns``. The
+        numbers are converted as the ledgers store them; the texts are taken as they are (and
+        checked).
+
+        Raises:
+            PrivacyParameterError: a value out of its range, or a ``sampling`` or ``adjacency``
+                the row states that is not ``SAMPLING`` or ``ADJACENCY`` (a foreign or corrupt
+                record: no event of another sampling or relation is accounted).
+        """
+        for name, constant in _CONSTANTS.items():
+            if name in row and row[name] != constant:
+                raise PrivacyParameterError(
+                    f"invalid privacy event: {name}={row[name]!r} is not {constant!r}, the only "
+                    f"{name} accounted"
+                )
+        optional: dict[str, Any] = {"unit": row["unit"]} if "unit" in row else {}
         h, share = (row.get(name, row.get(name.replace("_", "-"))) for name in _SECURE_COLUMNS)
         if h is not None or share is not None:
             h, share = (None if h is None else int(h)), (None if share is None else float(share))
@@ -217,16 +229,14 @@ class PrivacyEvent:
 
     def accounted(
         self,
-    ) -> tuple[float, float, int, str, str, str, str, int | None, float | None]:
-        """The facts a charge commits to: sigma, q, steps, mechanism, sampling, adjacency,
-        unit, and a Skellam event's honest sites and share sigma."""
+    ) -> tuple[float, float, int, str, str, int | None, float | None]:
+        """The facts a charge commits to: sigma, q, steps, mechanism, unit, and a Skellam
+        event's honest sites and share sigma."""
         return (
             self.noise_multiplier,
             self.sample_rate,
             self.steps,
             self.mechanism,
-            self.sampling,
-            self.adjacency,
             self.unit,
             *_secure_columns(self.secure),
         )
@@ -242,9 +252,9 @@ class PrivacyEvent:
 
 class EventColumns:
     """Read-through of a ledger record's ``event`` under the ledgers' column names (``sigma``,
-    ``q``, ``steps``, ``mechanism``, ``sampling``, ``adjacency``, ``unit``, and ``honest_sites``
-    and ``share_sigma``, its ``SkellamShare``'s or None): a record that adds the round, site or
-    run to a ``PrivacyEvent`` holds it, never copies its fields."""
+    ``q``, ``steps``, ``mechanism``, ``unit``, ``honest_sites`` and ``share_sigma``, its
+    ``SkellamShare``'s or None; ``sampling`` and ``adjacency``, the constants): a record that
+    adds the round, site or run to a ``PrivacyEvent`` holds it, never copies its fields."""
 
     event: PrivacyEvent
 
@@ -266,11 +276,11 @@ class EventColumns:
 
     @property
     def sampling(self) -> str:
-        return self.event.sampling
+        return SAMPLING
 
     @property
     def adjacency(self) -> str:
-        return self.event.adjacency
+        return ADJACENCY
 
     @property
     def unit(self) -> str:

@@ -44,6 +44,7 @@ from prism_core.accounting import (
 )
 from prism_core.errors import AccountingError
 from prism_core.quantile import QUANTILE_MECHANISM
+from prism_core.records import ADJACENCY
 from prism_runtime.protocol import RNG_REPRODUCIBLE, RNG_SECURE
 from server.errors import ConfigError
 from server.ledger import Ledger, LedgerEvent, epsilon_points
@@ -391,7 +392,7 @@ def guarantee(
         )
     return {
         "unit": ", ".join(_distinct(list(units))) or "record",
-        "adjacency": "add-remove",
+        "adjacency": ADJACENCY,
         "against_coordinator": "replace-one, shard size public",
         "honest_sites": honest,
         "text": text,
@@ -486,7 +487,7 @@ def build_report(
     with an event of the reproducible rng), ``server_eval`` (``server_eval_series`` of
     ``server_eval``, the coordinator's held-out metric per round of the run, or None).
 
-    A site whose events cannot be accounted (non-Poisson sampling) gets epsilon inf and status
+    A site whose events cannot be accounted (privacy units mixed) gets epsilon inf and status
     "exhausted" with the reason in ``note``.
 
     Raises:

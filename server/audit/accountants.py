@@ -13,7 +13,7 @@ For each site of a ledger the whole history is composed by
 A site fails when its epsilon is infinite (a step ran without noise), when RDP < PRV -
 eps_error, when |PLD - PRV| is beyond ``pld_tolerance`` (either direction: PRV under-reporting
 is a privacy failure, over-reporting a broken accountant), when the history cannot be accounted
-(non-Poisson sampling, other adjacency), or when PRV exceeds the site's own cap.
+(privacy units mixed), or when PRV exceeds the site's own cap.
 """
 
 from __future__ import annotations
@@ -58,19 +58,13 @@ def pld_epsilon(events: Sequence[PrivacyEvent], delta: float) -> float:
     """Epsilon of the composed history by dp_accounting's PLD accountant (add/remove).
 
     Raises:
-        AccountingError: an event that is not Poisson-subsampled with add/remove adjacency, or
-            a history that mixes privacy units (an epsilon per record and one per person are
-            different guarantees, as in ``prism_core.accounting.epsilon``).
+        AccountingError: a history that mixes privacy units (an epsilon per record and one
+            per person are different guarantees, as in ``prism_core.accounting.epsilon``).
     """
     history = compose_events(events)
     units = sorted({e.unit for e in history if e.steps > 0})
     if len(units) > 1:
         raise AccountingError(f"cannot compose events of privacy units {units} with PLD")
-    for e in history:
-        if e.sampling != "poisson" or e.adjacency != "add-remove":
-            raise AccountingError(
-                f"cannot account sampling={e.sampling!r}, adjacency={e.adjacency!r} with PLD"
-            )
     if not history:
         return 0.0
     if any(e.noise_multiplier == 0 for e in history):

@@ -101,7 +101,7 @@ def within_cap(
 ) -> bool:
     """Does the history plus ``new`` stay within ``epsilon_cap`` at ``delta``?
 
-    A history that cannot be accounted (e.g. non-Poisson sampling) answers False, with a
+    A history that cannot be accounted (e.g. privacy units mixed) answers False, with a
     warning: its privacy loss is unknown.
     """
     history = [e.event for e in accountable(events)]

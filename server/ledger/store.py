@@ -383,8 +383,8 @@ class Ledger:
 
         Raises:
             LedgerError: the site has no events and no ``delta`` was given.
-            prism_core.errors.AccountingError: an event that cannot be accounted (non-Poisson
-                sampling or another adjacency).
+            prism_core.errors.AccountingError: a history that cannot be accounted (privacy
+                units mixed).
         """
         events = self.events(site_id=site_id)
         d = self.site_delta(site_id) if delta is None and events else delta
@@ -427,8 +427,8 @@ class Ledger:
 
         Composes the site's whole history plus the new steps (of the history's privacy unit,
         ``prism_core.accounting.history_unit``) with the PRV accountant at ``delta`` and
-        compares with ``epsilon_cap``. A history that cannot be accounted (e.g. non-Poisson
-        sampling, mixed units) answers False, with a warning: its privacy loss is unknown.
+        compares with ``epsilon_cap``. A history that cannot be accounted (privacy units
+        mixed) answers False, with a warning: its privacy loss is unknown.
 
         Args:
             before: ``(run_id, round)``: leave out that run's events of that round and later.

@@ -18,7 +18,7 @@ from flwr.app import ConfigRecord, Message
 from flwr.common.constant import ErrorCode
 
 from prism_core.bounds import FLOAT32_SLACK
-from prism_core.records import ADJACENCY, PRIVACY_UNITS, SKELLAM_MECHANISM
+from prism_core.records import ADJACENCY, PRIVACY_UNITS, SAMPLING, SKELLAM_MECHANISM
 from prism_runtime.protocol import (
     ACCOUNTING,
     ACCOUNTING_KEYS,
@@ -56,7 +56,6 @@ SECURE_FACTS = ("honest-sites", "share-sigma")
 """The facts of a secure-aggregation reply (mechanism ``SKELLAM_MECHANISM``): H, the honest
 sites its sigma counts on, and the noise multiplier of the site's own share alone."""
 _MAX_HONEST_SITES = 10_000  # more honest sites than any federation here; larger is garbled
-_SAMPLING = "poisson"  # the only sampling the accountant composes
 _FLOWER_ERRORS = {
     value: name for name, value in vars(ErrorCode).items() if isinstance(value, int)
 }  # Flower's own codes (a ClientApp that crashed or raised, a node gone): fixed names
@@ -299,7 +298,7 @@ class RunTerms:
             )
         wanted: dict[str, object] = {
             "mechanism": self.mechanism,
-            "sampling": _SAMPLING,
+            "sampling": SAMPLING,
             "adjacency": ADJACENCY,
         }
         for name, value in wanted.items():

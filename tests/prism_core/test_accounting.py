@@ -34,7 +34,7 @@ from prism_core.accounting import (
     max_steps,
 )
 from prism_core.errors import AccountingError, PrivacyParameterError
-from prism_core.records import PRIVACY_UNITS
+from prism_core.records import ADJACENCY, DEFAULT_MECHANISM, PRIVACY_UNITS, SAMPLING
 
 RDP_ORDERS = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64))
 """Opacus' default RDP orders (``RDPAccountant.DEFAULT_ALPHAS``), written out."""
@@ -149,8 +149,12 @@ def test_calibrated_sigma_never_overshoots(target, q, steps):
 def test_degenerate_histories():
     assert epsilon([], 1e-5) == 0.0
     assert epsilon([PrivacyEvent(0.0, 0.1, 1)], 1e-5) == math.inf
-    with pytest.raises(AccountingError, match="Poisson"):
-        epsilon([PrivacyEvent(1.0, 0.1, 10, sampling="shuffle")], 1e-5)
+    columns = {"sigma": 1.0, "q": 0.1, "steps": 10, "mechanism": DEFAULT_MECHANISM}
+    for name, other in (("sampling", "shuffle"), ("adjacency", "replace-one")):
+        with pytest.raises(PrivacyParameterError, match=re.escape(f"{name}={other!r} is not")):
+            PrivacyEvent.from_columns({**columns, name: other})  # no such event is accounted
+    stated = PrivacyEvent.from_columns({**columns, "sampling": SAMPLING, "adjacency": ADJACENCY})
+    assert stated == PrivacyEvent(1.0, 0.1, 10)
     with pytest.raises(PrivacyParameterError, match="delta"):
         epsilon([PrivacyEvent(1.0, 0.1, 10)], 0.0)
     with pytest.raises(PrivacyParameterError, match="sample_rate"):
@@ -215,7 +219,6 @@ def test_events_of_different_privacy_units_never_compose_into_one_epsilon():
         ({"steps": 1.5}, "steps=1.5"),
         ({"steps": -1}, "steps=-1"),
         ({"mechanism": " "}, "mechanism=' '"),
-        ({"sampling": ""}, "sampling=''"),
         ({"max_norm": 0.0}, "max_norm=0.0"),
         ({"expected_batch_size": math.inf}, "expected_batch_size=inf"),
     ],
@@ -319,11 +322,11 @@ def test_calibration_with_an_empty_or_zero_step_history_is_the_fresh_one():
 
 def test_a_zero_step_event_is_not_accounted_whatever_it_states():
     """A zero-step event (a refused or empty round) spends nothing: not even one without noise
-    (which would make epsilon infinite) or with an unsupported sampling (which would raise)."""
+    (which would make epsilon infinite) or of another privacy unit (which would raise)."""
     steps = PrivacyEvent(1.0, 0.01, 10)
     alone = epsilon([steps], 1e-5)
     assert epsilon([PrivacyEvent(0.0, 0.1, 0), steps], 1e-5) == alone
-    assert epsilon([PrivacyEvent(1.0, 0.1, 0, sampling="shuffle"), steps], 1e-5) == alone
+    assert epsilon([PrivacyEvent(1.0, 0.1, 0, unit="user"), steps], 1e-5) == alone
 
 
 def test_an_unknown_accountant_is_refused_and_the_report_uses_both():

@@ -28,11 +28,7 @@ def test_the_noisy_fraction_is_the_count_over_the_expected_batch_with_its_record
     assert fraction == pytest.approx(0.3, abs=1e-9)  # 30 / b, whatever the realised batch
     assert record.mechanism == QUANTILE_MECHANISM
     assert (record.noise_multiplier, record.max_norm) == (1e-9, 1.0)  # sensitivity 1
-    assert (record.expected_batch_size, record.sample_rate, record.sampling) == (
-        100.0,
-        0.1,
-        "poisson",
-    )
+    assert (record.expected_batch_size, record.sample_rate) == (100.0, 0.1)
 
 
 @pytest.mark.parametrize("source", ["seeded", "secure"])

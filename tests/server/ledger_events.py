@@ -1,8 +1,8 @@
 """Test helper: a coordinator ledger event from flat keywords (the ledger's column names).
 
-``sigma``, ``q``, ``steps``, ``mechanism``, ``sampling``, ``adjacency`` and ``unit`` build the
-event's one ``PrivacyEvent``, ``honest_sites`` and ``share_sigma`` its ``SkellamShare``; every
-other keyword is a ``LedgerEvent`` field.
+``sigma``, ``q``, ``steps``, ``mechanism`` and ``unit`` build the event's one ``PrivacyEvent``,
+``honest_sites`` and ``share_sigma`` its ``SkellamShare``; every other keyword is a
+``LedgerEvent`` field.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ _EVENT_KEYS = {
     "q": "sample_rate",
     "steps": "steps",
     "mechanism": "mechanism",
-    "sampling": "sampling",
-    "adjacency": "adjacency",
     "unit": "unit",
 }
 _SECURE_KEYS = ("honest_sites", "share_sigma")

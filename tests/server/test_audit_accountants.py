@@ -88,20 +88,20 @@ def test_every_site_of_a_ledger_is_checked_and_violations_named(tmp_path):
                 [
                     _ev(r, "ok", epsilon_cap=spent_3 + 0.01),
                     _ev(r, "over-cap", epsilon_cap=spent_3 - 0.05),
-                    _ev(r, "shuffled", sampling="shuffle"),
+                    _ev(r, "mixed", unit="record" if r else "user"),  # never one epsilon
                 ]
             )
         led.append(_ev(0, "noiseless", sigma=0.0))
     with Ledger.open(path, create=False, read_only=True) as led:
         checks = {c.site_id: c for c in check_ledger(led)}
-    assert set(checks) == {"ok", "over-cap", "shuffled", "noiseless"}
+    assert set(checks) == {"ok", "over-cap", "mixed", "noiseless"}
     assert checks["ok"].verdict == "pass"
     assert checks["ok"].steps == 15
     assert checks["ok"].prv == pytest.approx(spent_3, rel=1e-12)
     assert checks["over-cap"].verdict == "FAIL"
     assert any("exceeds the site's cap" in r for r in checks["over-cap"].reasons)
-    assert checks["shuffled"].verdict == "FAIL"
-    assert any("cannot be accounted" in r for r in checks["shuffled"].reasons)
+    assert checks["mixed"].verdict == "FAIL"
+    assert any("cannot be accounted" in r for r in checks["mixed"].reasons)
     assert checks["noiseless"].verdict == "FAIL"
     assert math.isinf(checks["noiseless"].prv) and math.isinf(checks["noiseless"].pld)
     assert checks["noiseless"].to_json()["prv"] == "inf"

@@ -95,8 +95,9 @@ def test_can_run_against_the_cap(ledger: Ledger) -> None:
 
 
 def test_unaccountable_history_is_never_runnable(ledger: Ledger) -> None:
-    ledger.append(ev(0, sampling="shuffle"))
-    with pytest.raises(AccountingError, match="shuffle"):
+    # per person, then per record (the reverse of a site's switch): no one epsilon
+    ledger.append_many([ev(0, unit="user"), ev(1)])
+    with pytest.raises(AccountingError, match="privacy units"):
         ledger.epsilon("a")
     assert not ledger.can_run("a", sigma=5.0, q=0.01, steps=1, epsilon_cap=100.0, delta=DELTA)
 
@@ -145,14 +146,14 @@ def test_the_round_series_has_one_point_per_round_that_ran_steps(ledger: Ledger)
 def test_an_unaccountable_site_is_named_in_the_warning(
     ledger: Ledger, caplog: pytest.LogCaptureFixture
 ) -> None:
-    ledger.append(ev(0, site="site-7", sampling="shuffle"))
+    ledger.append_many([ev(0, site="site-7", unit="user"), ev(1, site="site-7")])
     with caplog.at_level("WARNING", logger="server.ledger"):
         assert not ledger.can_run(
             "site-7", sigma=5.0, q=0.01, steps=1, epsilon_cap=100.0, delta=DELTA
         )
     (message,) = [r.getMessage() for r in caplog.records]
     assert message.startswith("ledger: site site-7 cannot be accounted (")
-    assert "shuffle" in message and message.endswith("); not selected")
+    assert "privacy units" in message and message.endswith("); not selected")
 
 
 def test_unknown_parameters_are_accounted_as_infinite_epsilon(ledger: Ledger) -> None:

@@ -139,6 +139,16 @@ def _garbled_page(path: Path) -> None:
         (_tampered("UPDATE events SET unit = 2 WHERE round = 6"), "event row 7 is invalid"),
         (_tampered("UPDATE events SET sigma = 'x' WHERE round = 9"), "column types"),
         (
+            _tampered("UPDATE events SET sampling = 'shuffle' WHERE round = 8"),
+            r"event row 9 is invalid \(stored event of site 'a': invalid privacy event: "
+            r"sampling='shuffle' is not 'poisson', the only sampling accounted",
+        ),
+        (
+            _tampered("UPDATE events SET adjacency = 'replace-one' WHERE round = 8"),
+            r"event row 9 is invalid \(stored event of site 'a': invalid privacy event: "
+            r"adjacency='replace-one' is not 'add-remove', the only adjacency accounted",
+        ),
+        (
             _tampered("UPDATE events SET honest_sites = 2, share_sigma = 0.5 WHERE round = 4"),
             r"event row 5 is invalid \(stored event of site 'a': invalid privacy event: "
             r"honest_sites=2, share_sigma=0.5: only a 'prism-tangent-skellam' event has them",
@@ -179,6 +189,8 @@ def _garbled_page(path: Path) -> None:
         "tampered-unit",
         "tampered-unit-number",
         "tampered-sigma-text",
+        "tampered-sampling",
+        "tampered-adjacency",
         "tampered-honest-sites-of-a-gaussian-event",
         "tampered-share-sigma-text",
         "garbled-page",
