@@ -50,6 +50,8 @@ __all__ = [
     "RNG_SECURE",
     "ROUND_NONCE",
     "SECURE_ADVERTISE",
+    "SECURE_CONSISTENCY",
+    "SECURE_ERRORS",
     "SECURE_MASK",
     "SECURE_SHARE",
     "SECURE_STAGES",
@@ -80,10 +82,18 @@ TRAIN = "train"
 SECURE_ADVERTISE = "secure_advertise"
 SECURE_SHARE = "secure_share"
 SECURE_MASK = "secure_mask"
+SECURE_CONSISTENCY = "secure_consistency"
 SECURE_UNMASK = "secure_unmask"
-SECURE_STAGES = (SECURE_ADVERTISE, SECURE_SHARE, SECURE_MASK, SECURE_UNMASK)
+SECURE_STAGES = (
+    SECURE_ADVERTISE,
+    SECURE_SHARE,
+    SECURE_MASK,
+    SECURE_CONSISTENCY,
+    SECURE_UNMASK,
+)
 """The secure round's actions, in order: round keys, Shamir shares, the masked input (the
-charged stage), the shares that unmask the sum (docs/design.md §3.3)."""
+charged stage), the signed participant and survivor sets (the consistency check), the shares
+that unmask the sum (docs/design.md §3.3)."""
 
 
 def message_type(action: str) -> str:
@@ -120,13 +130,35 @@ REFUSAL_REASONS: dict[str, str] = {
     "secure-aggregation-off": "the run asks for secure aggregation; the site's policy is off",
     "secure-aggregation-not-configured": "the run asks for secure aggregation; the deployed site "
     "names no pinned identity keys of its peers (set secure-peers at the site)",
+    "secure-dropouts-not-below-honest-sites": "the site tolerates as many dropouts as the honest "
+    "sites it counts on for this run (secure-max-dropouts >= min-honest-sites): no noise share "
+    "keeps its charge true",
 }
 """Codes a site may put in ``reason`` of a ``refused`` reply, with their fixed meaning."""
+
+SECURE_ERRORS: dict[int, str] = {
+    4010: "secure round refused: the roster or threshold does not meet this site's threshold "
+    "condition; nothing shared",
+    4011: "secure round refused: more of the round's sites are missing than this site tolerates; "
+    "nothing charged or revealed",
+    4012: "secure round refused: the participant or survivor sets disagree with those this site "
+    "was given or its peers signed; nothing revealed",
+    4013: "secure round refused: this round's masks were used already or its secrets are gone; "
+    "never masked twice",
+    4014: "secure round refused: a peer's identity key is not pinned here, or a signature or a "
+    "sealed share does not verify; nothing shared",
+    4015: "secure round refused: a participant's noise share exceeds this site's whole noise; "
+    "nothing charged",
+}
+"""The error codes with which a site stops its part in a secure round (``prism_runtime.
+secure_sum.errors``: each refusal's class carries its code), with their fixed text; the
+details go to the site's own log only."""
 
 SITE_ERROR_CODES: dict[int, str] = {
     4001: "site configuration error (see the site's log)",
     4002: "site data error (see the site's log)",
     4003: "site internal error (see the site's log)",
+    **SECURE_ERRORS,
 }
 """``Error.code`` of a site's error reply and its fixed ``Error.reason`` text."""
 

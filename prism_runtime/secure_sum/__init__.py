@@ -11,42 +11,55 @@ per-round class over bytes and numpy uint64 vectors, with no network:
   pairwise masks that cancel in the sum;
 - ``shamir``: threshold sharing of each site's seed and mask private key (Flower's GF(2^128)
   Shamir, with the threshold, index and length checks it lacks); ``envelope``: the shares'
-  ChaCha20-Poly1305 encryption bound to sender, receiver, run and round;
-- ``site``: ``SiteRound``, a site's secrets and shares for one round, whose ``answer`` never
-  reveals both secrets of one site; ``unmask``: the coordinator's request and the exact sum;
+  ChaCha20-Poly1305 encryption bound to sender, receiver, run, round, threshold and roster;
+- ``site``: ``SiteRound``, a site's secrets and shares for one round, whose ``answer`` reveals
+  shares only for the one view it signed, never both secrets of one site; ``unmask``: the
+  coordinator's request and the exact sum;
+- ``trust``: a site's H and D (``RoundTrust``) and the threshold condition they give;
+  ``views``: the consistency check, each survivor's signature of its participant and survivor
+  sets;
 - ``field``: encoding signed integers, centring the sum, and the bound ``K M < 2^(b-1)`` under
   which the centred sum is exact.
 
-A round (``U1`` sites advertise keys, ``U2`` relay shares, the survivors send masked inputs)::
+A round (``U1`` sites advertise keys, ``U2`` relay shares, the survivors ``U3`` send masked
+inputs and sign their sets)::
 
-    site = SiteRound(site_id=..., round_id=RoundId(run_id, rnd), identity_key=..., bits=32)
+    site = SiteRound(site_id=..., round_id=RoundId(run_id, rnd), identity_key=..., bits=32,
+                     noise_share=mu / (h - d), trust=RoundTrust(h, d))
+    t = least_common_threshold([a.trust for a in roster.values()], len(roster))  # coordinator
     sealed = site.share(roster, registered=identity_keys, threshold=t)   # after all advertised
     site.receive(sealed_for_this_site)
     y = site.mask(encode_signed(x, bits=32, bound=M), participants=u2)
+    signature = site.sign_view(u3, identity_key=...)                      # every survivor
     request = plan_unmask(masked.keys(), participants=u2, threshold=t)    # coordinator
-    answers = [site.answer(request) for site in survivors]
+    answers = [site.answer(request, signatures=signatures, registered=identity_keys)
+               for site in survivors]
     total = centre(unmask_sum(masked, answers, roster=roster, participants=u2, threshold=t,
                               bits=32, round_id=round_id), bits=32)
 
-Threat model: inputs stay private against a coordinator that follows the protocol and against
-two deviations: substituting a site's public keys (the signatures fail) and asking for both
-secrets of one site (an honest site reveals one kind of share per site, so with ``t > n / 2``,
-or ``t > (n + c) / 2`` against c colluding sites, no site's input is exposed). SecAgg's
-consistency round (sites signing the survivor set) is not part of this core. The sum is correct
-when the sites follow the protocol; a wrong share is detected against its owner's commitment,
-not corrected.
+Threat model: inputs stay private against a coordinator that deviates from the protocol (it
+routes every message, may substitute keys, tell each site different participant, survivor or
+dropped sets, re-send requests) and colludes with up to ``n - H`` of the ``n`` roster sites,
+for every site whose threshold condition (``trust``) the round met: no site's input is ever
+isolated from a sum holding fewer than ``H - D`` honest inputs. A site must keep its one-shot
+decisions (``SiteRound.decisions``) durably before each reply leaves. The sum is correct when
+the sites follow the protocol; a wrong share is detected against its owner's commitment, not
+corrected.
 """
 
 from __future__ import annotations
 
 from prism_runtime.secure_sum.envelope import SharePair, open_shares, seal_shares
 from prism_runtime.secure_sum.errors import (
+    ConsistencyError,
     KeyBindingError,
+    MasksUsedError,
+    NoiseShareError,
     SecureSumAbortedError,
     SecureSumError,
     ShareError,
     SumOverflowError,
-    UnmaskRefusedError,
+    ThresholdError,
 )
 from prism_runtime.secure_sum.field import (
     MAX_BITS,
@@ -65,7 +78,8 @@ from prism_runtime.secure_sum.keys import (
 )
 from prism_runtime.secure_sum.masks import expand_mask, mask_input, pairwise_sign
 from prism_runtime.secure_sum.shamir import check_threshold, combine_secret, split_secret
-from prism_runtime.secure_sum.site import SiteRound
+from prism_runtime.secure_sum.site import RoundDecisions, SiteRound
+from prism_runtime.secure_sum.trust import RoundTrust, least_common_threshold
 from prism_runtime.secure_sum.unmask import (
     ShareKind,
     UnmaskRequest,
@@ -73,12 +87,19 @@ from prism_runtime.secure_sum.unmask import (
     plan_unmask,
     unmask_sum,
 )
+from prism_runtime.secure_sum.views import RoundView, confirming_signers, sign_view
 
 __all__ = [
     "MAX_BITS",
     "AdvertisedKeys",
+    "ConsistencyError",
     "KeyBindingError",
+    "MasksUsedError",
+    "NoiseShareError",
+    "RoundDecisions",
     "RoundId",
+    "RoundTrust",
+    "RoundView",
     "SecureSumAbortedError",
     "SecureSumError",
     "ShareError",
@@ -86,15 +107,17 @@ __all__ = [
     "SharePair",
     "SiteRound",
     "SumOverflowError",
-    "UnmaskRefusedError",
+    "ThresholdError",
     "UnmaskRequest",
     "UnmaskResponse",
     "centre",
     "check_sum_fits",
     "check_threshold",
     "combine_secret",
+    "confirming_signers",
     "encode_signed",
     "expand_mask",
+    "least_common_threshold",
     "mask_input",
     "open_shares",
     "pairwise_key",
@@ -103,6 +126,7 @@ __all__ = [
     "seal_shares",
     "seed_commitment",
     "sign_keys",
+    "sign_view",
     "split_secret",
     "sum_fits",
     "unmask_sum",

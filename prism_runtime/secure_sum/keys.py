@@ -14,6 +14,9 @@ SHA-256, the kind of key Flower's SuperNode authentication registers. A receiver
 advertisement against the identity key registered for that site id and refuses the roster
 (``KeyBindingError``, naming the site) when a signature does not verify.
 
+The signature also covers the site's noise share and its H and D (``trust.RoundTrust``), which
+the coordinator reads to pick a threshold every site accepts.
+
 The seed commitment (SHA-256 of the framed 32-byte seed) hides the seed (it is uniformly random)
 and lets the coordinator check that the seed it reconstructs from shares is the one the site
 masked with; the mask public key plays that role for the reconstructed mask private key.
@@ -36,6 +39,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from prism_runtime.errors import ConfigError
 from prism_runtime.secure_sum._encoding import DOMAIN, frame
 from prism_runtime.secure_sum.errors import KeyBindingError
+from prism_runtime.secure_sum.trust import RoundTrust
 
 __all__ = [
     "KEY_BYTES",
@@ -85,8 +89,11 @@ class AdvertisedKeys:
         seed_commitment: ``seed_commitment(seed)`` of the site's self-mask seed (32 bytes).
         signature: DER ECDSA P-256/SHA-256 signature over all of the above, the run id and round.
         noise_share: the Skellam parameter this site needs EVERY honest site to add (its
-            ``mu / H``); signed with the keys, so the coordinator cannot understate it to the
-            other sites (each adds the largest of the round's participants).
+            ``mu / (H - D)``); signed with the keys, so the coordinator cannot understate it to
+            the other sites (each adds the largest of the round's participants).
+        honest_sites: H, the honest sites this site counts on (``trust.RoundTrust``).
+        max_dropouts: D, the most roster sites it tolerates missing: with H, what the
+            coordinator needs to pick a threshold every site accepts.
     """
 
     site_id: str
@@ -94,7 +101,18 @@ class AdvertisedKeys:
     share_public: bytes
     seed_commitment: bytes
     signature: bytes
-    noise_share: float = 0.0
+    noise_share: float
+    honest_sites: int
+    max_dropouts: int
+
+    @property
+    def trust(self) -> RoundTrust:
+        """The H and D this site signed.
+
+        Raises:
+            ConfigError: they are not ints with ``0 <= D < H``.
+        """
+        return RoundTrust(self.honest_sites, self.max_dropouts)
 
 
 def seed_commitment(seed: bytes) -> bytes:
@@ -120,6 +138,7 @@ def _signed_bytes(
     share_public: bytes,
     commitment: bytes,
     noise_share: float,
+    trust: RoundTrust,
 ) -> bytes:
     return frame(
         DOMAIN,
@@ -131,6 +150,8 @@ def _signed_bytes(
         share_public,
         commitment,
         noise_share_bytes(noise_share),
+        trust.honest,
+        trust.dropouts,
     )
 
 
@@ -142,9 +163,11 @@ def sign_keys(
     share_public: bytes,
     commitment: bytes,
     identity_key: ec.EllipticCurvePrivateKey,
-    noise_share: float = 0.0,
+    noise_share: float,
+    trust: RoundTrust,
 ) -> AdvertisedKeys:
-    """Sign a site's round keys with its identity key (ECDSA P-256, SHA-256).
+    """Sign a site's round keys, noise share, H and D with its identity key (ECDSA P-256,
+    SHA-256).
 
     Raises:
         ConfigError: The identity key is not on P-256 or a key is not 32 bytes.
@@ -158,11 +181,18 @@ def sign_keys(
         if len(value) != KEY_BYTES:
             raise ConfigError(f"site {site_id!r}: {name} has {len(value)} bytes, not {KEY_BYTES}")
     message = _signed_bytes(
-        round_id, site_id, mask_public, share_public, commitment, float(noise_share)
+        round_id, site_id, mask_public, share_public, commitment, float(noise_share), trust
     )
     signature = identity_key.sign(message, ec.ECDSA(hashes.SHA256()))
     return AdvertisedKeys(
-        site_id, mask_public, share_public, commitment, signature, float(noise_share)
+        site_id,
+        mask_public,
+        share_public,
+        commitment,
+        signature,
+        float(noise_share),
+        trust.honest,
+        trust.dropouts,
     )
 
 
@@ -201,6 +231,13 @@ def verify_keys(
             f"site {site!r} advertised keys of {lengths} bytes and a commitment of "
             f"{len(advertised.seed_commitment)} bytes, not 32 each: refuse this roster"
         )
+    try:
+        trust = advertised.trust
+    except ConfigError:
+        raise KeyBindingError(
+            f"site {site!r} advertised H = {advertised.honest_sites} and D = "
+            f"{advertised.max_dropouts}, not 0 <= D < H: refuse this roster"
+        ) from None
     message = _signed_bytes(
         round_id,
         site,
@@ -208,6 +245,7 @@ def verify_keys(
         advertised.share_public,
         advertised.seed_commitment,
         advertised.noise_share,
+        trust,
     )
     try:
         public.verify(advertised.signature, message, ec.ECDSA(hashes.SHA256()))

@@ -1,6 +1,6 @@
 """The wire format of a secure-sum round: one codec for the coordinator and the sites.
 
-A round has four exchanges (docs/design.md §3.3), each a request from the coordinator and a
+A round has five exchanges (docs/design.md §3.3), each a request from the coordinator and a
 reply from each site; every message is a ``RecordDict`` with one ``ConfigRecord`` (``wire``)
 whose envelope names the stage, the round and the site (the addressee of a request, the sender
 of a reply). Each message is declared once below as a ``wire.Message``: its payload fields in
@@ -68,12 +68,16 @@ __all__ = [
     "SIGNATURE_MAX_BYTES",
     "SIGNATURE_MIN_BYTES",
     "AdvertiseRequest",
+    "ConsistencyRequest",
     "MaskRequest",
     "MessageFormatError",
     "ShareRequest",
+    "SignedUnmaskRequest",
     "Stage",
     "decode_advertise_reply",
     "decode_advertise_request",
+    "decode_consistency_reply",
+    "decode_consistency_request",
     "decode_mask_reply",
     "decode_mask_request",
     "decode_share_reply",
@@ -82,6 +86,8 @@ __all__ = [
     "decode_unmask_request",
     "encode_advertise_reply",
     "encode_advertise_request",
+    "encode_consistency_reply",
+    "encode_consistency_request",
     "encode_mask_reply",
     "encode_mask_request",
     "encode_share_reply",
@@ -123,6 +129,23 @@ class MaskRequest:
     participants: frozenset[str]
 
 
+@dataclass(frozen=True)
+class ConsistencyRequest:
+    """The survivors ``U3`` (the participants whose masked inputs arrived) for the addressee to
+    sign with its participants (``views``)."""
+
+    survivors: frozenset[str]
+
+
+@dataclass(frozen=True)
+class SignedUnmaskRequest:
+    """The unmasking request and the survivors' signatures of their sets, keyed by signer
+    (forwarded as they came: the sites verify them)."""
+
+    request: UnmaskRequest
+    signatures: Mapping[str, bytes]
+
+
 # field types ----------------------------------------------------------------------------------
 
 
@@ -141,6 +164,28 @@ class _NoiseShare(Bytes):
 
     def dump(self, value: Any) -> bytes:
         return noise_share_bytes(value)
+
+
+@dataclass(frozen=True)
+class _SiteCount(Bytes):
+    """A count of sites (a site's H or D): 4 bytes big-endian, in ``[least, MAX_SITES]``."""
+
+    low: int = 4
+    high: int = 4
+    least: int = 0
+
+    def load(self, read: MessageReader, key: str, raw: bytes) -> int:
+        count = int.from_bytes(raw, "big")
+        if not self.least <= count <= MAX_SITES:
+            raise read.fail(key, f"holds a count outside [{self.least}, {MAX_SITES}]")
+        return count
+
+    def dump(self, value: Any) -> bytes:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32:
+            raise MessageFormatError(
+                f"refusing to send a malformed message: a site count of {type(value).__name__}"
+            )
+        return value.to_bytes(4, "big")
 
 
 @dataclass(frozen=True)
@@ -184,6 +229,8 @@ _KEYS = (
     ("seed-commitment", _KEY),
     ("signature", Signature()),
     ("noise-share", _NoiseShare()),
+    ("honest-sites", _SiteCount(least=1)),
+    ("max-dropouts", _SiteCount()),
 )
 """The fields of ``AdvertisedKeys`` besides its site id, in wire order."""
 
@@ -209,6 +256,13 @@ def _survivors_and_dropped_are_disjoint(read: MessageReader, got: Mapping[str, A
         raise read.fail("dropped", f"also names survivors {both[:5]} ({len(both)} in all)")
 
 
+def _signers_are_survivors(read: MessageReader, got: Mapping[str, Any]) -> None:
+    _survivors_and_dropped_are_disjoint(read, got)
+    strangers = sorted(set(got["signatures"]) - got["survivors"])
+    if strangers:
+        raise read.fail("signers", f"names {len(strangers)} sites that are not survivors")
+
+
 def _sender_is_a_survivor(read: MessageReader, got: Mapping[str, Any]) -> None:
     if got["site_id"] not in got["request"].survivors:
         raise read.fail("site-id", f"names {got['site_id']!r}, which is not a survivor")
@@ -219,7 +273,7 @@ def _other_roster_sites(got: Mapping[str, Any]) -> Collection[str] | None:
     return set(roster) - {site_id} if site_id in roster else None
 
 
-# the eight messages ---------------------------------------------------------------------------
+# the ten messages ----------------------------------------------------------------------------
 
 _ADVERTISE_REQUEST = Message(
     Stage.ADVERTISE_REQUEST,
@@ -277,11 +331,27 @@ _MASK_REQUEST = Message(
 _MASK_REPLY: Message[FieldVector] = Message(
     Stage.MASK_REPLY, (_MaskedVector(),), make=lambda masked: masked
 )
+_CONSISTENCY_REQUEST = Message(
+    Stage.CONSISTENCY_REQUEST,
+    (Sites("survivors", addressee=True),),
+    make=ConsistencyRequest,
+)
+_CONSISTENCY_REPLY: Message[bytes] = Message(
+    Stage.CONSISTENCY_REPLY,
+    (One("signature", Signature()),),
+    make=lambda signature: signature,
+)
 _UNMASK_REQUEST = Message(
     Stage.UNMASK_REQUEST,
-    (Sites("survivors", addressee=True), Sites("dropped")),
-    make=UnmaskRequest,
-    check=_survivors_and_dropped_are_disjoint,
+    (
+        Sites("survivors", addressee=True),
+        Sites("dropped"),
+        Table("signatures", "signers", (("signatures", Signature()),)),
+    ),
+    make=lambda survivors, dropped, signatures: SignedUnmaskRequest(
+        UnmaskRequest(survivors, dropped), signatures
+    ),
+    check=_signers_are_survivors,
 )
 _UNMASK_REPLY = Message(
     Stage.UNMASK_REPLY,
@@ -418,13 +488,48 @@ def decode_mask_reply(
     return _MASK_REPLY.decode(content, round_id=round_id, site_id=site_id, length=length, bits=bits)
 
 
-def encode_unmask_request(request: UnmaskRequest, *, round_id: RoundId, site_id: str) -> RecordDict:
-    """The coordinator's unmasking request (``plan_unmask``'s result), sent to ``site_id``."""
-    return _UNMASK_REQUEST.encode(vars(request), round_id=round_id, site_id=site_id)
+def encode_consistency_request(
+    request: ConsistencyRequest, *, round_id: RoundId, site_id: str
+) -> RecordDict:
+    """The survivors sent to ``site_id`` (a survivor itself) to sign with its participants."""
+    return _CONSISTENCY_REQUEST.encode(vars(request), round_id=round_id, site_id=site_id)
 
 
-def decode_unmask_request(content: RecordDict, *, round_id: RoundId, site_id: str) -> UnmaskRequest:
-    """The survivors (this site among them) and the dropped: disjoint, ``MAX_SITES`` in all."""
+def decode_consistency_request(
+    content: RecordDict, *, round_id: RoundId, site_id: str
+) -> ConsistencyRequest:
+    """The survivors, this site among them, at most ``MAX_SITES``."""
+    return _CONSISTENCY_REQUEST.decode(content, round_id=round_id, site_id=site_id)
+
+
+def encode_consistency_reply(signature: bytes, *, round_id: RoundId, site_id: str) -> RecordDict:
+    """``site_id``'s signature of its participant and survivor sets (``SiteRound.sign_view``)."""
+    return _CONSISTENCY_REPLY.encode({"signature": signature}, round_id=round_id, site_id=site_id)
+
+
+def decode_consistency_reply(content: RecordDict, *, round_id: RoundId, site_id: str) -> bytes:
+    """``site_id``'s signature: a well-formed DER ECDSA P-256 signature (the sites verify it)."""
+    return _CONSISTENCY_REPLY.decode(content, round_id=round_id, site_id=site_id)
+
+
+def encode_unmask_request(
+    request: SignedUnmaskRequest, *, round_id: RoundId, site_id: str
+) -> RecordDict:
+    """The coordinator's unmasking request (``plan_unmask``'s result) with the survivors'
+    signatures, sent to ``site_id``."""
+    values = {
+        "survivors": request.request.survivors,
+        "dropped": request.request.dropped,
+        "signatures": request.signatures,
+    }
+    return _UNMASK_REQUEST.encode(values, round_id=round_id, site_id=site_id)
+
+
+def decode_unmask_request(
+    content: RecordDict, *, round_id: RoundId, site_id: str
+) -> SignedUnmaskRequest:
+    """The survivors (this site among them) and the dropped: disjoint, ``MAX_SITES`` in all;
+    and at most one well-formed signature per survivor."""
     return _UNMASK_REQUEST.decode(content, round_id=round_id, site_id=site_id)
 
 

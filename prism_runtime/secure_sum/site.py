@@ -1,42 +1,53 @@
 """A site's part in one round of the secure sum: its secrets, the shares it holds, its answers.
 
 ``SiteRound`` holds everything a site must keep for one round and nothing longer: two fresh
-X25519 key pairs and a fresh 32-byte self-mask seed (``secrets``). In order, a site
+X25519 key pairs and a fresh 32-byte self-mask seed (``secrets``), and the site's H and D
+(``trust.RoundTrust``). In order, a site
 
-1. publishes ``advertised`` (its public keys and seed commitment, signed with its identity key);
-2. ``share``: verifies every advertisement of the roster against the registered identity keys
-   (``KeyBindingError`` names a substituted site), splits its seed and mask private key with
-   threshold t among the roster and seals each receiver's two shares (``envelope``);
+1. publishes ``advertised`` (its public keys, seed commitment, noise share, H and D, signed with
+   its identity key);
+2. ``share``: refuses a roster or threshold that does not meet its threshold condition
+   (``ThresholdError``), verifies every advertisement of the roster against the registered
+   identity keys (``KeyBindingError`` names a substituted site), splits its seed and mask
+   private key with threshold t among the roster and seals each receiver's two shares for that
+   t and roster (``envelope``);
 3. ``receive``: opens the shares the other sites sealed for it (``ShareError`` if one fails);
-4. ``mask``: masks its one input of the round with its self mask and a pairwise mask per
-   participant;
-5. ``answer``: reveals, for an unmasking request, the seed shares of the survivors and the
-   mask-key shares of the dropped.
+4. ``mask``: masks its ONE input of the round with its self mask and a pairwise mask per
+   participant, refusing more than D missing roster sites;
+5. ``sign_view``: signs the participant and survivor sets it was given (``views``), once;
+6. ``answer``: reveals, for an unmasking request of exactly its signed sets confirmed by t valid
+   signatures of survivors, the seed shares of the survivors and the mask-key shares of the
+   dropped.
 
-The rule that keeps a masked input private is enforced in ``answer``: a site never reveals
-both the seed share and the mask-key share of the same site, neither in one request (refused
-when a site is both survivor and dropped) nor across requests (it remembers which kind it
-revealed for each site and refuses the other). It also answers nothing when fewer than t
-survivors are named, since that round must abort.
+The rules that keep a masked input private are enforced here: a site never masks twice, never
+signs two views, and reveals shares only for the one view it signed (so never both the seed
+share and the mask-key share of one site), confirmed by t signatures of survivors.
+What it decided once (``decisions``) is the site's to keep durably before each reply leaves;
+``recall`` restores it into a ``SiteRound`` whose in-memory state is older.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
+from prism_runtime.secure_sum._encoding import DOMAIN, frame
 from prism_runtime.secure_sum.envelope import SharePair, open_shares, seal_shares
 from prism_runtime.secure_sum.errors import (
+    ConsistencyError,
     KeyBindingError,
+    MasksUsedError,
+    NoiseShareError,
     SecureSumAbortedError,
     SecureSumError,
     ShareError,
-    UnmaskRefusedError,
 )
 from prism_runtime.secure_sum.field import FieldVector, check_bits
 from prism_runtime.secure_sum.keys import (
@@ -52,9 +63,63 @@ from prism_runtime.secure_sum.keys import (
 )
 from prism_runtime.secure_sum.masks import mask_input
 from prism_runtime.secure_sum.shamir import check_threshold, split_secret
-from prism_runtime.secure_sum.unmask import ShareKind, UnmaskRequest, UnmaskResponse
+from prism_runtime.secure_sum.trust import RoundTrust
+from prism_runtime.secure_sum.unmask import UnmaskRequest, UnmaskResponse
+from prism_runtime.secure_sum.views import RoundView, confirming_signers, sign_view
 
-__all__ = ["SiteRound"]
+__all__ = ["NOISE_SHARE_SLACK", "RoundDecisions", "SiteRound"]
+
+NOISE_SHARE_SLACK = 1e-9
+"""Relative slack on the largest noise share a site accepts (its whole noise ``mu``): the float
+rounding of ``(mu / (H - D)) (H - D)``, far below any share a site could need more."""
+
+
+@dataclass(frozen=True)
+class RoundDecisions:
+    """What a site decided once in a round, for its durable record (``SiteRound.decisions``).
+
+    Attributes:
+        masks: the identity of the round's masks (``SiteRound.masks_id``).
+        threshold: the threshold it split its secrets with; None: not shared yet.
+        participants: the participants it masked its input with; None: not masked yet.
+        survivors: the survivor set it signed (and the only one it reveals shares for);
+            None: none signed yet.
+    """
+
+    masks: str
+    threshold: int | None
+    participants: frozenset[str] | None
+    survivors: frozenset[str] | None
+
+    def to_json(self) -> dict[str, Any]:
+        """The decisions as JSON values (``from_json`` reads them back)."""
+        return {
+            "masks": self.masks,
+            "threshold": self.threshold,
+            "participants": None if self.participants is None else sorted(self.participants),
+            "survivors": None if self.survivors is None else sorted(self.survivors),
+        }
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any]) -> RoundDecisions:
+        """The decisions ``to_json`` wrote.
+
+        Raises:
+            SecureSumError: ``value`` is not such a record.
+        """
+        try:
+            participants, survivors = value["participants"], value["survivors"]
+            threshold = value["threshold"]
+            if threshold is not None and (isinstance(threshold, bool) or threshold < 1):
+                raise ValueError("threshold")
+            return cls(
+                masks=str(value["masks"]),
+                threshold=None if threshold is None else int(threshold),
+                participants=None if participants is None else frozenset(map(str, participants)),
+                survivors=None if survivors is None else frozenset(map(str, survivors)),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise SecureSumError(f"not a secure-sum decision record ({exc})") from None
 
 
 class SiteRound:
@@ -67,12 +132,14 @@ class SiteRound:
         round_id: RoundId,
         identity_key: ec.EllipticCurvePrivateKey,
         bits: int,
-        noise_share: float = 0.0,
+        noise_share: float,
+        trust: RoundTrust,
     ) -> None:
         check_bits(bits)
         self.site_id = site_id
         self.round_id = round_id
         self.bits = bits
+        self.trust = trust
         self._mask_key = X25519PrivateKey.generate()
         self._share_key = X25519PrivateKey.generate()
         self._seed = secrets.token_bytes(KEY_BYTES)
@@ -84,17 +151,28 @@ class SiteRound:
             commitment=seed_commitment(self._seed),
             identity_key=identity_key,
             noise_share=noise_share,
+            trust=trust,
         )
         self._roster: dict[str, AdvertisedKeys] = {}
         self._threshold = 0
         self._held: dict[str, SharePair] = {}
         self._participants: frozenset[str] = frozenset()
-        self._revealed: dict[str, ShareKind] = {}
+        self._survivors: frozenset[str] | None = None
 
     @property
     def advertised(self) -> AdvertisedKeys:
         """This site's signed public keys and seed commitment for the round, to publish."""
         return self._advertised
+
+    @property
+    def masks_id(self) -> str:
+        """The identity of this round's masks: SHA-256 (hex) of the framed mask public key,
+        share public key and seed commitment, fresh in every ``SiteRound``."""
+        a = self._advertised
+        digest = hashlib.sha256(
+            frame(DOMAIN, "masks", a.mask_public, a.share_public, a.seed_commitment)
+        )
+        return digest.hexdigest()
 
     def share(
         self,
@@ -103,24 +181,26 @@ class SiteRound:
         registered: Mapping[str, ec.EllipticCurvePublicKey],
         threshold: int,
     ) -> dict[str, bytes]:
-        """Verify the roster, split this site's secrets among it and seal each receiver's shares.
+        """Check the threshold, verify the roster, split this site's secrets among it and seal
+        each receiver's shares.
 
         Args:
             roster: The advertised keys of every site of the round (``U1``), this one included,
                 keyed by site id, as relayed by the coordinator.
             registered: The identity public key of each registered site id.
-            threshold: t, with ``len(roster) / 2 < t <= len(roster)``.
+            threshold: t; this site's threshold condition must accept it for ``len(roster)``.
 
         Returns:
             The sealed shares for each other site of the roster, keyed by receiver.
 
         Raises:
+            ThresholdError: The roster is smaller than H or t fails the threshold condition.
             KeyBindingError: An advertisement does not verify (names the site), or the roster
                 does not carry this site's own keys unchanged.
-            SecureSumAbortedError: The roster has fewer than ``threshold`` sites.
         """
         if self._roster:
             raise SecureSumError(f"site {self.site_id!r} already shared its secrets this round")
+        self.trust.check_threshold(threshold, len(roster))
         if roster.get(self.site_id) != self._advertised:
             raise KeyBindingError(
                 f"the roster does not carry the keys site {self.site_id!r} advertised: they were "
@@ -132,11 +212,6 @@ class SiteRound:
                     f"the roster lists the keys of site {advertised.site_id!r} under {site!r}"
                 )
             verify_keys(advertised, round_id=self.round_id, registered=registered)
-        if len(roster) < threshold:
-            raise SecureSumAbortedError(
-                f"secure sum aborted: {len(roster)} sites advertised keys and the threshold "
-                f"needs {threshold}; nothing was shared"
-            )
         check_threshold(threshold, len(roster))
         holders = sorted(roster)
         seeds = split_secret(self._seed, threshold=threshold, holders=holders)
@@ -151,7 +226,13 @@ class SiteRound:
                 continue
             key = self._pairwise(roster[peer], SHARE_PURPOSE)
             sealed[peer] = seal_shares(
-                key, pair, sender=self.site_id, receiver=peer, round_id=self.round_id
+                key,
+                pair,
+                sender=self.site_id,
+                receiver=peer,
+                round_id=self.round_id,
+                threshold=threshold,
+                roster=holders,
             )
         self._roster = dict(roster)
         self._threshold = threshold
@@ -161,7 +242,8 @@ class SiteRound:
         """Open and keep the shares each sender sealed for this site (all, or none on an error).
 
         Raises:
-            ShareError: A ciphertext fails authentication or comes from a site not in the roster.
+            ShareError: A ciphertext fails authentication (also when its sender was told
+                another threshold or roster) or comes from a site not in the roster.
         """
         if not self._roster:
             raise SecureSumError(f"site {self.site_id!r} must share before it receives shares")
@@ -171,7 +253,13 @@ class SiteRound:
                 raise ShareError(f"shares arrived from {sender!r}, not another site of the roster")
             key = self._pairwise(self._roster[sender], SHARE_PURPOSE)
             opened[sender] = open_shares(
-                key, sealed[sender], sender=sender, receiver=self.site_id, round_id=self.round_id
+                key,
+                sealed[sender],
+                sender=sender,
+                receiver=self.site_id,
+                round_id=self.round_id,
+                threshold=self._threshold,
+                roster=sorted(self._roster),
             )
         self._held.update(opened)
 
@@ -180,22 +268,25 @@ class SiteRound:
         check them before it spends anything on the input (``mask`` calls it again).
 
         Raises:
-            SecureSumAbortedError: Fewer than t participants.
-            SecureSumError: A participant is unknown or its shares did not arrive here, or this
-                site already masked an input this round.
+            MasksUsedError: This site already masked an input this round.
+            ConsistencyError: A participant's shares did not arrive here, or this site is not
+                listed itself.
+            SecureSumAbortedError: Fewer than t participants, or more than D roster sites
+                missing from them.
         """
         if self._participants:
-            raise SecureSumError(
+            raise MasksUsedError(
                 f"site {self.site_id!r} already masked its input this round: it masks one input "
-                "once (two masked inputs would reveal their difference); resend the first"
+                "once (two masked inputs would reveal their difference)"
             )
         everyone = frozenset(participants)
         missing = sorted(everyone - set(self._held))
         if self.site_id not in everyone or missing:
-            raise SecureSumError(
+            raise ConsistencyError(
                 f"site {self.site_id!r} cannot mask with participants {sorted(everyone)}: it holds "
                 f"no shares from {missing} (or is not listed itself); abort the round"
             )
+        self.trust.check_present(len(everyone), len(self._roster), "participants")
         if len(everyone) < self._threshold:
             raise SecureSumAbortedError(
                 f"secure sum aborted: {len(everyone)} participants and the threshold needs "
@@ -212,9 +303,7 @@ class SiteRound:
                 site must hold a share from each.
 
         Raises:
-            SecureSumAbortedError: Fewer than t participants.
-            SecureSumError: A participant is unknown or its shares did not arrive here, or this
-                site already masked an input this round.
+            The errors of ``check_participants``.
         """
         everyone = self.check_participants(participants)
         keys = {
@@ -230,61 +319,146 @@ class SiteRound:
     def noise_share(self, participants: Collection[str]) -> float:
         """The largest noise share the ``participants`` advertised (signed, verified in
         ``share``): what this site adds, so that every participant's own share is covered by
-        each honest site whatever the others' sizes."""
-        if not self._roster:
-            raise SecureSumError(f"site {self.site_id!r} has no verified roster this round")
-        return max(self._roster[p].noise_share for p in participants)
-
-    def answer(self, request: UnmaskRequest) -> UnmaskResponse:
-        """The shares ``request`` asks for, unless answering would reveal both secrets of a site.
+        each honest site whatever the others' sizes.
 
         Raises:
-            UnmaskRefusedError: A site is named both survivor and dropped, a site is asked for the
-                other kind of share than this site already revealed for it, a site is not a
-                participant, or this site has not masked its input this round. Nothing is
-                revealed.
-            SecureSumAbortedError: Fewer than t survivors; nothing is revealed.
+            NoiseShareError: A participant signed more than this site's whole noise
+                (``mu = (H - D)`` times its own share, with ``NOISE_SHARE_SLACK``): no policy of
+                this site could need it, and every honest site adding it would drown the round.
+        """
+        if not self._roster:
+            raise SecureSumError(f"site {self.site_id!r} has no verified roster this round")
+        largest = max(self._roster[p].noise_share for p in participants)
+        own = self._advertised.noise_share * self.trust.share_divisor
+        if largest > own * (1 + NOISE_SHARE_SLACK):
+            raise NoiseShareError(
+                f"a participant signed a noise share of {largest:.6g}, more than this site's "
+                f"whole noise {own:.6g}: refused before anything is charged"
+            )
+        return largest
+
+    def sign_view(
+        self, survivors: Collection[str], *, identity_key: ec.EllipticCurvePrivateKey
+    ) -> bytes:
+        """This site's signature of its participants and ``survivors`` (``views.sign_view``).
+
+        A site signs one view per round (the same sets may be signed again).
+
+        Raises:
+            MasksUsedError: This site has not masked its input this round.
+            ConsistencyError: It signed other survivors already, ``survivors`` are not all
+                participants, or this site is not among them.
+            SecureSumAbortedError: Fewer than t survivors, or more than D roster sites missing.
         """
         if not self._participants:
-            raise UnmaskRefusedError(
-                f"site {self.site_id!r} has not sent a masked input this round: it answers no "
+            raise MasksUsedError(
+                f"site {self.site_id!r} has not masked an input this round: nothing to confirm"
+            )
+        named = frozenset(survivors)
+        if self._survivors is not None and self._survivors != named:
+            raise ConsistencyError(
+                f"site {self.site_id!r} signed another survivor set this round: it signs one "
+                "view per round; nothing further signed or revealed"
+            )
+        strangers = sorted(named - self._participants)
+        if strangers or self.site_id not in named:
+            raise ConsistencyError(
+                f"survivors {strangers} are not participants of site {self.site_id!r}, or it is "
+                "not named a survivor itself: nothing signed"
+            )
+        self.trust.check_present(len(named), len(self._roster), "survivors")
+        if len(named) < self._threshold:
+            raise SecureSumAbortedError(
+                f"secure sum aborted: {len(named)} survivors and the threshold needs "
+                f"{self._threshold}; nothing signed"
+            )
+        self._survivors = named
+        view = RoundView(self._participants, named)
+        return sign_view(
+            view, round_id=self.round_id, site_id=self.site_id, identity_key=identity_key
+        )
+
+    def answer(
+        self,
+        request: UnmaskRequest,
+        *,
+        signatures: Mapping[str, bytes],
+        registered: Mapping[str, ec.EllipticCurvePublicKey],
+    ) -> UnmaskResponse:
+        """The shares ``request`` asks for, if it names exactly the view this site signed and
+        ``signatures`` hold at least t valid signatures of that view (``views``).
+
+        As the site signs one view per round, it reveals one kind of share of each site (the
+        seed's of a survivor, the mask key's of a dropped participant) whatever it is asked.
+
+        Raises:
+            ConsistencyError: This site signed no view, or the request names other survivors
+                or dropped sites than it signed, or fewer than t signatures verify on its view.
+                Nothing is revealed.
+        """
+        if self._survivors is None:
+            raise ConsistencyError(
+                f"site {self.site_id!r} signed no survivor set this round: it answers no "
                 "unmasking request"
             )
-        both = sorted(request.survivors & request.dropped)
-        if both:
-            raise UnmaskRefusedError(
-                f"site {self.site_id!r} refuses to reveal both the seed share and the mask-key "
-                f"share of {both}: a site is either a survivor or dropped, never both"
+        view = RoundView(self._participants, self._survivors)
+        if request.survivors != view.survivors or request.dropped != view.dropped:
+            raise ConsistencyError(
+                f"the unmasking request names {len(request.survivors)} survivors and "
+                f"{len(request.dropped)} dropped, not the {len(view.survivors)} and "
+                f"{len(view.dropped)} site {self.site_id!r} signed: nothing revealed"
             )
-        unknown = sorted((request.survivors | request.dropped) - self._participants)
-        if unknown:
-            raise UnmaskRefusedError(
-                f"site {self.site_id!r} refuses an unmasking request naming {unknown}, which are "
-                "not participants of this round"
-            )
-        flipped = sorted(
-            [u for u in request.survivors if self._revealed.get(u) is ShareKind.MASK_KEY]
-            + [d for d in request.dropped if self._revealed.get(d) is ShareKind.SEED]
+        confirming_signers(
+            view,
+            signatures,
+            round_id=self.round_id,
+            registered=registered,
+            threshold=self._threshold,
         )
-        if flipped:
-            raise UnmaskRefusedError(
-                f"site {self.site_id!r} already revealed the other kind of share of {flipped}: "
-                "it never reveals both secrets of one site"
-            )
-        if len(request.survivors) < self._threshold:
-            raise SecureSumAbortedError(
-                f"secure sum aborted: {len(request.survivors)} survivors named and the threshold "
-                f"needs {self._threshold}; nothing was revealed"
-            )
-        for survivor in request.survivors:
-            self._revealed[survivor] = ShareKind.SEED
-        for dropped in request.dropped:
-            self._revealed[dropped] = ShareKind.MASK_KEY
         return UnmaskResponse(
             site_id=self.site_id,
-            seed_shares={u: self._held[u].seed for u in sorted(request.survivors)},
-            key_shares={d: self._held[d].mask_key for d in sorted(request.dropped)},
+            seed_shares={u: self._held[u].seed for u in sorted(view.survivors)},
+            key_shares={d: self._held[d].mask_key for d in sorted(view.dropped)},
         )
+
+    # -- what the site decided once ---------------------------------------------------------
+
+    def decisions(self) -> RoundDecisions:
+        """What this site decided once this round (the threshold it shared with, its masked
+        participants, its signed survivors), for its durable record."""
+        return RoundDecisions(
+            masks=self.masks_id,
+            threshold=self._threshold or None,
+            participants=self._participants or None,
+            survivors=self._survivors,
+        )
+
+    def recall(self, decisions: RoundDecisions) -> None:
+        """Take ``decisions`` (this round's durable record) into this object, whose in-memory
+        state may be older: what was decided once stays decided.
+
+        Raises:
+            MasksUsedError: ``decisions`` belong to other masks (this object is stale).
+            ConsistencyError: They contradict what this object decided.
+        """
+        if decisions.masks != self.masks_id:
+            raise MasksUsedError(
+                f"site {self.site_id!r}: the round state kept in memory is not the one of its "
+                "durable record (stale or replaced): it cannot take part any more this round"
+            )
+        if decisions.threshold is not None and self._threshold != decisions.threshold:
+            raise MasksUsedError(
+                f"site {self.site_id!r} shared its secrets this round already; the round state "
+                "kept in memory is older than its durable record: it cannot take part any more"
+            )
+        if decisions.participants is not None:
+            if self._participants and self._participants != decisions.participants:
+                raise ConsistencyError("the durable record names other participants")
+            self._participants = decisions.participants
+        if decisions.survivors is not None:
+            if self._survivors is not None and self._survivors != decisions.survivors:
+                raise ConsistencyError("the durable record names another signed survivor set")
+            self._survivors = decisions.survivors
 
     # -- the round's state between messages --------------------------------------------------
 
@@ -292,15 +466,23 @@ class SiteRound:
         """Everything this object holds (its SECRETS included), for the site's own keeping
         between the messages of one round (``from_bytes``); never to be sent anywhere."""
 
-        def keys(a: AdvertisedKeys) -> list[str]:
+        def keys(a: AdvertisedKeys) -> list[Any]:
             fields = (a.mask_public, a.share_public, a.seed_commitment, a.signature)
-            return [a.site_id, *(f.hex() for f in fields), float(a.noise_share).hex()]
+            return [
+                a.site_id,
+                *(f.hex() for f in fields),
+                float(a.noise_share).hex(),
+                a.honest_sites,
+                a.max_dropouts,
+            ]
 
         state: dict[str, Any] = {
             "site": self.site_id,
             "run": self.round_id.run_id,
             "round": self.round_id.server_round,
             "bits": self.bits,
+            "honest": self.trust.honest,
+            "dropouts": self.trust.dropouts,
             "mask-key": self._mask_key.private_bytes_raw().hex(),
             "share-key": self._share_key.private_bytes_raw().hex(),
             "seed": self._seed.hex(),
@@ -309,7 +491,7 @@ class SiteRound:
             "threshold": self._threshold,
             "held": {s: [p.seed.hex(), p.mask_key.hex()] for s, p in self._held.items()},
             "participants": sorted(self._participants),
-            "revealed": {s: str(k) for s, k in self._revealed.items()},
+            "survivors": None if self._survivors is None else sorted(self._survivors),
         }
         return json.dumps(state, sort_keys=True).encode()
 
@@ -323,16 +505,19 @@ class SiteRound:
         try:
             state = json.loads(data)
 
-            def keys(v: list[str]) -> AdvertisedKeys:
+            def keys(v: list[Any]) -> AdvertisedKeys:
                 mask, share, commitment, signature = (bytes.fromhex(x) for x in v[1:5])
                 noise = float.fromhex(v[5])
-                return AdvertisedKeys(v[0], mask, share, commitment, signature, noise)
+                return AdvertisedKeys(
+                    v[0], mask, share, commitment, signature, noise, int(v[6]), int(v[7])
+                )
 
             self = cls.__new__(cls)
             self.site_id = str(state["site"])
             self.round_id = RoundId(str(state["run"]), int(state["round"]))
             self.bits = int(state["bits"])
             check_bits(self.bits)
+            self.trust = RoundTrust(int(state["honest"]), int(state["dropouts"]))
             self._mask_key = X25519PrivateKey.from_private_bytes(bytes.fromhex(state["mask-key"]))
             self._share_key = X25519PrivateKey.from_private_bytes(bytes.fromhex(state["share-key"]))
             self._seed = bytes.fromhex(state["seed"])
@@ -344,7 +529,8 @@ class SiteRound:
                 for s, v in state["held"].items()
             }
             self._participants = frozenset(str(s) for s in state["participants"])
-            self._revealed = {str(s): ShareKind(k) for s, k in state["revealed"].items()}
+            survivors = state["survivors"]
+            self._survivors = None if survivors is None else frozenset(map(str, survivors))
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise SecureSumError(f"not a stored secure-sum round state ({exc})") from None
         return self

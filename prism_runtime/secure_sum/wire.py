@@ -100,7 +100,7 @@ class MessageFormatError(SecureSumError):
 
 
 class Stage(StrEnum):
-    """The eight messages of a secure-sum round: a request and a reply per exchange."""
+    """The ten messages of a secure-sum round: a request and a reply per exchange."""
 
     ADVERTISE_REQUEST = "advertise-request"
     ADVERTISE_REPLY = "advertise-reply"
@@ -108,6 +108,8 @@ class Stage(StrEnum):
     SHARE_REPLY = "share-reply"
     MASK_REQUEST = "mask-request"
     MASK_REPLY = "mask-reply"
+    CONSISTENCY_REQUEST = "consistency-request"
+    CONSISTENCY_REPLY = "consistency-reply"
     UNMASK_REQUEST = "unmask-request"
     UNMASK_REPLY = "unmask-reply"
 

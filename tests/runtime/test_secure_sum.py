@@ -2,7 +2,8 @@
 
 A round runs every step of the protocol: K sites advertise signed keys, verify the roster, seal
 and exchange their Shamir shares, mask their inputs; the coordinator plans the unmasking, the
-survivors answer and ``unmask_sum`` returns the sum. Sums are compared exactly (integers, no
+survivors sign their sets, answer with the signatures forwarded, and ``unmask_sum`` returns the
+sum. Sums are compared exactly (integers, no
 tolerance). The uniformity test is a chi-square test with significance 1e-6 whose power against
 a 1%-unmasked input is computed (non-central chi-square) and asserted.
 """
@@ -22,14 +23,19 @@ from scipy import stats
 
 from prism_runtime.secure_sum import (
     AdvertisedKeys,
+    ConsistencyError,
     KeyBindingError,
+    MasksUsedError,
+    NoiseShareError,
+    RoundDecisions,
     RoundId,
+    RoundTrust,
+    RoundView,
     SecureSumAbortedError,
-    SecureSumError,
     ShareError,
     SiteRound,
     SumOverflowError,
-    UnmaskRefusedError,
+    ThresholdError,
     UnmaskRequest,
     UnmaskResponse,
     centre,
@@ -38,6 +44,7 @@ from prism_runtime.secure_sum import (
     mask_input,
     plan_unmask,
     sign_keys,
+    sign_view,
     sum_fits,
     unmask_sum,
 )
@@ -58,14 +65,25 @@ class Round:
     bits: int
 
 
+def trust_for(k: int, threshold: int) -> RoundTrust:
+    """H = K (every site honest) and the D that makes ``threshold`` the least t for K sites."""
+    return RoundTrust(k, k - threshold)
+
+
 def start_round(k: int, *, threshold: int, bits: int, server_round: int = 1) -> Round:
-    """K sites ``s0 .. s{K-1}`` with registered P-256 identities, each advertising its keys."""
+    """K sites ``s0 .. s{K-1}`` with registered P-256 identities, each advertising its keys;
+    each counts on all K being honest and tolerates ``K - threshold`` missing."""
     round_id = RoundId("run-1", server_round)
     ids = [f"s{i}" for i in range(k)]
     identities = {s: ec.generate_private_key(ec.SECP256R1()) for s in ids}
     sites = {
         s: SiteRound(
-            site_id=s, round_id=round_id, identity_key=identities[s], bits=bits, noise_share=12.5
+            site_id=s,
+            round_id=round_id,
+            identity_key=identities[s],
+            bits=bits,
+            noise_share=12.5,
+            trust=trust_for(k, threshold),
         )
         for s in ids
     }
@@ -102,10 +120,12 @@ def finish_round(
     masked_from: Collection[str],
     answering: Collection[str],
 ) -> Vector:
-    """Sites in ``masked_from`` send masked inputs; those in ``answering`` answer; the sum."""
+    """Sites in ``masked_from`` send masked inputs and sign their sets; those in ``answering``
+    answer with the signatures forwarded; the sum."""
     masked = {s: rnd.sites[s].mask(inputs[s], participants=participants) for s in masked_from}
     request = plan_unmask(masked, participants=participants, threshold=rnd.threshold)
-    answers = [rnd.sites[s].answer(request) for s in answering]
+    signatures = sign_views(rnd, request)
+    answers = [answer(rnd, s, request, signatures) for s in answering]
     return unmask_sum(
         masked,
         answers,
@@ -115,6 +135,21 @@ def finish_round(
         bits=rnd.bits,
         round_id=rnd.round_id,
     )
+
+
+def sign_views(rnd: Round, request: UnmaskRequest) -> dict[str, bytes]:
+    """Every survivor's signature of its participants and ``request``'s survivors."""
+    return {
+        s: rnd.sites[s].sign_view(request.survivors, identity_key=rnd.identities[s])
+        for s in request.survivors
+    }
+
+
+def answer(
+    rnd: Round, site: str, request: UnmaskRequest, signatures: dict[str, bytes]
+) -> UnmaskResponse:
+    """``site``'s answer to ``request`` with ``signatures`` forwarded."""
+    return rnd.sites[site].answer(request, signatures=signatures, registered=rnd.registered)
 
 
 def signed_inputs(k: int, length: int, *, bits: int, seed: int) -> tuple[int, np.ndarray]:
@@ -266,13 +301,11 @@ def test_fewer_than_threshold_survivors_abort_before_anything_is_unmasked() -> N
             bits=bits,
             round_id=rnd.round_id,
         )
-    # a site asked to unmask with 2 survivors refuses and records no revealed share: it then
-    # answers a request that names those two as dropped (it would refuse a flip otherwise)
-    short = UnmaskRequest(frozenset({"s0", "s1"}), frozenset({"s2", "s3", "s4"}))
-    with pytest.raises(SecureSumAbortedError, match=r"2 survivors named .* needs 3"):
-        rnd.sites["s0"].answer(short)
-    flipped = UnmaskRequest(frozenset({"s2", "s3", "s4"}), frozenset({"s0", "s1"}))
-    assert set(rnd.sites["s0"].answer(flipped).key_shares) == {"s0", "s1"}
+    # a site asked to sign 2 survivors refuses (3 of its 5 roster sites missing, it tolerates
+    # 2) and signs nothing: it then signs a view of enough survivors
+    with pytest.raises(SecureSumAbortedError, match=r"2 survivors of 5 roster sites"):
+        rnd.sites["s0"].sign_view({"s0", "s1"}, identity_key=rnd.identities["s0"])
+    assert rnd.sites["s0"].sign_view({"s0", "s1", "s2"}, identity_key=rnd.identities["s0"])
 
 
 def test_too_few_answers_or_shares_abort_with_the_counts() -> None:
@@ -282,7 +315,8 @@ def test_too_few_answers_or_shares_abort_with_the_counts() -> None:
     x = np.zeros(8, dtype=np.uint64)
     masked = {s: rnd.sites[s].mask(x, participants=participants) for s in participants}
     request = plan_unmask(masked, participants=participants, threshold=3)
-    answers = [rnd.sites[s].answer(request) for s in participants]
+    signatures = sign_views(rnd, request)
+    answers = [answer(rnd, s, request, signatures) for s in participants]
 
     def unmask(responses: list[UnmaskResponse]) -> Vector:
         return unmask_sum(
@@ -318,7 +352,8 @@ def test_a_wrong_returned_share_is_caught_against_the_owners_commitment() -> Non
     survivors = ["s0", "s1", "s2", "s3"]
     masked = {s: rnd.sites[s].mask(x, participants=participants) for s in survivors}
     request = plan_unmask(masked, participants=participants, threshold=3)
-    answers = [rnd.sites[s].answer(request) for s in survivors]
+    signatures = sign_views(rnd, request)
+    answers = [answer(rnd, s, request, signatures) for s in survivors]
 
     def corrupt(share: bytes) -> bytes:
         return share[:4] + bytes([share[4] ^ 0xFF]) + share[5:]  # first block; index kept
@@ -354,22 +389,24 @@ def test_a_substituted_public_key_is_detected_and_names_the_site() -> None:
     rnd = start_round(4, threshold=3, bits=32)
     honest = rnd.roster["s2"]
     coordinator = SiteRound(
-        site_id="s2", round_id=rnd.round_id, identity_key=rnd.identities["s0"], bits=32
+        site_id="s2",
+        round_id=rnd.round_id,
+        identity_key=rnd.identities["s0"],
+        bits=32,
+        noise_share=12.5,
+        trust=trust_for(4, 3),
     ).advertised  # the coordinator's own X25519 keys, signed with a key that is not s2's
     substitutes = {
-        "mask key swapped in": AdvertisedKeys(
-            "s2",
-            coordinator.mask_public,
-            honest.share_public,
-            honest.seed_commitment,
-            honest.signature,
-        ),
+        "mask key swapped in": dataclasses.replace(honest, mask_public=coordinator.mask_public),
         "re-signed by another identity": coordinator,
         "replayed from another round": start_round(4, threshold=3, bits=32, server_round=2)
         .sites["s2"]
         .advertised,
         # the noise share s2 needs every honest site to add, understated by the coordinator
         "noise share lowered": dataclasses.replace(honest, noise_share=honest.noise_share / 2),
+        # the H and D the coordinator picks the threshold from, changed by the coordinator
+        "honest sites raised": dataclasses.replace(honest, honest_sites=honest.honest_sites + 1),
+        "dropouts lowered": dataclasses.replace(honest, max_dropouts=0),
     }
     for what, forged in substitutes.items():
         roster = {**rnd.roster, "s2": forged}
@@ -385,10 +422,12 @@ def test_a_substituted_public_key_is_detected_and_names_the_site() -> None:
         share_public=honest.share_public,
         commitment=honest.seed_commitment,
         identity_key=stranger,
+        noise_share=12.5,
+        trust=trust_for(4, 3),
     )
     with pytest.raises(KeyBindingError, match=r"site 's9' .* no registered identity key"):
-        rnd.sites["s0"].share(
-            {**rnd.roster, "s9": unregistered}, registered=rnd.registered, threshold=3
+        rnd.sites["s0"].share(  # a roster of 5: threshold 4 meets s0's condition
+            {**rnd.roster, "s9": unregistered}, registered=rnd.registered, threshold=4
         )
     own_swapped = {**rnd.roster, "s0": coordinator}
     with pytest.raises(KeyBindingError, match="does not carry the keys site 's0' advertised"):
@@ -414,28 +453,90 @@ def test_a_tampered_or_misdirected_encrypted_share_is_refused() -> None:
     rnd.sites["s0"].receive(for_s0)  # the untouched ciphertexts open
 
 
-def test_a_request_for_both_shares_of_one_site_is_refused() -> None:
-    rnd = start_round(5, threshold=3, bits=32)
-    participants = relay_shares(rnd, rnd.sites)
-    x = np.zeros(4, dtype=np.uint64)
-    for s in participants:
-        rnd.sites[s].mask(x, participants=participants)
-    site = rnd.sites["s0"]
+def test_shares_sealed_for_another_threshold_or_roster_do_not_open() -> None:
+    """A coordinator that tells sites different thresholds or rosters gets sites whose shares
+    do not open at each other: every holder of a site's shares holds them for the one t and
+    roster that site checked."""
+    rnd = start_round(4, threshold=3, bits=32)
+    higher = rnd.sites["s1"].share(rnd.roster, registered=rnd.registered, threshold=4)
+    rnd.sites["s0"].share(rnd.roster, registered=rnd.registered, threshold=3)
+    with pytest.raises(ShareError, match=r"from site 's1' to site 's0' .* another threshold"):
+        rnd.sites["s0"].receive({"s1": higher["s0"]})
 
+    # s1 told a roster without s3: its roster of 3 cannot hold the 4 honest sites s0 counts on
+    # here, and the envelope's associated data binds the roster too (test_secure_sum_parts)
+
+
+def _masked_round(k: int, threshold: int) -> tuple[Round, list[str]]:
+    rnd = start_round(k, threshold=threshold, bits=32)
+    participants = relay_shares(rnd, rnd.sites)
+    for s in participants:
+        rnd.sites[s].mask(np.zeros(4, dtype=np.uint64), participants=participants)
+    return rnd, participants
+
+
+def test_a_site_signs_one_view_and_reveals_shares_for_it_only() -> None:
+    """The consistency check at one site: it signs its participants and one survivor set (the
+    same again, never another), and answers only a request naming exactly that view, with t
+    valid signatures of it from survivors: never both secrets of one site."""
+    rnd, _ = _masked_round(5, 3)
+    site, key = rnd.sites["s0"], rnd.identities["s0"]
+    view = plan_unmask(["s0", "s1", "s2", "s3"], participants=rnd.sites, threshold=3)
+    signatures = sign_views(rnd, view)
+    assert site.sign_view(view.survivors, identity_key=key)  # the same view again
+    with pytest.raises(ConsistencyError, match="signed another survivor set"):
+        site.sign_view({"s0", "s1", "s2"}, identity_key=key)
+
+    answered = answer(rnd, "s0", view, signatures)
+    assert set(answered.seed_shares) == {"s0", "s1", "s2", "s3"}
+    assert set(answered.key_shares) == {"s4"}
+    flipped = UnmaskRequest(frozenset({"s0", "s1", "s2"}), frozenset({"s3", "s4"}))
     both = UnmaskRequest(frozenset({"s0", "s1", "s2", "s3"}), frozenset({"s3", "s4"}))
-    with pytest.raises(UnmaskRefusedError, match=r"refuses to reveal both .* \['s3'\]"):
-        site.answer(both)
-    first = UnmaskRequest(frozenset({"s0", "s1", "s2", "s3"}), frozenset({"s4"}))
-    answer = site.answer(first)
-    assert set(answer.seed_shares) == {"s0", "s1", "s2", "s3"}
-    assert set(answer.key_shares) == {"s4"}
-    assert site.answer(first) == answer  # a retry of the same request gets the same shares
-    later = UnmaskRequest(frozenset({"s0", "s1", "s2"}), frozenset({"s3", "s4"}))
-    with pytest.raises(UnmaskRefusedError, match=r"already revealed the other kind .* \['s3'\]"):
-        site.answer(later)
-    stranger = UnmaskRequest(frozenset({"s0", "s1", "s2"}), frozenset({"s7"}))
-    with pytest.raises(UnmaskRefusedError, match=r"naming \['s7'\]"):
-        site.answer(stranger)
+    for other in (flipped, both):
+        with pytest.raises(ConsistencyError, match="not the 4 and 1 site 's0' signed"):
+            answer(rnd, "s0", other, signatures)
+
+
+def test_signatures_that_do_not_confirm_the_view_reveal_nothing() -> None:
+    """Fewer than t valid signatures on exactly the site's sets: signatures of another view,
+    of another round, of a non-survivor, of an unpinned signer or altered bytes do not count."""
+    rnd, participants = _masked_round(5, 3)
+    view = plan_unmask(["s0", "s1", "s2", "s3"], participants=participants, threshold=3)
+    good = sign_views(rnd, view)
+    other_view = RoundView(frozenset(participants), frozenset({"s1", "s2", "s3", "s4"}))
+    stranger = ec.generate_private_key(ec.SECP256R1())
+    forged = {
+        "another view": sign_view(
+            other_view, round_id=rnd.round_id, site_id="s1", identity_key=rnd.identities["s1"]
+        ),
+        "another round": sign_view(
+            RoundView(frozenset(participants), view.survivors),
+            round_id=RoundId("run-1", 2),
+            site_id="s1",
+            identity_key=rnd.identities["s1"],
+        ),
+        "an unpinned key": sign_view(
+            RoundView(frozenset(participants), view.survivors),
+            round_id=rnd.round_id,
+            site_id="s1",
+            identity_key=stranger,
+        ),
+        "altered bytes": good["s1"][:-1] + bytes([good["s1"][-1] ^ 1]),
+    }
+    for what, bad in forged.items():
+        two_good = {"s0": good["s0"], "s2": good["s2"], "s1": bad}
+        with pytest.raises(ConsistencyError, match="2 of 3 forwarded signatures verify"):
+            answer(rnd, "s0", view, two_good)
+        assert what
+    dropped_signer = sign_view(
+        RoundView(frozenset(participants), view.survivors),
+        round_id=rnd.round_id,
+        site_id="s4",
+        identity_key=rnd.identities["s4"],
+    )
+    with pytest.raises(ConsistencyError, match="2 of 3 forwarded"):
+        answer(rnd, "s0", view, {"s0": good["s0"], "s2": good["s2"], "s4": dropped_signer})
+    assert answer(rnd, "s0", view, {s: good[s] for s in ("s0", "s1", "s2")}).seed_shares
 
 
 def test_a_site_masks_one_input_per_round() -> None:
@@ -443,8 +544,33 @@ def test_a_site_masks_one_input_per_round() -> None:
     rnd = start_round(3, threshold=2, bits=32)
     participants = relay_shares(rnd, rnd.sites)
     rnd.sites["s0"].mask(np.zeros(4, dtype=np.uint64), participants=participants)
-    with pytest.raises(SecureSumError, match="'s0' already masked its input this round"):
+    with pytest.raises(MasksUsedError, match="'s0' already masked its input this round"):
         rnd.sites["s0"].mask(np.ones(4, dtype=np.uint64), participants=participants)
+
+
+def test_decisions_recalled_into_an_older_state_stay_decided() -> None:
+    """A state saved before a stage's reply left (a lost save of the node's memory) takes in
+    the durable record: it neither masks again nor signs another view; a state of other masks
+    is refused as stale."""
+    rnd = start_round(3, threshold=2, bits=32)
+    site = rnd.sites["s0"]
+    before_share = SiteRound.from_bytes(site.to_bytes())
+    assert before_share.decisions() == RoundDecisions(site.masks_id, None, None, None)
+    participants = relay_shares(rnd, rnd.sites)
+    before_mask = SiteRound.from_bytes(site.to_bytes())
+    site.mask(np.zeros(4, dtype=np.uint64), participants=participants)
+    site.sign_view(set(participants), identity_key=rnd.identities["s0"])
+    record = RoundDecisions.from_json(site.decisions().to_json())
+    assert record.participants == frozenset(participants) and record.threshold == 2
+    before_mask.recall(record)
+    with pytest.raises(MasksUsedError, match="already masked"):
+        before_mask.mask(np.ones(4, dtype=np.uint64), participants=participants)
+    with pytest.raises(ConsistencyError, match="signed another survivor set"):
+        before_mask.sign_view({"s0", "s1"}, identity_key=rnd.identities["s0"])
+    with pytest.raises(MasksUsedError, match="shared its secrets this round already"):
+        before_share.recall(record)
+    with pytest.raises(MasksUsedError, match="not the one of its durable record"):
+        rnd.sites["s1"].recall(record)
 
 
 def test_what_mask_refuses_is_refused_before_the_input_exists() -> None:
@@ -453,14 +579,50 @@ def test_what_mask_refuses_is_refused_before_the_input_exists() -> None:
     rnd = start_round(4, threshold=3, bits=32)
     participants = relay_shares(rnd, rnd.sites)
     site = rnd.sites["s0"]
-    with pytest.raises(SecureSumAbortedError, match="2 participants and the threshold needs 3"):
+    with pytest.raises(SecureSumAbortedError, match="2 participants of 4 roster sites"):
         site.check_participants({"s0", "s1"})
-    with pytest.raises(SecureSumError, match="holds no shares from"):
+    with pytest.raises(ConsistencyError, match="holds no shares from"):
         site.check_participants({*participants, "s9"})
     assert site.check_participants(participants) == frozenset(participants)
     site.mask(np.zeros(4, dtype=np.uint64), participants=participants)
-    with pytest.raises(SecureSumError, match="already masked its input this round"):
+    with pytest.raises(MasksUsedError, match="already masked its input this round"):
         site.check_participants(participants)
+
+
+def test_a_roster_or_threshold_below_the_sites_condition_is_refused_before_sharing() -> None:
+    """t >= n - D and t > n - H + D (``RoundTrust``): a site refuses a smaller threshold, a
+    roster smaller than its H, and shares nothing."""
+    rnd = start_round(5, threshold=4, bits=32)  # H = 5, D = 1: least t = 4
+    site = rnd.sites["s0"]
+    with pytest.raises(ThresholdError, match=r"threshold 3 for 5 roster sites: .* 4\.\.5"):
+        site.share(rnd.roster, registered=rnd.registered, threshold=3)
+    four = {s: rnd.roster[s] for s in ("s0", "s1", "s2", "s3")}
+    with pytest.raises(ThresholdError, match="roster of 4 sites cannot hold the 5 honest"):
+        site.share(four, registered=rnd.registered, threshold=4)
+    assert site.share(rnd.roster, registered=rnd.registered, threshold=4)
+
+
+@pytest.mark.parametrize(("share", "accepted"), [(25.0, True), (2.0**50, False)])
+def test_a_noise_share_above_the_sites_whole_noise_is_refused(share: float, accepted: bool) -> None:
+    """Each site adds the largest share a participant signed, up to its own whole noise
+    ``(H - D) x`` its share (here 2 x 12.5): a participant signing more (the codec's largest,
+    2^50, would drown every round) is refused before anything is charged."""
+    rnd = start_round(3, threshold=2, bits=32)  # H = 3, D = 1
+    rnd.sites["s2"] = SiteRound(
+        site_id="s2",
+        round_id=rnd.round_id,
+        identity_key=rnd.identities["s2"],
+        bits=32,
+        noise_share=share,
+        trust=trust_for(3, 2),
+    )
+    rnd.roster["s2"] = rnd.sites["s2"].advertised
+    participants = relay_shares(rnd, rnd.sites)
+    if accepted:
+        assert rnd.sites["s0"].noise_share(participants) == share
+    else:
+        with pytest.raises(NoiseShareError, match="more than this site's whole noise 25"):
+            rnd.sites["s0"].noise_share(participants)
 
 
 def test_overflow_bound_just_inside_is_exact_and_just_outside_is_refused() -> None:

@@ -2,7 +2,8 @@
 
 One round of four sites (threshold 3, b = 32) runs every exchange through ``encode_*``, Flower's
 protobuf serialisation of the ``RecordDict`` and ``decode_*`` on the other side; one site drops
-after the share exchange and the sum of the three survivors is compared exactly (integers, no
+after the share exchange, the three survivors sign their sets, and the sum of the three
+survivors is compared exactly (integers, no
 tolerance). Each message of that round is then mutated one field at a time: every mutation is
 refused with a ``MessageFormatError`` that names the field and quotes no bytes. Oversize fields
 are refused before the decoder allocates (measured with ``tracemalloc``).
@@ -27,6 +28,7 @@ from prism_runtime.errors import ConfigError
 from prism_runtime.secure_sum import (
     AdvertisedKeys,
     RoundId,
+    RoundTrust,
     SecureSumError,
     SiteRound,
     UnmaskRequest,
@@ -43,12 +45,16 @@ from prism_runtime.secure_sum.messages import (
     SEALED_SHARES_BYTES,
     SHARE_BYTES,
     AdvertiseRequest,
+    ConsistencyRequest,
     MaskRequest,
     MessageFormatError,
     ShareRequest,
+    SignedUnmaskRequest,
     Stage,
     decode_advertise_reply,
     decode_advertise_request,
+    decode_consistency_reply,
+    decode_consistency_request,
     decode_mask_reply,
     decode_mask_request,
     decode_share_reply,
@@ -57,6 +63,8 @@ from prism_runtime.secure_sum.messages import (
     decode_unmask_request,
     encode_advertise_reply,
     encode_advertise_request,
+    encode_consistency_reply,
+    encode_consistency_request,
     encode_mask_reply,
     encode_mask_request,
     encode_share_reply,
@@ -70,6 +78,8 @@ SITES = ("s0", "s1", "s2", "s3")
 DROPS = "s2"
 """The site that shares its secrets and then never sends its masked input."""
 THRESHOLD = 3
+TRUST = RoundTrust(4, 1)
+"""Every site counts on the four being honest and tolerates one missing: least t = 3."""
 BITS = 32
 LENGTH = 64
 BOUND = 1000
@@ -132,7 +142,14 @@ def play_round() -> Played:
             encode_advertise_request(params, round_id=ROUND, site_id=s),
             lambda c, s=s: decode_advertise_request(c, round_id=ROUND, site_id=s),
         )
-        sites[s] = SiteRound(site_id=s, round_id=ROUND, identity_key=identities[s], bits=asked.bits)
+        sites[s] = SiteRound(
+            site_id=s,
+            round_id=ROUND,
+            identity_key=identities[s],
+            bits=asked.bits,
+            noise_share=12.5,
+            trust=TRUST,
+        )
         keys = sites[s].advertised
         advertised = send(
             Stage.ADVERTISE_REPLY,
@@ -195,18 +212,39 @@ def play_round() -> Played:
             ),
         )
 
-    # (4) unmask
+    # (4) consistency
     plan = plan_unmask(masked, participants=participants, threshold=THRESHOLD)
+    signatures: dict[str, bytes] = {}
+    for s in sorted(plan.survivors):
+        ask = ConsistencyRequest(survivors=plan.survivors)
+        got = send(
+            Stage.CONSISTENCY_REQUEST,
+            s,
+            ask,
+            encode_consistency_request(ask, round_id=ROUND, site_id=s),
+            lambda c, s=s: decode_consistency_request(c, round_id=ROUND, site_id=s),
+        )
+        signature = sites[s].sign_view(got.survivors, identity_key=identities[s])
+        signatures[s] = send(
+            Stage.CONSISTENCY_REPLY,
+            s,
+            signature,
+            encode_consistency_reply(signature, round_id=ROUND, site_id=s),
+            lambda c, s=s: decode_consistency_reply(c, round_id=ROUND, site_id=s),
+        )
+
+    # (5) unmask
+    signed = SignedUnmaskRequest(request=plan, signatures=signatures)
     answers = []
     for s in sorted(plan.survivors):
         got = send(
             Stage.UNMASK_REQUEST,
             s,
-            plan,
-            encode_unmask_request(plan, round_id=ROUND, site_id=s),
+            signed,
+            encode_unmask_request(signed, round_id=ROUND, site_id=s),
             lambda c, s=s: decode_unmask_request(c, round_id=ROUND, site_id=s),
         )
-        answer = sites[s].answer(got)
+        answer = sites[s].answer(got.request, signatures=got.signatures, registered=registered)
         answers.append(
             send(
                 Stage.UNMASK_REPLY,
@@ -361,6 +399,11 @@ STAGE_CASES: dict[Stage, dict[str, Change]] = {
         "signature-trailing-byte": add("signature", b"\0"),
         "signature-r-zero": put("signature", encode_dss_signature(0, 1)),
         "signature-missing": drop("signature"),
+        "honest-sites-zero": put("honest-sites", bytes(4)),
+        "honest-sites-int": put("honest-sites", 4),
+        "honest-sites-above-max": put("honest-sites", (MAX_SITES + 1).to_bytes(4, "big")),
+        "max-dropouts-3-bytes": put("max-dropouts", bytes(3)),
+        "max-dropouts-missing": drop("max-dropouts"),
     },
     Stage.SHARE_REQUEST: {
         "roster-duplicate": at("roster", 1, "s0"),
@@ -375,6 +418,8 @@ STAGE_CASES: dict[Stage, dict[str, Change]] = {
         "roster-commitment-str": put("roster-seed-commitment", ["c" * 32] * 4),
         "roster-signature-73": at("roster-signature", 1, bytes(73)),
         "roster-signature-not-der": at("roster-signature", 1, NOT_DER),
+        "roster-honest-sites-zero": at("roster-honest-sites", 1, bytes(4)),
+        "roster-max-dropouts-short-list": cut("roster-max-dropouts", None, 3),
         "threshold-minority": put("threshold", 2),
         "threshold-above-roster": put("threshold", 5),
         "threshold-zero": put("threshold", 0),
@@ -410,7 +455,24 @@ STAGE_CASES: dict[Stage, dict[str, Change]] = {
         "masked-value-2^b": put("masked-input", (1 << BITS).to_bytes(8, "little") * LENGTH),
         "masked-value-2^64-1": put("masked-input", b"\xff" * 8 * LENGTH),
     },
+    Stage.CONSISTENCY_REQUEST: {
+        "survivors-no-addressee": cut("survivors", 1, None),
+        "survivors-duplicate": at("survivors", 1, "s0"),
+        "survivors-over-max": put("survivors", MANY),
+        "survivors-missing": drop("survivors"),
+    },
+    Stage.CONSISTENCY_REPLY: {
+        "signature-not-der": put("signature", NOT_DER),
+        "signature-73": put("signature", bytes(73)),
+        "signature-list": put("signature", [bytes(70)]),
+        "signature-missing": drop("signature"),
+    },
     Stage.UNMASK_REQUEST: {
+        "signers-not-survivor": at("signers", 0, "s2"),
+        "signers-duplicate": at("signers", 1, "s0"),
+        "signatures-short-list": cut("signatures", 1, None),
+        "signatures-not-der": at("signatures", 0, NOT_DER),
+        "signers-missing": drop("signers"),
         "survivor-also-dropped": add("dropped", ["s1"]),
         "survivors-duplicate": at("survivors", 1, "s0"),
         "addressee-not-survivor": cut("survivors", 1, None),
@@ -510,8 +572,9 @@ def test_decoders_without_an_expected_sender_take_the_stated_site(played: Played
 
 def test_unmask_reply_from_a_site_that_is_not_a_survivor_is_refused(played: Played) -> None:
     _, content, _ = played.sent[Stage.UNMASK_REPLY]
-    plan = played.sent[Stage.UNMASK_REQUEST][0]
-    assert isinstance(plan, UnmaskRequest)
+    signed = played.sent[Stage.UNMASK_REQUEST][0]
+    assert isinstance(signed, SignedUnmaskRequest)
+    plan = signed.request
     as_dropped = mutated(content, put("site-id", DROPS))
     with pytest.raises(MessageFormatError, match=r"'site-id'.*not a survivor"):
         decode_unmask_reply(as_dropped, round_id=ROUND, site_id=DROPS, request=plan)
@@ -631,7 +694,17 @@ def test_encoders_refuse_to_send_what_the_receiver_refuses(played: Played) -> No
         )
     with pytest.raises(MessageFormatError, match=r"refusing to send.*'dropped'"):
         encode_unmask_request(
-            UnmaskRequest(frozenset({"s0", "s1"}), frozenset({"s1"})),
+            SignedUnmaskRequest(UnmaskRequest(frozenset({"s0", "s1"}), frozenset({"s1"})), {}),
+            round_id=ROUND,
+            site_id=SITE,
+        )
+    signature = played.sent[Stage.CONSISTENCY_REPLY][0]
+    assert isinstance(signature, bytes)
+    with pytest.raises(MessageFormatError, match=r"refusing to send.*'signers'"):
+        encode_unmask_request(
+            SignedUnmaskRequest(
+                UnmaskRequest(frozenset({"s0", "s1"}), frozenset({"s2"})), {"s2": signature}
+            ),
             round_id=ROUND,
             site_id=SITE,
         )

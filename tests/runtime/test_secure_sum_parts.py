@@ -15,15 +15,18 @@ from prism_runtime.errors import ConfigError
 from prism_runtime.secure_sum import (
     MAX_BITS,
     RoundId,
+    RoundTrust,
     SecureSumAbortedError,
     SecureSumError,
     ShareError,
     SharePair,
+    ThresholdError,
     centre,
     check_threshold,
     combine_secret,
     encode_signed,
     expand_mask,
+    least_common_threshold,
     mask_input,
     open_shares,
     pairwise_key,
@@ -127,23 +130,92 @@ def test_a_threshold_outside_half_to_all_sites_is_refused(threshold: int, sites:
         check_threshold(threshold, sites)
 
 
-def test_sealed_shares_open_only_for_their_pair_direction_run_and_round() -> None:
+def test_sealed_shares_open_only_for_their_pair_direction_run_round_threshold_and_roster() -> None:
     key, rid = os.urandom(32), RoundId("run-1", 2)
     pair = SharePair(os.urandom(52), os.urandom(52))
-    sealed = seal_shares(key, pair, sender="a", receiver="b", round_id=rid)
-    assert open_shares(key, sealed, sender="a", receiver="b", round_id=rid) == pair
+    terms = {"threshold": 3, "roster": ["a", "b", "c", "d"]}
+    sealed = seal_shares(key, pair, sender="a", receiver="b", round_id=rid, **terms)
+    opened = open_shares(key, sealed, sender="a", receiver="b", round_id=rid, **terms)
+    assert opened == pair
+    # the roster's order does not matter: it is framed sorted
+    mixed = {"threshold": 3, "roster": ["d", "c", "b", "a"]}
+    assert open_shares(key, sealed, sender="a", receiver="b", round_id=rid, **mixed) == pair
     wrong = [
-        dict(key=key, sender="b", receiver="a", round_id=rid),
-        dict(key=key, sender="a", receiver="c", round_id=rid),
-        dict(key=key, sender="a", receiver="b", round_id=RoundId("run-1", 3)),
-        dict(key=key, sender="a", receiver="b", round_id=RoundId("run-9", 2)),
-        dict(key=os.urandom(32), sender="a", receiver="b", round_id=rid),
+        dict(key=key, sender="b", receiver="a", round_id=rid, **terms),
+        dict(key=key, sender="a", receiver="c", round_id=rid, **terms),
+        dict(key=key, sender="a", receiver="b", round_id=RoundId("run-1", 3), **terms),
+        dict(key=key, sender="a", receiver="b", round_id=RoundId("run-9", 2), **terms),
+        dict(key=os.urandom(32), sender="a", receiver="b", round_id=rid, **terms),
+        dict(key=key, sender="a", receiver="b", round_id=rid, threshold=4, roster=terms["roster"]),
+        dict(key=key, sender="a", receiver="b", round_id=rid, threshold=3, roster=["a", "b", "c"]),
+        dict(
+            key=key,
+            sender="a",
+            receiver="b",
+            round_id=rid,
+            threshold=3,
+            roster=["a", "b", "c", "e"],
+        ),
     ]
     for kwargs in wrong:
         with pytest.raises(ShareError, match="fail authentication"):
             open_shares(kwargs.pop("key"), sealed, **kwargs)
     with pytest.raises(ShareError, match="fail authentication"):
-        open_shares(key, sealed[:10], sender="a", receiver="b", round_id=rid)
+        open_shares(key, sealed[:10], sender="a", receiver="b", round_id=rid, **terms)
+
+
+@pytest.mark.parametrize(
+    ("honest", "dropouts", "sites", "least"),
+    [
+        (1, 0, 5, 5),  # a site counting on itself alone: every roster site must stay
+        (2, 0, 5, 5),
+        (2, 1, 5, 5),  # D = 1 but H - 1 - D = 0: no dropout can be tolerated
+        (3, 1, 5, 4),
+        (5, 2, 5, 3),  # every site honest: the majority of Bonawitz et al. (t > n / 2)
+        (5, 1, 5, 4),
+        (7, 3, 9, 6),
+        (7, 2, 9, 7),
+        (10, 4, 10, 6),
+    ],
+)
+def test_the_least_threshold_is_the_condition_and_no_lower_t_meets_it(
+    honest: int, dropouts: int, sites: int, least: int
+) -> None:
+    """``least_threshold`` is the least t with t >= n - D and t > (n - H) + D (checked by
+    enumeration), and it implies 2 t > n + c with c = n - H (Bonawitz et al.'s active bound)."""
+    trust = RoundTrust(honest, dropouts)
+    c = sites - honest
+    meets = [t for t in range(1, sites + 1) if t >= sites - dropouts and t > c + dropouts]
+    assert trust.least_threshold(sites) == least == min(meets)
+    assert 2 * least > sites + c
+    trust.check_threshold(least, sites)
+    with pytest.raises(ThresholdError, match=f"threshold {least - 1} for {sites} roster sites"):
+        trust.check_threshold(least - 1, sites)
+    with pytest.raises(ThresholdError, match=f"threshold {sites + 1}"):
+        trust.check_threshold(sites + 1, sites)
+    assert trust.share_divisor == honest - dropouts
+
+
+def test_a_site_refuses_a_roster_smaller_than_its_honest_sites_or_more_missing_than_d() -> None:
+    trust = RoundTrust(4, 1)
+    with pytest.raises(ThresholdError, match="roster of 3 sites cannot hold the 4 honest"):
+        trust.check_threshold(3, 3)
+    trust.check_present(5, 6, "participants")
+    with pytest.raises(SecureSumAbortedError, match="4 participants of 6 roster sites"):
+        trust.check_present(4, 6, "participants")
+    for honest, dropouts in [(2, 2), (1, 1), (0, 0), (3, -1)]:
+        with pytest.raises(ConfigError):
+            RoundTrust(honest, dropouts)
+
+
+def test_the_coordinators_threshold_is_the_least_every_site_accepts() -> None:
+    trusts = [RoundTrust(5, 2), RoundTrust(3, 1), RoundTrust(5, 0)]
+    assert least_common_threshold(trusts, 5) == 5  # D = 0 at the third: no dropout
+    assert least_common_threshold(trusts[:2], 5) == 4
+    assert least_common_threshold(trusts[:1], 5) == 3
+    assert least_common_threshold([RoundTrust(6, 0), *trusts], 5) is None  # H = 6 > 5 sites
+    for trust in trusts:
+        trust.check_threshold(5, 5)
 
 
 def test_encode_and_centre_round_trip_signed_integers_at_every_width() -> None:

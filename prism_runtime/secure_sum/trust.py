@@ -1,0 +1,125 @@
+"""What a site counts on in a secure-sum round, and the threshold condition that follows from it.
+
+A site states two numbers, its policy: H, the honest sites of a round it counts on (itself
+included), so it allows for a coordinator colluding with up to ``c = n - H`` of the round's
+``n`` roster sites (those that advertised keys), and D, the most of those ``n`` sites it
+tolerates missing from a sum (sites that advertise keys and then drop out). It accepts a roster
+of ``n`` sites and a threshold ``t`` only if
+
+    H <= n,    D < H,    t >= n - D    and    t > c + D,
+
+that is ``n - t <= tolerance = min(D, H - 1 - D)``. The last two add up to ``2 t > n + c``,
+the threshold of Bonawitz et al. 2017 (CCS, §6) against an active server colluding with c
+clients. Each part, given that every site's shares are sealed for one roster and one t
+(``envelope``) and that a site reveals shares only with t valid signatures on exactly its own
+participant and survivor sets (``views``):
+
+- ``2 t > n + c``: a view is revealed only if t sites signed it, at least ``t - c`` of them
+  honest, and an honest site signs one view per round; two revealed views would need
+  ``2 (t - c) <= n - c`` honest sites. So every honest site that reveals holds ONE view, and
+  no site's seed and mask key are ever both reconstructed (each needs t shares; the colluders
+  hold c < t).
+- ``t >= n - D``: a sum is unmasked from at least t survivors, so at most D roster sites are
+  missing from it and at least ``H - D`` of its inputs are honest sites' (the ``t - c`` signers
+  of the revealed view, each of which adds at least this site's share): a share of
+  ``mu / (H - D)`` (``share_divisor``) keeps the site's charge true.
+- ``t > c + D``: the honest sites that reveal a site's seed number at least ``t - c > D``, more
+  than the D roster sites a coordinator may leave out of that site's participants, so at least
+  one of them masked with it and survived in the same view: their pairwise mask is never
+  removed, and the site's input is never isolated from the others'.
+
+``tolerance`` is then the most sites a round may lose after the key exchange; the coordinator
+picks the least threshold every site of the roster accepts (``least_common_threshold``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from prism_runtime.errors import ConfigError
+from prism_runtime.secure_sum.errors import SecureSumAbortedError, ThresholdError
+
+__all__ = ["RoundTrust", "least_common_threshold"]
+
+
+def _count(value: object, name: str, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{name} is {value!r}: give an int >= {low}")
+    return value
+
+
+@dataclass(frozen=True)
+class RoundTrust:
+    """A site's H and D for one round (module docstring).
+
+    Attributes:
+        honest: H, the honest sites of the round this site counts on, itself included (>= 1).
+        dropouts: D, the most roster sites it tolerates missing from a sum (0 <= D < H).
+    """
+
+    honest: int
+    dropouts: int
+
+    def __post_init__(self) -> None:
+        _count(self.honest, "honest (H)", 1)
+        _count(self.dropouts, "dropouts (D)", 0)
+        if self.dropouts >= self.honest:
+            raise ConfigError(
+                f"dropouts D = {self.dropouts} with H = {self.honest} honest sites: with D >= H "
+                "every honest site but none could drop out; keep D below H"
+            )
+
+    @property
+    def tolerance(self) -> int:
+        """``min(D, H - 1 - D)``: the most roster sites a round this site accepts may lose."""
+        return min(self.dropouts, self.honest - 1 - self.dropouts)
+
+    @property
+    def share_divisor(self) -> int:
+        """``H - D``: the honest inputs every sum this site takes part in holds at least."""
+        return self.honest - self.dropouts
+
+    def least_threshold(self, sites: int) -> int:
+        """The least t this site accepts for a roster of ``sites`` sites: ``sites - tolerance``."""
+        return _count(sites, "sites", 1) - self.tolerance
+
+    def check_threshold(self, threshold: int, sites: int) -> None:
+        """Accept threshold ``threshold`` for a roster of ``sites`` sites, or refuse it.
+
+        Raises:
+            ThresholdError: ``sites < H`` (H honest sites cannot be among them) or
+                ``threshold < least_threshold(sites)``, or ``threshold > sites``.
+        """
+        if sites < self.honest:
+            raise ThresholdError(
+                f"a roster of {sites} sites cannot hold the {self.honest} honest sites this site "
+                "counts on: nothing shared"
+            )
+        if not self.least_threshold(sites) <= threshold <= sites:
+            raise ThresholdError(
+                f"threshold {threshold} for {sites} roster sites: this site (H = {self.honest}, "
+                f"D = {self.dropouts}) needs t >= n - D and t > (n - H) + D, i.e. "
+                f"{self.least_threshold(sites)}..{sites}; nothing shared"
+            )
+
+    def check_present(self, present: int, sites: int, what: str) -> None:
+        """Refuse a stage at which more than D of the ``sites`` roster sites are missing.
+
+        Raises:
+            SecureSumAbortedError: ``sites - present > D``; ``what`` names the stage's sites.
+        """
+        if sites - present > self.dropouts:
+            raise SecureSumAbortedError(
+                f"{present} {what} of {sites} roster sites: this site tolerates at most "
+                f"{self.dropouts} missing; nothing further done"
+            )
+
+
+def least_common_threshold(trusts: Iterable[RoundTrust], sites: int) -> int | None:
+    """The least threshold every site of a roster of ``sites`` sites with ``trusts`` accepts, or
+    None when one of them counts on more honest sites than the roster holds."""
+    trusts = list(trusts)
+    if any(trust.honest > sites for trust in trusts):
+        return None
+    return max((trust.least_threshold(sites) for trust in trusts), default=sites)
