@@ -44,6 +44,7 @@ from prism_runtime.protocol import (
     NONPRIVATE,
     ROUND_NONCE,
     SECURE_ADVERTISE,
+    SECURE_CONSISTENCY,
     SECURE_MASK,
     SECURE_SHARE,
     SECURE_UNMASK,
@@ -51,6 +52,7 @@ from prism_runtime.protocol import (
     SITE_ERROR_CODES,
     UPDATE,
 )
+from prism_runtime.secure_sum import SecureSumError
 
 __all__ = ["CONFIG_ERROR", "DATA_ERROR", "INTERNAL_ERROR", "app", "error_code"]
 
@@ -62,9 +64,12 @@ app = ClientApp()
 
 
 def error_code(exc: BaseException) -> int:
-    """The ``SITE_ERROR_CODES`` code of a failure (data before config: ``DataError`` first)."""
+    """The ``SITE_ERROR_CODES`` code of a failure (data before config: ``DataError`` first; a
+    secure stage's refusal carries its own code, ``SecureSumError.code``)."""
     if isinstance(exc, DataError):
         return DATA_ERROR
+    if isinstance(exc, SecureSumError):
+        return exc.code
     if isinstance(exc, ConfigError | PrivacyParameterError):
         return CONFIG_ERROR
     return INTERNAL_ERROR
@@ -112,9 +117,15 @@ def secure_mask(msg: Message, context: Context) -> Message:
     return _answer(msg, context, functools.partial(_secure, stage=secure.mask))
 
 
+@app.train(SECURE_CONSISTENCY)
+def secure_consistency(msg: Message, context: Context) -> Message:
+    """Secure aggregation, stage 4: the site's signature of its participant and survivor sets."""
+    return _answer(msg, context, functools.partial(_secure, stage=secure.consistency))
+
+
 @app.train(SECURE_UNMASK)
 def secure_unmask(msg: Message, context: Context) -> Message:
-    """Secure aggregation, stage 4: the shares that unmask the sum of the survivors."""
+    """Secure aggregation, stage 5: the shares that unmask the sum of the survivors."""
     return _answer(msg, context, functools.partial(_secure, stage=secure.unmask))
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from prism_runtime.config import RunConfig, SiteConfig
 from prism_runtime.errors import ConfigError
 from prism_runtime.protocol import RNG_REPRODUCIBLE, RNG_SECURE
+from prism_runtime.secure_sum.trust import RoundTrust
 
 __all__ = [
     "RNG_SECRET_ENV",
@@ -78,6 +79,8 @@ class SitePolicy:
     """``off``, ``allow`` or ``require`` (node config ``secure-aggregation``)."""
     min_honest_sites: int | None = None
     """The most honest sites this site counts on; None: 1 when deployed, the run's in simulation."""
+    secure_max_dropouts: int = 0
+    """D, the most roster sites this site tolerates missing from a secure sum."""
     secure_peers: Path | None = None
     """Deployed: the folder of the peers' pinned identity keys (``<site-id>.pem``)."""
     secure_identity: Path | None = None
@@ -129,6 +132,14 @@ class SitePolicy:
             own = run.min_honest_sites if self.simulation else 1
         return min(own, run.min_honest_sites)
 
+    def round_trust(self, run: RunConfig) -> RoundTrust:
+        """H and D of this site's secure rounds of ``run`` (``prism_runtime.secure_sum.trust``).
+
+        Raises:
+            ConfigError: D is not below H (``refusal`` refuses such a run first).
+        """
+        return RoundTrust(self.honest_sites(run), self.secure_max_dropouts)
+
     def refusal(self, run: RunConfig, num_examples: int) -> str | None:
         """The ``REFUSAL_REASONS`` code for a run this site will not serve, or None.
 
@@ -144,6 +155,8 @@ class SitePolicy:
             return "secure-aggregation-required"
         if run.secure_aggregation and not self.simulation and self.secure_peers is None:
             return "secure-aggregation-not-configured"
+        if run.secure_aggregation and self.secure_max_dropouts >= self.honest_sites(run):
+            return "secure-dropouts-not-below-honest-sites"
         if run.report_train_loss and not self.allow_nonprivate_metrics:
             return "nonprivate-metrics-not-allowed"
         if run.method == "nondp":
@@ -260,6 +273,7 @@ def site_policy(
         user_field=site.user_field,
         secure_aggregation=site.secure_aggregation,
         min_honest_sites=site.min_honest_sites,
+        secure_max_dropouts=site.secure_max_dropouts,
         secure_peers=Path(site.secure_peers) if site.secure_peers else None,
         secure_identity=Path(site.secure_identity) if site.secure_identity else None,
         rng_secret=secret.encode() if secret else None,

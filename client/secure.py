@@ -1,6 +1,6 @@
-"""A site's part in a secure-aggregation round (docs/design.md §3.3): four messages, one charge.
+"""A site's part in a secure-aggregation round (docs/design.md §3.3): five messages, one charge.
 
-The coordinator drives four exchanges per round (``server.strategy.secure``); each arrives as a
+The coordinator drives five exchanges per round (``server.strategy.secure``); each arrives as a
 ``train`` message with its own action (``prism_runtime.protocol.SECURE_STAGES``). The ClientApp
 resolves the message's context once (``SecureStage.resolve``: the site, the round number and
 nonce, the round id, the site's noise) and hands it to the stage of that action, which answers
@@ -8,23 +8,32 @@ it:
 
 1. ``advertise``: the site checks its policy (a refusal is the usual refused reply, charging
    nothing), makes the round's ``prism_runtime.secure_sum.SiteRound`` (fresh X25519 key pairs and
-   self-mask seed) and returns its public keys signed with its IDENTITY key (``identity_key``:
-   ECDSA P-256, made once in its state folder, never sent);
-2. ``share``: it verifies every site's advertisement against the PINNED identity keys of its
-   peers (``registered_keys``; a key the coordinator substituted fails here), refuses a threshold
-   below its own H, and returns Shamir shares of its secrets sealed for each peer;
-3. ``mask``: it opens the shares sealed for it and checks the participants, then runs the round
+   self-mask seed) and returns its public keys, its noise share and its H and D signed with its
+   IDENTITY key (``identity_key``: ECDSA P-256, made once in its state folder, never sent);
+2. ``share``: it refuses a roster or threshold that fails its threshold condition
+   (``prism_runtime.secure_sum.RoundTrust``), verifies every site's advertisement against the
+   PINNED identity keys of its peers (``registered_keys``; a key the coordinator substituted or
+   a site it invented fails here), and returns Shamir shares of its secrets sealed for each peer;
+3. ``mask``: it opens the shares sealed for it and checks the participants (at most D roster
+   sites missing) and their noise shares (none above its own whole noise), then runs the round
    itself: the site's one admission (``client.site.Site.admit``: request and policy checks, the
-   charge at the noise the sum carries if H sites are honest), and the secure ending
-   (``client.masked_input``: one clipped sum, randomized rounding with a Skellam share of the
-   noise, the masks); the reply carries the accounting facts and the masked vector, never
-   anything a coordinator could read alone;
-4. ``unmask``: it reveals the shares that remove the masks of the sum, and only when at least its
-   H masked inputs survived (fewer: the round is aborted with nothing unmasked).
+   charge at the noise the sum carries if H sites are honest and at most D missing), and the
+   secure ending (``client.masked_input``: one clipped sum, randomized rounding with a Skellam
+   share of the noise, the masks); the reply carries the accounting facts and the masked vector,
+   never anything a coordinator could read alone;
+4. ``consistency``: it signs the exact participant and survivor sets it was given (once);
+5. ``unmask``: it reveals the shares that remove the masks of the sum, only for exactly the sets
+   it signed and only when at least t survivors' signatures from its pinned peers verify on them.
 
 Between messages the round's secrets live in ``context.state`` (the SuperNode's memory on the
-site's own machine, or the simulation's), never on disk and never in a message; the state of a
-finished or replaced round is dropped. Any failure is a coded error reply (``client.app``).
+site's own machine, or the simulation's), never on disk and never in a message; what the site
+decided once (which masks, the threshold it shared with, whom it masked with, the one view it
+signed and so what it reveals) is written to its
+durable record (``client.secure_record``) before each reply leaves, and read back before each
+stage: a re-sent request after a crash or a lost state is answered with a refusal, never
+decided twice. The state of a finished or replaced round is dropped. Any failure is a coded
+error reply (``client.app``; a secure stage's refusals carry the codes of
+``prism_runtime.protocol.SECURE_ERRORS``).
 """
 
 from __future__ import annotations
@@ -44,19 +53,28 @@ from client.masked_input import MaskedInput, masked_input
 from client.policy import SitePolicy
 from client.reply import RoundReply, refuse
 from client.request import valid_round
+from client.secure_record import SecureRecord
 from client.site import SecureNoise, Site
 from prism_core.distributed import FIELD_BITS, coordinate_bound
 from prism_runtime.durable import atomic_write, make_dirs
 from prism_runtime.errors import ConfigError
 from prism_runtime.identity import IDENTITY_KEY, IDENTITY_PUBLIC
 from prism_runtime.protocol import ACCOUNTING, ARRAYS, CONFIG, ROUND_NONCE, SERVER_ROUND
-from prism_runtime.secure_sum import RoundId, SecureSumAbortedError, SiteRound, check_sum_fits
+from prism_runtime.secure_sum import (
+    KeyBindingError,
+    MasksUsedError,
+    RoundId,
+    SiteRound,
+    check_sum_fits,
+)
 from prism_runtime.secure_sum.messages import (
     decode_advertise_request,
+    decode_consistency_request,
     decode_mask_request,
     decode_share_request,
     decode_unmask_request,
     encode_advertise_reply,
+    encode_consistency_reply,
     encode_mask_reply,
     encode_share_reply,
     encode_unmask_reply,
@@ -67,6 +85,7 @@ __all__ = [
     "STATE",
     "SecureStage",
     "advertise",
+    "consistency",
     "identity_key",
     "mask",
     "registered_keys",
@@ -136,16 +155,34 @@ def _public_key(path: Path) -> ec.EllipticCurvePublicKey | None:
     return key
 
 
+def _writable_by_others(path: Path) -> bool:
+    return bool(path.stat().st_mode & 0o022)
+
+
 def registered_keys(policy: SitePolicy) -> dict[str, ec.EllipticCurvePublicKey]:
     """The pinned identity keys of the federation's sites, by site id.
 
     Deployed: ``<secure-peers>/<site-id>.pem``, the folder the site's operator installed from
-    the federation's registry (never sent by the coordinator). Simulated: the sibling state
-    folders' ``IDENTITY_PUBLIC`` (the simulated sites and the coordinator share one machine).
+    the federation's registry (never sent by the coordinator); a folder or key file that group
+    or others may write is refused, since whoever can write it could pin a site of their own.
+    Simulated: the sibling state folders' ``IDENTITY_PUBLIC`` (the simulated sites and the
+    coordinator share one machine and one operator).
+
+    Raises:
+        KeyBindingError: the peers folder, or a pinned key in it, is writable by group or others.
     """
     keys: dict[str, ec.EllipticCurvePublicKey] = {}
     if policy.secure_peers is not None:
-        files = {p.stem: p for p in sorted(policy.secure_peers.glob("*.pem"))}
+        folder = policy.secure_peers
+        files = {p.stem: p for p in sorted(folder.glob("*.pem"))}
+        loose = [p for p in (folder, *files.values()) if _writable_by_others(p)]
+        if loose:
+            raise KeyBindingError(
+                f"the pinned identity keys in {folder} (secure-peers) can be written by group or "
+                f"others ({', '.join(p.name for p in loose)}): whoever can write there can pin "
+                "a site of their own. Run `chmod go-w` on the folder and its files (the "
+                "coordinator must never be able to write it); nothing shared"
+            )
     else:
         root = policy.state_dir.parent
         files = {p.parent.name: p for p in sorted(root.glob(f"*/{IDENTITY_PUBLIC}"))}
@@ -225,26 +262,36 @@ class SecureStage:
             raise ConfigError("the secure-aggregation message carries no secure-sum record")
         return RecordDict({RECORD: record})
 
+    @property
+    def record(self) -> SecureRecord:
+        """The site's durable record of its current round's decisions."""
+        return SecureRecord(self.site.policy.state_dir)
+
     def load_round(self) -> SiteRound:
-        """This round's ``SiteRound`` from ``context.state``.
+        """This round's ``SiteRound`` from ``context.state``, with the site's durable record of
+        what it decided taken in (``SiteRound.recall``).
 
         Raises:
-            SecureSumAbortedError: none is kept for this round (the site restarted, or the
-                coordinator skipped a stage): the site cannot take part any more this round.
+            MasksUsedError: none is kept for this round (the site restarted, or the coordinator
+                skipped a stage), or the kept one is older than the durable record: the site
+                cannot take part any more this round.
         """
         record = self.context.state.get(STATE)
         blob = record.get("round") if isinstance(record, ConfigRecord) else None
         if isinstance(blob, bytes):
             kept = SiteRound.from_bytes(blob)
             if kept.round_id == self.round_id:
+                kept.recall(self.record.load())
                 return kept
-        raise SecureSumAbortedError(
+        raise MasksUsedError(
             f"no secure-sum state of round {self.server_round} at this site (restarted, or a "
             "stage was skipped): it cannot take part in this round any more"
         )
 
     def keep_round(self, site_round: SiteRound) -> None:
-        """Keep ``site_round`` for the round's next message (replacing any earlier round's)."""
+        """Keep ``site_round`` for the round's next message (replacing any earlier round's), its
+        decisions durably first (``client.secure_record``): call it before the reply leaves."""
+        self.record.keep(site_round.round_id, site_round.decisions())
         self.context.state[STATE] = ConfigRecord({"round": site_round.to_bytes()})
 
     def drop_round(self) -> None:
@@ -263,7 +310,9 @@ def advertise(stage: SecureStage) -> RecordDict:
     """Stage 1: the policy's refusal, or a fresh ``SiteRound`` and its signed advertisement.
 
     The request must name the site's own coordinate count and field; the advertisement signs,
-    with the round's keys, the site's ``mu / H``: the share it needs every honest site to add.
+    with the round's keys, the site's ``mu / (H - D)`` (the share it needs every honest site to
+    add) and its H and D (from which the coordinator picks the threshold). The new round
+    replaces the site's durable record, so a state of an earlier round is stale from here on.
     """
     site = stage.site
     refusal = site.admission_refusal(secure=True)
@@ -289,28 +338,25 @@ def advertise(stage: SecureStage) -> RecordDict:
         identity_key=identity_key(site.policy.state_dir, site.policy.secure_identity),
         bits=request.bits,
         noise_share=noise.mu_share,
+        trust=noise.trust,
     )
     stage.keep_round(site_round)
     return encode_advertise_reply(site_round.advertised, round_id=round_id)
 
 
 def share(stage: SecureStage) -> RecordDict:
-    """Stage 2: verify the roster against the pinned keys, then the sealed shares.
+    """Stage 2: check the threshold, verify the roster against the pinned keys, then the
+    sealed shares (``SiteRound.share``), shared once.
 
     Raises:
-        SecureSumAbortedError: the threshold is below the site's H honest sites (a sum of fewer
-            masked inputs could be unmasked), so it shares nothing.
-        KeyBindingError: an advertisement does not verify (a substituted key).
+        ThresholdError: the roster or threshold fails the site's threshold condition.
+        KeyBindingError: an advertisement does not verify (a substituted key, or a site whose
+            key is not pinned here), or the peers folder is writable by others.
+        MasksUsedError: the site shared already this round (its kept state is stale).
     """
-    site, honest, round_id = stage.site, stage.noise.honest, stage.round_id
+    site, round_id = stage.site, stage.round_id
     site_round = stage.load_round()
     request = decode_share_request(stage.secure_part(), round_id=round_id, site_id=site.site_id)
-    if request.threshold < honest:
-        stage.drop_round()
-        raise SecureSumAbortedError(
-            f"threshold {request.threshold} is below this site's {honest} honest sites: a sum of "
-            "fewer masked inputs could be unmasked; nothing shared"
-        )
     sealed = site_round.share(
         request.roster, registered=registered_keys(site.policy), threshold=request.threshold
     )
@@ -322,26 +368,24 @@ def mask(stage: SecureStage) -> RecordDict:
     """Stage 3: the round itself, answered with its facts and, unless refused, its masked input.
 
     First the shares sealed for this site and the participants U2, refused before anything is
-    charged: fewer than H participants, or a participant set ``SiteRound.mask`` or the field
-    (``check_sum_fits``) could not take. Then the site's admission (``Site.admit``, a secure
-    round) and the secure ending (``client.masked_input``), adding the largest share a
-    participant signed (``SiteRound.noise_share``), never less than its own: each participant's
-    own share ``mu_j / H_j`` is then covered by each of its ``H_j`` honest sites, whatever their
-    sizes.
+    charged: a participant set ``SiteRound.check_participants`` refuses (masked already, more
+    than D roster sites missing, fewer than t), one the field could not sum
+    (``check_sum_fits``), or a noise share above the site's whole noise
+    (``SiteRound.noise_share``). Then the site's admission (``Site.admit``, a secure round) and
+    the secure ending (``client.masked_input``), adding the largest share a participant signed,
+    never less than its own: each participant's own share ``mu_j / (H_j - D_j)`` is then
+    covered by each of its honest sites, whatever their sizes. The decision to mask is durable
+    before the reply leaves (``SecureStage.keep_round``).
 
     Raises:
-        SecureSumAbortedError: fewer participants than the site's H honest sites.
+        MasksUsedError: this round's masks were used already (a re-sent request).
+        SecureSumAbortedError: fewer participants than t, or more than D roster sites missing.
+        NoiseShareError: a participant's signed share exceeds this site's whole noise.
     """
     site, noise, round_id = stage.site, stage.noise, stage.round_id
     site_round = stage.load_round()
     request = decode_mask_request(stage.secure_part(), round_id=round_id, site_id=site.site_id)
     participants = request.participants
-    if len(participants) < noise.honest:
-        stage.drop_round()
-        raise SecureSumAbortedError(
-            f"{len(participants)} participants, fewer than this site's {noise.honest} honest "
-            "sites: nothing charged or sent"
-        )
     site_round.receive(request.sealed)
     # whatever mask() would refuse is refused now, before the round is charged
     site_round.check_participants(participants)
@@ -371,22 +415,43 @@ def mask(stage: SecureStage) -> RecordDict:
     return reply
 
 
-def unmask(stage: SecureStage) -> RecordDict:
-    """Stage 4: the shares that unmask the sum, only if at least H masked inputs survived.
+def consistency(stage: SecureStage) -> RecordDict:
+    """Stage 4: the site's signature of its participants and the survivors it is told
+    (``SiteRound.sign_view``): one view per round, durable before the reply leaves.
 
     Raises:
-        SecureSumAbortedError: fewer survivors than the site's H honest sites; nothing is
-            revealed and the round's secrets are dropped.
+        ConsistencyError: the survivors are not all participants, do not name this site, or
+            differ from a survivor set it signed already.
+        SecureSumAbortedError: fewer survivors than t, or more than D roster sites missing.
+        MasksUsedError: the site has not masked (its kept state is stale or gone).
     """
-    site, honest, round_id = stage.site, stage.noise.honest, stage.round_id
+    site, round_id = stage.site, stage.round_id
     site_round = stage.load_round()
-    request = decode_unmask_request(stage.secure_part(), round_id=round_id, site_id=site.site_id)
-    if len(request.survivors) < honest:
-        stage.drop_round()
-        raise SecureSumAbortedError(
-            f"{len(request.survivors)} masked inputs survived, fewer than this site's {honest} "
-            "honest sites: nothing revealed"
-        )
-    response = site_round.answer(request)
+    request = decode_consistency_request(
+        stage.secure_part(), round_id=round_id, site_id=site.site_id
+    )
+    signature = site_round.sign_view(
+        request.survivors,
+        identity_key=identity_key(site.policy.state_dir, site.policy.secure_identity),
+    )
+    stage.keep_round(site_round)
+    return encode_consistency_reply(signature, round_id=round_id, site_id=site.site_id)
+
+
+def unmask(stage: SecureStage) -> RecordDict:
+    """Stage 5: the shares that unmask the sum, only for exactly the view this site signed (its
+    durable record holds it) and with at least t valid signatures of it from survivors it
+    pinned (``SiteRound.answer``).
+
+    Raises:
+        ConsistencyError: the request names other sets than the site signed, or too few
+            signatures verify on them; nothing is revealed.
+    """
+    site, round_id = stage.site, stage.round_id
+    site_round = stage.load_round()
+    call = decode_unmask_request(stage.secure_part(), round_id=round_id, site_id=site.site_id)
+    response = site_round.answer(
+        call.request, signatures=call.signatures, registered=registered_keys(site.policy)
+    )
     stage.drop_round()
     return encode_unmask_reply(response, round_id=round_id)

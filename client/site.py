@@ -95,6 +95,7 @@ from prism_runtime.faults import NO_FAULTS, Faults
 from prism_runtime.lora import read_points
 from prism_runtime.model import LoadedModel, load_model, model_config_for
 from prism_runtime.protocol import REFUSAL_REASONS
+from prism_runtime.secure_sum.trust import RoundTrust
 from prism_runtime.train_config import MECHANISMS, site_train_config
 from prism_runtime.trainer import make_trainer
 
@@ -120,31 +121,39 @@ class SecureNoise:
     """A secure-aggregation site's noise for one run (docs/design.md §3.3).
 
     Attributes:
-        honest: H, the honest sites the charge counts on (``SitePolicy.honest_sites``).
-        sigma: the RDP-equivalent multiplier of the noise the sum carries with H honest sites
-            (the charged one; calibrated to the run's epsilon).
+        trust: H, the honest sites of a round the charge counts on (``SitePolicy.honest_sites``),
+            and D, the most roster sites the site tolerates missing from a sum
+            (``prism_runtime.secure_sum.RoundTrust``).
+        sigma: the RDP-equivalent multiplier of the noise the sum carries with H - D honest
+            inputs (the charged one; calibrated to the run's epsilon).
         mu: the Skellam parameter of that noise, in rounded units.
-        mu_share: this site's share, ``mu / H``.
+        mu_share: this site's share, ``mu / (H - D)``: every sum it takes part in holds at least
+            H - D honest inputs, each adding at least this much (``RoundTrust.share_divisor``).
         share_sigma: the RDP-equivalent multiplier of the share alone (the guarantee if every
             other site colluded with the coordinator).
         dim: the length of the coordinate vector (public: the model's shapes).
     """
 
-    honest: int
+    trust: RoundTrust
     sigma: float
     mu: float
     mu_share: float
     share_sigma: float
     dim: int
 
+    @property
+    def honest(self) -> int:
+        """H, the honest sites the charge counts on."""
+        return self.trust.honest
+
     @classmethod
-    def for_sigma(cls, sigma: float, *, honest: int, dim: int) -> SecureNoise:
+    def for_sigma(cls, sigma: float, *, trust: RoundTrust, dim: int) -> SecureNoise:
         l2, l1 = discrete_sensitivity(dim)
         mu = skellam_mu(sigma=sigma, l1=l1, l2=l2)
-        share = mu / honest
-        # at H = 1 the share IS the sum: min() keeps float rounding from putting it above sigma
+        share = mu / trust.share_divisor
+        # at H - D = 1 the share IS the sum: min() keeps float rounding from putting it above sigma
         alone = min(skellam_sigma(mu=share, l1=l1, l2=l2), sigma)
-        return cls(honest, sigma, mu, share, alone, dim)
+        return cls(trust, sigma, mu, share, alone, dim)
 
 
 @dataclass(frozen=True)
@@ -257,7 +266,7 @@ class Site:
                 )
             self.secure = SecureNoise.for_sigma(
                 self.sigma,
-                honest=policy.honest_sites(run),
+                trust=policy.round_trust(run),
                 dim=coordinate_dim(
                     coordinate_shapes(read_points(self.loaded.handles), self.loaded.head_params)
                 ),
@@ -455,7 +464,8 @@ class Site:
 
     def _secure_event(self) -> PrivacyEvent:
         """The event a secure-aggregation round charges: one clipped sum, at the noise the sum
-        carries when H sites are honest (``SecureNoise.sigma``)."""
+        carries when H sites are honest and at most D of the roster are missing
+        (``SecureNoise.sigma``)."""
         noise = self.secure
         if noise is None:  # admit refuses such a round first (secure-aggregation-off)
             raise ConfigError("this site takes no part in secure aggregation for this run")

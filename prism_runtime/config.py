@@ -126,6 +126,7 @@ SITE_BOUNDS: dict[str, tuple[str, ...]] = {
         "secure-aggregation-off",
         "secure-aggregation-not-configured",
     ),
+    "min-honest-sites": ("secure-dropouts-not-below-honest-sites",),
 }
 """Run-config keys a site's own policy bounds, with the ``REFUSAL_REASONS`` codes of a site that
 refuses the request (``client.policy.SitePolicy.refusal``; ``cap-exhausted``: the site's cap)."""
@@ -694,13 +695,28 @@ class SiteConfig(_Kebab):
         None,
         ge=1,
         le=MAX_HONEST_SITES,
-        description="secure aggregation: the most honest sites (this one included) this site "
-        "counts on; it adds noise std sigma C / sqrt(H) and charges the sum's noise, and records "
-        "the epsilon of its own share alone",
+        description="secure aggregation: the most honest sites (this one included) of a round's "
+        "roster this site counts on, i.e. it allows for a coordinator colluding with all the "
+        "others; it adds noise std sigma C / sqrt(H - D) and charges the sum's noise, records "
+        "the epsilon of its own share alone, and refuses a threshold t below its condition "
+        "(t >= n - D and t > n - H + D for n roster sites)",
         json_schema_extra=_allowed_note(
             f"an integer in [1, {MAX_HONEST_SITES}] (default: 1 for a deployed site, i.e. its "
             "own share carries the whole noise; a simulated site follows the run's "
             "min-honest-sites)"
+        ),
+    )
+    secure_max_dropouts: int = Field(
+        0,
+        ge=0,
+        le=MAX_HONEST_SITES - 1,
+        description="secure aggregation: D, the most sites of a round's roster this site "
+        "tolerates missing from a sum (sites that drop out after the key exchange); its share "
+        "is scaled for H - D honest inputs, and it refuses to mask, sign or unmask when more "
+        "than D are missing",
+        json_schema_extra=_allowed_note(
+            f"an integer in [0, {MAX_HONEST_SITES - 1}], below min-honest-sites (a round whose "
+            "H is not above it is refused: secure-dropouts-not-below-honest-sites)"
         ),
     )
     secure_identity: str = Field(
@@ -760,6 +776,19 @@ class SiteConfig(_Kebab):
         if value is not None and not 0 < value < 1:
             raise ValueError("must be > 0 and < 1")
         return value
+
+    @model_validator(mode="after")
+    def _dropouts_below_honest(self) -> SiteConfig:
+        honest = self.min_honest_sites
+        if honest is None and not self.simulation:
+            honest = 1  # a deployed site's default (client.policy)
+        if honest is not None and self.secure_max_dropouts >= honest:
+            raise ValueError(
+                f"secure-max-dropouts={self.secure_max_dropouts} is not below min-honest-sites="
+                f"{honest}: a site tolerates fewer dropouts than the honest sites it counts on "
+                "(set min-honest-sites above secure-max-dropouts)"
+            )
+        return self
 
     @property
     def simulation(self) -> bool:

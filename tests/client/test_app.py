@@ -9,7 +9,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
-from client.app import app
+from client.app import app, error_code
 from prism_runtime.config import RunConfig, parse_config
 from prism_runtime.exchange import to_arrays
 from prism_runtime.model import load_model, model_config_for
@@ -18,10 +18,21 @@ from prism_runtime.protocol import (
     ARRAYS,
     CONFIG,
     ROUND_NONCE,
+    SECURE_ERRORS,
     SERVER_ROUND,
     SITE_ERROR_CODES,
     STATUS_OK,
     STATUS_REFUSED,
+)
+from prism_runtime.secure_sum import (
+    ConsistencyError,
+    KeyBindingError,
+    MasksUsedError,
+    NoiseShareError,
+    SecureSumAbortedError,
+    SecureSumError,
+    ShareError,
+    ThresholdError,
 )
 
 PRIVATE = "Jane-Roe-1984-diagnosis"  # a cell value that must never leave the site
@@ -156,3 +167,24 @@ def test_the_messages_run_dir_does_not_move_the_ledger(tiny_bert, tmp_path):
     ledger = run_dir / "sites" / "site-0" / "privacy-ledger.jsonl"
     assert ledger.read_text().count("\n") == 1
     assert not hostile.exists()  # a new run-dir in the message gives no fresh ledger
+
+
+SECURE_REFUSALS = [
+    ThresholdError,
+    SecureSumAbortedError,
+    ConsistencyError,
+    MasksUsedError,
+    KeyBindingError,
+    ShareError,
+    NoiseShareError,
+]
+
+
+def test_each_secure_refusal_is_replied_with_its_own_code_and_fixed_text():
+    """A secure stage's refusal is an error reply with its kind's code (4010 to 4015) and that
+    code's fixed text; every code is listed once, and none is a plain site error's."""
+    codes = {cls: error_code(cls("round 3: site-b's keys ...")) for cls in SECURE_REFUSALS}
+    assert set(codes.values()) == set(SECURE_ERRORS) == set(range(4010, 4016))
+    assert all(code == cls.code for cls, code in codes.items())
+    assert all(SITE_ERROR_CODES[code] == SECURE_ERRORS[code] for code in SECURE_ERRORS)
+    assert error_code(SecureSumError("malformed")) == 4003

@@ -280,6 +280,51 @@ def test_a_site_counts_on_at_most_its_own_honest_sites(
 
 
 @pytest.mark.parametrize(
+    ("own", "dropouts", "code"),
+    [
+        (4, 3, None),  # D = H - 1: the largest D a round at H = 4 allows
+        (4, 4, "secure-dropouts-not-below-honest-sites"),  # refused by the config model too
+        (6, 4, "secure-dropouts-not-below-honest-sites"),  # the run's H = 4 caps the site's 6
+        (None, 1, "secure-dropouts-not-below-honest-sites"),  # deployed default H = 1
+    ],
+)
+def test_a_site_tolerates_fewer_dropouts_than_the_honest_sites_it_counts_on(
+    own: int | None, dropouts: int, code: str | None
+) -> None:
+    policy = _policy(min_honest_sites=own, secure_max_dropouts=dropouts, secure_peers=Path("/p"))
+    run = _run(**SECURE)
+    assert policy.refusal(run, N) == code
+    if code is None:
+        trust = policy.round_trust(run)
+        assert (trust.honest, trust.dropouts, trust.share_divisor) == (4, 3, 1)
+    else:
+        assert code in REFUSAL_REASONS
+        with pytest.raises(ConfigError, match="keep D below H"):
+            policy.round_trust(run)
+
+
+@pytest.mark.parametrize(
+    ("node", "allowed"),
+    [
+        ({"secure-max-dropouts": 1, "min-honest-sites": 2}, True),
+        ({"secure-max-dropouts": 2, "min-honest-sites": 2}, False),
+        ({"secure-max-dropouts": 1, "state-dir": "/s"}, False),  # deployed: H defaults to 1
+        ({"secure-max-dropouts": 1, "partition-id": 0}, True),  # simulated: the run's H
+        ({}, True),
+    ],
+)
+def test_the_node_config_refuses_dropouts_not_below_its_honest_sites(
+    node: dict[str, object], allowed: bool
+) -> None:
+    if allowed:
+        config = _node(**{"partition-id": 0, **node})
+        assert site_policy(config).secure_max_dropouts == node.get("secure-max-dropouts", 0)
+    else:
+        with pytest.raises(ConfigError, match=r"secure-max-dropouts=.* is not below"):
+            _node(**node)
+
+
+@pytest.mark.parametrize(
     ("setting", "secure_run", "peers", "code"),
     [
         ("allow", True, Path("/peers"), None),

@@ -36,6 +36,7 @@ _CUSTOM = {  # fields whose rule is not a plain bound: a value just outside it
     "label_texts": ["a||b", "|", "a| "],
     "privacy_unit": ["person", "records"],
     "min_honest_sites": [0, 1001],
+    "secure_max_dropouts": [-1, 1000],
 }
 
 
