@@ -1,4 +1,4 @@
-"""The coordinator's secure-aggregation round: four exchanges, then only the sum.
+"""The coordinator's secure-aggregation round: five exchanges, then only the sum.
 
 The round kind of a run that sets ``secure-aggregation`` (``server.strategy.contract``); the
 sites' side is ``client.secure``. A workflow: one state record (``SecureState``) and one method
@@ -7,18 +7,26 @@ With the round's chosen nodes (``configure_train``):
 
 1. ``secure_advertise``: each node gets the round's field size and vector length. A site that
    refuses answers with the usual refused reply (checked, charged nothing, never asked again);
-   the others answer with round keys signed by their identity key. A node is bound to the site
-   its advertisement names (the sites verify the signatures against their pinned keys).
-2. ``secure_share``: the roster ``U1`` and the threshold ``t = max(H_run, |U1| // 2 + 1)`` go to
-   every site of ``U1``; each returns its Shamir shares sealed for the others.
+   the others answer with round keys, noise share, H and D signed by their identity key. A node
+   is bound to the site its advertisement names (the sites verify the signatures against their
+   pinned keys). The threshold is the least every advertiser accepts for the roster ``U1`` of
+   ``n`` sites (``prism_runtime.secure_sum.least_common_threshold``: each site's
+   ``t >= n - D`` and ``t > n - H + D``).
+2. ``secure_share``: the roster and the threshold go to every site of ``U1``; each returns its
+   Shamir shares sealed for the others (for that t and roster).
 3. ``secure_mask``: each site of ``U2`` (those that shared) gets the broadcast, the round's
    config and the ciphertexts sealed for it; it checks, charges, computes and answers with its
    accounting facts and its masked vector. Facts are checked and charged as in a plain round
    (the round's ``ReplyIntake``); the masked vectors are kept only until the sum is unmasked.
-4. ``secure_unmask``: with at least ``t`` masked inputs, the survivors reveal the shares that
-   remove the masks; the coordinator keeps the SUM and drops every masked vector. With fewer,
-   the round is ABORTED before anything is unmasked: nothing is released, and the charges of the
-   sites that sent masked inputs stand (validate-then-charge, as in a plain round).
+4. ``secure_consistency``: each survivor (``U3``: its masked input arrived) gets the survivor
+   set and signs it with its participants (Bonawitz et al.'s ConsistencyCheck); the coordinator
+   keeps the signatures to forward.
+5. ``secure_unmask``: with at least ``t`` masked inputs and ``t`` signatures, the survivors get
+   the unmasking request and the signatures and reveal the shares that remove the masks (each
+   only for exactly the sets it signed, confirmed by t of the signatures); the coordinator keeps
+   the SUM and drops every masked vector. With fewer, the round is ABORTED before anything is
+   unmasked: nothing is released, and the charges of the sites that sent masked inputs stand
+   (validate-then-charge, as in a plain round).
 
 The sum then goes to ``server.strategy.central.CentralStep`` (PRISM's post-processing of one
 central mechanism). A node asked to mask and without a valid answer is charged UNCONFIRMED, as
@@ -44,6 +52,7 @@ from prism_runtime.protocol import (
     ARRAYS,
     CONFIG,
     SECURE_ADVERTISE,
+    SECURE_CONSISTENCY,
     SECURE_MASK,
     SECURE_SHARE,
     SECURE_UNMASK,
@@ -57,18 +66,23 @@ from prism_runtime.secure_sum import (
     UnmaskRequest,
     UnmaskResponse,
     centre,
+    least_common_threshold,
     plan_unmask,
     unmask_sum,
 )
 from prism_runtime.secure_sum.messages import (
     AdvertiseRequest,
+    ConsistencyRequest,
     MaskRequest,
     ShareRequest,
+    SignedUnmaskRequest,
     decode_advertise_reply,
+    decode_consistency_reply,
     decode_mask_reply,
     decode_share_reply,
     decode_unmask_reply,
     encode_advertise_request,
+    encode_consistency_request,
     encode_mask_request,
     encode_share_request,
     encode_unmask_request,
@@ -102,6 +116,7 @@ class SecureState:
     masked: dict[str, NDArray[np.uint64]] = field(default_factory=dict)
     shares: dict[str, float] = field(default_factory=dict)  # site -> its share's sigma
     divisor: dict[str, float] = field(default_factory=dict)  # site -> its expected batch
+    signatures: dict[str, bytes] = field(default_factory=dict)  # survivor -> its view's signature
     unmask: UnmaskRequest | None = None
     answers: list[UnmaskResponse] = field(default_factory=list)
 
@@ -139,7 +154,8 @@ class SecureRound:
     Args:
         central: PRISM's step on the unmasked sum (``CentralStep``), with its moments.
         binding: the strategy's node <-> site binding (advertisements bind nodes to sites).
-        min_honest_sites: the run's ``min-honest-sites``, the least threshold.
+        min_honest_sites: the run's ``min-honest-sites`` (what the sites are asked to count on;
+            each site's own H and D, signed in its advertisement, set the threshold).
     """
 
     def __init__(
@@ -151,9 +167,16 @@ class SecureRound:
         """Nothing to prepare: the central step reads the broadcast from the mask messages."""
 
     def run(self, round_: RoundContext) -> ArrayRecord | None:
-        """The four exchanges, then the central step on the sum (None: aborted or discarded)."""
+        """The five exchanges, then the central step on the sum (None: aborted or discarded)."""
         state = self.start(round_)
-        for stage in (self.advertise, self.share_keys, self.collect_masked, self.unmask_sum):
+        stages = (
+            self.advertise,
+            self.share_keys,
+            self.collect_masked,
+            self.check_consistency,
+            self.unmask_sum,
+        )
+        for stage in stages:
             if not stage(state):
                 return None
         return self.step(state)
@@ -205,7 +228,8 @@ class SecureRound:
                     raise SecureSumError(f"node {node} claims site {claimed!r}, bound elsewhere")
                 if claimed in state.adverts:
                     raise SecureSumError(f"site {claimed!r} advertised twice")
-            except (SecureSumError, ValueError, KeyError, TypeError) as exc:
+                keys.trust  # noqa: B018 - raises ConfigError unless 0 <= D < H
+            except (SecureSumError, ValueError, KeyError, TypeError) as exc:  # ConfigError too
                 log.warning(
                     "round %d: ignoring an advertisement from node %d: %s",
                     state.round_.server_round,
@@ -215,11 +239,14 @@ class SecureRound:
                 continue
             binding.node_site[node] = claimed
             state.adverts[claimed] = (node, keys)
-        state.threshold = max(self.min_honest_sites, len(state.adverts) // 2 + 1)
         # only the nodes asked to mask can have charged themselves: the others are not charged
         binding.sent_to = {
             n: state.round_.server_round for n in state.intake.answered | state.intake.replied
         }
+        trusts = [keys.trust for _, keys in state.adverts.values()]
+        threshold = least_common_threshold(trusts, len(trusts)) if trusts else None
+        # None: no site advertised, or one counts on more honest sites than advertised: abort
+        state.threshold = len(trusts) + 1 if threshold is None else threshold
         return self._enough(state, len(state.adverts), "sites advertised keys")
 
     def share_keys(self, state: SecureState) -> bool:
@@ -301,16 +328,56 @@ class SecureRound:
         state.intake.charge_unanswered()
         return self._enough(state, len(state.masked), "masked inputs", charged=True)
 
-    def unmask_sum(self, state: SecureState) -> bool:
-        """4. The survivors reveal the shares that remove the masks: the coordinator keeps the
-        SUM and drops every masked vector."""
+    def check_consistency(self, state: SecureState) -> bool:
+        """4. Every survivor signs its participants and the survivor set; at least t signatures
+        go on (the sites verify them: the coordinator holds no pinned key)."""
         request = state.unmask = plan_unmask(
             state.masked, participants=state.participants, threshold=state.threshold
         )
+        ask = ConsistencyRequest(survivors=request.survivors)
         contents = {
             state.node_of(site): _with(
                 {CONFIG: state.config},
-                encode_unmask_request(request, round_id=state.round_id, site_id=site),
+                encode_consistency_request(ask, round_id=state.round_id, site_id=site),
+            )
+            for site in sorted(request.survivors)
+        }
+        for msg in self._send(state, contents, SECURE_CONSISTENCY):
+            site = self.binding.site_of(msg.metadata.src_node_id)
+            if site not in request.survivors or msg.has_error():
+                log.warning(
+                    "round %d: no signature from %s (error or unknown node)",
+                    state.round_.server_round,
+                    site,
+                )
+                continue
+            try:
+                state.signatures[site] = decode_consistency_reply(
+                    _part(msg.content), round_id=state.round_id, site_id=site
+                )
+            except (SecureSumError, ValueError) as exc:
+                log.warning(
+                    "round %d: ignoring the signature of %s: %s",
+                    state.round_.server_round,
+                    site,
+                    exc,
+                )
+        if self._enough(state, len(state.signatures), "survivors signed", charged=True):
+            return True
+        state.masked.clear()
+        return False
+
+    def unmask_sum(self, state: SecureState) -> bool:
+        """5. The survivors reveal the shares that remove the masks, each for the sets it signed
+        (with the signatures that confirm them): the coordinator keeps the SUM and drops every
+        masked vector."""
+        request = state.unmask
+        assert request is not None
+        signed = SignedUnmaskRequest(request=request, signatures=dict(state.signatures))
+        contents = {
+            state.node_of(site): _with(
+                {CONFIG: state.config},
+                encode_unmask_request(signed, round_id=state.round_id, site_id=site),
             )
             for site in sorted(request.survivors)
         }
@@ -389,7 +456,8 @@ class SecureRound:
         faults: Faults = NO_FAULTS,
     ) -> Iterator[Message]:
         round_ = state.round_
-        # the key, share and unmask stages are milliseconds of work at a site: poll them often
+        # the key, share, consistency and unmask stages are milliseconds of work at a site: poll
+        # them often
         light = action != SECURE_MASK
         return send(
             round_.grid,

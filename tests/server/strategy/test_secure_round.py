@@ -21,6 +21,7 @@ from safetensors import safe_open
 from prism_core.records import SKELLAM_MECHANISM
 from prism_runtime.config import RunConfig, parse_config
 from prism_runtime.faults import Faults
+from prism_runtime.protocol import SECURE_STAGES
 from prism_runtime.secure_sum.wire import RECORD
 from server.federation import run_federation
 from server.ledger import Ledger
@@ -99,9 +100,7 @@ def test_a_secure_run_applies_the_sum_and_records_both_epsilons(tiny_bert, tmp_p
     assert summary["rounds-applied"] == ROUNDS, summary["rounds"]
     assert all(r["accepted"] and len(r["accepted"]) == SITES for r in summary["rounds"])
     actions = {t for t in grid.types}
-    assert actions == {
-        f"train.{a}" for a in ("secure_advertise", "secure_share", "secure_mask", "secure_unmask")
-    }, actions
+    assert actions == {f"train.{a}" for a in SECURE_STAGES}, actions
     evals = summary["server-eval"]
     assert set(evals) == {"0", "1", "2"} or set(evals) == {0, 1, 2}
     with Ledger.open(run_dir / "ledger.sqlite", read_only=True) as ledger:
@@ -124,20 +123,55 @@ def test_a_secure_run_applies_the_sum_and_records_both_epsilons(tiny_bert, tmp_p
     assert (run_dir / "adapter").is_dir()
 
 
+TOLERANT = {"min-honest-sites": 3, "secure-max-dropouts": 1}
+"""Sites that count on all three being honest and tolerate one of them missing: the threshold
+condition then allows t = 2 of 3 (t >= n - D and t > n - H + D)."""
+
+
 def test_a_site_dropping_after_masking_is_recovered(tiny_bert, tmp_path):
-    values = _config(tiny_bert, tmp_path / "run", **{"num-rounds": 1})
-    grid = SecureGrid(values, nodes=_nodes(), drop={102: "secure_unmask"})
+    values = _config(tiny_bert, tmp_path / "run", **{"num-rounds": 1, "min-honest-sites": 3})
+    grid = SecureGrid(values, nodes=_nodes(**TOLERANT), drop={102: "secure_unmask"})
     summary = _summary(_run(values, grid))
     (only,) = summary["rounds"]
     assert only["applied"] and len(only["accepted"]) == SITES, only
 
 
 def test_a_site_dropping_before_masking_is_left_out_of_the_sum(tiny_bert, tmp_path):
-    values = _config(tiny_bert, tmp_path / "run", **{"num-rounds": 1})
-    grid = SecureGrid(values, nodes=_nodes(), drop={102: "secure_mask"})
+    values = _config(tiny_bert, tmp_path / "run", **{"num-rounds": 1, "min-honest-sites": 3})
+    grid = SecureGrid(values, nodes=_nodes(**TOLERANT), drop={102: "secure_mask"})
     summary = _summary(_run(values, grid))
     (only,) = summary["rounds"]
     assert only["applied"] and len(only["accepted"]) == SITES - 1, only
+
+
+def test_a_site_that_tolerates_no_dropout_makes_a_dropout_abort_the_round(tiny_bert, tmp_path):
+    """D = 0 (the default) at one site: the threshold is every roster site, so a site dropping
+    after the key exchange aborts the round before anything is unmasked (the others tolerate
+    one: the least threshold every site accepts is the strictest)."""
+    values = _config(tiny_bert, tmp_path / "run", **{"num-rounds": 1, "min-honest-sites": 3})
+    nodes = _nodes(**TOLERANT)
+    nodes[100]["secure-max-dropouts"] = 0
+    grid = SecureGrid(values, nodes=nodes, drop={102: "secure_mask"})
+    summary = _summary(_run(values, grid))
+    (only,) = summary["rounds"]
+    assert not only["applied"] and "the threshold needs 3" in only["discarded"], only
+    assert "train.secure_consistency" not in grid.types
+
+
+def test_a_site_dropping_after_masking_without_signing_leaves_too_few_signatures(
+    tiny_bert, tmp_path
+):
+    """Every survivor must sign for t = 3 of 3: one that masks and then never signs aborts the
+    round before any share is revealed (its charge stands)."""
+    values = _config(tiny_bert, tmp_path / "run", **{"num-rounds": 1})
+    grid = SecureGrid(values, nodes=_nodes(), drop={102: "secure_consistency"})
+    run_dir = _run(values, grid)
+    (only,) = _summary(run_dir)["rounds"]
+    assert not only["applied"] and "2 survivors signed" in only["discarded"], only
+    assert "train.secure_unmask" not in grid.types
+    for i in range(SITES):  # every site masked: one charge each
+        lines = (run_dir / "sites" / f"site-{i}" / "privacy-ledger.jsonl").read_text()
+        assert len(lines.splitlines()) == 1
 
 
 def test_fewer_masked_inputs_than_h_abort_with_nothing_released(tiny_bert, tmp_path):
@@ -148,7 +182,7 @@ def test_fewer_masked_inputs_than_h_abort_with_nothing_released(tiny_bert, tmp_p
     (only,) = summary["rounds"]
     assert not only["applied"] and "aborted" in only["discarded"], only
     assert summary["adapter"] is None
-    assert "train.secure-unmask" not in grid.types  # nothing was asked to be unmasked
+    assert "train.secure_consistency" not in grid.types  # nothing was asked to be signed
 
 
 @pytest.mark.parametrize("policy", ["require"])
