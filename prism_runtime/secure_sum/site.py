@@ -194,12 +194,13 @@ class SiteRound:
             The sealed shares for each other site of the roster, keyed by receiver.
 
         Raises:
+            MasksUsedError: This site shared already this round.
             ThresholdError: The roster is smaller than H or t fails the threshold condition.
             KeyBindingError: An advertisement does not verify (names the site), or the roster
                 does not carry this site's own keys unchanged.
         """
         if self._roster:
-            raise SecureSumError(f"site {self.site_id!r} already shared its secrets this round")
+            raise MasksUsedError(f"site {self.site_id!r} already shared its secrets this round")
         self.trust.check_threshold(threshold, len(roster))
         if roster.get(self.site_id) != self._advertised:
             raise KeyBindingError(
