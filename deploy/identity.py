@@ -8,10 +8,18 @@ public keys it PINNED: the peers folder (node config ``secure-peers``) holds one
 the site's operator from the federation's registry, never sent by the coordinator. The identity
 key is not the SuperNode authentication key (``site.key``, P-384 OpenSSH), which only the
 coordinator checks.
+
+A pinned key is only as good as the way it came: every key's FINGERPRINT (``fingerprint``:
+SHA-256 of its DER SubjectPublicKeyInfo, in 16 groups of 4 hex digits) is printed when it is
+made (``python -m deploy.pki site-key``), listed for a peers folder (``python -m deploy.pki
+fingerprints DIR``) and logged when a site starts, so the operators compare them out of band
+(by telephone, on paper) before trusting a registry's file; and the peers folder must be
+writable by its owner only (``check_peers``), never by a service of the coordinator.
 """
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
@@ -20,7 +28,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from deploy.errors import DeployError, InsecureSetupError
 from prism_runtime.identity import IDENTITY_KEY
 
-__all__ = ["check_peers", "load_identity", "public_pem"]
+__all__ = ["check_peers", "fingerprint", "load_identity", "pinned_keys", "public_pem"]
 
 _PRIVATE_MARK = b"PRIVATE KEY"
 
@@ -56,6 +64,24 @@ def load_identity(path: Path) -> ec.EllipticCurvePrivateKey:
     return key
 
 
+def fingerprint(pem: bytes) -> str:
+    """The fingerprint of a public key in PEM: SHA-256 of its DER SubjectPublicKeyInfo, as 16
+    groups of 4 hex digits (what two operators read to each other to compare a pinned key).
+
+    Raises:
+        DeployError: ``pem`` is not a public key in PEM.
+    """
+    try:
+        key = serialization.load_pem_public_key(pem)
+    except ValueError:
+        raise DeployError("not a public key in PEM: no fingerprint") from None
+    der = key.public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    digest = hashlib.sha256(der).hexdigest()
+    return " ".join(digest[i : i + 4] for i in range(0, len(digest), 4))
+
+
 def _peer(path: Path) -> bytes:
     """The public key in ``path`` (normalised PEM), refused if it is not a P-256 public key."""
     try:
@@ -72,17 +98,18 @@ def _peer(path: Path) -> bytes:
     )
 
 
-def check_peers(folder: Path, *, site_id: str, identity: Path | None, variable: str) -> int:
-    """Check the peers folder ``folder``; returns how many site keys it pins (0: none yet).
+def pinned_keys(folder: Path, *, variable: str) -> dict[str, bytes]:
+    """The public keys a peers folder pins (site id -> normalised PEM), checked.
 
-    The folder is public: it must hold no private key. Every ``*.pem`` must be a P-256 public
-    key; once it pins any, it must pin this site's own (``<site_id>.pem``, the public half of
-    ``identity``): every site, this one included, checks this site's signatures against it.
+    The folder is public but the site's alone to write: it must hold no private key, and
+    neither it nor a key in it may be writable by group or others (whoever can write it can
+    pin a site of their own; the site refuses such a folder at every round too). Every ``*.pem``
+    must be a P-256 public key.
 
     Raises:
-        InsecureSetupError: a private key lies in the folder.
-        DeployError: the folder is missing, a key is unusable, this site's own key is missing
-            or is not the public half of ``identity``, or ``identity`` is not given.
+        InsecureSetupError: a private key lies in the folder, or it or a key in it is writable
+            by group or others.
+        DeployError: the folder is missing or a key is unusable.
     """
     if not folder.is_dir():
         raise DeployError(
@@ -97,7 +124,31 @@ def check_peers(folder: Path, *, site_id: str, identity: Path | None, variable: 
             f"({', '.join(secret)}); it holds the other sites' public keys only. Move the file "
             "into the site's key folder (or delete it if it belongs to no one here)"
         )
-    pinned = {p.stem: _peer(p) for p in files if p.suffix == ".pem"}
+    pems = [p for p in files if p.suffix == ".pem"]
+    loose = [p.name for p in (folder, *pems) if p.stat().st_mode & 0o022]
+    if loose:
+        raise InsecureSetupError(
+            f"refusing to start: the peers folder {folder} ({variable}) or its keys "
+            f"({', '.join(loose)}) can be written by group or others, so someone else (a "
+            f"service of the coordinator) could pin a site of their own. Run `chmod go-w "
+            f"{folder} {folder}/*.pem`, and mount it read-only wherever another party runs"
+        )
+    return {p.stem: _peer(p) for p in pems}
+
+
+def check_peers(folder: Path, *, site_id: str, identity: Path | None, variable: str) -> int:
+    """Check the peers folder ``folder``; returns how many site keys it pins (0: none yet).
+
+    The folder passes ``pinned_keys``; once it pins any, it must pin this site's own
+    (``<site_id>.pem``, the public half of ``identity``): every site, this one included, checks
+    this site's signatures against it.
+
+    Raises:
+        InsecureSetupError: as ``pinned_keys``.
+        DeployError: the folder is missing, a key is unusable, this site's own key is missing
+            or is not the public half of ``identity``, or ``identity`` is not given.
+    """
+    pinned = pinned_keys(folder, variable=variable)
     if not pinned:
         return 0
     if identity is None:

@@ -39,8 +39,10 @@ true), ``PRISM_PRIVACY_UNIT`` (``user``: one epsilon per person with all their r
 required with ``user``), ``PRISM_PARTITION_ID`` and ``PRISM_NUM_PARTITIONS`` (one-host demo only),
 ``PRISM_SECURE_AGGREGATION`` (``off``, ``allow`` (default) or ``require``),
 ``PRISM_MIN_HONEST_SITES`` (H: the most honest sites, this one included, the site counts on;
-default 1), ``PRISM_SECURE_PEERS`` (the folder of pinned identity public keys, one
-``<site-id>.pem`` per site; a site without it refuses secure rounds), ``PRISM_SECURE_IDENTITY``
+default 1), ``PRISM_SECURE_MAX_DROPOUTS`` (D: the most sites of a round it tolerates missing;
+below H, default 0), ``PRISM_SECURE_PEERS`` (the folder of pinned identity public keys, one
+``<site-id>.pem`` per site, writable by its owner only; their fingerprints are logged at start;
+a site without it refuses secure rounds), ``PRISM_SECURE_IDENTITY``
 (the site's identity private key file, e.g. ``KEYS_DIR/identity.pem``),
 ``PRISM_CLIENTAPP_PORT`` (default 9094), ``PRISM_SITE_EXECUTOR`` (``worker``, the default: the
 SuperNode runs under the site's warm worker ``client.worker``, one long-lived process that runs
@@ -59,7 +61,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from deploy.errors import DeployError, InsecureSetupError
-from deploy.identity import check_peers, load_identity
+from deploy.identity import check_peers, fingerprint, load_identity, pinned_keys
 
 __all__ = [
     "ALLOW_INSECURE",
@@ -96,10 +98,18 @@ _NODE_ENV = {
     "num-partitions": "PRISM_NUM_PARTITIONS",
     "secure-aggregation": "PRISM_SECURE_AGGREGATION",
     "min-honest-sites": "PRISM_MIN_HONEST_SITES",
+    "secure-max-dropouts": "PRISM_SECURE_MAX_DROPOUTS",
     "secure-peers": "PRISM_SECURE_PEERS",
     "secure-identity": "PRISM_SECURE_IDENTITY",
 }
-_NUMERIC = {"epsilon-cap", "delta", "partition-id", "num-partitions", "min-honest-sites"}
+_NUMERIC = {
+    "epsilon-cap",
+    "delta",
+    "partition-id",
+    "num-partitions",
+    "min-honest-sites",
+    "secure-max-dropouts",
+}
 _BOOLEAN = {
     "share-num-examples",
     "allow-nondp",
@@ -299,6 +309,10 @@ def _secure_settings(values: dict[str, object]) -> dict[str, object]:
             variable="PRISM_SECURE_PEERS",
         )
     if pinned:
+        for site, pem in sorted(
+            pinned_keys(Path(str(peers)), variable="PRISM_SECURE_PEERS").items()
+        ):
+            log.info("pinned identity key of %s: %s", site, fingerprint(pem))
         return values
     if mode == "require":
         raise DeployError(

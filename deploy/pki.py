@@ -24,6 +24,11 @@ container can see another party's secret whatever the Docker Engine version (no 
   ``--ca-cert`` copies the federation's CA certificate into ``DIR``; ``--publish`` writes the
   public key as ``DIR2/NAME.pub`` (what the register step reads); ``--publish-identity`` writes
   the identity public key as ``DIR3/NAME.pem`` (a peers folder, node config ``secure-peers``).
+  It prints the identity key's fingerprint, for the operators to compare out of band.
+- ``fingerprints DIR``: the fingerprint of every pinned identity key in the peers folder ``DIR``
+  (``deploy.identity.fingerprint``), one ``NAME.pem  XXXX XXXX ...`` line each, to compare with
+  what each site's operator read off its own ``site-key`` output; refused if the folder fails
+  the launcher's checks (a private key in it, writable by group or others).
 
 Idempotent: private keys and certificates are never overwritten; copies of public files
 (``ca.crt`` in a holder's folder, a published ``NAME.pub`` or ``NAME.pem``) follow their
@@ -53,7 +58,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from deploy.errors import DeployError
-from deploy.identity import load_identity, public_pem
+from deploy.identity import fingerprint, load_identity, pinned_keys, public_pem
 from prism_runtime.identity import IDENTITY_KEY
 
 __all__ = [
@@ -252,7 +257,7 @@ def site_key(
     federation's CA certificate, copied to ``out/ca.crt``; ``publish``: a folder that gets a copy
     of the public key as ``NAME.pub`` (what ``deploy.register sync`` reads);
     ``publish_identity``: a folder that gets the identity public key as ``NAME.pem`` (a peers
-    folder).
+    folder; left writable by its owner only).
     """
     valid_site_name(name)
     if ca_cert is not None and not ca_cert.is_file():
@@ -285,7 +290,18 @@ def site_key(
         _publish(pub_path.read_bytes(), publish / f"{name}.pub")
     if publish_identity is not None:
         _publish(identity, publish_identity / f"{name}.pem")
+        _owner_writable_only(publish_identity)
     return pub_path
+
+
+def _owner_writable_only(folder: Path) -> None:
+    """Take group and others' write permission off a peers folder (the launcher refuses it)."""
+    mode = folder.stat().st_mode
+    if mode & 0o022:
+        try:
+            folder.chmod(mode & ~0o022 & 0o7777)
+        except PermissionError as exc:
+            raise _unwritable(folder, exc) from exc
 
 
 def _separate(folders: dict[str, Path]) -> None:
@@ -360,6 +376,10 @@ def _build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="folder (of pinned identity keys) that gets the identity public key as NAME.pem",
     )
+    prints = sub.add_parser(
+        "fingerprints", help="the fingerprint of every identity key a peers folder pins"
+    )
+    prints.add_argument("folder", type=Path, help="the peers folder (secure-peers)")
     return parser
 
 
@@ -406,6 +426,21 @@ def _site_key(args: argparse.Namespace) -> None:
         "(it is not secret; every site of the federation pins it):"
     )
     print(identity)
+    print(
+        "Its fingerprint: read it to every other site's operator out of band (telephone, "
+        "paper), who compares it with `python -m deploy.pki fingerprints PEERS_DIR` before "
+        "trusting the registry's file:"
+    )
+    print(f"{args.name}.pem  {fingerprint(identity.encode())}")
+
+
+def _fingerprints(folder: Path) -> None:
+    """``fingerprints``: one line per pinned key of the peers folder ``folder``."""
+    pinned = pinned_keys(folder, variable="the peers folder")
+    if not pinned:
+        raise DeployError(f"{folder} pins no identity keys (no <site-id>.pem)")
+    for site, pem in sorted(pinned.items()):
+        print(f"{site}.pem  {fingerprint(pem)}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -414,6 +449,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "init":
             print(f"prism-fl pki: {_init(args)}")
+        elif args.command == "fingerprints":
+            _fingerprints(args.folder)
         else:
             _site_key(args)
     except DeployError as exc:

@@ -35,6 +35,7 @@ case "$OWNER" in
 esac
 mkdir -p "$KEYS_DIR" "$PEERS_DIR"
 chmod 700 "$KEYS_DIR"
+chmod go-w "$PEERS_DIR"  # the pinned keys: writable by this site's operator alone
 if python3 -c "import deploy.pki" 2>/dev/null; then
     python3 -m deploy.pki site-key --out "$KEYS_DIR" --name "$SITE_ID"
     if [ "$(id -u)" = 0 ]; then

@@ -146,27 +146,57 @@ def test_one_host_federation_is_secure_by_default():
 
 
 def test_one_host_sites_pin_each_others_identity_keys():
-    """Each key step publishes its site's identity public key to ``pki-public/secure-peers``;
-    each site signs with its own ``identity.pem`` and pins that folder (public, read-only)."""
+    """Each key step publishes its site's identity public key to the ``secure-peers`` volume;
+    each site signs with its own ``identity.pem`` and pins that volume, mounted read-only."""
     text = (ROOT / "docker-compose.yml").read_text()
     assert 'flwr run . prism-compose --stream --run-config "secure-aggregation=true"' in text
     services = compose_config(ROOT / "docker-compose.yml")["services"]
     for site in SITES:
         step = services[f"{site}-key"]["command"]
-        assert step[step.index("--publish-identity") + 1] == "/pki-public/secure-peers"
+        assert step[step.index("--publish-identity") + 1] == "/secure-peers"
         env, mounts = services[site]["environment"], _mounts(services[site])
         assert env["PRISM_SECURE_IDENTITY"] == "/keys/identity.pem"
-        assert env["PRISM_SECURE_PEERS"] == "/pki-public/secure-peers"
+        assert env["PRISM_SECURE_PEERS"] == "/secure-peers"
         assert env["PRISM_SECURE_AGGREGATION"] == "allow"
         assert env["PRISM_MIN_HONEST_SITES"] == "2"
-        public = mounts["/pki-public"]
-        assert public["type"] == "volume" and public["source"] == "pki-public"
-        assert public["read_only"]
-    policy = {"PRISM_SECURE_AGGREGATION": "require", "PRISM_MIN_HONEST_SITES": "3"}
+        assert env["PRISM_SECURE_MAX_DROPOUTS"] == "0"
+        pinned = mounts["/secure-peers"]
+        assert pinned["type"] == "volume" and pinned["source"] == "secure-peers"
+        assert pinned["read_only"]
+    policy = {
+        "PRISM_SECURE_AGGREGATION": "require",
+        "PRISM_MIN_HONEST_SITES": "3",
+        "PRISM_SECURE_MAX_DROPOUTS": "1",
+    }
     overridden = compose_config(ROOT / "docker-compose.yml", env=policy)["services"]
     for site in SITES:
         env = overridden[site]["environment"]
         assert {k: env[k] for k in policy} == policy
+
+
+@pytest.mark.parametrize(("files", "env_file"), COMPOSE_SETS, ids=lambda v: str(v)[-40:])
+def test_no_coordinator_service_can_write_the_pinned_keys(files, env_file):
+    """The folder a site pins its peers' identity keys from is written by the sites' own key
+    steps only: every other service that mounts it (the sites) mounts it read-only, and no
+    coordinator service (the CA, the SuperLink, the register step) mounts it at all, so the
+    coordinator cannot pin a site of its own. The same for a bind-mounted peers folder."""
+    services = _services(files, env_file)
+    coordinator = {"pki", "superlink", "register"}
+    writers = {f"{site}-key" for site in SITES}
+    for name, service in services.items():
+        pins = service.get("environment", {}).get("PRISM_SECURE_PEERS")
+        for mount in service.get("volumes", []):
+            holds_pins = mount["source"] == "secure-peers" or (
+                pins is not None and mount["target"] == pins
+            )
+            if not holds_pins:
+                continue
+            assert name not in coordinator, (name, mount)
+            assert mount.get("read_only", False) == (name not in writers), (name, mount)
+    for name in coordinator & set(services):
+        mounted = {m["source"] for m in services[name].get("volumes", [])}
+        assert "secure-peers" not in mounted, name
+        assert "PRISM_SECURE_PEERS" not in services[name].get("environment", {}), name
 
 
 def _node_config(args: list[str]) -> dict[str, Any]:
@@ -254,14 +284,15 @@ def test_no_container_sees_another_partys_secret(tmp_path):
     superlink_args(svc["superlink"].env)  # its folder holds its own files only
     for site in SITES:  # each pins the federation's identity keys, its own matching its key
         node = _node_config(supernode_args(svc[site].env))
-        assert node["secure-peers"] == str(svc[site].host_path("/pki-public/secure-peers"))
+        assert node["secure-peers"] == str(svc[site].host_path("/secure-peers"))
         assert svc[site].host_path("/keys/ca.crt").read_bytes() == (
             svc["superlink"].host_path("/tls/ca.crt").read_bytes()
         )
     published = svc["register"].host_path("/pki-public/sites")
     assert sorted(p.stem for p in published.glob("*.pub")) == sorted(SITES)
-    pinned = svc["register"].host_path("/pki-public/secure-peers")
+    pinned = svc[SITES[0]].host_path("/secure-peers")
     assert sorted(p.stem for p in pinned.glob("*.pem")) == sorted(SITES)
+    assert not pinned.stat().st_mode & 0o022  # writable by its owner only
     for file in svc["register"].host_path("/pki-public").rglob("*"):  # public files only
         assert file.is_dir() or b"PRIVATE KEY" not in file.read_bytes(), file
 
@@ -386,6 +417,7 @@ def test_site_kit_settings_start_a_tls_authenticated_supernode(tmp_path):
         "user-field": "patient_id",
         "secure-aggregation": "allow",
         "min-honest-sites": 1,  # counts on no one: its own share carries the whole noise
+        "secure-max-dropouts": 0,  # tolerates no site missing from a sum
         "secure-identity": str(keys / "identity.pem"),
     }
 

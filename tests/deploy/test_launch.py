@@ -267,6 +267,8 @@ def test_a_sites_secure_aggregation_settings_reach_the_site_as_it_reads_them(pki
         ("PRISM_SECURE_AGGREGATION", "maybe", r"PRISM_SECURE_AGGREGATION='maybe': use off"),
         ("PRISM_MIN_HONEST_SITES", "two", r"PRISM_MIN_HONEST_SITES='two' is not a number"),
         ("PRISM_MIN_HONEST_SITES", "0", r"min-honest-sites"),
+        ("PRISM_SECURE_MAX_DROPOUTS", "1", r"secure-max-dropouts=1 is not below"),  # H = 1
+        ("PRISM_SECURE_MAX_DROPOUTS", "one", r"PRISM_SECURE_MAX_DROPOUTS='one' is not a number"),
     ],
 )
 def test_bad_secure_aggregation_settings_are_named(pki, variable, value, why):
@@ -311,6 +313,8 @@ def _p256_public(path):
         ("own key replaced", DeployError, r"hospital-a.pem .* is not the public half"),
         ("no identity", DeployError, r"PRISM_SECURE_IDENTITY is not set"),
         ("not a folder", DeployError, r"is not a folder"),
+        ("folder writable by others", InsecureSetupError, r"\(secure-peers\) can be written"),
+        ("key writable by group", InsecureSetupError, r"keys \(clinic-c.pem\) can be written"),
     ],
 )
 def test_an_unusable_peers_folder_is_refused(pki, damage, error, why):
@@ -329,10 +333,30 @@ def test_an_unusable_peers_folder_is_refused(pki, damage, error, why):
         _p256_public(peers / "hospital-a.pem")
     elif damage == "no identity":
         env["PRISM_SECURE_IDENTITY"] = ""
+    elif damage == "folder writable by others":
+        peers.chmod(0o777)  # a shared volume another party's service can write
+    elif damage == "key writable by group":
+        (peers / "clinic-c.pem").chmod(0o664)
     else:
         env["PRISM_SECURE_PEERS"] = str(pki / "public" / "ca.crt")
     with pytest.raises(error, match=why):
         supernode_args(env)
+
+
+def test_the_pinned_keys_fingerprints_are_logged_at_start(pki, caplog):
+    """Every pinned key's fingerprint is in the site's log when it starts, as ``deploy.pki
+    fingerprints`` and ``site-key`` print it, for the operators to compare out of band."""
+    import logging
+
+    from deploy.identity import fingerprint
+
+    peers = pki / "public" / "secure-peers"
+    _p256_public(peers / "clinic-c.pem")
+    with caplog.at_level(logging.INFO, logger="deploy.launch"):
+        supernode_args(_secure_env(pki, PRISM_SECURE_MAX_DROPOUTS="0"))
+    for site in ("clinic-c", "hospital-a"):
+        printed = fingerprint((peers / f"{site}.pem").read_bytes())
+        assert f"pinned identity key of {site}: {printed}" in caplog.text
 
 
 def test_an_empty_peers_folder_leaves_the_site_out_of_secure_rounds(pki, tmp_path, caplog):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import stat
 from pathlib import Path
 
@@ -252,3 +253,30 @@ def test_site_key_command_prints_the_identity_public_key_only(tmp_path, capsys):
     assert (peers / "clinic-c.pem").read_bytes() == public
     body = [ln for ln in (keys / "identity.pem").read_text().splitlines() if "---" not in ln]
     assert body and not any(line in printed for line in body)
+
+
+def test_fingerprints_are_printed_when_a_key_is_made_and_for_a_peers_folder(tmp_path, capsys):
+    """``site-key`` prints the identity key's fingerprint (SHA-256 of its DER public key, 16
+    groups of 4 hex digits); ``fingerprints`` prints the same line for every pinned key, so two
+    operators can compare what each pinned with what each made."""
+    peers = tmp_path / "peers"
+    made = {}
+    for site in ("clinic-c", "hospital-a"):
+        keys = tmp_path / site
+        assert (
+            main(["site-key", "--out", str(keys), "--name", site, "--publish-identity", str(peers)])
+            == 0
+        )
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith(f"{site}.pem "))
+        der = serialization.load_pem_public_key(site_identity(keys)).public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+        digest = hashlib.sha256(der).hexdigest()
+        assert line == f"{site}.pem  " + " ".join(digest[i : i + 4] for i in range(0, 64, 4))
+        made[site] = line
+    assert not peers.stat().st_mode & 0o022  # the published peers folder: its owner's only
+    assert main(["fingerprints", str(peers)]) == 0
+    assert capsys.readouterr().out.splitlines() == [made["clinic-c"], made["hospital-a"]]
+    peers.chmod(0o775)
+    assert main(["fingerprints", str(peers)]) == 2
+    assert "can be written by group or others" in capsys.readouterr().err
