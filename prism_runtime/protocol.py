@@ -16,7 +16,8 @@ Refusals and errors: a site that will not run a round replies
 ``status = STATUS_REFUSED`` with ``reason`` set to one of ``REFUSAL_REASONS`` (a code, never free
 text) and charges nothing. A site that fails replies with a Flower error message whose
 ``Error.code`` is one of ``SITE_ERROR_CODES`` and whose ``Error.reason`` is that code's fixed text:
-never exception text or data (the full error stays in the site's own log).
+never exception text or data (the full error stays in the site's own log). A site that stops its
+part in a secure round replies with one of ``SECURE_ERRORS`` (one code per kind of refusal).
 
 Randomness: ``RNG`` in the facts says where the site's sampling/dropout/noise randomness came
 from: ``RNG_SECURE`` (OS CSPRNG, the default) or ``RNG_REPRODUCIBLE`` (seeded from a site-local

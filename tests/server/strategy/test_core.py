@@ -253,7 +253,7 @@ def test_a_secure_strategy_refuses_flowers_one_exchange_aggregation(tmp_path) ->
         strategy = core.PrismStrategy.from_run(
             run, modules=MODULES, head=[], ledger=ledger, run_id="run-1", arrays=adapter()
         )
-        with pytest.raises(TypeError, match="four exchanges"):
+        with pytest.raises(TypeError, match="five exchanges"):
             strategy.aggregate_train(1, [])
 
 
