@@ -9,9 +9,13 @@ every round. The round times
 are the coordinator's ``round N: sent, answered and aggregated in S s`` lines; their medians
 over rounds 2.. are compared as a ratio (round 1 builds every site's model and shard).
 
-Bytes per site and round are computed from the messages' encodings for the model's shapes
-(``prism_runtime.secure_sum.messages``; the plain round's update is float32 ``dA, dB`` per
-module and the head's change), not measured on the wire (Flower adds its own framing to both).
+Bytes per site and round are measured on the messages' encodings for the model's shapes: one
+secure round of ``--sites`` sites is played in this process through the codec
+(``prism_runtime.secure_sum.messages``), and each message one site receives or sends is
+serialised as Flower serialises a ``RecordDict`` (protobuf); the plain round's update (float32
+``dA, dB`` per module and the head's change) the same way. Flower's own message framing, the
+same for both, is not counted. The same round gives the CPU time of the consistency stage at a
+site (signing its view; verifying the t signatures before it unmasks), one thread.
 
     HF_HUB_OFFLINE=1 PYTHONPATH=. .venv/bin/python bench/secure_cost.py --sites 8 --rounds 4 \\
         --out docs/results/secure/cost-k8.json
@@ -89,34 +93,138 @@ def one(secure: bool, sites: int, rounds: int, folder: Path) -> dict[str, Any]:
     }
 
 
-def bytes_per_site(sites: int) -> dict[str, int]:
-    """Bytes one site receives and sends per round, secure and plain, from the encodings."""
+def _encoded(content: Any) -> int:
+    from flwr.common.serde import recorddict_to_proto
+
+    return len(recorddict_to_proto(content).SerializeToString())
+
+
+def bytes_per_site(sites: int) -> dict[str, Any]:
+    """Bytes one site receives and sends per round, per stage, secure and plain, measured on
+    the encoded messages of one round played through the codec; the consistency stage's CPU."""
+    import numpy as np
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from flwr.app import ArrayRecord, RecordDict
+
     from prism_core.distributed import FIELD_BITS, coordinate_dim, coordinate_shapes
     from prism_runtime.config import RunConfig
     from prism_runtime.exchange import to_arrays
     from prism_runtime.lora import read_points
     from prism_runtime.model import load_model, model_config_for
-    from prism_runtime.secure_sum.wire import SEALED_SHARES_BYTES, SHARE_BYTES
+    from prism_runtime.protocol import UPDATE
+    from prism_runtime.secure_sum import RoundId, RoundTrust, SiteRound, plan_unmask
+    from prism_runtime.secure_sum.messages import (
+        AdvertiseRequest,
+        ConsistencyRequest,
+        MaskRequest,
+        ShareRequest,
+        SignedUnmaskRequest,
+        encode_advertise_reply,
+        encode_advertise_request,
+        encode_consistency_reply,
+        encode_consistency_request,
+        encode_mask_reply,
+        encode_mask_request,
+        encode_share_reply,
+        encode_share_request,
+        encode_unmask_reply,
+        encode_unmask_request,
+    )
 
     loaded = load_model(model_config_for(RunConfig()), method="prism")
     dim = coordinate_dim(coordinate_shapes(read_points(loaded.handles), loaded.head_params))
-    arrays = to_arrays(loaded)
-    update = sum(v.numel() * 4 for v in arrays.values())  # dA, dB like A, B; the head's change
-    keys = 3 * 32 + 72  # two public keys, a commitment, a DER P-256 signature (at most 72)
+    plain = _encoded(RecordDict({UPDATE: ArrayRecord(to_arrays(loaded))}))  # dA, dB like A, B
+
+    rid, names = RoundId("bench", 1), [f"site-{i}" for i in range(sites)]
+    keys = {s: ec.generate_private_key(ec.SECP256R1()) for s in names}
+    registered = {s: k.public_key() for s, k in keys.items()}
+    trust = RoundTrust(sites, 0)  # every site honest, none missing: t = K
+    rounds = {
+        s: SiteRound(
+            site_id=s,
+            round_id=rid,
+            identity_key=keys[s],
+            bits=FIELD_BITS,
+            noise_share=1.0,
+            trust=trust,
+        )
+        for s in names
+    }
+    roster = {s: r.advertised for s, r in rounds.items()}
+    sealed = {s: r.share(roster, registered=registered, threshold=sites) for s, r in rounds.items()}
+    masked = {}
+    for s, r in rounds.items():
+        r.receive({o: sealed[o][s] for o in names if o != s})
+        masked[s] = r.mask(np.zeros(dim, dtype=np.uint64), participants=names)
+    request = plan_unmask(masked, participants=names, threshold=sites)
+    signing, signatures = [], {}
+    for s, r in rounds.items():
+        start = time.process_time()
+        signatures[s] = r.sign_view(request.survivors, identity_key=keys[s])
+        signing.append(time.process_time() - start)
+    verifying, answers = [], {}
+    for s, r in rounds.items():
+        start = time.process_time()
+        answers[s] = r.answer(request, signatures=signatures, registered=registered)
+        verifying.append(time.process_time() - start)
+
+    me = names[0]
+    signed = SignedUnmaskRequest(request=request, signatures=signatures)
+    ask = AdvertiseRequest(bits=FIELD_BITS, length=dim)
+    stages = {
+        "advertise": (
+            encode_advertise_request(ask, round_id=rid, site_id=me),
+            encode_advertise_reply(roster[me], round_id=rid),
+        ),
+        "share": (
+            encode_share_request(
+                ShareRequest(roster=roster, threshold=sites), round_id=rid, site_id=me
+            ),
+            encode_share_reply(sealed[me], round_id=rid, site_id=me),
+        ),
+        "mask": (
+            encode_mask_request(
+                MaskRequest(
+                    sealed={o: sealed[o][me] for o in names if o != me},
+                    participants=frozenset(names),
+                ),
+                round_id=rid,
+                site_id=me,
+            ),
+            encode_mask_reply(masked[me], round_id=rid, site_id=me, bits=FIELD_BITS),
+        ),
+        "consistency": (
+            encode_consistency_request(
+                ConsistencyRequest(survivors=request.survivors), round_id=rid, site_id=me
+            ),
+            encode_consistency_reply(signatures[me], round_id=rid, site_id=me),
+        ),
+        "unmask": (
+            encode_unmask_request(signed, round_id=rid, site_id=me),
+            encode_unmask_reply(answers[me], round_id=rid),
+        ),
+    }
+    received = {stage: _encoded(pair[0]) for stage, pair in stages.items()}
+    sent = {stage: _encoded(pair[1]) for stage, pair in stages.items()}
+    unsigned = SignedUnmaskRequest(request=request, signatures={})
+    forwarded = received["unmask"] - _encoded(
+        encode_unmask_request(unsigned, round_id=rid, site_id=me)
+    )  # the survivors' signatures in the unmasking request
+    stage_bytes = received["consistency"] + sent["consistency"] + forwarded
     return {
         "coordinates": dim,
         "field-bits": FIELD_BITS,
-        "plain: update sent": update,
-        "secure: keys sent": keys,
-        "secure: roster received": sites * keys,
-        "secure: shares sent": (sites - 1) * SEALED_SHARES_BYTES,
-        "secure: shares received": (sites - 1) * SEALED_SHARES_BYTES,
-        "secure: masked vector sent": 8 * dim,
-        "secure: unmask shares sent": sites * SHARE_BYTES,
-        "secure: total sent": keys
-        + (sites - 1) * SEALED_SHARES_BYTES
-        + 8 * dim
-        + sites * SHARE_BYTES,
+        "plain: update sent": plain,
+        "secure: received per stage": received,
+        "secure: sent per stage": sent,
+        "secure: total received": sum(received.values()),
+        "secure: total sent": sum(sent.values()),
+        "consistency stage: bytes per site (its messages and the signatures forwarded)": (
+            stage_bytes
+        ),
+        "consistency stage: CPU ms per site, sign (median)": 1e3 * statistics.median(signing),
+        "consistency stage: CPU ms per site, verify t signatures and answer (median)": 1e3
+        * statistics.median(verifying),
     }
 
 
@@ -125,9 +233,15 @@ def main() -> int:
     parser.add_argument("--sites", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--bytes-only", action="store_true", help="the bytes and CPU of one codec round only"
+    )
     args = parser.parse_args()
     result: dict[str, Any] = {"sites": args.sites, "rounds": args.rounds}
     result["bytes"] = bytes_per_site(args.sites)
+    if args.bytes_only:
+        print(json.dumps(result, indent=2))
+        return 0
     with tempfile.TemporaryDirectory(prefix="secure-cost-") as tmp:
         base = Path(tmp)
         peers = base / "peers"  # every run's sites pin the same identity keys
