@@ -7,7 +7,10 @@ configuration (``[tool.flwr.app.config]``: MiniLM, LoRA r = 8, one local step of
 128, PRISM at epsilon 3; 256 synthetic rows per site) for ``--rounds`` rounds with every site in
 every round. The round times
 are the coordinator's ``round N: sent, answered and aggregated in S s`` lines; their medians
-over rounds 2.. are compared as a ratio (round 1 builds every site's model and shard).
+over rounds 2.. are compared as a ratio (round 1 builds every site's model and shard). The
+secure run also gives each stage's wall time at the coordinator (``round N: secure stage NAME
+in S s``), so the consistency stage's share of a round is read directly, not as the
+difference of two noisy rounds.
 
 Bytes per site and round are measured on the messages' encodings for the model's shapes: one
 secure round of ``--sites`` sites is played in this process through the codec
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -48,6 +52,9 @@ from flower_harness import (  # noqa: E402  (real SuperLink/SuperNode processes 
 )
 
 from bench.site_overhead import ROUND, run_config  # noqa: E402  (the same run, more sites)
+
+STAGE = re.compile(r"round (\d+): secure stage (\w+) in ([0-9.]+) s")
+"""The coordinator's log line of one secure stage's wall time (``SecureRound.run``)."""
 
 
 def one(secure: bool, sites: int, rounds: int, folder: Path) -> dict[str, Any]:
@@ -84,13 +91,22 @@ def one(secure: bool, sites: int, rounds: int, folder: Path) -> dict[str, Any]:
     if sorted(rounds_s) != list(range(1, rounds + 1)):
         raise RuntimeError(f"rounds missing from the log in {folder}")
     summary = json.loads((folder / "run" / "summary.json").read_text())
-    return {
+    result: dict[str, Any] = {
         "secure": secure,
         "flwr-run-wall-s": wall,
         "rounds-applied": summary["rounds-applied"],
         "round-s": [rounds_s[r] for r in sorted(rounds_s)],
         "round-s median r2+": statistics.median(rounds_s[r] for r in sorted(rounds_s)[1:]),
     }
+    stages: dict[str, dict[int, float]] = {}
+    for r, name, seconds in STAGE.findall((folder / "flwr-run.log").read_text()):
+        stages.setdefault(name, {})[int(r)] = float(seconds)
+    if secure:
+        result["stage-s"] = {name: [by[r] for r in sorted(by)] for name, by in stages.items()}
+        result["stage-s median r2+"] = {
+            name: statistics.median(by[r] for r in sorted(by)[1:]) for name, by in stages.items()
+        }
+    return result
 
 
 def _encoded(content: Any) -> int:

@@ -53,8 +53,9 @@ SKELLAM_MECHANISM: Final = "prism-tangent-skellam"
 """PRISM's step under secure aggregation (docs/design.md §3.3): the site's rounded clipped sum plus
 its Skellam share of the noise, summed over the round's sites. Its ``noise_multiplier`` is the
 RDP-equivalent Gaussian multiplier of the noise the SUM carries when at least ``honest_sites``
-sites are honest (``prism_core.skellam_accounting.skellam_sigma``); its ``SkellamShare`` states
-H and the multiplier of the site's own share alone. Accounted by RDP at integer orders only
+sites of the round are honest and at most the site's tolerated dropouts D of them are missing
+(``prism_core.skellam_accounting.skellam_sigma``; docs/design.md §3.3); its ``SkellamShare``
+states H and the multiplier of the site's own share alone. Accounted by RDP at integer orders only
 (``prism_core.accounting``)."""
 
 _CONSTANTS: Final = {"sampling": SAMPLING, "adjacency": ADJACENCY}

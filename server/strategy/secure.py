@@ -36,6 +36,7 @@ in a plain round; a node that never got the mask message cannot have charged and
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -167,7 +168,8 @@ class SecureRound:
         """Nothing to prepare: the central step reads the broadcast from the mask messages."""
 
     def run(self, round_: RoundContext) -> ArrayRecord | None:
-        """The five exchanges, then the central step on the sum (None: aborted or discarded)."""
+        """The five exchanges, then the central step on the sum (None: aborted or discarded);
+        each stage's wall time is logged (``round N: secure stage NAME in S s``)."""
         state = self.start(round_)
         stages = (
             self.advertise,
@@ -177,7 +179,15 @@ class SecureRound:
             self.unmask_sum,
         )
         for stage in stages:
-            if not stage(state):
+            started = time.monotonic()
+            going = stage(state)
+            log.info(
+                "round %d: secure stage %s in %.2f s",
+                round_.server_round,
+                stage.__name__,
+                time.monotonic() - started,
+            )
+            if not going:
                 return None
         return self.step(state)
 
