@@ -88,6 +88,9 @@ from prism_runtime.secure_sum.wire import RECORD
 
 RUN_ID = "lying-coordinator"
 ROUND = RoundId(RUN_ID, 1)
+FLOWER_RUN = 2
+"""The Flower run id of the sites' context: a run of its own, so the process-wide sites of other
+tests' runs (``client.site.get_site``) are not mixed with these."""
 ROWS = 40
 """Rows per site: a delta of 1e-5 is below 1 / N and a batch of 8 within N."""
 
@@ -258,7 +261,7 @@ class Federation:
         node = self.nodes[site]
         msg = Message(content=content, dst_node_id=node, message_type=message_type(action))
         context = Context(
-            run_id=1,
+            run_id=FLOWER_RUN,
             node_id=node,
             node_config=dict(self.honest[site]),  # type: ignore[arg-type]
             state=self.states[site],
