@@ -52,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib.metadata
 import inspect
 import logging
 from collections.abc import Iterator
@@ -110,9 +111,13 @@ log = logging.getLogger(__name__)
 
 @functools.cache
 def _accountant_identity() -> str:
-    """What a calibrated sigma depends on besides its inputs: Opacus and our accounting code."""
+    """What a calibrated sigma depends on besides its inputs: Opacus, dp-accounting (the PLD
+    floor) and our accounting code."""
     source = Path(inspect.getfile(calibrate_noise_multiplier)).read_bytes()
-    return f"opacus {opacus.__version__} | {hashlib.sha256(source).hexdigest()}"
+    pld = importlib.metadata.version("dp-accounting")
+    return (
+        f"opacus {opacus.__version__} | dp-accounting {pld} | {hashlib.sha256(source).hexdigest()}"
+    )
 
 
 @dataclass(frozen=True)
