@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -157,17 +158,24 @@ def _accountant_key(history: Sequence[PrivacyEvent]) -> tuple[tuple[float, float
     return tuple(key)
 
 
+_LOG_FLOAT_MAX = math.log(sys.float_info.max)
+"""About 709.78: ``e^x`` is past the largest float for any larger x."""
+
+
 def group_privacy(epsilon: float, delta: float, group_size: int) -> tuple[float, float]:
     """The ``(epsilon, delta)`` guarantee of a group of ``group_size`` units under a mechanism
     that is ``(epsilon, delta)``-DP per unit: ``(k epsilon, k e^((k-1) epsilon) delta)``
     (Dwork and Roth 2014, Lemma 2.2 generalised; Vadhan 2017, Lemma 2.3). A person with at
-    most k records in a record-level run is protected at this level."""
+    most k records in a record-level run is protected at this level. A delta of 1 or more is
+    no guarantee and is returned as 1 (also where ``e^((k-1) epsilon)`` is past any float)."""
     if group_size < 1:
         raise PrivacyParameterError(f"group_size={group_size!r} must be >= 1")
     k = group_size
     if math.isinf(epsilon):
         return math.inf, min(1.0, k * delta) if delta > 0 else 0.0
-    return k * epsilon, k * math.exp((k - 1) * epsilon) * delta
+    if (k - 1) * epsilon > _LOG_FLOAT_MAX:  # e^((k-1) eps) is past any float: delta is 1
+        return k * epsilon, 1.0 if delta > 0 else 0.0
+    return k * epsilon, min(1.0, k * math.exp((k - 1) * epsilon) * delta)
 
 
 def group_record_budget(epsilon: float, delta: float, group_size: int) -> tuple[float, float]:
@@ -178,6 +186,8 @@ def group_record_budget(epsilon: float, delta: float, group_size: int) -> tuple[
         raise PrivacyParameterError(f"group_size={group_size!r} must be >= 1")
     k = group_size
     per_record = epsilon / k
+    if (k - 1) * per_record > _LOG_FLOAT_MAX:  # the per-record delta underflows to 0
+        return per_record, 0.0
     return per_record, delta / (k * math.exp((k - 1) * per_record))
 
 
@@ -191,7 +201,15 @@ def _per_person(
 ) -> float:
     """Epsilon per person of a history whose record-level events count by group privacy with
     ``group_size`` records per person, composed (basic composition: epsilons and deltas add)
-    with the person-level events accounted together (conservative, never tighter)."""
+    with the person-level events accounted together (conservative, never tighter).
+
+    The per-record delta_r is the largest with ``k e^((k-1) eps_r(delta_r)) delta_r <= share
+    delta``, found as the limit of a decreasing sequence from ``share delta / k`` along which
+    eps_r grows. Where ``(k-1) eps_r`` passes ``_LOG_FLOAT_MAX`` on the way (a person with many
+    records after an expensive record-level history: sigma 1, q 0.01, 100 steps and k = 10
+    already), every delta_r that meets the condition costs ``k eps_r > 709 k / (k-1)`` per
+    person, beyond what a float's ``e^epsilon`` can state: inf, no finite guarantee (a site
+    then refuses every further charge, ``cap-exhausted``)."""
     records = [e for e in events if e.unit == "record"]
     people = [e for e in events if e.unit != "record"]
     share = GROUP_DELTA_SHARE if people else 1.0
@@ -200,7 +218,7 @@ def _per_person(
     delta_r = target / k
     eps_r = _unit_epsilon(records, delta_r, method)
     for _ in range(200):  # eps_r grows as delta_r shrinks: a fixed point from above
-        if math.isinf(eps_r):
+        if math.isinf(eps_r) or (k - 1) * eps_r > _LOG_FLOAT_MAX:
             return math.inf
         allowed = target / (k * math.exp((k - 1) * eps_r))
         if delta_r <= allowed * (1 + 1e-12):

@@ -146,6 +146,29 @@ def test_record_events_count_per_person_by_group_privacy_after_a_switch(tiny_ber
     assert expected > 5 * epsilon(record_events, 1e-5)
 
 
+def test_a_patient_with_40_records_after_record_rounds_is_refused_not_an_error(tiny_bert, tmp_path):
+    """Record-level rounds at sigma 1, then the site turns per person with a patient holding 40
+    records: group privacy gives no finite epsilon per person (prism_core.accounting), so the
+    site refuses the round with its cap code and charges nothing; no OverflowError."""
+    rows = _notes(people=20, per_person=1) + _notes(people=1, per_person=40)
+    for r in rows[20:]:
+        r["patient_id"] = "many-notes"
+    record_node = _deployed(tmp_path, rows, **{"privacy-unit": "record"})
+    run = _run(tiny_bert, **{"noise-multiplier": 1.0})
+    record_site = Site(run, record_node, site_policy(record_node))
+    assert record_site.train_round(1, to_arrays(record_site.loaded)).accounting["status"] == (
+        STATUS_OK
+    )
+    user_node = _deployed(tmp_path, rows, **{"privacy-unit": "user", "user-field": "patient_id"})
+    user_site = Site(run, user_node, site_policy(user_node))
+    assert user_site.ledger.group_size == 40
+    before = user_site.ledger.path.read_bytes()
+    reply = user_site.train_round(2, to_arrays(user_site.loaded))
+    assert reply.accounting["status"] == STATUS_REFUSED
+    assert reply.accounting["reason"] == "cap-exhausted" and "cap-exhausted" in REFUSAL_REASONS
+    assert user_site.ledger.path.read_bytes() == before
+
+
 def test_a_person_level_ledger_never_goes_back_to_records(tiny_bert, tmp_path):
     rows = _notes()
     user_node = _deployed(tmp_path, rows, **{"privacy-unit": "user", "user-field": "patient_id"})
