@@ -47,6 +47,7 @@ __all__ = [
     "SKELLAM_ORDERS",
     "EpsilonReport",
     "PrivacyEvent",
+    "ReplaceOne",
     "calibrate_noise_multiplier",
     "calibrate_sigma",
     "calibrate_skellam_sigma",
@@ -58,6 +59,7 @@ __all__ = [
     "group_record_budget",
     "history_unit",
     "max_steps",
+    "replace_one",
 ]
 
 Accountant = Literal["prv", "rdp"]
@@ -345,6 +347,83 @@ def _prv_charge(
         if prv is not None:
             return max(prv, _pld_epsilon(history, delta, _ADD_REMOVE)) if floor else prv
     return _accountant_epsilon(history, delta, "rdp")
+
+
+ReplaceOneMethod = Literal["pld", "group-privacy"]
+"""How ``replace_one`` reached its guarantee."""
+
+
+@dataclass(frozen=True)
+class ReplaceOne:
+    """An ``(epsilon, delta)`` guarantee under REPLACE-ONE adjacency (two datasets of the same
+    size that differ in one unit) and how it was reached (``replace_one``)."""
+
+    epsilon: float
+    delta: float
+    method: ReplaceOneMethod
+
+
+def replace_one(events: Sequence[PrivacyEvent], delta: float) -> ReplaceOne:
+    """The replace-one guarantee of a history: what a party that knows the shard size N learns.
+
+    Implements the composition of Thm 3.4 of PRISM under replace-one adjacency. Each event is
+    ``steps`` Poisson-subsampled Gaussian steps whose units contribute at most C each (a clip,
+    or a count): replacing one unit moves the sum by its contribution and that of its
+    replacement, both present exactly when the slot is sampled. ``dp_accounting``'s PLD
+    accountant under ``NeighboringRelation.REPLACE_ONE`` accounts exactly that pair
+    (``(1-q) N(0) + q N(-C)`` against ``(1-q) N(0) + q N(C)``; q = 1: a Gaussian of
+    sensitivity 2C), pessimistically at ``PLD_VALUE_INTERVAL``: method ``"pld"``, at ``delta``
+    itself. This is 1.8-2x tighter than group privacy at the same delta (SST-2-like: q 0.0076,
+    30 steps, sigma 0.58: 3.02 against 5.98; docs/security.md).
+
+    Group privacy of two (``(2 eps, (1 + e^eps) delta)`` with eps the add/remove epsilon,
+    ``epsilon``: remove the unit, then add another) where no direct accountant applies: a
+    history holding a Skellam (secure-aggregation) event, whose RDP-equivalent sigma bounds
+    RDP and not a privacy-loss distribution, or one outside the bounds within which PRV and
+    the PLD are used (``SIGMA_MIN``, ``PRV_STEPS_MAX``, ``PRV_EPSILON_MAX``): method
+    ``"group-privacy"``.
+
+    Returns:
+        ``ReplaceOne(0, delta, "pld")`` for an empty history; ``(inf, 1, "pld")`` if a step
+        ran without noise.
+
+    Raises:
+        AccountingError: a history that mixes privacy units (as ``epsilon``).
+        PrivacyParameterError: delta outside (0, 1).
+    """
+    _check_delta(delta)
+    history = [e for e in events if e.steps > 0]
+    units = sorted({e.unit for e in history})
+    if len(units) > 1:
+        raise AccountingError(
+            f"cannot compose events of privacy units {units} into one epsilon: an epsilon per "
+            "record and one per user are different guarantees"
+        )
+    if not history:
+        return ReplaceOne(0.0, delta, "pld")
+    if any(e.noise_multiplier == 0 for e in history):
+        return ReplaceOne(math.inf, 1.0, "pld")
+    key = _accountant_key(history)
+    if not _holds_skellam(history) and _pld_fits(key, delta):
+        return ReplaceOne(_pld_epsilon(key, delta, _REPLACE_ONE), delta, "pld")
+    eps = epsilon(history, delta)
+    if not math.isfinite(eps):
+        return ReplaceOne(math.inf, 1.0, "group-privacy")
+    if eps > _LOG_FLOAT_MAX:
+        return ReplaceOne(2.0 * eps, 1.0, "group-privacy")
+    return ReplaceOne(2.0 * eps, min(1.0, (1.0 + math.exp(eps)) * delta), "group-privacy")
+
+
+def _pld_fits(history: tuple[tuple[float, float, int], ...], delta: float) -> bool:
+    """Whether the replace-one PLD runs in bounded memory: the bounds of ``_prv_fits`` that
+    keep its domain small (every sigma at least ``SIGMA_MIN``, at most ``PRV_STEPS_MAX``
+    steps, RDP's add/remove epsilon at most ``PRV_EPSILON_MAX``; replace-one's is at most
+    twice that)."""
+    if any(sigma < SIGMA_MIN for sigma, _, _ in history):
+        return False
+    if sum(steps for _, _, steps in history) > PRV_STEPS_MAX:
+        return False
+    return _accountant_epsilon(history, delta, "rdp") <= PRV_EPSILON_MAX
 
 
 def collusion_epsilon(
