@@ -18,6 +18,7 @@ same generator, draw for draw.
 from __future__ import annotations
 
 import logging
+import numbers
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +29,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from prism_runtime.data.batching import _check_empty_collate, _trim_padding, length_groups
-from prism_runtime.data.reading import Collate
+from prism_runtime.data.reading import Collate, person_id
 from prism_runtime.errors import ConfigError, DataError
 
 __all__ = [
@@ -49,14 +50,18 @@ contiguous). The model never reads it (``prism_runtime.trainer.per_example_loss`
 
 def person_records(units: Sequence[Hashable]) -> list[list[int]]:
     """The row indices of each person: ``units[i]`` is row i's person id; people in the order of
-    their first row, each person's rows in row order.
+    their first row, each person's rows in row order. Text and integer ids count in their one
+    spelling (``prism_runtime.data.reading.person_id``: ``7``, ``"7"`` and ``" 007"`` are one
+    person), other hashable ids as they are.
 
     Raises:
-        DataError: a row without a person (``None``), or an id that is not hashable.
+        DataError: a row without a person (``None``, or text that is empty once trimmed), or an
+            id that is not hashable.
     """
     rows: dict[Hashable, list[int]] = {}
     missing = 0
-    for index, unit in enumerate(units):
+    for index, given in enumerate(units):
+        unit = _spelt(given)
         if unit is None:
             missing += 1
             continue
@@ -73,6 +78,13 @@ def person_records(units: Sequence[Hashable]) -> list[list[int]]:
             "person of every row"
         )
     return list(rows.values())
+
+
+def _spelt(unit: Hashable) -> Hashable:
+    """``person_id`` of a text or integer id (not a bool); any other id as it is."""
+    if isinstance(unit, str) or (isinstance(unit, numbers.Integral) and not isinstance(unit, bool)):
+        return person_id(unit if isinstance(unit, str) else int(unit))
+    return unit
 
 
 def unit_index(counts: Sequence[int]) -> Tensor:
