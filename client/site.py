@@ -276,6 +276,7 @@ class Site:
             noise_multiplier=self.sigma,
             privacy_unit=self.unit,
             group_size=self.ledger.group_size,
+            max_records_per_user=policy.records_per_user(run),
         )
         self.trainer = make_trainer(
             self.loaded, dataset, train_config, history=self.ledger.events()

@@ -146,6 +146,20 @@ def test_record_events_count_per_person_by_group_privacy_after_a_switch(tiny_ber
     assert expected > 5 * epsilon(record_events, 1e-5)
 
 
+def test_a_sites_own_bound_on_records_per_person_caps_the_runs(tiny_bert, tmp_path):
+    """The run asks for 50 records per sampled person; a deployed site that sets none takes
+    at most the default 4, one that sets 2 takes 2: the coordinator never raises k."""
+    for own, k in ((None, 4), (2, 2)):
+        node = {"privacy-unit": "user", "user-field": "patient_id"}
+        if own is not None:
+            node["max-records-per-user"] = own
+        (tmp_path / str(own)).mkdir()
+        config = _deployed(tmp_path / str(own), _notes(), **node)
+        site = Site(_run(tiny_bert, **{"max-records-per-user": 50}), config, site_policy(config))
+        assert site.trainer.config.max_records_per_user == k
+        assert site.trainer._loader.batch_sampler.max_records == k
+
+
 def test_a_patient_with_40_records_after_record_rounds_is_refused_not_an_error(tiny_bert, tmp_path):
     """Record-level rounds at sigma 1, then the site turns per person with a patient holding 40
     records: group privacy gives no finite epsilon per person (prism_core.accounting), so the
