@@ -146,6 +146,35 @@ def test_record_events_count_per_person_by_group_privacy_after_a_switch(tiny_ber
     assert expected > 5 * epsilon(record_events, 1e-5)
 
 
+@pytest.mark.parametrize(
+    ("unit", "request_", "code"),
+    [
+        # 24 patients with 3 notes each: N = 24 per patient, 72 per record
+        ("user", {"batch-size": 30}, "batch-above-site-data"),  # 24 < b <= 72
+        ("record", {"batch-size": 30}, None),
+        ("user", {"batch-size": 24}, None),
+        ("user", {"delta": 0.045}, "delta-not-below-1/n"),  # 1/24 <= delta
+        ("user", {"delta": 1 / 24}, "delta-not-below-1/n"),
+        ("user", {"delta": 0.02}, None),  # 1/72 <= delta < 1/24: below 1/N for N people
+        ("record", {"delta": 0.02}, "delta-not-below-1/n"),
+    ],
+)
+def test_a_person_level_sites_delta_and_batch_count_people(
+    unit, request_, code, tiny_bert, tmp_path
+):
+    """At the person level N is the number of PEOPLE (24), not of records (72): a batch between
+    the two is refused (q = b / N_people would pass 1), a delta at or above 1/24 is refused, and
+    a delta in [1/72, 1/24) is below 1/N for people (a record-level site refuses it)."""
+    node = {"privacy-unit": unit, "delta": 0.05}
+    if unit == "user":
+        node["user-field"] = "patient_id"
+    config = _deployed(tmp_path, _notes(people=24, per_person=3), **node)
+    site = Site(_run(tiny_bert, **request_), config, site_policy(config))
+    assert site.num_units == (24 if unit == "user" else 72)
+    assert site.refusal == code
+    assert code is None or code in REFUSAL_REASONS
+
+
 def test_a_sites_own_bound_on_records_per_person_caps_the_runs(tiny_bert, tmp_path):
     """The run asks for 50 records per sampled person; a deployed site that sets none takes
     at most the default 4, one that sets 2 takes 2: the coordinator never raises k."""
