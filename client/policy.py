@@ -31,7 +31,7 @@ import hmac
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prism_runtime.config import RunConfig, SiteConfig
+from prism_runtime.config import DEFAULT_MAX_RECORDS_PER_USER, RunConfig, SiteConfig
 from prism_runtime.errors import ConfigError
 from prism_runtime.protocol import RNG_REPRODUCIBLE, RNG_SECURE
 from prism_runtime.secure_sum.trust import RoundTrust
@@ -75,6 +75,9 @@ class SitePolicy:
     privacy_unit: str | None = None
     """``record``, ``user``, or None: a simulated site that follows the run (``unit_for``)."""
     user_field: str = ""
+    max_records_per_user: int | None = None
+    """The most records of one sampled person per step; None: ``DEFAULT_MAX_RECORDS_PER_USER``
+    when deployed, the run's in simulation (``records_per_user``)."""
     secure_aggregation: str = "allow"
     """``off``, ``allow`` or ``require`` (node config ``secure-aggregation``)."""
     min_honest_sites: int | None = None
@@ -139,6 +142,17 @@ class SitePolicy:
             ConfigError: D is not below H (``refusal`` refuses such a run first).
         """
         return RoundTrust(self.honest_sites(run), self.secure_max_dropouts)
+
+    def records_per_user(self, run: RunConfig) -> int:
+        """k, the most records of one sampled person in a step: the run's
+        ``max-records-per-user``, never more than the site's own (``DEFAULT_MAX_RECORDS_PER_USER``
+        for a deployed site that sets none; a simulated site that sets none follows the run).
+        k costs no privacy (a person's records share one clip); it bounds the work and time
+        one sampled person costs the site."""
+        own = self.max_records_per_user
+        if own is None:
+            own = run.max_records_per_user if self.simulation else DEFAULT_MAX_RECORDS_PER_USER
+        return min(own, run.max_records_per_user)
 
     def refusal(self, run: RunConfig, num_examples: int) -> str | None:
         """The ``REFUSAL_REASONS`` code for a run this site will not serve, or None.
@@ -271,6 +285,7 @@ def site_policy(
         allow_nonprivate_metrics=site.allow_nonprivate_metrics,
         privacy_unit=site.privacy_unit if simulation else (site.privacy_unit or "record"),
         user_field=site.user_field,
+        max_records_per_user=site.max_records_per_user,
         secure_aggregation=site.secure_aggregation,
         min_honest_sites=site.min_honest_sites,
         secure_max_dropouts=site.secure_max_dropouts,

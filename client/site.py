@@ -52,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib.metadata
 import inspect
 import logging
 from collections.abc import Iterator
@@ -111,9 +112,13 @@ log = logging.getLogger(__name__)
 
 @functools.cache
 def _accountant_identity() -> str:
-    """What a calibrated sigma depends on besides its inputs: Opacus and our accounting code."""
+    """What a calibrated sigma depends on besides its inputs: Opacus, dp-accounting (the PLD
+    floor) and our accounting code."""
     source = Path(inspect.getfile(calibrate_noise_multiplier)).read_bytes()
-    return f"opacus {opacus.__version__} | {hashlib.sha256(source).hexdigest()}"
+    pld = importlib.metadata.version("dp-accounting")
+    return (
+        f"opacus {opacus.__version__} | dp-accounting {pld} | {hashlib.sha256(source).hexdigest()}"
+    )
 
 
 @dataclass(frozen=True)
@@ -280,6 +285,7 @@ class Site:
             noise_multiplier=self.sigma,
             privacy_unit=self.unit,
             group_size=self.ledger.group_size,
+            max_records_per_user=policy.records_per_user(run),
         )
         self.trainer = make_trainer(
             self.loaded, dataset, train_config, history=self.ledger.events()

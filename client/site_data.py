@@ -13,6 +13,7 @@ from typing import Any
 
 from prism_runtime.config import RunConfig, SiteConfig
 from prism_runtime.data import dirichlet_partition, iid_partition, load_examples
+from prism_runtime.data.reading import person_id
 from prism_runtime.data.settings import data_settings, pairs_problem, text_pairs_origin
 from prism_runtime.errors import ConfigError
 from prism_runtime.synthetic import SYNTHETIC_USER_FIELD, synthetic_examples, synthetic_stream
@@ -86,7 +87,7 @@ def _with_person(row: dict[str, object], field: str, by_person: bool) -> dict[st
     """``row`` with its person as ``user`` (``by_person``) and without the raw ``field``."""
     out = {k: v for k, v in row.items() if k != field}
     if by_person:
-        out["user"] = str(row[field])
+        out["user"] = person_id(str(row[field]))
     return out
 
 

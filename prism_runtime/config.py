@@ -267,7 +267,8 @@ class RunConfig(_Kebab):
         ge=1,
         le=MAX_RECORDS_PER_USER_MAX,
         description="person level: the most records of one sampled person in a step (a random "
-        "chunk of a person with more, drawn at the site); costs no privacy",
+        "chunk of a person with more, drawn at the site); costs no privacy; a site takes at "
+        "most its own max-records-per-user",
     )
     secure_aggregation: bool = Field(
         False,
@@ -685,6 +686,19 @@ class SiteConfig(_Kebab):
         "",
         description="the field of each data row naming its person (e.g. patient_id); required "
         "with privacy-unit=user on a deployed site (a simulated site reads the run's user-field)",
+    )
+    max_records_per_user: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_RECORDS_PER_USER_MAX,
+        description="person level: the most records of one sampled person this site takes in a "
+        "step; the run's max-records-per-user may lower it, never raise it (costs no privacy; "
+        "bounds the work per sampled person)",
+        json_schema_extra=_allowed_note(
+            f"an integer in [1, {MAX_RECORDS_PER_USER_MAX}] (default: "
+            f"{DEFAULT_MAX_RECORDS_PER_USER} for a deployed site; a simulated site follows the "
+            "run's max-records-per-user)"
+        ),
     )
     secure_aggregation: Literal["off", "allow", "require"] = Field(
         "allow",

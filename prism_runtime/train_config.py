@@ -198,12 +198,14 @@ def site_train_config(
     noise_multiplier: float | None = None,
     privacy_unit: str = "record",
     group_size: int | None = None,
+    max_records_per_user: int | None = None,
 ) -> TrainConfig:
     """The ``TrainConfig`` a site runs for ``run``: the run's steps, batch, lr and head settings;
     the site's own privacy facts (its epsilon cap and delta for this run, its sigma) and its
     clip (``max_norm``: the run's, or the site's private estimate with ``max-norm = auto``), its
-    privacy unit (the site's policy, never the run's alone) and, at the person level after
-    record-level events, its ``group_size``.
+    privacy unit (the site's policy, never the run's alone), its ``max_records_per_user`` (the
+    site's bound on the run's, ``client.policy.SitePolicy.records_per_user``; None: the run's)
+    and, at the person level after record-level events, its ``group_size``.
     The coordinator calls it with the run's own values to know what honest sites run."""
     return TrainConfig(
         method=cast(Method, method),  # validated here: TrainConfig refuses any other name
@@ -220,7 +222,9 @@ def site_train_config(
         head_optimizer=run.head_optimizer,
         head_max_norm=run.head_clip,
         privacy_unit=cast(PrivacyUnit, privacy_unit),  # validated by TrainConfig
-        max_records_per_user=run.max_records_per_user,
+        max_records_per_user=(
+            run.max_records_per_user if max_records_per_user is None else max_records_per_user
+        ),
         group_size=group_size,
         progress=False,
     )

@@ -41,6 +41,7 @@ from prism_core.accounting import (
     epsilon_report,
     history_unit,
     max_steps,
+    replace_one,
 )
 from prism_core.errors import AccountingError
 from prism_core.quantile import QUANTILE_MECHANISM
@@ -87,6 +88,7 @@ CSV_COLUMNS: Final = (
     "unit",
     "epsilon_replace_one",
     "delta_replace_one",
+    "replace_one_method",
     "rounds",
     "steps",
     "sigma",
@@ -259,6 +261,7 @@ def _site_row(
         "honest_sites": honest_sites(events),
         "epsilon_replace_one": math.inf,
         "delta_replace_one": 1.0,
+        "replace_one_method": None,
         "epsilon_cap": cap,
         "delta": delta,
         "unit": ", ".join(_distinct([e.unit for e in events])),
@@ -314,6 +317,7 @@ def _site_row(
         row["note"] += "deltas differ; accounted at the smallest. "
     try:
         report = epsilon_report(history, delta)
+        against_coordinator = replace_one(history, delta)
         by_round = epsilon_points(events, delta)
         if secured:
             row["epsilon_collusion"] = history_collusion_epsilon(events, delta)
@@ -325,7 +329,9 @@ def _site_row(
     if secured:
         row["note"] += _secure_note(row)
     row["note"] = row["note"].strip()
-    row["epsilon_replace_one"], row["delta_replace_one"] = replace_one(report.prv, delta)
+    row["epsilon_replace_one"] = against_coordinator.epsilon
+    row["delta_replace_one"] = against_coordinator.delta
+    row["replace_one_method"] = against_coordinator.method
     series = [{"run_id": run_id, "round": rnd, "epsilon": eps} for run_id, rnd, eps in by_round]
     if cap is None:
         return row, series
@@ -375,8 +381,10 @@ def guarantee(
         f"{per} (each site's own unit: a patient is one person with all their records), "
         "add/remove adjacency at the site's sampling rate. Every reply states q = b / N, so the "
         f"coordinator (and whoever it tells) knows each site's number of {unit}s N: against it "
-        f"the guarantee is replace-one with N public, at most 2 epsilon at delta "
-        "(1 + e^epsilon) by group privacy (epsilon_replace_one, delta_replace_one)."
+        "the guarantee is replace-one with N public (epsilon_replace_one at "
+        "delta_replace_one): accounted directly by a replace-one PLD accountant at the same "
+        "delta where the history is Gaussian (replace_one_method pld), else by group privacy, "
+        "2 epsilon at delta (1 + e^epsilon) (replace_one_method group-privacy)."
     )
     honest = dict(honest or {})
     if honest:
@@ -402,14 +410,6 @@ def guarantee(
 UNIT_NAMES: Final = {"record": "record", "user": "patient"}
 """How a report names the privacy unit of a site's epsilon (``prism_core.records.PRIVACY_UNITS``):
 "epsilon per record" or "epsilon per patient" (one person and all of their records)."""
-
-
-def replace_one(epsilon_value: float, delta: float) -> tuple[float, float]:
-    """``(2 eps, (1 + e^eps) delta)``: an (eps, delta) add/remove guarantee for neighbours of
-    the same size (replace one record = remove it, then add another: group privacy of 2)."""
-    if not math.isfinite(epsilon_value):
-        return math.inf, 1.0
-    return 2.0 * epsilon_value, min(1.0, (1.0 + math.exp(epsilon_value)) * delta)
 
 
 def server_eval_series(
@@ -456,8 +456,10 @@ def build_report(
     for a site that ran secure aggregation, ``honest_sites`` (the fewest honest sites its
     epsilon counts on: the smallest over its rounds) and ``epsilon_collusion`` (its epsilon if
     every other site colludes with the coordinator), both None for any other site;
-    ``epsilon_replace_one`` and ``delta_replace_one`` (``replace_one``: the guarantee against
-    the coordinator, which knows the shard size; ``guarantee`` says so);
+    ``epsilon_replace_one``, ``delta_replace_one`` and ``replace_one_method`` (the guarantee
+    against the coordinator, which knows the shard size, and whether it came from a
+    replace-one PLD accountant or from group privacy: ``prism_core.accounting.replace_one``;
+    ``guarantee`` says so);
     ``epsilon_cap`` (the smallest cap the site ever reported: a budget can be tightened, never
     loosened; None if none); ``delta`` (the smallest of the site's deltas, the one epsilon is
     accounted at); ``unit`` (the privacy unit of the site's events, ``UNIT_NAMES``: ``record``

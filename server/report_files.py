@@ -297,6 +297,13 @@ def _collusion_text(row: Mapping[str, Any]) -> str:
     )
 
 
+def _replace_one_how(row: Mapping[str, Any]) -> str:
+    """How the replace-one guarantee was reached, for the site's line ("" when not known)."""
+    how = {"pld": "replace-one PLD", "group-privacy": "group privacy of 2"}
+    method = row.get("replace_one_method")
+    return f" ({how[method]})" if method in how else ""
+
+
 def _site_details(row: Mapping[str, Any]) -> list[str]:
     """The parts of a site's line under the table, as plain text."""
     parts = [
@@ -304,7 +311,7 @@ def _site_details(row: Mapping[str, Any]) -> list[str]:
         f"epsilon (RDP cross-check) {_epsilon(row, 'epsilon_rdp')}",
         *([_collusion_text(row)] if row.get("epsilon_collusion") is not None else []),
         f"against the coordinator (replace-one) {_epsilon(row, 'epsilon_replace_one')} at delta "
-        f"{_g(row['delta_replace_one'])}",
+        f"{_g(row['delta_replace_one'])}{_replace_one_how(row)}",
         f"sigma {_values(row['sigma_values'])}",
         f"q {_values(row['q_values'])}",
         f"steps per round {row['steps_per_round'] if row['steps_per_round'] else '-'}",

@@ -8,6 +8,7 @@ import json
 import logging
 import numbers
 import re
+import unicodedata
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from os import PathLike
@@ -126,9 +127,10 @@ def load_examples(
         with_labels: ``False`` for rows to predict: ``seq-cls`` rows need no ``label`` (one
             that is present is ignored) and ``causal-lm`` rows no ``output``/``answer``.
         user_field: The field holding each row's person id (docs/design.md §3.2), a non-empty
-            string or an integer, carried as the example's ``user`` string (so ``3`` and
-            ``"3"`` are one person, and a CSV cell reads as its text); every row must have
-            one. None: no ``user``, the examples are those of a file without the field.
+            string or an integer, carried as the example's ``user`` string in its one
+            spelling (``person_id``: ``3``, ``"3"`` and ``" 003"`` are one person, and a CSV
+            cell reads as its text); every row must have one. None: no ``user``, the examples
+            are those of a file without the field.
 
     Returns:
         One dict per example. ``"seq-cls"``: ``{"text", "label"}`` or
@@ -427,15 +429,43 @@ def _label(row: _Row) -> int:
     )
 
 
+_INTEGER_ID = re.compile(r"[+-]?[0-9]+")
+"""A person id that spells an integer in ASCII digits: it names the person of that integer."""
+
+
+def person_id(value: str | int) -> str | None:
+    """The one spelling of a person id (docs/usage.md, "Per-patient privacy"); None for an id
+    that is empty once trimmed.
+
+    Text is put in Unicode NFC and trimmed of surrounding whitespace (``str.strip``: spaces,
+    tabs, line breaks, no-break spaces); text that is then an integer in ASCII digits, with an
+    optional sign, and an integer are written as that integer in decimal (``"007"``, ``"+7"``,
+    ``" 7 "`` and ``7`` are ``"7"``). Nothing else is merged: case, inner whitespace,
+    compatibility forms (full-width digits) and non-ASCII digits stay apart. Merging two
+    spellings can only join two people into one unit, which a per-person clip still bounds;
+    keeping one person's two spellings apart would split them into two units and double what
+    their records may reveal.
+    """
+    if isinstance(value, bool):  # a JSON true/false is no person id (``_user`` refuses it)
+        raise TypeError(f"a person id is text or an integer, not {value!r}")
+    if not isinstance(value, str):
+        return str(int(value))
+    text = unicodedata.normalize("NFC", value).strip()
+    if not text:
+        return None
+    return str(int(text)) if _INTEGER_ID.fullmatch(text) else text
+
+
 def _user(row: _Row, field: str) -> str | None:
-    """The row's person id as a string; None when it is missing, empty or null."""
+    """The row's person id in its one spelling (``person_id``); None when it is missing, empty
+    or null."""
     value = row.values.get(field)
-    if value is None or (isinstance(value, str) and not value.strip()):
+    if value is None:
         return None
     if isinstance(value, str):
-        return value
+        return person_id(value)
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        return str(int(value))
+        return person_id(int(value))
     raise _row_error(
         row,
         f"the person id '{field}' must be a string or an integer, found {_kind(value)}",

@@ -1,5 +1,5 @@
 """Person-level batches (docs/design.md §3.2): Poisson sampling of PEOPLE, a random chunk of at
-most k records of each, and micro-batches that never split a person.
+most k records of each, and micro-batches of at most a fixed number of rows whoever is sampled.
 
 Each step includes every person independently with probability ``q = b_u / N_users`` (Opacus'
 ``UniformWithReplacementSampler`` over people, so the accountant's Poisson assumption holds for
@@ -9,7 +9,8 @@ chunks, Chua et al. 2024, arXiv:2406.14322; Charles et al. 2024, arXiv:2407.0773
 come from the site's generator only. A batch holds the rows of one person contiguously and a
 ``unit`` tensor (``UNIT_KEY``): row ``i`` belongs to the batch's person ``unit[i]``, numbered
 0, 1, ... in the order of the rows. The trainer sums a person's per-record gradients into one
-contribution before the clip (``prism_runtime.trainer.dp.fold_units``).
+contribution before the clip (``prism_runtime.trainer.dp.UnitFold``), across micro-batches for a
+person with more records than one micro-batch holds (``unit_micro_batches``, ``OPEN_KEY``).
 
 With one record per person, in row order, the batches are those of ``poisson_loader`` with the
 same generator, draw for draw.
@@ -18,6 +19,7 @@ same generator, draw for draw.
 from __future__ import annotations
 
 import logging
+import numbers
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,10 +30,11 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from prism_runtime.data.batching import _check_empty_collate, _trim_padding, length_groups
-from prism_runtime.data.reading import Collate
+from prism_runtime.data.reading import Collate, person_id
 from prism_runtime.errors import ConfigError, DataError
 
 __all__ = [
+    "OPEN_KEY",
     "UNIT_KEY",
     "UserPoissonSampler",
     "person_records",
@@ -45,18 +48,26 @@ logger = logging.getLogger(__name__)
 UNIT_KEY = "unit"
 """The batch key of the per-row person index (0..P-1 within the batch, rows of one person
 contiguous). The model never reads it (``prism_runtime.trainer.per_example_loss``)."""
+OPEN_KEY = "unit_open"
+"""The micro-batch key (``unit_micro_batches``), (B,) bool: True on the rows of the micro-batch's
+last person when more of that person's rows follow in the next micro-batch, False elsewhere. The
+model never reads it."""
 
 
 def person_records(units: Sequence[Hashable]) -> list[list[int]]:
     """The row indices of each person: ``units[i]`` is row i's person id; people in the order of
-    their first row, each person's rows in row order.
+    their first row, each person's rows in row order. Text and integer ids count in their one
+    spelling (``prism_runtime.data.reading.person_id``: ``7``, ``"7"`` and ``" 007"`` are one
+    person), other hashable ids as they are.
 
     Raises:
-        DataError: a row without a person (``None``), or an id that is not hashable.
+        DataError: a row without a person (``None``, or text that is empty once trimmed), or an
+            id that is not hashable.
     """
     rows: dict[Hashable, list[int]] = {}
     missing = 0
-    for index, unit in enumerate(units):
+    for index, given in enumerate(units):
+        unit = _spelt(given)
         if unit is None:
             missing += 1
             continue
@@ -73,6 +84,13 @@ def person_records(units: Sequence[Hashable]) -> list[list[int]]:
             "person of every row"
         )
     return list(rows.values())
+
+
+def _spelt(unit: Hashable) -> Hashable:
+    """``person_id`` of a text or integer id (not a bool); any other id as it is."""
+    if isinstance(unit, str) or (isinstance(unit, numbers.Integral) and not isinstance(unit, bool)):
+        return person_id(unit if isinstance(unit, str) else int(unit))
+    return unit
 
 
 def unit_index(counts: Sequence[int]) -> Tensor:
@@ -248,13 +266,16 @@ def unit_micro_batches(
     trim_padding: bool = True,
     by_length: bool = False,
 ) -> Iterator[dict[str, Tensor]]:
-    """Split a person-level batch into micro-batches of WHOLE people.
+    """Split a person-level batch into micro-batches of at most ``micro_batch_size`` rows.
 
-    A micro-batch holds consecutive people with at most ``micro_batch_size`` rows in all, or one
-    person alone whose rows are more; its ``unit`` is renumbered 0..P'-1. With ``by_length`` the
-    people are ordered by their longest row and grouped by ``length_groups`` (as
-    ``micro_batches`` does with rows): the clipped SUM does not depend on the order or grouping
-    of its terms, and each person's terms stay together.
+    A micro-batch holds consecutive whole people with at most ``micro_batch_size`` rows in all;
+    a person with more rows (up to ``max-records-per-user``) is split into consecutive
+    micro-batches of their own, ``micro_batch_size`` rows each but the last, each one but the
+    last marked open (``OPEN_KEY``): the trainer adds the person's rows up across them before
+    the clip. So the memory of a micro-batch is bounded whoever was sampled. Its ``unit`` is
+    renumbered 0..P'-1. With ``by_length`` the people are ordered by their longest row and
+    grouped by ``length_groups`` (as ``micro_batches`` does with rows): the clipped SUM does
+    not depend on the order or grouping of its terms, and each person's terms stay together.
 
     Args:
         batch: a collated batch with ``batch[UNIT_KEY]`` (``user_poisson_loader``): (B,) long,
@@ -264,7 +285,8 @@ def unit_micro_batches(
         by_length: length-aware grouping of the people.
 
     Yields:
-        Dicts with the keys of ``batch``; every person's rows in exactly one of them.
+        Dicts with the keys of ``batch`` and ``OPEN_KEY``; every row in exactly one of them,
+        a person's rows in one or in consecutive ones.
 
     Raises:
         ConfigError: ``micro_batch_size < 1``.
@@ -303,10 +325,14 @@ def unit_micro_batches(
     start = person = 0
     for size in groups:
         rows_in = sum(counts[person : person + size])
-        micro = {key: value[start : start + rows_in] for key, value in batch.items()}
-        micro[UNIT_KEY] = unit[start : start + rows_in] - person
+        pieces = range(0, rows_in, micro_batch_size) if rows_in > micro_batch_size else [0]
+        for offset in pieces:  # several only for one person with more rows than fit
+            end = min(offset + micro_batch_size, rows_in) if rows_in > micro_batch_size else rows_in
+            micro = {key: value[start + offset : start + end] for key, value in batch.items()}
+            micro[UNIT_KEY] = unit[start + offset : start + end] - person
+            micro[OPEN_KEY] = torch.full_like(micro[UNIT_KEY], end < rows_in, dtype=torch.bool)
+            yield _trim_padding(micro) if trim_padding else micro
         start, person = start + rows_in, person + size
-        yield _trim_padding(micro) if trim_padding else micro
 
 
 def _unit_counts(unit: Tensor) -> list[int]:

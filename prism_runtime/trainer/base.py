@@ -11,9 +11,10 @@ and the history grows by the ``PrivacyEvent`` that body's mechanism returns.
 The privacy unit (``config.privacy_unit``, docs/design.md §3.2) is a record or a person. At the
 person level the trainer needs each row's person (``units``, or the dataset's ``users``), the
 sampler draws PEOPLE at ``q = b_u / N_users`` with a random chunk of at most
-``config.max_records_per_user`` records each (``prism_runtime.data.units``), a micro-batch never
-splits a person, and the DP methods sum a person's per-record gradients into one contribution
-before the clip (``prism_runtime.trainer.dp.fold_units``).
+``config.max_records_per_user`` records each (``prism_runtime.data.units``), a micro-batch holds
+at most ``config.micro_batch_size`` rows whoever was sampled (a person with more spans several),
+and the DP methods sum a person's per-record gradients into one contribution before the clip,
+across micro-batches where the person spans several (``prism_runtime.trainer.dp.UnitFold``).
 
 Randomness: by default (``seed=None``) the Poisson sampler and dropout draw from generators
 seeded by the OS (``os.urandom``, fresh at every ``reseed``) and the noise from the OS CSPRNG
@@ -41,6 +42,7 @@ from prism_core.errors import BudgetExceededError
 from prism_core.rng import NoiseSource, SecureRNG
 from prism_runtime.data import IGNORE_INDEX, make_collate, micro_batches, poisson_loader
 from prism_runtime.data.units import (
+    OPEN_KEY,
     UNIT_KEY,
     person_records,
     unit_micro_batches,
@@ -93,9 +95,10 @@ def per_example_loss(model: nn.Module, batch: dict[str, Tensor], task: str) -> T
 
     seq-cls: cross-entropy of each example. causal-lm: mean token cross-entropy over that
     sequence's supervised tokens (labels != -100), 0 for a sequence with none. A person-level
-    batch's ``unit`` (``prism_runtime.data.units.UNIT_KEY``) is not a model input.
+    batch's ``unit`` and ``unit_open`` (``prism_runtime.data.units.UNIT_KEY``, ``OPEN_KEY``)
+    are not model inputs.
     """
-    inputs = {k: v for k, v in batch.items() if k not in ("labels", UNIT_KEY)}
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", UNIT_KEY, OPEN_KEY)}
     logits = model(**inputs).logits.float()
     labels = batch["labels"]
     if task == "seq-cls":
@@ -345,9 +348,9 @@ class PrivateTrainer:
         return {k: v.to(self.loaded.device) for k, v in next(self._batches).items()}
 
     def _micro_batches(self, batch: dict[str, Tensor]) -> Iterator[dict[str, Tensor]]:
-        """``batch`` in micro-batches of ``config.micro_batch_size`` rows, grouped by length; at
-        the person level of whole people, each with its ``unit`` (a person with more rows is
-        alone in one)."""
+        """``batch`` in micro-batches of at most ``config.micro_batch_size`` rows, grouped by
+        length; at the person level of whole people, each with its ``unit``, a person with more
+        rows in consecutive micro-batches of their own (``unit_micro_batches``)."""
         if self.privacy_unit == "record":
             return micro_batches(batch, self.config.micro_batch_size, by_length=True)
         return unit_micro_batches(batch, self.config.micro_batch_size, by_length=True)

@@ -8,17 +8,20 @@ PER-SEQUENCE loss summed over examples, so ``grad_sample`` holds exact per-examp
 would take epsilon past the target is refused with ``BudgetExceededError``
 (``PrivateTrainer.step``).
 
-At the person level (``config.privacy_unit='user'``, docs/design.md §3.2) each micro-batch holds
-whole people and ``fold_units`` sums each person's per-record gradient rows (LoRA factors and
-head alike) into one row before the clip: the clip, its coefficient and the sensitivity C are
-then per person, whatever their number of records.
+At the person level (``config.privacy_unit='user'``, docs/design.md §3.2) ``UnitFold`` sums each
+person's per-record gradient rows (LoRA factors and head alike) into one row before the clip,
+micro-batch by micro-batch (``fold_units``), and across micro-batches for a person whose records
+span several (a micro-batch holds at most ``micro_batch_size`` rows whoever was sampled): the
+clip, its coefficient and the sensitivity C are then per person, whatever their number of
+records, and the clipped sum is the one of a single pass over the whole batch.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import ClassVar
 
 import torch
@@ -28,13 +31,13 @@ from torch.utils.data import Dataset
 
 from prism_core.accounting import PrivacyEvent, calibrate_noise_multiplier, epsilon, max_steps
 from prism_core.mechanism import finite_rows
-from prism_runtime.data.units import UNIT_KEY
+from prism_runtime.data.units import OPEN_KEY, UNIT_KEY
 from prism_runtime.errors import ConfigError
 from prism_runtime.model import LoadedModel
 from prism_runtime.train_config import TrainConfig
 from prism_runtime.trainer.base import PrivateTrainer
 
-__all__ = ["DPTrainer", "fold_units", "grad_sample"]
+__all__ = ["DPTrainer", "Fold", "UnitFold", "fold_units", "grad_sample"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +80,52 @@ def fold_units(rows: Sequence[Tensor], unit: Tensor) -> list[Tensor]:
         folded = t.new_zeros((people, *t.shape[1:])).index_add_(0, unit, t)
         out.append(folded.masked_fill(bad.view(-1, *[1] * (t.dim() - 1)), float("nan")))
     return out
+
+
+Fold = Callable[[Sequence[Tensor]], list[Tensor]]
+"""Per-example gradient rows of one micro-batch -> the rows of the people it completes."""
+
+
+class UnitFold:
+    """Per-PERSON gradient rows of one batch, micro-batch by micro-batch (docs/design.md §3.2).
+
+    ``fold(rows, unit, open_)`` sums each micro-batch's rows per person (``fold_units``), adds
+    the rows carried from the previous micro-batch to its first person (the same person, whose
+    records continue), and, when the micro-batch is ``open_`` (its last person's records go on
+    in the next one, ``prism_runtime.data.units.OPEN_KEY``), holds that person back. It returns
+    the rows of the people whose records are all in: each person reaches the clip once, with
+    the sum of all their records, however the micro-batches cut them. A person with a record
+    that is not finite stays NaN through the carry (the clip drops them whole).
+    """
+
+    def __init__(self) -> None:
+        self._carried: list[Tensor] | None = None
+
+    def fold(self, rows: Sequence[Tensor], unit: Tensor, open_: bool) -> list[Tensor]:
+        """The completed people's rows of one micro-batch, in order (see the class)."""
+        folded = fold_units(rows, unit)
+        if self._carried is not None:
+            folded = [
+                torch.cat([f[:1] + c.to(f.dtype), f[1:]])
+                for f, c in zip(folded, self._carried, strict=True)
+            ]
+        if open_:
+            self._carried = [f[-1:] for f in folded]
+            return [f[:-1] for f in folded]
+        self._carried = None
+        return folded
+
+    def close(self) -> None:
+        """Check that the batch ended with every person complete.
+
+        Raises:
+            ValueError: the last micro-batch was open (a person's rows were cut off).
+        """
+        if self._carried is not None:
+            raise ValueError(
+                f"the batch's last micro-batch is marked open ({OPEN_KEY!r}): a person's records "
+                "were cut off; micro-batches must come from unit_micro_batches"
+            )
 
 
 class DPTrainer(PrivateTrainer):
@@ -173,18 +222,22 @@ class DPTrainer(PrivateTrainer):
             if hasattr(p, "grad_sample"):
                 p.grad_sample = None
 
-    def _example_passes(
-        self, batch: dict[str, Tensor]
-    ) -> Iterator[tuple[int, float, Tensor | None]]:
-        """Backward each micro-batch of ``batch``; yields its ``(examples, summed loss, unit)``
+    def _example_passes(self, batch: dict[str, Tensor]) -> Iterator[tuple[int, float, Fold | None]]:
+        """Backward each micro-batch of ``batch``; yields its ``(examples, summed loss, fold)``
         while its per-example gradients are set, and clears them when the caller asks for the
-        next. ``unit`` is each example's person (``fold_units``) at the person level, None at
-        the record level."""
+        next. ``fold`` maps the micro-batch's per-example rows to those of the people it
+        completes (``UnitFold``, one per batch) at the person level; None at the record level."""
+        people = UnitFold() if self.privacy_unit == "user" else None
         for micro in self._micro_batches(batch):
-            unit = micro[UNIT_KEY] if self.privacy_unit == "user" else None
+            fold: Fold | None = None
+            if people is not None:
+                unit, open_ = micro[UNIT_KEY], bool(micro[OPEN_KEY].any())
+                fold = functools.partial(people.fold, unit=unit, open_=open_)
             loss = self._backward(micro)
-            yield int(micro["labels"].shape[0]), loss, unit
+            yield int(micro["labels"].shape[0]), loss, fold
             self._clear_grads()
+        if people is not None:
+            people.close()
 
     def _head_split(self) -> dict[str, float]:
         """The clip's keyword for the head's share ``head_max_norm`` of C ({}: one joint clip)."""

@@ -8,7 +8,8 @@ EXPECTED batch size (``FactorTrainer.factor_release``); AdamW (and the head's SG
 release. FFA-LoRA is the same trainer on a model whose peft ``lora_A`` is frozen
 (``prism_runtime.model.load_model(..., method="ffa")``): only tensors that require a gradient
 are clipped, noised and stepped. At the person level a person's per-example gradients are
-summed into one row before the clip (``fold_units``): one coefficient per person.
+summed into one row before the clip (``UnitFold``, across micro-batches where their records span
+several): one coefficient per person.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from prism_core.baselines import factor_clip_and_sum, factor_privatize
 from prism_runtime.classifier import fold_text_rows
 from prism_runtime.model import LoadedModel
 from prism_runtime.train_config import MECHANISMS, TrainConfig
-from prism_runtime.trainer.dp import DPTrainer, fold_units, grad_sample
+from prism_runtime.trainer.dp import DPTrainer, Fold, grad_sample
 from prism_runtime.trainer.optimizers import lora_optimizer
 
 __all__ = ["FactorClipFn", "FactorTrainer"]
@@ -57,15 +58,13 @@ class FactorTrainer(DPTrainer):
 
     # -- the clip and the release ----------------------------------------------------------
 
-    def _example_rows(
-        self, n: int, unit: Tensor | None = None
-    ) -> tuple[list[Tensor], list[Tensor]]:
+    def _example_rows(self, n: int, fold: Fold | None = None) -> tuple[list[Tensor], list[Tensor]]:
         """Per-example gradients of the trainable LoRA factors and of the head, for the ``n``
-        examples of the last backward (siamese pairs: 2 encoder rows folded into 1); per person
-        when ``unit`` is given (``fold_units``)."""
+        examples of the last backward (siamese pairs: 2 encoder rows folded into 1); per
+        completed person when ``fold`` is given (``UnitFold``)."""
         rows = [fold_text_rows(grad_sample(p).to(torch.float32), n) for p in self.params]
-        if unit is not None:
-            rows = fold_units(rows, unit)
+        if fold is not None:
+            rows = fold(rows)
         lora = len(rows) - len(self.loaded.head_params)
         return rows[:lora], rows[lora:]
 
@@ -87,9 +86,9 @@ class FactorTrainer(DPTrainer):
         acc: list[Tensor] | None = None
         total = 0.0
         split = self._head_split()
-        for n, loss, unit in self._example_passes(batch):
+        for n, loss, fold in self._example_passes(batch):
             total += loss
-            lora, head = self._example_rows(n, unit)
+            lora, head = self._example_rows(n, fold)
             acc, _ = clip(
                 lora, max_norm=self.config.max_norm, previous=acc, euclidean=head, **split
             )
@@ -133,8 +132,8 @@ class FactorTrainer(DPTrainer):
         batch = self._next_batch()
         count = below = 0
         with self._autocast():
-            for n, _, unit in self._example_passes(batch):
-                lora, head = self._example_rows(n, unit)
+            for n, _, fold in self._example_passes(batch):
+                lora, head = self._example_rows(n, fold)
                 _, alpha = factor_clip_and_sum(
                     lora, max_norm=max_norm, euclidean=[] if lora_only else head
                 )

@@ -10,7 +10,8 @@ steps with AdamW or (heavy-ball) SGD (``head_optimizer``). Siamese text pairs: t
 per-text gradient rows are folded into one per example
 (``prism_runtime.classifier.fold_text_rows``) before the clip. At the person level a person's
 per-example factor and head gradients are then summed into one row (``fold_units``): one clip
-coefficient per person, in the intrinsic norm, the same split with the head.
+coefficient per person, in the intrinsic norm, the same split with the head, also for a person
+whose records span several micro-batches (``UnitFold``).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from prism_runtime.head_optimizer import head_optimizer
 from prism_runtime.lora import per_example_factor_grads, read_points, write_points_
 from prism_runtime.model import LoadedModel
 from prism_runtime.train_config import TrainConfig
-from prism_runtime.trainer.dp import DPTrainer, fold_units, grad_sample
+from prism_runtime.trainer.dp import DPTrainer, Fold, grad_sample
 
 __all__ = ["ClipFn", "PrismTrainer", "PrivatizeFn"]
 
@@ -79,19 +80,19 @@ class PrismTrainer(DPTrainer):
     # -- the clip and the release ----------------------------------------------------------
 
     def _example_grads(
-        self, n: int, unit: Tensor | None = None
+        self, n: int, fold: Fold | None = None
     ) -> tuple[list[tuple[Tensor, Tensor]], list[Tensor]]:
         """Per-example factor gradients ``(gA, gB)`` of every LoRA module and the head's, for
         the ``n`` examples of the last backward (siamese pairs: 2 encoder rows folded into 1);
-        per person when ``unit`` is given (``fold_units``)."""
+        per completed person when ``fold`` is given (``UnitFold``)."""
         grads = [
             (fold_text_rows(gA, n), fold_text_rows(gB, n))
             for gA, gB in per_example_factor_grads(self.loaded.handles)
         ]
         head = [grad_sample(p).to(torch.float32) for p in self.loaded.head_params]
-        if unit is None:
+        if fold is None:
             return grads, head
-        folded = fold_units([*(g for pair in grads for g in pair), *head], unit)
+        folded = fold([*(g for pair in grads for g in pair), *head])
         lora = 2 * len(grads)
         return list(zip(folded[0:lora:2], folded[1:lora:2], strict=True)), folded[lora:]
 
@@ -118,9 +119,9 @@ class PrismTrainer(DPTrainer):
             frames = step_frames(points)
         acc, total = None, 0.0
         split = self._head_split()
-        for n, loss, unit in self._example_passes(batch):
+        for n, loss, fold in self._example_passes(batch):
             total += loss
-            grads, head_grads = self._example_grads(n, unit)
+            grads, head_grads = self._example_grads(n, fold)
             acc = clip(
                 points,
                 grads,
@@ -194,8 +195,8 @@ class PrismTrainer(DPTrainer):
         frames = step_frames(points)
         count = below = 0
         with self._autocast():
-            for n, _, unit in self._example_passes(batch):
-                grads, head_grads = self._example_grads(n, unit)
+            for n, _, fold in self._example_passes(batch):
+                grads, head_grads = self._example_grads(n, fold)
                 acc = clip_and_sum_grads(
                     points,
                     grads,

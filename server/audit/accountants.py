@@ -2,8 +2,9 @@
 
 For each site of a ledger the whole history is composed by
 
-- Opacus' PRV accountant (the value prism-fl reports; ``eps_error = PRV_EPS_ERROR``, its upper
-  bound is returned),
+- ``prism_core.accounting.epsilon`` (the value prism-fl reports: Opacus' PRV accountant,
+  ``eps_error = PRV_EPS_ERROR``, its upper bound, raised to a pessimistic PLD where that is
+  larger),
 - Opacus' RDP accountant (a looser upper bound: it must never be below PRV by more than PRV's
   error),
 - Google's ``dp_accounting`` PLD accountant (an independent implementation of the same

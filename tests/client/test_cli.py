@@ -482,3 +482,17 @@ def test_per_person_training_needs_the_person_field(
     assert "--user-field" in capsys.readouterr().err
     assert main([*args, "--privacy-unit", "user", "--user-field", "patient_id"]) == EXIT_DATA_ERROR
     assert "patient_id" in capsys.readouterr().err  # every row lacks it: named by lines
+
+
+def test_per_person_delta_is_checked_against_the_number_of_people(
+    tiny_bert: str, sst2: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """120 rows of 24 people: per person delta must be below 1/24, per record below 1/120; a
+    delta of 0.05 is refused per person naming N = 24 people, 0.02 per record naming 120."""
+    train = _with_people(sst2[0], tmp_path / "people.jsonl", [1, 2, 5, 12])  # 24 people
+    args = [*_base_args(tiny_bert, (train, sst2[1]), tmp_path / "o"), "--epsilon", "3", *FAST]
+    person = [*args, "--privacy-unit", "user", "--user-field", "patient_id", "--delta", "0.05"]
+    assert main(person) == EXIT_CONFIG_ERROR
+    assert "N=24 people" in capsys.readouterr().err
+    assert main([*args, "--user-field", "patient_id", "--delta", "0.02"]) == EXIT_CONFIG_ERROR
+    assert "N=120 training examples" in capsys.readouterr().err

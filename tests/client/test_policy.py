@@ -21,9 +21,15 @@ from client.policy import (
     delta_below_one_over_n,
     site_policy,
 )
-from prism_runtime.config import RunConfig, SiteConfig, parse_config
+from prism_runtime.config import (
+    DEFAULT_MAX_RECORDS_PER_USER,
+    RunConfig,
+    SiteConfig,
+    parse_config,
+)
 from prism_runtime.errors import ConfigError
 from prism_runtime.protocol import REFUSAL_REASONS, RNG_REPRODUCIBLE, RNG_SECURE
+from prism_runtime.ranges import MAX_RECORDS_PER_USER_MAX
 
 SECRET = "policy-test-secret"
 N = 100  # the site's examples: a delta must be below 1/N = 0.01
@@ -343,3 +349,31 @@ def test_the_site_decides_whether_it_takes_part_in_secure_aggregation(
     run = _run(**(SECURE if secure_run else {}))
     assert policy.refusal(run, N) == code
     assert code is None or code in REFUSAL_REASONS
+
+
+# -- the records of one person per step: the site's bound --------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("simulation", "own", "asked", "k"),
+    [
+        (False, None, 50, DEFAULT_MAX_RECORDS_PER_USER),  # deployed, none set: the default bounds
+        (False, None, 2, 2),  # the run may lower it
+        (False, 8, 20, 8),  # the site's own bound
+        (False, 8, 8, 8),
+        (False, 8, 3, 3),
+        (True, None, 50, 50),  # simulated, none set: follows the run
+        (True, 6, 50, 6),
+    ],
+)
+def test_the_run_may_lower_a_persons_records_per_step_never_raise_them(simulation, own, asked, k):
+    policy = _policy(simulation=simulation, max_records_per_user=own)
+    assert policy.records_per_user(_run(**{"max-records-per-user": asked})) == k
+
+
+def test_the_node_config_sets_the_sites_bound_within_the_accepted_range():
+    config = _node(**{"partition-id": 0, "num-partitions": 1, "max-records-per-user": 7})
+    assert site_policy(config).max_records_per_user == 7
+    for bad in (0, MAX_RECORDS_PER_USER_MAX + 1):
+        with pytest.raises(ConfigError, match="max-records-per-user"):
+            _node(**{"max-records-per-user": bad})

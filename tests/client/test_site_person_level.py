@@ -146,6 +146,72 @@ def test_record_events_count_per_person_by_group_privacy_after_a_switch(tiny_ber
     assert expected > 5 * epsilon(record_events, 1e-5)
 
 
+@pytest.mark.parametrize(
+    ("unit", "request_", "code"),
+    [
+        # 24 patients with 3 notes each: N = 24 per patient, 72 per record
+        ("user", {"batch-size": 30}, "batch-above-site-data"),  # 24 < b <= 72
+        ("record", {"batch-size": 30}, None),
+        ("user", {"batch-size": 24}, None),
+        ("user", {"delta": 0.045}, "delta-not-below-1/n"),  # 1/24 <= delta
+        ("user", {"delta": 1 / 24}, "delta-not-below-1/n"),
+        ("user", {"delta": 0.02}, None),  # 1/72 <= delta < 1/24: below 1/N for N people
+        ("record", {"delta": 0.02}, "delta-not-below-1/n"),
+    ],
+)
+def test_a_person_level_sites_delta_and_batch_count_people(
+    unit, request_, code, tiny_bert, tmp_path
+):
+    """At the person level N is the number of PEOPLE (24), not of records (72): a batch between
+    the two is refused (q = b / N_people would pass 1), a delta at or above 1/24 is refused, and
+    a delta in [1/72, 1/24) is below 1/N for people (a record-level site refuses it)."""
+    node = {"privacy-unit": unit, "delta": 0.05}
+    if unit == "user":
+        node["user-field"] = "patient_id"
+    config = _deployed(tmp_path, _notes(people=24, per_person=3), **node)
+    site = Site(_run(tiny_bert, **request_), config, site_policy(config))
+    assert site.num_units == (24 if unit == "user" else 72)
+    assert site.refusal == code
+    assert code is None or code in REFUSAL_REASONS
+
+
+def test_a_sites_own_bound_on_records_per_person_caps_the_runs(tiny_bert, tmp_path):
+    """The run asks for 50 records per sampled person; a deployed site that sets none takes
+    at most the default 4, one that sets 2 takes 2: the coordinator never raises k."""
+    for own, k in ((None, 4), (2, 2)):
+        node = {"privacy-unit": "user", "user-field": "patient_id"}
+        if own is not None:
+            node["max-records-per-user"] = own
+        (tmp_path / str(own)).mkdir()
+        config = _deployed(tmp_path / str(own), _notes(), **node)
+        site = Site(_run(tiny_bert, **{"max-records-per-user": 50}), config, site_policy(config))
+        assert site.trainer.config.max_records_per_user == k
+        assert site.trainer._loader.batch_sampler.max_records == k
+
+
+def test_a_patient_with_40_records_after_record_rounds_is_refused_not_an_error(tiny_bert, tmp_path):
+    """Record-level rounds at sigma 1, then the site turns per person with a patient holding 40
+    records: group privacy gives no finite epsilon per person (prism_core.accounting), so the
+    site refuses the round with its cap code and charges nothing; no OverflowError."""
+    rows = _notes(people=20, per_person=1) + _notes(people=1, per_person=40)
+    for r in rows[20:]:
+        r["patient_id"] = "many-notes"
+    record_node = _deployed(tmp_path, rows, **{"privacy-unit": "record"})
+    run = _run(tiny_bert, **{"noise-multiplier": 1.0})
+    record_site = Site(run, record_node, site_policy(record_node))
+    assert record_site.train_round(1, to_arrays(record_site.loaded)).accounting["status"] == (
+        STATUS_OK
+    )
+    user_node = _deployed(tmp_path, rows, **{"privacy-unit": "user", "user-field": "patient_id"})
+    user_site = Site(run, user_node, site_policy(user_node))
+    assert user_site.ledger.group_size == 40
+    before = user_site.ledger.path.read_bytes()
+    reply = user_site.train_round(2, to_arrays(user_site.loaded))
+    assert reply.accounting["status"] == STATUS_REFUSED
+    assert reply.accounting["reason"] == "cap-exhausted" and "cap-exhausted" in REFUSAL_REASONS
+    assert user_site.ledger.path.read_bytes() == before
+
+
 def test_a_person_level_ledger_never_goes_back_to_records(tiny_bert, tmp_path):
     rows = _notes()
     user_node = _deployed(tmp_path, rows, **{"privacy-unit": "user", "user-field": "patient_id"})

@@ -611,3 +611,36 @@ def test_max_steps_counts_new_steps_in_their_own_unit_after_a_switch():
     assert epsilon(more, 1e-5, group_size=3) <= 20.0
     over = [*records, PrivacyEvent(1.2, 0.05, allowed + 1, unit="user")]
     assert allowed == 400 or epsilon(over, 1e-5, group_size=3) > 20.0
+
+
+@pytest.mark.parametrize("k", [10, 40])
+def test_a_person_with_many_records_gets_no_finite_group_guarantee_instead_of_an_error(k):
+    """sigma 1, q 0.01, 100 record-level steps, a person with k records: group privacy needs a
+    per-record delta_r with ``k e^((k-1) eps_r(delta_r)) delta_r <= delta``; on a grid of
+    delta_r from delta / k down to 1e-300 every delta_r that meets it costs more than epsilon
+    709 per person (e^709 is the largest float), so no finite guarantee exists and the answer
+    is inf, never an OverflowError; with later person-level events too."""
+    records = [PrivacyEvent(1.0, 0.01, 100)]
+    delta = 1e-5
+    finite = []
+    for exponent in range(5, 301, 5):
+        delta_r = min(delta / k, 10.0**-exponent)
+        eps_r = epsilon(records, delta_r)
+        if math.log(k) + (k - 1) * eps_r + math.log(delta_r) <= math.log(delta):
+            finite.append(k * eps_r)
+    assert all(value > 709 for value in finite)
+    assert epsilon(records, delta, group_size=k) == math.inf
+    people = [PrivacyEvent(1.0, 0.05, 10, unit="user")]
+    assert epsilon([*records, *people], delta, group_size=k) == math.inf
+    assert max_steps(
+        records, noise_multiplier=1.0, sample_rate=0.05, delta=delta, target_epsilon=8.0,
+        limit=10, unit="user", group_size=k,
+    ) == 0  # fmt: skip
+
+
+def test_group_privacy_past_the_float_range_is_no_guarantee_not_an_error():
+    eps, delta = group_privacy(30.0, 1e-5, 40)  # 40 e^(39 x 30) 1e-5 overflows a float
+    assert (eps, delta) == (1200.0, 1.0)
+    assert group_privacy(0.1, 1e-5, 3)[1] == pytest.approx(3 * math.exp(0.2) * 1e-5, rel=1e-15)
+    per_record = group_record_budget(1e4, 1e-5, 2)  # e^(5000) overflows: delta_r is 0
+    assert per_record == (5e3, 0.0)

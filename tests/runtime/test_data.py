@@ -273,6 +273,43 @@ def test_user_field_carries_each_rows_person_as_a_string(tmp_path: Path, bert_to
     assert load_examples(lm, "causal-lm", user_field="who")[0]["user"] == "9"
 
 
+def test_one_person_written_differently_is_one_person(tmp_path: Path) -> None:
+    """Surrounding whitespace, Unicode normal forms (NFC) and integer spellings ("007", "7",
+    7, "+7") name one person in JSON and CSV alike; what is not merged stays apart: case,
+    inner whitespace, compatibility forms (full-width digits), leading zeros inside a text id
+    and non-ASCII digits (docs/usage.md, "Per-patient privacy")."""
+    same = [
+        ("P1", "P1 ", " P1", "\tP1\n", "P1\u00a0"),
+        ("Jos\u00e9", "Jose\u0301"),  # precomposed and combining accent: one NFC form
+        ("007", "7", 7, " 7 ", "+7", "0007"),
+        ("-3", "-003", -3),
+        ("0", "-0", 0, "000"),
+    ]
+    apart = ["p1", "P 1", "P7", "P007", "\uff17", "\u0667"]  # full-width 7, Arabic-Indic 7
+    values = [v for group in same for v in group] + apart
+    path = _jsonl(tmp_path / "u.jsonl", [_with_user(v, i) for i, v in enumerate(values)])
+    users = [r["user"] for r in load_examples(path, "seq-cls", user_field="who")]
+    start = 0
+    for group in same:
+        ids = users[start : start + len(group)]
+        assert len(set(ids)) == 1, group
+        start += len(group)
+    assert users[:start][-1] == "0" and users[10] == "7"  # integers spelt canonically
+    assert len(set(users)) == len(same) + len(apart)  # nothing else merged
+    csv_path = tmp_path / "u.csv"
+    csv_path.write_text("text,label,who\na,1,007\nb,0, P1 \nc,1,7\n", encoding="utf-8")
+    csv_users = [r["user"] for r in load_examples(csv_path, "seq-cls", user_field="who")]
+    assert csv_users == ["7", "P1", "7"]
+
+
+def test_the_sampler_and_the_split_see_one_person_whatever_its_spelling() -> None:
+    """``person_records`` (the trainer's sampler and the simulated split) groups ids given as
+    Python values the same way: 7, "7", " 007" and "P1", "P1 " are two people."""
+    from prism_runtime.data.units import person_records
+
+    assert person_records([7, "P1", "7", "P1 ", " 007", "p1"]) == [[0, 2, 4], [1, 3], [5]]
+
+
 def test_without_user_field_the_rows_are_unchanged(tmp_path: Path) -> None:
     path = _jsonl(tmp_path / "u.jsonl", [_with_user(3, 0), _with_user(None, 1)])
     assert load_examples(path, "seq-cls") == [

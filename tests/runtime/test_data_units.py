@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 
 from prism_runtime.data import TokenizedDataset, length_groups, poisson_loader
 from prism_runtime.data.units import (
+    OPEN_KEY,
     UNIT_KEY,
     UserPoissonSampler,
     person_records,
@@ -249,29 +250,42 @@ def _layout(seed: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize("by_length", [False, True])
-def test_micro_batches_never_split_a_person(seed: int, by_length: bool) -> None:
-    """Every person's rows are in exactly one micro-batch; a micro-batch has at most
-    micro_batch_size rows unless it is one person alone; its unit numbers its people 0..P'-1 in
-    contiguous runs; together the micro-batches hold every row once, unchanged."""
+def test_micro_batches_are_bounded_and_split_only_a_person_too_large(
+    seed: int, by_length: bool
+) -> None:
+    """Every micro-batch has at most micro_batch_size rows; a person with at most that many rows
+    is in exactly one micro-batch; a person with more spans consecutive micro-batches of their
+    own, each but the last marked open on every row; unit numbers a micro-batch's people 0..P'-1
+    in contiguous runs; together the micro-batches hold every row once, unchanged."""
     batch = _layout(seed)
     cap = 1 + seed % 5
-    owner: dict[int, int] = {}
+    counts = torch.bincount(batch["person"]).tolist()
+    pieces: dict[int, list[int]] = {}
     rows_seen: list[int] = []
-    for micro_index, micro in enumerate(unit_micro_batches(batch, cap, by_length=by_length)):
+    micros = list(unit_micro_batches(batch, cap, by_length=by_length))
+    for micro_index, micro in enumerate(micros):
         unit, person = micro[UNIT_KEY].tolist(), micro["person"].tolist()
         runs = [p for p, _ in itertools.groupby(person)]
         assert len(runs) == len(set(runs))  # contiguous
         assert unit == [runs.index(p) for p in person]
-        assert len(unit) <= cap or len(runs) == 1
+        assert len(unit) <= cap
+        open_ = micro[OPEN_KEY].tolist()
+        assert len(set(open_)) == 1  # open on every row or on none
+        if open_[0]:
+            assert len(runs) == 1 and counts[runs[0]] > cap  # only a person too large continues
+            assert micros[micro_index + 1]["person"].tolist()[0] == runs[0]  # in the next one
         for p in runs:
-            assert owner.setdefault(p, micro_index) == micro_index  # never in two micro-batches
+            pieces.setdefault(p, []).append(micro_index)
         width = micro["attention_mask"].shape[1]
         for r, ids in zip(micro["row"].tolist(), micro["input_ids"], strict=True):
             assert torch.equal(ids, batch["input_ids"][r, :width])
             assert not batch["input_ids"][r, width:].any()  # only padding was trimmed
         rows_seen += micro["row"].tolist()
     assert sorted(rows_seen) == list(range(int(batch["row"].shape[0])))
-    assert set(owner) == set(batch["person"].tolist())
+    assert set(pieces) == set(batch["person"].tolist())
+    for p, where in pieces.items():
+        assert len(where) == max(1, -(-counts[p] // cap))  # ceil(count / cap) when too large
+        assert where == list(range(where[0], where[0] + len(where)))  # consecutive
 
 
 def test_length_groups_of_single_rows_are_the_row_groups() -> None:

@@ -19,7 +19,7 @@ from prism_runtime.errors import ConfigError
 from prism_runtime.lora import read_points
 from prism_runtime.model import ModelConfig, load_model
 from prism_runtime.trainer import FactorTrainer, PrismTrainer, TrainConfig, make_trainer
-from prism_runtime.trainer.dp import fold_units
+from prism_runtime.trainer.dp import UnitFold, fold_units
 
 SST2 = "seq-cls"
 K = 3  # max_records_per_user of these tests
@@ -50,15 +50,15 @@ def _trainer(lm, rows, units, **settings):
     return make_trainer(lm, dataset, config, units=units), dataset
 
 
-def _neighbours(trainer, dataset, units):
-    """A person-level batch with every person (q = 1, person 'x' capped to K records) and the
-    same batch without 'x', both as the sampler draws them."""
+def _neighbours(trainer, dataset, units, cap=K):
+    """A person-level batch with every person (q = 1, person 'x' capped to ``cap`` records) and
+    the same batch without 'x', both as the sampler draws them."""
     records = person_records(units)
     loader, q = user_poisson_loader(
         dataset,
         records,
         expected_users=len(records),
-        max_records=K,
+        max_records=cap,
         collate_fn=make_collate(trainer.loaded.tokenizer, SST2),
         generator=torch.Generator().manual_seed(1),
     )
@@ -200,6 +200,29 @@ def test_fold_units_sums_a_persons_rows_and_the_lift_of_the_sum_is_the_sum_of_li
         torch.testing.assert_close(lifted.dB, lifts.dB.sum(0), rtol=1e-10, atol=1e-12)
 
 
+def test_unit_fold_adds_a_persons_pieces_before_returning_them():
+    """Micro-batches [a, a, b(open)] then [b, b, c]: a alone first, then b's three rows summed
+    and c, as one pass would fold them; a non-finite row in a piece makes the whole person NaN;
+    a batch that ends open is refused."""
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(6, 2, 3, generator=g, dtype=torch.float64)
+    whole = fold_units([rows], torch.tensor([0, 0, 1, 1, 1, 2]))[0]
+    fold = UnitFold()
+    first = fold.fold([rows[:3]], torch.tensor([0, 0, 1]), True)[0]
+    second = fold.fold([rows[3:]], torch.tensor([0, 0, 1]), False)[0]
+    fold.close()
+    assert torch.allclose(torch.cat([first, second]), whole, rtol=1e-12, atol=1e-15)
+    bad = rows.clone()
+    bad[2, 0, 0] = float("inf")
+    fold = UnitFold()
+    fold.fold([bad[:3]], torch.tensor([0, 0, 1]), True)
+    out = fold.fold([bad[3:]], torch.tensor([0, 0, 1]), False)[0]
+    assert out[0].isnan().all() and out[1].isfinite().all()
+    fold.fold([rows[:2]], torch.tensor([0, 1]), True)
+    with pytest.raises(ValueError, match="marked open"):
+        fold.close()
+
+
 @pytest.mark.parametrize("bad", [float("inf"), float("nan"), 3e38])
 def test_a_non_finite_record_drops_its_whole_person(bad):
     """One record of person 1 is not finite (or its entries' sum overflows float32): person
@@ -264,9 +287,12 @@ def test_a_person_level_step_is_accounted_over_people(method, tiny_bert, sst2_ro
     assert count == below and 0 < count <= 25  # people, not records
 
 
-def test_the_trainers_micro_batches_hold_whole_people(tiny_bert, sst2_rows, monkeypatch):
-    """Every micro-batch the person-level trainer backpropagates holds whole people (at most
-    micro_batch_size rows unless one person alone), and the fold receives its unit."""
+def test_the_trainers_micro_batches_are_bounded_and_the_clip_sees_each_person_once(
+    tiny_bert, sst2_rows, monkeypatch
+):
+    """Every micro-batch the person-level trainer backpropagates has at most micro_batch_size
+    rows, a person with more spans consecutive micro-batches, and the clip receives each
+    sampled person exactly once per step."""
     lm = load_model(ModelConfig(model=tiny_bert, rank=2))
     units = [f"u{i // 5}" for i in range(60)]  # 12 people with 5 records: more than a micro
     config = TrainConfig(
@@ -282,29 +308,90 @@ def test_the_trainers_micro_batches_hold_whole_people(tiny_bert, sst2_rows, monk
     trainer = make_trainer(
         lm, TokenizedDataset(sst2_rows[:60], lm.tokenizer, SST2, max_length=32), config, units=units
     )
-    batches: list[list[int]] = []
-    micros: list[list[int]] = []
+    people: list[int] = []
+    micros: list[int] = []
+    clipped: list[int] = []
     split = trainer_base.unit_micro_batches
+    clip = prism_module.clip_and_sum_grads
 
     def spy(batch, size, **kwargs):
-        batches.append(torch.bincount(batch[UNIT_KEY]).tolist())
+        people.append(int(batch[UNIT_KEY].max()) + 1 if batch[UNIT_KEY].numel() else 0)
+        clipped.append(0)
         for micro in split(batch, size, **kwargs):
-            micros.append(torch.bincount(micro[UNIT_KEY]).tolist())
+            micros.append(int(micro[UNIT_KEY].shape[0]))
             yield micro
 
-    folded: list[int] = []
-
-    def fold_spy(rows, unit):
-        folded.append(int(unit.max()) + 1)
-        return fold_units(rows, unit)
+    def clip_spy(points, grads, **kwargs):
+        clipped[-1] += int(grads[0][0].shape[0])
+        return clip(points, grads, **kwargs)
 
     monkeypatch.setattr(trainer_base, "unit_micro_batches", spy)
-    monkeypatch.setattr(prism_module, "fold_units", fold_spy)
+    monkeypatch.setattr(prism_module, "clip_and_sum_grads", clip_spy)
     trainer.train()
-    assert micros and all(sum(m) <= 3 or len(m) == 1 for m in micros)
-    assert sorted(c for m in micros for c in m) == sorted(c for b in batches for c in b)
-    assert folded == [len(m) for m in micros]
-    assert any(len(m) == 1 and m[0] == 4 for m in micros)  # a person with 4 > 3 rows alone
+    assert micros and max(micros) <= 3
+    assert clipped == people and sum(people) > 0
+    assert any(m == 1 for m in micros)  # a person with 4 > 3 rows: pieces of 3 and 1
+
+
+def _big_person(extra: int) -> list[str]:
+    """8 people with 1..3 records, then 'x' with ``extra`` (all of them under the cap 6)."""
+    return _population(0) + ["x"] * extra
+
+
+@pytest.mark.parametrize("method", ["prism", "dp-adamw"])
+@pytest.mark.parametrize("micro", [1, 2, 4])
+def test_a_person_across_micro_batches_is_clipped_as_in_one_pass(
+    method, micro, tiny_bert, sst2_rows
+):
+    """Person 'x' with 6 records (the cap), micro-batches of 1, 2 or 4 rows: the clipped sum
+    (float64 clip, every person clipped) equals the unbatched one, all rows in one pass, to
+    float32 rounding of the per-example gradients; and so does the loss."""
+    init = "spectral-residual" if method == "prism" else "standard"
+    units = _big_person(6)
+    rows = sst2_rows[: len(units)]
+    sums = {}
+    for size in (micro, len(units)):
+        lm = load_model(ModelConfig(model=tiny_bert, rank=4, init=init), method=method)
+        trainer, dataset = _trainer(
+            lm, rows, units, method=method, micro_batch_size=size, max_records_per_user=6
+        )
+        batch, _, rows_of_x = _neighbours(trainer, dataset, units, cap=6)
+        assert rows_of_x == 6
+        if method == "prism":
+            points = read_points(lm.handles)
+            acc, loss = trainer.clipped_sum(batch, points, clip_fn=_clip64)
+            assert acc.count == acc.clipped == 9  # people, each clipped once
+            flat = [*(t for s in acc.sums for t in (s.dA, s.dB)), *acc.euclidean]
+        else:
+            flat, loss = trainer.factor_clipped_sum(batch, clip_fn=_factor_clip64)
+        sums[size] = (torch.cat([t.double().flatten() for t in flat]), loss)
+    (split, split_loss), (whole, whole_loss) = sums[micro], sums[len(units)]
+    assert float((split - whole).norm()) <= 1e-5 * float(whole.norm())
+    assert split_loss == pytest.approx(whole_loss, rel=1e-5)
+
+
+@pytest.mark.parametrize("sampled", [True, False])
+def test_a_micro_batch_is_bounded_whether_or_not_a_big_person_is_sampled(
+    sampled, tiny_bert, sst2_rows, monkeypatch
+):
+    """Micro-batches of at most 2 rows with the cap k = 6: the largest forward/backward holds
+    2 rows whether the batch holds person 'x' with 6 records or not."""
+    lm = load_model(ModelConfig(model=tiny_bert, rank=2))
+    units = _big_person(6)
+    trainer, dataset = _trainer(
+        lm, sst2_rows[: len(units)], units, micro_batch_size=2, max_records_per_user=6
+    )
+    with_x, without_x, _ = _neighbours(trainer, dataset, units, cap=6)
+    seen: list[int] = []
+    backward = trainer._backward
+
+    def spy(micro):
+        seen.append(int(micro["labels"].shape[0]))
+        return backward(micro)
+
+    monkeypatch.setattr(trainer, "_backward", spy)
+    trainer.clipped_sum(with_x if sampled else without_x, read_points(lm.handles))
+    assert max(seen) == 2
 
 
 @pytest.mark.parametrize("method", ["prism", "dp-adamw"])

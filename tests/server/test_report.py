@@ -14,7 +14,7 @@ from ledger.sample_events import epsilon_by_round
 from ledger_events import ledger_event
 from strategy import three_sites
 
-from prism_core.accounting import PrivacyEvent, epsilon
+from prism_core.accounting import PRV_EPS_ERROR, PrivacyEvent, epsilon, replace_one
 from server.cli import main
 from server.ledger import Ledger, LedgerEvent
 from server.report import (
@@ -249,22 +249,31 @@ def test_round_rows_give_the_reports_epsilon_and_cap_and_the_strategys_status(
     ]
 
 
-def test_the_report_states_the_guarantee_against_the_coordinator(report, tmp_path):
+def test_the_report_states_the_guarantee_against_the_coordinator(report, ledger_path, tmp_path):
     """Every reply states q = b / N: the report says the guarantee against the coordinator is
-    replace-one with N public, and gives its (2 eps, (1 + e^eps) delta) per site."""
+    replace-one with N public and gives it per site, accounted directly by the replace-one PLD
+    (``prism_core.accounting.replace_one``) at the site's delta for these Gaussian histories:
+    below group privacy's 2 epsilon, and saying which was used."""
     assert report["guarantee"]["against_coordinator"] == "replace-one, shard size public"
+    with Ledger.open(ledger_path, read_only=True) as led:
+        histories = {s: [e.event for e in led.events(site_id=s)] for s in led.sites()}
     for row in report["sites"]:
         eps = row["epsilon"]
         if math.isfinite(eps):
-            assert row["epsilon_replace_one"] == pytest.approx(2 * eps, rel=1e-12)
-            expected = min(1.0, (1 + math.exp(eps)) * row["delta"])
-            assert row["delta_replace_one"] == pytest.approx(expected, rel=1e-12)
+            direct = replace_one(histories[row["site_id"]], row["delta"])
+            assert row["replace_one_method"] == "pld"
+            assert row["epsilon_replace_one"] == pytest.approx(direct.epsilon, rel=1e-12)
+            assert row["delta_replace_one"] == row["delta"]
+            assert eps - PRV_EPS_ERROR <= row["epsilon_replace_one"] < 2 * eps / 1.15
         else:
             assert row["epsilon_replace_one"] == math.inf
+            assert row["delta_replace_one"] == 1.0
     paths = write_reports(report, tmp_path)
-    assert "replace-one with N public" in paths["html"].read_text(encoding="utf-8")
+    html = paths["html"].read_text(encoding="utf-8")
+    assert "replace-one with N public" in html and "(replace-one PLD)" in html
     with paths["csv"].open(encoding="utf-8") as f:
-        assert "epsilon_replace_one" in next(csv.reader(f))
+        header = next(csv.reader(f))
+    assert {"epsilon_replace_one", "delta_replace_one", "replace_one_method"} <= set(header)
 
 
 # -- through the strategy: reproducible randomness ---------------------------------------------
