@@ -87,7 +87,12 @@ from prism_runtime.secure_sum.unmask import (
     plan_unmask,
     unmask_sum,
 )
-from prism_runtime.secure_sum.views import RoundView, confirming_signers, sign_view
+from prism_runtime.secure_sum.views import (
+    RoundView,
+    confirming_signers,
+    round_transcript,
+    sign_view,
+)
 
 __all__ = [
     "MAX_BITS",
@@ -123,6 +128,7 @@ __all__ = [
     "pairwise_key",
     "pairwise_sign",
     "plan_unmask",
+    "round_transcript",
     "seal_shares",
     "seed_commitment",
     "sign_keys",

@@ -65,7 +65,12 @@ from prism_runtime.secure_sum.masks import mask_input
 from prism_runtime.secure_sum.shamir import check_threshold, split_secret
 from prism_runtime.secure_sum.trust import RoundTrust
 from prism_runtime.secure_sum.unmask import UnmaskRequest, UnmaskResponse
-from prism_runtime.secure_sum.views import RoundView, confirming_signers, sign_view
+from prism_runtime.secure_sum.views import (
+    RoundView,
+    confirming_signers,
+    round_transcript,
+    sign_view,
+)
 
 __all__ = ["NOISE_SHARE_SLACK", "RoundDecisions", "SiteRound"]
 
@@ -338,6 +343,16 @@ class SiteRound:
             )
         return largest
 
+    @property
+    def transcript(self) -> bytes:
+        """``views.round_transcript`` of the roster and threshold this site shared with."""
+        return round_transcript(self._threshold, self._roster.values())
+
+    def view(self, survivors: Collection[str]) -> RoundView:
+        """This run of the round as this site saw it, with ``survivors``: the participants it
+        masked with, ``survivors`` and the transcript."""
+        return RoundView(self._participants, frozenset(survivors), self.transcript)
+
     def sign_view(
         self, survivors: Collection[str], *, identity_key: ec.EllipticCurvePrivateKey
     ) -> bytes:
@@ -374,7 +389,7 @@ class SiteRound:
                 f"{self._threshold}; nothing signed"
             )
         self._survivors = named
-        view = RoundView(self._participants, named)
+        view = self.view(named)
         return sign_view(
             view, round_id=self.round_id, site_id=self.site_id, identity_key=identity_key
         )
@@ -402,7 +417,7 @@ class SiteRound:
                 f"site {self.site_id!r} signed no survivor set this round: it answers no "
                 "unmasking request"
             )
-        view = RoundView(self._participants, self._survivors)
+        view = self.view(self._survivors)
         if request.survivors != view.survivors or request.dropped != view.dropped:
             raise ConsistencyError(
                 f"the unmasking request names {len(request.survivors)} survivors and "

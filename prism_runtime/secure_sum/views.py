@@ -3,17 +3,23 @@
 The coordinator routes every message, so it can tell each site different participant
 (``U2``: whose shares were relayed, whom a site masks with) and survivor (``U3``: whose masked
 inputs arrived) sets. Before any site reveals a share, every survivor signs the exact sets it was
-given, ``RoundView``, with its identity key (ECDSA P-256, SHA-256, over the framed run id, round,
-signer and both sorted sets); the coordinator forwards the signatures with the unmasking
-request, and a site reveals its shares only when at least t of them, from distinct survivors
-whose identity keys it pinned, verify on EXACTLY its own sets (``confirming_signers``), as in
-the ConsistencyCheck round of Bonawitz et al. 2017 (CCS). Why t signatures suffice is
-``trust``'s threshold condition.
+given, ``RoundView``, with its identity key (ECDSA P-256, SHA-256, over the framed run id,
+round, signer, both sorted sets and the round's transcript); the coordinator forwards the
+signatures with the unmasking request, and a site reveals its shares only when at least t of
+them, from distinct survivors whose identity keys it pinned, verify on EXACTLY its own sets
+(``confirming_signers``), as in the ConsistencyCheck round of Bonawitz et al. 2017 (CCS). Why
+t signatures suffice is ``trust``'s threshold condition.
+
+The transcript (``round_transcript``) is the digest of the threshold and the roster's fresh
+keys and seed commitments: it names one run of the round, so a signature collected in an
+earlier run of the same round id (a coordinator that re-runs a round to gather signatures on
+views of its choice) confirms nothing in a later one, whose keys are new.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import hashlib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidSignature
@@ -22,9 +28,18 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from prism_runtime.secure_sum._encoding import DOMAIN, frame
 from prism_runtime.secure_sum.errors import ConsistencyError
-from prism_runtime.secure_sum.keys import RoundId
+from prism_runtime.secure_sum.keys import AdvertisedKeys, RoundId
 
-__all__ = ["RoundView", "confirming_signers", "sign_view"]
+__all__ = ["RoundView", "confirming_signers", "round_transcript", "sign_view"]
+
+
+def round_transcript(threshold: int, roster: Iterable[AdvertisedKeys]) -> bytes:
+    """SHA-256 of ``threshold`` and each roster site's id, round keys and seed commitment,
+    in id order: what one run of a round shared with (its keys are fresh every run)."""
+    fields: list[bytes | str | int] = [DOMAIN, "round-transcript", threshold]
+    for keys in sorted(roster, key=lambda k: k.site_id):
+        fields += [keys.site_id, keys.mask_public, keys.share_public, keys.seed_commitment]
+    return hashlib.sha256(frame(*fields)).digest()
 
 
 @dataclass(frozen=True)
@@ -34,10 +49,12 @@ class RoundView:
     Attributes:
         participants: the sites whose shares were relayed to it and whom it masked with (U2).
         survivors: the participants whose masked inputs arrived (U3); the others dropped.
+        transcript: ``round_transcript`` of the run of the round the site shared in.
     """
 
     participants: frozenset[str]
     survivors: frozenset[str]
+    transcript: bytes
 
     @property
     def dropped(self) -> frozenset[str]:
@@ -57,6 +74,7 @@ def _signed_bytes(round_id: RoundId, signer: str, view: RoundView) -> bytes:
         *participants,
         len(survivors),
         *survivors,
+        view.transcript,
     )
 
 
@@ -83,8 +101,8 @@ def confirming_signers(
     """The survivors whose signature in ``signatures`` verifies on exactly ``view``.
 
     A signature counts only if its signer is a survivor of ``view`` (a site signs only as a
-    survivor) with an identity key in ``registered`` and it verifies on this round and exactly
-    these two sets; the others are ignored.
+    survivor) with an identity key in ``registered`` and it verifies on this round, this run of
+    it (the transcript) and exactly these two sets; the others are ignored.
 
     Raises:
         ConsistencyError: fewer than ``threshold`` signatures count: the coordinator told other

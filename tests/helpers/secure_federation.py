@@ -135,7 +135,8 @@ class Colluder:
 
     def sign(self, participants: Iterable[str], survivors: Iterable[str]) -> bytes:
         """A signature of any view: a colluder signs whatever the coordinator asks."""
-        view = RoundView(frozenset(participants), frozenset(survivors))
+        assert self.round is not None
+        view = RoundView(frozenset(participants), frozenset(survivors), self.round.transcript)
         return sign_view(view, round_id=ROUND, site_id=self.site_id, identity_key=self.identity)
 
     def answer(

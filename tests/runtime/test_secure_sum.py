@@ -30,7 +30,6 @@ from prism_runtime.secure_sum import (
     RoundDecisions,
     RoundId,
     RoundTrust,
-    RoundView,
     SecureSumAbortedError,
     ShareError,
     SiteRound,
@@ -70,12 +69,21 @@ def trust_for(k: int, threshold: int) -> RoundTrust:
     return RoundTrust(k, k - threshold)
 
 
-def start_round(k: int, *, threshold: int, bits: int, server_round: int = 1) -> Round:
-    """K sites ``s0 .. s{K-1}`` with registered P-256 identities, each advertising its keys;
-    each counts on all K being honest and tolerates ``K - threshold`` missing."""
+def start_round(
+    k: int,
+    *,
+    threshold: int,
+    bits: int,
+    server_round: int = 1,
+    identities: dict[str, ec.EllipticCurvePrivateKey] | None = None,
+) -> Round:
+    """K sites ``s0 .. s{K-1}`` with registered P-256 identities (new ones unless given), each
+    advertising fresh round keys; each counts on all K being honest and tolerates
+    ``K - threshold`` missing."""
     round_id = RoundId("run-1", server_round)
     ids = [f"s{i}" for i in range(k)]
-    identities = {s: ec.generate_private_key(ec.SECP256R1()) for s in ids}
+    if identities is None:
+        identities = {s: ec.generate_private_key(ec.SECP256R1()) for s in ids}
     sites = {
         s: SiteRound(
             site_id=s,
@@ -503,20 +511,20 @@ def test_signatures_that_do_not_confirm_the_view_reveal_nothing() -> None:
     rnd, participants = _masked_round(5, 3)
     view = plan_unmask(["s0", "s1", "s2", "s3"], participants=participants, threshold=3)
     good = sign_views(rnd, view)
-    other_view = RoundView(frozenset(participants), frozenset({"s1", "s2", "s3", "s4"}))
+    other_view = rnd.sites["s1"].view({"s1", "s2", "s3", "s4"})
     stranger = ec.generate_private_key(ec.SECP256R1())
     forged = {
         "another view": sign_view(
             other_view, round_id=rnd.round_id, site_id="s1", identity_key=rnd.identities["s1"]
         ),
         "another round": sign_view(
-            RoundView(frozenset(participants), view.survivors),
+            rnd.sites["s1"].view(view.survivors),
             round_id=RoundId("run-1", 2),
             site_id="s1",
             identity_key=rnd.identities["s1"],
         ),
         "an unpinned key": sign_view(
-            RoundView(frozenset(participants), view.survivors),
+            rnd.sites["s1"].view(view.survivors),
             round_id=rnd.round_id,
             site_id="s1",
             identity_key=stranger,
@@ -529,7 +537,7 @@ def test_signatures_that_do_not_confirm_the_view_reveal_nothing() -> None:
             answer(rnd, "s0", view, two_good)
         assert what
     dropped_signer = sign_view(
-        RoundView(frozenset(participants), view.survivors),
+        rnd.sites["s4"].view(view.survivors),
         round_id=rnd.round_id,
         site_id="s4",
         identity_key=rnd.identities["s4"],
@@ -537,6 +545,25 @@ def test_signatures_that_do_not_confirm_the_view_reveal_nothing() -> None:
     with pytest.raises(ConsistencyError, match="2 of 3 forwarded"):
         answer(rnd, "s0", view, {"s0": good["s0"], "s2": good["s2"], "s4": dropped_signer})
     assert answer(rnd, "s0", view, {s: good[s] for s in ("s0", "s1", "s2")}).seed_shares
+
+
+def test_signatures_from_an_earlier_run_of_the_round_confirm_nothing() -> None:
+    """A coordinator that runs one round id twice, gathering signatures of a view in the first
+    run, cannot use them in the second (same sites, same sets, fresh round keys): the signed
+    transcript names the run, so none of them verifies and nothing is revealed."""
+    first, participants = _masked_round(5, 3)
+    view = plan_unmask(["s0", "s1", "s2", "s3"], participants=participants, threshold=3)
+    earlier = sign_views(first, view)
+    second = start_round(5, threshold=3, bits=32, identities=first.identities)
+    assert second.round_id == first.round_id
+    for s in relay_shares(second, second.sites):
+        second.sites[s].mask(np.zeros(4, dtype=np.uint64), participants=participants)
+    own = sign_views(second, view)
+    with pytest.raises(ConsistencyError, match="0 of 4 forwarded signatures verify"):
+        answer(second, "s0", view, earlier)
+    with pytest.raises(ConsistencyError, match="2 of 4 forwarded signatures verify"):
+        answer(second, "s0", view, {**earlier, "s0": own["s0"], "s1": own["s1"]})
+    assert answer(second, "s0", view, own).seed_shares.keys() == view.survivors
 
 
 def test_a_site_masks_one_input_per_round() -> None:
