@@ -145,7 +145,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     t4 = time.perf_counter()
     site.train_round(2, arrays)
     times["round (warm)"] = time.perf_counter() - t4
-    times["status"] = reply.accounting["status"]
+    times["status"] = reply.accounting.status
     return times
 
 

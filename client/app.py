@@ -15,6 +15,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import cast
 
 from flwr.app import (
@@ -172,11 +173,11 @@ def _train(msg: Message, context: Context) -> Message:
     start = time.perf_counter()
     reply = site.train_round(server_round, arrays, run_id=str(config.get("run-id", "")))
     log.info("round %.40r answered in %.3f s", server_round, time.perf_counter() - start)
-    accounting = ConfigRecord(reply.accounting)
+    # Freshness: echo this round's nonce (also on a stored reply the site resends), so the
+    # coordinator can tell this answer from a replay of an earlier round's.
+    facts = replace(reply.accounting, round_nonce=str(config.get(ROUND_NONCE, "")))
+    accounting = ConfigRecord(facts.to_record())
     content = RecordDict({UPDATE: ArrayRecord(reply.arrays), ACCOUNTING: accounting})
     if reply.nonprivate:  # run asked AND site allowed; labelled non-private in key and record
         content[NONPRIVATE] = MetricRecord({**reply.nonprivate})
-    # Freshness: echo this round's nonce (also on a stored reply the site resends), so the
-    # coordinator can tell this answer from a replay of an earlier round's.
-    accounting[ROUND_NONCE] = str(config.get(ROUND_NONCE, ""))
     return Message(content=content, reply_to=msg)

@@ -14,12 +14,10 @@ and expected batch b the sum ran with, never anything a coordinator could read a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
-from client.reply import event_facts
 from client.site import AdmittedRound, Site
 from prism_core.distributed import (
     FIELD_BITS,
@@ -30,7 +28,7 @@ from prism_core.distributed import (
 )
 from prism_runtime.errors import ConfigError
 from prism_runtime.exchange import load_arrays
-from prism_runtime.protocol import STATUS_OK
+from prism_runtime.facts import ReplyFacts
 from prism_runtime.secure_sum import SiteRound, encode_signed
 from prism_runtime.trainer import PrismTrainer
 
@@ -41,7 +39,7 @@ __all__ = ["MaskedInput", "masked_input"]
 class MaskedInput:
     """A secure-aggregation round's answer: its accounting facts and its masked vector."""
 
-    accounting: dict[str, Any]
+    accounting: ReplyFacts
     masked: NDArray[np.uint64]
 
 
@@ -84,12 +82,10 @@ def masked_input(
     del clipped, vector  # private: nothing of them outlives the masked vector
     encoded = encode_signed(shares, bits=FIELD_BITS, bound=coordinate_bound())
     masked = site_round.mask(encoded, participants=participants)
-    facts = site.facts.common(
+    facts = site.facts.released(
         request.server_round,
-        STATUS_OK,
+        charged.entry.event,
         spent=site.ledger.epsilon(site.delta),
+        scales=(float(trainer.config.max_norm), float(trainer.expected_batch_size)),
     )
-    facts.update(event_facts(charged.entry.event))
-    facts["max-norm"] = float(trainer.config.max_norm)
-    facts["expected-batch-size"] = float(trainer.expected_batch_size)
     return MaskedInput(facts, masked)

@@ -12,21 +12,21 @@ non-private.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from torch import Tensor
 
 from client.charge import check_charged
-from client.reply import RoundReply, SiteFacts, noise_scale_facts, released_event
+from client.reply import RoundReply, SiteFacts, noise_scales, released_event
 from client.request import RoundRequest
 from client.site_ledger import SiteLedgerEntry
 from client.training import Trained
 from prism_core.manifold import Point, tangent_displacement
-from prism_core.records import ADJACENCY, SAMPLING, PrivacyEvent
+from prism_core.records import PrivacyEvent
 from prism_runtime.errors import AccountingMismatchError
 from prism_runtime.exchange import head_named
+from prism_runtime.facts import ReplyFacts
 from prism_runtime.model import LoadedModel
-from prism_runtime.protocol import HEAD_PREFIX, STATUS_OK, key
+from prism_runtime.protocol import HEAD_PREFIX, key
 from prism_runtime.trainer import StepResult, noise_records
 
 __all__ = ["release", "released_facts", "update"]
@@ -84,7 +84,7 @@ def released_facts(
     spent: float,
     quantile: PrivacyEvent | None,
     private: bool,
-) -> dict[str, Any]:
+) -> ReplyFacts:
     """Facts of a trained round, from the mechanism's records, checked against the charge.
 
     Args:
@@ -98,7 +98,6 @@ def released_facts(
     Raises:
         AccountingMismatchError: records where none may be, or records that are not the charge.
     """
-    out = facts.common(charged.server_round, STATUS_OK, spent=spent)
     records = noise_records(results)
     if not private:  # no mechanism ran: nothing protects the data
         if records:
@@ -109,27 +108,13 @@ def released_facts(
     else:
         event = released_event(records, facts.mechanism)
     check_charged(event, charged, what="the mechanism", site_id=facts.site_id)
-    out.update(
-        {
-            "mechanism": facts.mechanism,
-            "adjacency": ADJACENCY,
-            "sampling": SAMPLING,
-            "unit": event.unit,
-            "sigma": float(event.noise_multiplier),
-            "q": float(event.sample_rate),
-            "steps": int(event.steps),
-        }
+    return facts.released(
+        charged.server_round,
+        event,
+        spent=spent,
+        scales=noise_scales(records),
+        quantile=quantile,
     )
-    out.update(noise_scale_facts(records))
-    if quantile is not None:
-        out.update(
-            {
-                "quantile-sigma": float(quantile.noise_multiplier),
-                "quantile-q": float(quantile.sample_rate),
-                "quantile-steps": int(quantile.steps),
-            }
-        )
-    return out
 
 
 def update(

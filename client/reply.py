@@ -1,6 +1,6 @@
 """What a site sends for a round: the reply, the digest that identifies the broadcast it answers,
-the facts every reply carries, a refusal, and the accounting facts read from the mechanism's own
-records."""
+its facts (``prism_runtime.facts.ReplyFacts``: a release or a refusal), and what the facts read
+from the mechanism's own records."""
 
 from __future__ import annotations
 
@@ -17,14 +17,14 @@ from client.site_ledger import SiteLedger
 from prism_core.accounting import compose_events
 from prism_core.records import ADJACENCY, DEFAULT_UNIT, SAMPLING, PrivacyEvent
 from prism_runtime.errors import AccountingMismatchError
-from prism_runtime.protocol import REFUSAL_REASONS, STATUS_REFUSED
+from prism_runtime.facts import ClipEstimate, ReplyFacts
+from prism_runtime.protocol import REFUSAL_REASONS, STATUS_OK, STATUS_REFUSED
 
 __all__ = [
     "RoundReply",
     "SiteFacts",
     "broadcast_digest",
-    "event_facts",
-    "noise_scale_facts",
+    "noise_scales",
     "refuse",
     "released_event",
 ]
@@ -37,7 +37,7 @@ class RoundReply:
     """A site's answer to one round: arrays to send and accounting facts."""
 
     arrays: dict[str, Tensor]
-    accounting: dict[str, Any]
+    accounting: ReplyFacts
     nonprivate: dict[str, float] = field(default_factory=dict)
 
 
@@ -69,24 +69,80 @@ class SiteFacts:
     sample_rate: float
     unit: str = DEFAULT_UNIT
 
-    def common(
-        self, server_round: int, status: str, reason: str = "", *, spent: float
-    ) -> dict[str, Any]:
-        """Facts every reply carries: who, what happened, the budget (``spent``: epsilon on the
-        site's ledger at ``delta``), where randomness came from."""
-        facts: dict[str, Any] = {
-            "site-id": self.site_id,
-            "status": status,
-            "reason": reason,
-            "server-round": server_round,
-            "delta": float(self.delta),
-            "epsilon-cap": float(self.epsilon_cap),
-            "epsilon": float(spent),
-            "rng": self.rng,
-        }
-        if self.num_examples is not None:
-            facts["num-examples"] = self.num_examples
-        return facts
+    def released(
+        self,
+        server_round: int,
+        event: PrivacyEvent,
+        *,
+        spent: float,
+        scales: tuple[float, float] | None = None,
+        quantile: PrivacyEvent | None = None,
+    ) -> ReplyFacts:
+        """The facts of an ``ok`` reply that released ``event`` (its Skellam part included).
+
+        Args:
+            server_round: the round answered.
+            event: the round's released event (``released_event``).
+            spent: epsilon on the site's ledger at ``delta``, this round's charges included.
+            scales: C and b of the steps (``noise_scales``); None for a non-private round.
+            quantile: the event of a private clip estimate charged this round.
+        """
+        max_norm, batch = (None, None) if scales is None else scales
+        estimate = None
+        if quantile is not None:
+            estimate = ClipEstimate(
+                float(quantile.noise_multiplier), float(quantile.sample_rate), int(quantile.steps)
+            )
+        return self._facts(
+            server_round,
+            STATUS_OK,
+            "",
+            spent=spent,
+            mechanism=event.mechanism,
+            unit=event.unit,
+            sigma=float(event.noise_multiplier),
+            q=float(event.sample_rate),
+            steps=int(event.steps),
+            max_norm=None if max_norm is None else float(max_norm),
+            expected_batch_size=None if batch is None else float(batch),
+            quantile=estimate,
+            secure=event.secure,
+        )
+
+    def refused(self, server_round: int, reason: str, *, spent: float) -> ReplyFacts:
+        """The facts of a refusal with the ``REFUSAL_REASONS`` code ``reason``: nothing ran
+        (0 steps), the mechanism the site would have run."""
+        return self._facts(
+            server_round,
+            STATUS_REFUSED,
+            reason,
+            spent=spent,
+            mechanism=self.mechanism,
+            unit=self.unit,
+            sigma=float(self.sigma),
+            q=float(min(self.sample_rate, 1.0)),
+            steps=0,
+        )
+
+    def _facts(
+        self, server_round: int, status: str, reason: str, *, spent: float, **event: Any
+    ) -> ReplyFacts:
+        """Facts every reply carries: who, what happened, the budget, where randomness came
+        from; ``event``: the facts of what ran."""
+        return ReplyFacts(
+            site_id=self.site_id,
+            status=status,
+            reason=reason,
+            server_round=server_round,
+            delta=float(self.delta),
+            epsilon_cap=float(self.epsilon_cap),
+            epsilon=float(spent),
+            rng=self.rng,
+            num_examples=self.num_examples,
+            adjacency=ADJACENCY,
+            sampling=SAMPLING,
+            **event,
+        )
 
 
 def refuse(facts: SiteFacts, ledger: SiteLedger, server_round: int, reason: str) -> RoundReply:
@@ -100,19 +156,7 @@ def refuse(facts: SiteFacts, ledger: SiteLedger, server_round: int, reason: str)
         REFUSAL_REASONS[reason],
     )
     ledger.reload()
-    out = facts.common(server_round, STATUS_REFUSED, reason, spent=ledger.epsilon(facts.delta))
-    out.update(
-        {
-            "mechanism": facts.mechanism,
-            "adjacency": ADJACENCY,
-            "sampling": SAMPLING,
-            "unit": facts.unit,
-            "sigma": float(facts.sigma),
-            "q": float(min(facts.sample_rate, 1.0)),
-            "steps": 0,
-        }
-    )
-    return RoundReply({}, out)
+    return RoundReply({}, facts.refused(server_round, reason, spent=ledger.epsilon(facts.delta)))
 
 
 def broadcast_digest(arrays: dict[str, Tensor]) -> str:
@@ -142,40 +186,19 @@ def released_event(records: Sequence[PrivacyEvent], mechanism: str) -> PrivacyEv
     return events[0]
 
 
-def event_facts(event: PrivacyEvent) -> dict[str, Any]:
-    """The accounting facts of a round's released event: ``mechanism``, ``adjacency``,
-    ``sampling``, ``unit``, ``sigma``, ``q`` and ``steps``; for a secure-aggregation event
-    (``prism_core.records.SKELLAM_MECHANISM``), and for no other, also ``honest-sites`` (H, the
-    honest sites its sigma counts on) and ``share-sigma`` (the multiplier of the site's own
-    noise share). A refusal states neither (``refuse``: nothing ran)."""
-    facts: dict[str, Any] = {
-        "mechanism": event.mechanism,
-        "adjacency": ADJACENCY,
-        "sampling": SAMPLING,
-        "unit": event.unit,
-        "sigma": float(event.noise_multiplier),
-        "q": float(event.sample_rate),
-        "steps": int(event.steps),
-    }
-    if event.secure is not None:  # exactly when its mechanism is SKELLAM_MECHANISM
-        facts["honest-sites"] = int(event.secure.honest_sites)
-        facts["share-sigma"] = float(event.secure.share_sigma)
-    return facts
-
-
-def noise_scale_facts(records: Sequence[PrivacyEvent]) -> dict[str, float]:
-    """``max-norm`` (C) and ``expected-batch-size`` (b) of a round's records, for the coordinator's
-    noise-aware weights ``(b / (sigma C))^2``; empty for a non-private round.
+def noise_scales(records: Sequence[PrivacyEvent]) -> tuple[float, float] | None:
+    """C (``max-norm``) and b (``expected-batch-size``) of a round's records, for the
+    coordinator's noise-aware weights ``(b / (sigma C))^2``; None for a non-private round.
 
     Raises:
         AccountingMismatchError: the round's steps used different C or b.
     """
     scales = {(r.max_norm, r.expected_batch_size) for r in records}
     if not scales:
-        return {}
+        return None
     if len(scales) != 1:
         raise AccountingMismatchError(f"the round's steps used different (C, b): {sorted(scales)}")
     ((max_norm, expected),) = scales
     if max_norm is None or expected is None:
         raise AccountingMismatchError("the round's mechanism records lack their C or b")
-    return {"max-norm": float(max_norm), "expected-batch-size": float(expected)}
+    return float(max_norm), float(expected)

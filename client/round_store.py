@@ -22,6 +22,7 @@ from client.reply import RoundReply
 from client.request import RoundRequest
 from prism_runtime.durable import atomic_write
 from prism_runtime.errors import ConfigError
+from prism_runtime.facts import FactsError, ReplyFacts
 
 __all__ = ["RoundStore"]
 
@@ -78,7 +79,15 @@ class RoundStore:
             request.server_round,
             request.run_id,
         )
-        return RoundReply(dict(saved["arrays"]), dict(saved["accounting"]), saved["nonprivate"])
+        try:
+            facts = ReplyFacts.parse(saved["accounting"])
+        except FactsError as exc:
+            raise ConfigError(
+                f"{self.path}: the stored reply's accounting facts are not valid ({exc}). Move "
+                "the file away: the round is then trained and charged afresh (the privacy "
+                "ledger is separate and kept)."
+            ) from None
+        return RoundReply(dict(saved["arrays"]), facts, saved["nonprivate"])
 
     def moments(self) -> dict[str, Any] | None:
         """The optimizer state the last stored round left (``store``'s ``moments``), or None."""
@@ -100,7 +109,7 @@ class RoundStore:
             "round": request.server_round,
             "broadcast": request.digest,
             "arrays": reply.arrays,
-            "accounting": reply.accounting,
+            "accounting": reply.accounting.to_record(),
             "nonprivate": reply.nonprivate,
             "adaptive": moments,
         }

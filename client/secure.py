@@ -41,7 +41,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import cast
 
@@ -58,8 +58,16 @@ from client.site import SecureNoise, Site
 from prism_core.distributed import FIELD_BITS, coordinate_bound
 from prism_runtime.durable import atomic_write, make_dirs
 from prism_runtime.errors import ConfigError
+from prism_runtime.facts import ReplyFacts
 from prism_runtime.identity import IDENTITY_KEY, IDENTITY_PUBLIC
-from prism_runtime.protocol import ACCOUNTING, ARRAYS, CONFIG, ROUND_NONCE, SERVER_ROUND
+from prism_runtime.protocol import (
+    ACCOUNTING,
+    ARRAYS,
+    CONFIG,
+    ROUND_NONCE,
+    SERVER_ROUND,
+    SITE_ID,
+)
 from prism_runtime.secure_sum import (
     KeyBindingError,
     MasksUsedError,
@@ -299,11 +307,10 @@ class SecureStage:
         if STATE in self.context.state:
             del self.context.state[STATE]
 
-    def facts_reply(self, accounting: dict[str, object]) -> RecordDict:
+    def facts_reply(self, accounting: ReplyFacts) -> RecordDict:
         """A reply carrying the accounting facts ``accounting`` and this message's nonce."""
-        record = ConfigRecord(accounting)  # type: ignore[arg-type]  # the facts are config values
-        record[ROUND_NONCE] = self.nonce
-        return RecordDict({ACCOUNTING: record})
+        facts = replace(accounting, round_nonce=self.nonce)
+        return RecordDict({ACCOUNTING: ConfigRecord(facts.to_record())})
 
 
 def advertise(stage: SecureStage) -> RecordDict:
@@ -323,7 +330,7 @@ def advertise(stage: SecureStage) -> RecordDict:
     part = stage.secure_part()
     # The coordinator addresses a node it has not bound yet as node-<id>; the keys are signed
     # with the site's own id, which its peers check against their pinned keys.
-    addressee = part[RECORD].get("site-id")
+    addressee = part[RECORD].get(SITE_ID)
     expected = site.site_id if addressee == site.site_id else f"node-{stage.context.node_id}"
     request = decode_advertise_request(part, round_id=round_id, site_id=expected)
     if request.bits != FIELD_BITS or request.length != noise.dim:

@@ -9,7 +9,7 @@ Site -> server (train reply): RecordDict with
   ``UPDATE``   ArrayRecord: PRISM: ``<module>/dA``, ``<module>/dB`` (the tangent update at the
                broadcast point) and ``head/<name>`` deltas; factor-averaging baselines: the end
                factors ``<module>/A``, ``<module>/B`` and ``head/<name>`` values;
-  ``ACCOUNTING`` ConfigRecord of accounting facts only (see ``ACCOUNTING_KEYS``);
+  ``ACCOUNTING`` ConfigRecord of accounting facts only (``prism_runtime.facts.ReplyFacts``);
   ``NONPRIVATE`` MetricRecord, present only when the run opts in (labelled non-private).
 
 Refusals and errors: a site that will not run a round replies
@@ -37,12 +37,12 @@ from __future__ import annotations
 
 __all__ = [
     "ACCOUNTING",
-    "ACCOUNTING_KEYS",
     "APP_ID",
     "ARRAYS",
     "CONFIG",
     "HEAD_PREFIX",
     "MAX_EXAMPLES",
+    "MAX_SITE_ID_CHARS",
     "NONPRIVATE",
     "REFUSAL_REASONS",
     "RNG",
@@ -59,6 +59,7 @@ __all__ = [
     "SECURE_UNMASK",
     "SERVER_ROUND",
     "SITE_ERROR_CODES",
+    "SITE_ID",
     "STATUS_OK",
     "STATUS_REFUSED",
     "TRAIN",
@@ -102,6 +103,11 @@ def message_type(action: str) -> str:
     return TRAIN if action == TRAIN else f"{TRAIN}.{action}"
 
 
+SITE_ID = "site-id"
+"""The site's id in a reply's facts (``prism_runtime.facts.ReplyFacts.site_id``) and in every
+secure-sum message that names its sender or addressee."""
+MAX_SITE_ID_CHARS = 128
+"""Longest site id (printable characters, at least one)."""
 SERVER_ROUND = "server-round"
 ROUND_NONCE = "round-nonce"
 
@@ -163,32 +169,6 @@ SITE_ERROR_CODES: dict[int, str] = {
 }
 """``Error.code`` of a site's error reply and its fixed ``Error.reason`` text."""
 
-ACCOUNTING_KEYS = (
-    "site-id",
-    "status",
-    "reason",
-    "server-round",
-    "round-nonce",
-    "mechanism",
-    "adjacency",
-    "sampling",
-    "sigma",
-    "q",
-    "steps",
-    "delta",
-    "epsilon-cap",
-    "epsilon",
-    "num-examples",
-    "rng",
-    "max-norm",
-    "expected-batch-size",
-    "quantile-sigma",
-    "quantile-q",
-    "quantile-steps",
-    "unit",
-    "honest-sites",
-    "share-sigma",
-)
 MAX_EXAMPLES = 10**12
 """The largest shard a reply may state: its ``num-examples``, or ``b / q`` for examples weights."""
 

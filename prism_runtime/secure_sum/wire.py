@@ -31,7 +31,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 from flwr.app import ConfigRecord, RecordDict
 
-from prism_runtime.protocol import SERVER_ROUND
+from prism_runtime.protocol import MAX_SITE_ID_CHARS, SERVER_ROUND, SITE_ID
 from prism_runtime.secure_sum._encoding import DOMAIN, frame
 from prism_runtime.secure_sum.envelope import NONCE_BYTES
 from prism_runtime.secure_sum.errors import SecureSumError
@@ -66,15 +66,12 @@ RECORD = "secure-sum"
 FORMAT = DOMAIN
 """Value of every message's ``format`` field: a message of another version is refused."""
 RUN_ID = "run-id"
-SITE_ID = "site-id"
 _FORMAT_KEY = "format"
 _STAGE_KEY = "stage"
 _ENVELOPE = (_FORMAT_KEY, _STAGE_KEY, RUN_ID, SERVER_ROUND, SITE_ID)
 
 MAX_SITES = 1_000
 """Most sites in one secure-sum round: the longest roster, participant or survivor list."""
-MAX_SITE_ID_CHARS = 128
-"""Longest site id (printable characters, at least one)."""
 MAX_VECTOR_LENGTH = 2**24
 """Longest masked vector: 2^24 coordinates (16.8 million), 128 MiB as uint64 in one message."""
 

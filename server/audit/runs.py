@@ -27,8 +27,8 @@ and on any of these values outside the accepted ranges (``prism_runtime.ranges``
 Sources read, all read-only: the run configs the coordinator recorded in the ledger
 (``Ledger.runs()``), ``run-config.json`` in the ledger's folder (the run folder layout of
 ``server.federation``), the ledger's events as facts (mechanism, sigma, steps, round), and any
-accounting facts given to ``check_run`` (the facts sites reported, ``ACCOUNTING_KEYS``; for the
-coordinator's fact store once it keeps one).
+accounting facts given to ``check_run`` (the records sites reported,
+``prism_runtime.facts.ReplyFacts``; for the coordinator's fact store once it keeps one).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from pydantic import ValidationError
 
 from prism_core.quantile import QUANTILE_MECHANISM
 from prism_runtime.config import RunConfig, describe_allowed
-from prism_runtime.protocol import RNG, RNG_REPRODUCIBLE, SERVER_ROUND
+from prism_runtime.protocol import RNG, RNG_REPRODUCIBLE, SERVER_ROUND, SITE_ID
 from prism_runtime.ranges import (
     LOCAL_STEPS_MAX,
     MAX_NORM_MAX,
@@ -187,10 +187,11 @@ def config_range_findings(
 
 
 def fact_findings(facts: Iterable[Mapping[str, Any]], *, source: str) -> list[RunFinding]:
-    """Non-private facts reported by sites (``ACCOUNTING_KEYS``), one finding per site and kind."""
+    """Non-private facts reported by sites (``ReplyFacts`` records), one finding per site and
+    kind."""
     out: dict[tuple[str, str, str], RunFinding] = {}
     for fact in facts:
-        subject = f"site {fact.get('site-id', '?')}"
+        subject = f"site {fact.get(SITE_ID, '?')}"
         ran = fact.get("steps", 1)
         found = []
         if fact.get(RNG) == RNG_REPRODUCIBLE:
@@ -242,7 +243,7 @@ def fact_range_findings(facts: Iterable[Mapping[str, Any]], *, source: str) -> l
     by ``fact_findings``), one finding per site, fact and value."""
     out: dict[tuple[str, str, str], RunFinding] = {}
     for fact in facts:
-        subject = f"site {fact.get('site-id', '?')}"
+        subject = f"site {fact.get(SITE_ID, '?')}"
         for key, value, why in _range_problems(fact):
             text = _shown(value)
             finding = RunFinding(source, subject, key, text, why, OUT_OF_RANGE)
@@ -253,7 +254,7 @@ def fact_range_findings(facts: Iterable[Mapping[str, Any]], *, source: str) -> l
 def _event_facts(ledger: Ledger) -> list[dict[str, Any]]:
     return [
         {
-            "site-id": e.site_id,
+            SITE_ID: e.site_id,
             "mechanism": e.mechanism,
             "sigma": e.sigma,
             "steps": e.steps,
@@ -304,7 +305,7 @@ def check_run(
     Args:
         ledger: the ledger (read only).
         run_config: a ``run-config.json`` to check too (None: none).
-        facts: accounting facts reported by sites, as dicts with ``ACCOUNTING_KEYS``.
+        facts: accounting facts reported by sites, as ``ReplyFacts`` records (wire names).
     """
     sources, findings, notes = [], [], []
     runs = ledger.runs()

@@ -23,7 +23,7 @@ from server.strategy.contract import RoundContext, RoundKind
 from server.strategy.core import PrismStrategy
 from server.strategy.intake import ReplyIntake
 from server.strategy.plain import PlainRound
-from server.strategy.replies import RunTerms, error_reply_text, validate_facts
+from server.strategy.replies import RunTerms, error_reply_text, read_facts
 from server.strategy.rounds import RoundSummary
 from server.strategy.secure import SecureRound
 
@@ -41,5 +41,5 @@ __all__ = [
     "UpdateBound",
     "UpdateChecker",
     "error_reply_text",
-    "validate_facts",
+    "read_facts",
 ]

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import Tensor
 
 from prism_core.aggregation import Aggregation, site_noise_std
 from prism_core.manifold import Point, Tangent
+from prism_runtime.facts import ReplyFacts
 from prism_runtime.protocol import HEAD_PREFIX, MAX_EXAMPLES, key
 from server.errors import ReplyError
 from server.optimizer import scheduled_lr, server_step
@@ -94,17 +95,19 @@ class StreamingAggregator:
         means = {k: (v / self._total).float() for k, v in self._sums.items()}
         return self._apply_checked(means, summary)
 
-    def noise_std(self, facts: dict[str, Any]) -> float:
+    def noise_std(self, facts: ReplyFacts) -> float:
         """``sigma C / b`` of a reply from its CHECKED facts (0 for a non-private run)."""
         if not self.dp:
             return 0.0
+        if facts.max_norm is None or facts.expected_batch_size is None:  # RunTerms.check
+            raise ReplyError("a DP reply without its max-norm or expected-batch-size", "facts")
         return site_noise_std(
-            noise_multiplier=float(facts["sigma"]),
-            max_norm=float(facts["max-norm"]),
-            expected_batch_size=float(facts["expected-batch-size"]),
+            noise_multiplier=facts.sigma,
+            max_norm=facts.max_norm,
+            expected_batch_size=facts.expected_batch_size,
         )
 
-    def weight(self, facts: dict[str, Any]) -> float:
+    def weight(self, facts: ReplyFacts) -> float:
         """The reply's un-normalised weight (the streamed sum is divided by their total).
 
         ``inverse-noise``: ``(b / (sigma C))^2`` from the reply's facts, which ``RunTerms.check``
@@ -119,7 +122,7 @@ class StreamingAggregator:
         std = self.noise_std(facts)
         return 1.0 if std == 0 else 1.0 / (std * std)
 
-    def num_examples(self, facts: dict[str, Any]) -> float:
+    def num_examples(self, facts: ReplyFacts) -> float:
         """A site's shard size N_k from its CHECKED facts, for ``examples`` weights.
 
         A site samples at ``q = b / N`` (capped at 1), so its ``q`` and the run's expected batch
@@ -127,15 +130,15 @@ class StreamingAggregator:
         that shares it, must agree with ``b / q`` (to float rounding; at ``q = 1``, N <= b).
         Raises ``ReplyError`` (``facts``) on a disagreement or when neither is known.
         """
-        q = float(facts["q"])
+        q = facts.q
         implied = None if self.expected_batch_size is None else self.expected_batch_size / q
         if implied is not None and implied > MAX_EXAMPLES:
             raise ReplyError(f"q = {q:.3g} implies more than {MAX_EXAMPLES:.0e} examples", "facts")
-        if "num-examples" not in facts:
+        if facts.num_examples is None:
             if implied is None:
                 raise ReplyError("aggregation=examples but the reply has no num-examples", "facts")
             return implied
-        stated = float(facts["num-examples"])
+        stated = float(facts.num_examples)
         if implied is not None and not (
             stated <= implied * (1 + _SIZE_RTOL)
             if q >= 1.0

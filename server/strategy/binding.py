@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import logging
 import secrets
-from typing import Any
 
-from prism_runtime.protocol import ROUND_NONCE, SERVER_ROUND
+from prism_runtime.facts import ReplyFacts
 from server.errors import ReplyError
 
 __all__ = ["SiteBinding"]
@@ -49,7 +48,7 @@ class SiteBinding:
         """The node each bound site answers from (the inverse of ``node_site``)."""
         return {site: node for node, site in self.node_site.items()}
 
-    def check_origin(self, server_round: int, node: int, facts: dict[str, Any]) -> str:
+    def check_origin(self, server_round: int, node: int, facts: ReplyFacts) -> str:
         """Round, nonce, node<->site binding and one reply per site; returns the site id.
 
         A reply failing here is NOT charged to the ledger: a stale or replayed reply's facts
@@ -57,17 +56,17 @@ class SiteBinding:
         carries no steps this round asked for, and facts claiming another node's site cannot be
         attributed. Sites keep their own durable ledger, which is the authority on their spend.
         """
-        site = str(facts["site-id"])
+        site = facts.site_id
         if self.sent_to.get(node) != server_round:
             raise ReplyError(f"node {node} was not asked in round {server_round}", "not-asked")
-        claimed = facts.get(SERVER_ROUND)
+        claimed = facts.server_round
         if claimed != server_round:
             raise ReplyError(
                 f"reply is for round {claimed!r}, the current round is {server_round} "
                 "(stale or replayed)",
                 "stale-round",
             )
-        if facts.get(ROUND_NONCE) != self.nonce:
+        if facts.round_nonce != self.nonce:
             raise ReplyError("reply does not echo this round's nonce (replayed)", "replay")
         bound = self.node_site.get(node)
         if bound is not None and bound != site:

@@ -25,6 +25,7 @@ from prism_core.bounds import (
 )
 from prism_core.manifold import Point, tangent_norm_sq
 from prism_runtime.config import HEAD_MOMENTUM, SGD_HEADS, RunConfig, site_method
+from prism_runtime.facts import ReplyFacts
 from prism_runtime.protocol import HEAD_PREFIX, key
 from prism_runtime.train_config import ADAMW_BETAS, TrainConfig, site_train_config
 from server.errors import ConfigError, ReplyError
@@ -249,7 +250,7 @@ class UpdateChecker:
                 head_lr * self.local_steps * head_gain * math.sqrt(size)
             )
 
-    def head_sgd_bound(self, facts: dict[str, Any]) -> float:
+    def head_sgd_bound(self, facts: ReplyFacts) -> float:
         """Bound on an SGD head's move over the round: ``head_lr tau`` times one DP step's norm.
 
         One step is ``head_lr (sum_i alpha_i g_i + sigma C xi) / b`` with every example's head
@@ -263,9 +264,9 @@ class UpdateChecker:
             return 0.0
         step = dp_step_norm_bound(
             max_norm=self.clip_of(facts),
-            noise_multiplier=float(facts["sigma"]),
+            noise_multiplier=facts.sigma,
             expected_batch_size=ub.expected_batch_size,
-            sample_rate=float(facts["q"]),
+            sample_rate=facts.q,
             dimension=sum(self.broadcast[HEAD_PREFIX + n].numel() for n in self.head),
             failure=ub.failure / self.local_steps,
         )
@@ -273,14 +274,14 @@ class UpdateChecker:
         velocity = 1.0 / (1.0 - HEAD_MOMENTUM) if ub.head_optimizer == "momentum" else 1.0
         return head_lr * self.local_steps * step * velocity
 
-    def clip_of(self, facts: dict[str, Any]) -> float:
+    def clip_of(self, facts: ReplyFacts) -> float:
         """The clip C to bound a reply's DP steps with: its ``max-norm`` fact, never above the
         update bound's ``max_norm`` (the run's C, or ``AutoClip.high`` for ``max-norm = auto``)."""
         ub = self.update_bound
         assert ub is not None
-        return min(float(facts.get("max-norm", ub.max_norm)), ub.max_norm)
+        return min(ub.max_norm if facts.max_norm is None else facts.max_norm, ub.max_norm)
 
-    def sgd_bound(self, facts: dict[str, Any]) -> float:
+    def sgd_bound(self, facts: ReplyFacts) -> float:
         """Tangent-mode bound for plain DP-SGD sites, from the reply's sigma and q."""
         ub = self.update_bound
         assert ub is not None
@@ -292,9 +293,9 @@ class UpdateChecker:
         dim += sum(self.broadcast[HEAD_PREFIX + n].numel() for n in self.head)
         step = dp_step_norm_bound(
             max_norm=self.clip_of(facts),
-            noise_multiplier=float(facts["sigma"]),
+            noise_multiplier=facts.sigma,
             expected_batch_size=ub.expected_batch_size,
-            sample_rate=float(facts["q"]),
+            sample_rate=facts.q,
             dimension=dim,
             failure=ub.failure / self.local_steps,
         )
@@ -302,7 +303,7 @@ class UpdateChecker:
             [], lr=ub.lr, local_steps=self.local_steps, optimizer="sgd", dp_step=step
         )
 
-    def validate(self, update: Any, facts: dict[str, Any]) -> dict[str, Tensor]:
+    def validate(self, update: Any, facts: ReplyFacts) -> dict[str, Tensor]:
         """Keys, dtype, shapes, finite and sane values, and the mechanism's norm bound."""
         if not isinstance(update, ArrayRecord):
             raise ReplyError(f"update is a {type(update).__name__}, not an ArrayRecord", "keys")
@@ -336,7 +337,7 @@ class UpdateChecker:
         self.check_norm(tensors, facts)
         return tensors
 
-    def check_norm(self, tensors: dict[str, Tensor], facts: dict[str, Any]) -> None:
+    def check_norm(self, tensors: dict[str, Tensor], facts: ReplyFacts) -> None:
         """Reject an update larger than an honest site's round can produce (float64 norms)."""
         if self.update_bound is None:
             return

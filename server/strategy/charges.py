@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any
 
 from prism_core.errors import PrivacyParameterError
 from prism_core.quantile import QUANTILE_MECHANISM
 from prism_core.records import SKELLAM_MECHANISM, PrivacyEvent, SkellamShare
-from prism_runtime.protocol import RNG
+from prism_runtime.facts import ReplyFacts
 from server.errors import InvalidEventError, LedgerConflictError, LedgerError, ReplyError
 from server.ledger import UNKNOWN_HONEST_SITES, UNKNOWN_Q, UNKNOWN_SIGMA, Ledger, LedgerEvent
 from server.strategy.bounds import AutoClip
@@ -57,7 +56,7 @@ class Charges:
         self.target_epsilon, self.delta = target_epsilon, delta
         self.mechanism, self.auto_clip = mechanism, auto_clip
 
-    def confirmed(self, server_round: int, facts: dict[str, Any]) -> None:
+    def confirmed(self, server_round: int, facts: ReplyFacts) -> None:
         """Charge a reply's cross-checked facts to the ledger as CONFIRMED (with a
         secure-aggregation reply's ``honest-sites`` and ``share-sigma``).
 
@@ -66,29 +65,31 @@ class Charges:
                 site already has a different confirmed record of this round (the stored one is
                 kept), ``ledger-error`` if the ledger cannot be written.
         """
-        steps = int(facts["steps"])
-        if steps <= 0:
+        if facts.steps <= 0:
             return
-        cap = float(facts.get("epsilon-cap", self.target_epsilon))
+        if facts.delta is None:  # RunTerms.check refuses such a reply before any charge
+            raise ReplyError("accounting facts lack 'delta'", "facts")
+        cap = self.target_epsilon if facts.epsilon_cap is None else facts.epsilon_cap
         try:
-            released = PrivacyEvent.from_columns(facts)
+            released = facts.event()
             event = LedgerEvent(
                 run_id=self.run_id,
                 round=server_round,
-                site_id=str(facts["site-id"]),
+                site_id=facts.site_id,
                 event=released,
-                delta=float(facts["delta"]),
+                delta=facts.delta,
                 epsilon_cap=cap if cap > 0 else None,
-                rng=str(facts[RNG]),
+                rng=str(facts.rng),
             )
             events = [event]
-            if "quantile-steps" in facts:  # a private clip estimate ran before the steps
+            estimate = facts.quantile
+            if estimate is not None:  # a private clip estimate ran before the steps
                 quantile = replace(
                     released,
                     mechanism=QUANTILE_MECHANISM,
-                    noise_multiplier=float(facts["quantile-sigma"]),
-                    sample_rate=float(facts["quantile-q"]),
-                    steps=int(facts["quantile-steps"]),
+                    noise_multiplier=estimate.noise_multiplier,
+                    sample_rate=estimate.sample_rate,
+                    steps=estimate.steps,
                     secure=None,
                 )
                 events.insert(0, replace(event, event=quantile))

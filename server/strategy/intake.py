@@ -2,7 +2,7 @@
 
 One ``ReplyIntake`` per round, built by ``PrismStrategy.intake``. Per reply (``take``), in
 order: an error reply is rejected (shown by its code's fixed text, never its reason); the
-accounting facts are type- and range-checked (``validate_facts``); the reply must come from a
+accounting facts are type- and range-checked (``ReplyFacts.parse``); the reply must come from a
 node asked this round, carry this round's number and nonce, match the node's bound site id, and
 be the site's first reply this round (``SiteBinding.check_origin``); its facts must match what
 the coordinator configured (``RunTerms.check``). Only then are they charged to the ledger as
@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
 
 from flwr.app import Message, MetricRecord
 
+from prism_runtime.facts import ReplyFacts
 from prism_runtime.protocol import REFUSAL_REASONS, STATUS_REFUSED
 from server.errors import ReplyError
 from server.strategy.binding import SiteBinding
@@ -40,7 +40,7 @@ __all__ = ["ReplyHandler", "ReplyIntake"]
 
 log = logging.getLogger("server.strategy")
 
-ReplyHandler = Callable[[str, dict[str, Any], Message], Callable[[], None]]
+ReplyHandler = Callable[[str, ReplyFacts, Message], Callable[[], None]]
 """A round kind's part of a reply: ``handle(site, facts, msg)`` checks what the reply carries
 after its facts were checked and charged, and returns the call that adds it to the round (made
 once the reply is accepted); it raises ``ReplyError`` to reject the reply."""
@@ -89,16 +89,16 @@ class ReplyIntake:
             if site in self.seen:
                 raise ReplyError(f"second reply of {site!r} in round {server_round}", "duplicate")
             self.seen.add(site)
-            steps = max(steps, int(facts["steps"]))  # a site claiming more is charged more
+            steps = max(steps, facts.steps)  # a site claiming more is charged more
             self.terms.check(facts)
             self.charges.confirmed(server_round, facts)
             self.answered.add(node)
-            if facts["status"] == STATUS_REFUSED:  # exhausted: its mechanism is not kept
-                self._refused(site, str(facts["reason"]))
+            if facts.status == STATUS_REFUSED:  # exhausted: its mechanism is not kept
+                self._refused(site, str(facts.reason))
                 return
-            sigma, q = float(facts["sigma"]), float(facts["q"])
-            cap = float(facts.get("epsilon-cap", self.charges.target_epsilon))
-            self.selection.site_mechanism[site] = (sigma, q, cap, float(facts["delta"]))
+            cap = self.charges.target_epsilon if facts.epsilon_cap is None else facts.epsilon_cap
+            delta = self.terms.delta if facts.delta is None else facts.delta  # ok: stated
+            self.selection.site_mechanism[site] = (facts.sigma, facts.q, cap, delta)
             add = handle(site, facts, msg)
         except (ReplyError, KeyError, TypeError, ValueError) as exc:
             error = exc if isinstance(exc, ReplyError) else ReplyError(repr(exc))  # code "invalid"

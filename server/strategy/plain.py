@@ -24,6 +24,7 @@ from typing import Any
 from flwr.app import ArrayRecord, Message
 from torch import Tensor
 
+from prism_runtime.facts import ReplyFacts
 from prism_runtime.protocol import UPDATE
 from server.strategy.aggregator import StreamingAggregator
 from server.strategy.bounds import UpdateChecker
@@ -90,7 +91,7 @@ class PlainRound:
         summary.applied = True
         return ArrayRecord(new)
 
-    def handle(self, site: str, facts: dict[str, Any], msg: Message) -> Callable[[], None]:
+    def handle(self, site: str, facts: ReplyFacts, msg: Message) -> Callable[[], None]:
         """Check the reply's update against the honest bound; return what adds it, weighted."""
         update = self.checker.validate(msg.content.get(UPDATE), facts)
         weight = self.aggregator.weight(facts)

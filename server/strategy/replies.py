@@ -10,7 +10,7 @@ never read.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,182 +18,43 @@ from flwr.app import ConfigRecord, Message
 from flwr.common.constant import ErrorCode
 
 from prism_core.bounds import FLOAT32_SLACK
-from prism_core.records import ADJACENCY, PRIVACY_UNITS, SAMPLING, SKELLAM_MECHANISM
+from prism_core.records import ADJACENCY, SAMPLING
+from prism_runtime.facts import FactsError, ReplyFacts
 from prism_runtime.protocol import (
     ACCOUNTING,
-    ACCOUNTING_KEYS,
-    MAX_EXAMPLES,
     REFUSAL_REASONS,
-    RNG,
     RNG_MODES,
-    ROUND_NONCE,
-    SERVER_ROUND,
     SITE_ERROR_CODES,
+    SITE_ID,
     STATUS_OK,
     STATUS_REFUSED,
 )
-from prism_runtime.ranges import SIGMA_MAX, SIGMA_MIN
 from server.errors import ReplyError
 from server.strategy.bounds import AutoClip
 
 __all__ = [
-    "SECURE_FACTS",
     "RunTerms",
     "error_reply",
     "error_reply_text",
     "facts_of",
     "in_order",
+    "read_facts",
     "unconfirmed_code",
-    "validate_facts",
 ]
 
-_MAX_STEPS = 10**6  # more local steps than any real round; larger is a garbled fact
-_MAX_SCALE = 1e9  # largest C or expected batch a reply may state
 _SCALE_RTOL = 1e-6  # a reply's sigma, C and b must equal the run's to this relative tolerance
-_MAX_COUNT_SIGMA = 1e8  # a clip estimate's count noise (sigma_b = noise * b) grows with b
-_QUANTILE_FACTS = ("quantile-sigma", "quantile-q", "quantile-steps")
-SECURE_FACTS = ("honest-sites", "share-sigma")
-"""The facts of a secure-aggregation reply (mechanism ``SKELLAM_MECHANISM``): H, the honest
-sites its sigma counts on, and the noise multiplier of the site's own share alone."""
-_MAX_HONEST_SITES = 10_000  # more honest sites than any federation here; larger is garbled
 _FLOWER_ERRORS = {
     value: name for name, value in vars(ErrorCode).items() if isinstance(value, int)
 }  # Flower's own codes (a ClientApp that crashed or raised, a node gone): fixed names
-_OPTIONAL_FACTS: dict[str, type] = {
-    SERVER_ROUND: int,
-    ROUND_NONCE: str,
-    RNG: str,
-    "reason": str,
-    "mechanism": str,
-    "adjacency": str,
-    "sampling": str,
-    "delta": float,
-    "epsilon-cap": float,
-    "epsilon": float,
-    "num-examples": int,
-    "max-norm": float,
-    "expected-batch-size": float,
-    "quantile-sigma": float,
-    "quantile-q": float,
-    "quantile-steps": int,
-    "unit": str,
-    "honest-sites": int,
-    "share-sigma": float,
-}
 
 
-def _check_type(name: str, value: Any, kind: type) -> None:
-    """Type (and for numbers finiteness) of one fact; the site's own ``epsilon`` may be inf."""
-    if kind is float and not (isinstance(value, int | float) and not isinstance(value, bool)):
-        raise ReplyError(f"accounting fact {name}={value!r} is not a number", "facts")
-    if kind is float and name != "epsilon" and not math.isfinite(float(value)):
-        raise ReplyError(f"accounting fact {name}={value!r} is not finite", "facts")
-    if kind is int and (not isinstance(value, int) or isinstance(value, bool)):
-        raise ReplyError(f"accounting fact {name}={value!r} is not an integer", "facts")
-    if kind is str and not isinstance(value, str):
-        raise ReplyError(f"accounting fact {name}={value!r} is not a string", "facts")
-    if kind is str and (len(value) > 1000 or not value.isprintable()):
-        raise ReplyError(f"accounting fact {name} is too long or has control characters", "facts")
-
-
-def validate_facts(facts: dict[str, Any]) -> dict[str, Any]:
-    """Check a reply's accounting facts; return them typed. Raises ``ReplyError``.
-
-    Required: ``site-id``, ``status``, ``sigma``, ``q``, ``steps``; every other key must be one
-    of ``prism_runtime.protocol.ACCOUNTING_KEYS`` with the right type; values must be in range.
-    A noise multiplier (``sigma``, ``quantile-sigma``) is at least ``SIGMA_MIN``, the smallest a
-    site runs (``prism_runtime.ranges``); ``sigma`` may also be 0, for a refusal or a non-DP
-    method (``RunTerms.check`` refuses 0 in an ok reply of a DP run). A ``unit``, where given,
-    is one of ``prism_core.records.PRIVACY_UNITS`` (absent: the facts are per record). The
-    ``SECURE_FACTS`` follow ``_check_secure_facts``.
-    """
-    unknown = sorted(set(facts) - {*ACCOUNTING_KEYS, *SECURE_FACTS})
-    if unknown:
-        raise ReplyError(f"unknown accounting facts {unknown[:3]}", "facts")
-    required = {"site-id": str, "status": str, "sigma": float, "q": float, "steps": int}
-    for name, kind in required.items():
-        if name not in facts:
-            raise ReplyError(f"accounting facts lack {name!r}", "facts")
-        _check_type(name, facts[name], kind)
-    for name, kind in _OPTIONAL_FACTS.items():
-        if name in facts:
-            _check_type(name, facts[name], kind)
-    if not facts["site-id"] or len(facts["site-id"]) > 128:
-        raise ReplyError(f"site-id {facts['site-id'][:20]!r} is empty or too long", "facts")
-    if facts["status"] not in (STATUS_OK, STATUS_REFUSED):
-        raise ReplyError(f"unknown status {facts['status'][:20]!r}", "facts")
-    sigma, q, steps = float(facts["sigma"]), float(facts["q"]), int(facts["steps"])
-    if not (0 <= sigma <= SIGMA_MAX and 0 < q <= 1 and 0 <= steps <= _MAX_STEPS):
-        raise ReplyError(
-            f"impossible mechanism parameters sigma={sigma}, q={q}, steps={steps}", "facts"
-        )
-    if 0 < sigma < SIGMA_MIN:
-        raise ReplyError(
-            f"sigma={sigma} is neither 0 (no noise) nor in [{SIGMA_MIN:g}, {SIGMA_MAX:g}], the "
-            "noise multipliers a site runs",
-            "facts",
-        )
-    if "delta" in facts and not 0 < float(facts["delta"]) < 1:
-        raise ReplyError(f"delta={facts['delta']!r} is not in (0, 1)", "facts")
-    for name in ("max-norm", "expected-batch-size"):
-        if name in facts and not 0 < float(facts[name]) <= _MAX_SCALE:
-            raise ReplyError(f"{name}={facts[name]!r} is not in (0, {_MAX_SCALE:g}]", "facts")
-    if "num-examples" in facts and not 1 <= int(facts["num-examples"]) <= MAX_EXAMPLES:
-        raise ReplyError(f"num-examples={facts['num-examples']!r} is not in [1, 1e12]", "facts")
-    if "unit" in facts and facts["unit"] not in PRIVACY_UNITS:
-        raise ReplyError(
-            f"unit {facts['unit'][:20]!r} is not one of {list(PRIVACY_UNITS)}", "facts"
-        )
-    if SERVER_ROUND in facts and int(facts[SERVER_ROUND]) < 0:
-        raise ReplyError(f"server-round={facts[SERVER_ROUND]!r} is negative", "facts")
-    _check_quantile_facts(facts)
-    _check_secure_facts(facts)
-    return facts
-
-
-def _check_secure_facts(facts: dict[str, Any]) -> None:
-    """A secure-aggregation reply's facts (``validate_facts``, types already checked): both of
-    ``SECURE_FACTS`` or neither; present on an ``ok`` reply exactly when its mechanism is
-    ``SKELLAM_MECHANISM`` (a refusal of such a run may state neither: nothing ran), never on a
-    reply of another mechanism; ``1 <= honest-sites <= 10000`` and
-    ``0 <= share-sigma <= sigma``."""
-    given = [name for name in SECURE_FACTS if name in facts]
-    secure = facts.get("mechanism") == SKELLAM_MECHANISM
-    if not given:
-        if secure and facts["status"] != STATUS_REFUSED:
-            raise ReplyError(
-                f"a {SKELLAM_MECHANISM} reply without its facts {list(SECURE_FACTS)}", "facts"
-            )
-        return
-    if not secure:
-        raise ReplyError(
-            f"secure-aggregation facts {given} on a reply whose mechanism is not "
-            f"{SKELLAM_MECHANISM}",
-            "facts",
-        )
-    if len(given) != len(SECURE_FACTS):
-        raise ReplyError(f"secure-aggregation facts {given} without the others", "facts")
-    honest, share = int(facts["honest-sites"]), float(facts["share-sigma"])
-    if not 1 <= honest <= _MAX_HONEST_SITES:
-        raise ReplyError(f"honest-sites={honest} is not in [1, {_MAX_HONEST_SITES}]", "facts")
-    sigma = float(facts["sigma"])
-    if not 0 <= share <= sigma:
-        raise ReplyError(f"share-sigma={share} is not in [0, sigma={sigma}]", "facts")
-
-
-def _check_quantile_facts(facts: dict[str, Any]) -> None:
-    """A private clip estimate's facts: all three or none, in range (``validate_facts``)."""
-    given = [name for name in _QUANTILE_FACTS if name in facts]
-    if not given:
-        return
-    if len(given) != len(_QUANTILE_FACTS):
-        raise ReplyError(f"clip-estimate facts {given} without the others", "facts")
-    sigma, q = float(facts["quantile-sigma"]), float(facts["quantile-q"])
-    steps = int(facts["quantile-steps"])
-    if not (SIGMA_MIN <= sigma <= _MAX_COUNT_SIGMA and 0 < q <= 1 and 1 <= steps <= _MAX_STEPS):
-        raise ReplyError(
-            f"impossible clip-estimate parameters sigma={sigma}, q={q}, steps={steps}", "facts"
-        )
+def read_facts(record: Mapping[str, Any]) -> ReplyFacts:
+    """A reply's accounting facts, typed and range-checked by ``ReplyFacts.parse``; raises
+    ``ReplyError`` with code ``facts`` naming what is wrong."""
+    try:
+        return ReplyFacts.parse(record)
+    except FactsError as exc:
+        raise ReplyError(str(exc), "facts") from None
 
 
 def error_reply_text(code: object) -> str:
@@ -232,12 +93,12 @@ def unconfirmed_code(error: ReplyError, msg: Message) -> str:
     return error.code
 
 
-def facts_of(msg: Message) -> dict[str, Any]:
-    """The reply's accounting facts, checked by ``validate_facts``; raises ``ReplyError``."""
+def facts_of(msg: Message) -> ReplyFacts:
+    """The reply's accounting facts (``read_facts``); raises ``ReplyError``."""
     record = msg.content.get(ACCOUNTING)
     if not isinstance(record, ConfigRecord):
         raise ReplyError("reply has no accounting facts record", "facts")
-    return validate_facts(dict(record))
+    return read_facts(dict(record))
 
 
 def in_order(replies: Iterable[Message]) -> list[Message]:
@@ -247,7 +108,7 @@ def in_order(replies: Iterable[Message]) -> list[Message]:
     def order(msg: Message) -> tuple[str, int]:
         site = ""
         if not msg.has_error() and ACCOUNTING in msg.content:
-            site = str(msg.content[ACCOUNTING].get("site-id", ""))
+            site = str(msg.content[ACCOUNTING].get(SITE_ID, ""))
         return site, int(msg.metadata.src_node_id)
 
     return sorted(replies, key=order)
@@ -279,7 +140,7 @@ class RunTerms:
     sample_rate: float | None = None
     auto_clip: AutoClip | None = None
 
-    def check(self, facts: dict[str, Any]) -> None:
+    def check(self, facts: ReplyFacts) -> None:
         """The reply's facts against what the coordinator configured; raises ``ReplyError``.
 
         ``facts-mismatch``: steps other than the round's (0 for a refusal), another mechanism,
@@ -289,33 +150,32 @@ class RunTerms:
         ``refusal-reason``: a refusal whose reason is not one of
         ``prism_runtime.protocol.REFUSAL_REASONS`` (a malformed refusal). No site text is echoed.
         """
-        refused = facts["status"] == STATUS_REFUSED
-        if refused and facts.get("reason") not in REFUSAL_REASONS:
+        refused = facts.status == STATUS_REFUSED
+        if refused and facts.reason not in REFUSAL_REASONS:
             raise ReplyError(
                 "refused reply without a known reason code "
                 "(prism_runtime.protocol.REFUSAL_REASONS)",
                 "refusal-reason",
             )
-        wanted: dict[str, object] = {
-            "mechanism": self.mechanism,
-            "sampling": SAMPLING,
-            "adjacency": ADJACENCY,
-        }
-        for name, value in wanted.items():
-            if facts.get(name) != value:
+        for name, stated, value in (
+            ("mechanism", facts.mechanism, self.mechanism),
+            ("sampling", facts.sampling, SAMPLING),
+            ("adjacency", facts.adjacency, ADJACENCY),
+        ):
+            if stated != value:
                 raise ReplyError(f"fact {name} is not the run's {value!r}", "facts-mismatch")
-        if facts.get(RNG) not in RNG_MODES:
+        if facts.rng not in RNG_MODES:
             raise ReplyError(f"fact rng is not one of {list(RNG_MODES)}", "facts-mismatch")
         steps = 0 if refused else self.local_steps
-        if int(facts["steps"]) != steps:
+        if facts.steps != steps:
             raise ReplyError(
-                f"reply ran {facts['steps']} steps, the round asked for {steps}", "facts-mismatch"
+                f"reply ran {facts.steps} steps, the round asked for {steps}", "facts-mismatch"
             )
         # A refusal spent nothing: a site that refused up front never calibrated (sigma 0).
-        if self.dp and not refused and not float(facts["sigma"]) > 0:
+        if self.dp and not refused and not facts.sigma > 0:
             raise ReplyError("sigma = 0 for a differentially private method", "facts-mismatch")
         if self.dp and not refused and self.noise_multiplier is not None:
-            sigma = float(facts["sigma"])
+            sigma = facts.sigma
             if not math.isclose(sigma, self.noise_multiplier, rel_tol=_SCALE_RTOL):
                 raise ReplyError(
                     f"fact sigma {sigma!r} is not the run's noise-multiplier "
@@ -323,49 +183,49 @@ class RunTerms:
                     "facts-mismatch",
                 )
         if self.dp and not refused:
-            for name, value in (
-                ("max-norm", self.max_norm),
-                ("expected-batch-size", self.expected_batch_size),
+            for label, scale, run_scale in (
+                ("max-norm", facts.max_norm, self.max_norm),
+                ("expected-batch-size", facts.expected_batch_size, self.expected_batch_size),
             ):
-                stated = facts.get(name)
-                if stated is None or (
-                    value is not None and not math.isclose(stated, value, rel_tol=_SCALE_RTOL)
+                if scale is None or (
+                    run_scale is not None
+                    and not math.isclose(scale, run_scale, rel_tol=_SCALE_RTOL)
                 ):
                     raise ReplyError(
-                        f"fact {name} is missing or not the run's {value!r}", "facts-mismatch"
+                        f"fact {label} is missing or not the run's {run_scale!r}", "facts-mismatch"
                     )
             q = self.sample_rate
-            if q is not None and not math.isclose(float(facts["q"]), q, rel_tol=_SCALE_RTOL):
+            if q is not None and not math.isclose(facts.q, q, rel_tol=_SCALE_RTOL):
                 raise ReplyError(f"fact q is not the run's sample-rate {q!r}", "facts-mismatch")
-        if not refused and ("delta" not in facts or float(facts["delta"]) > self.delta):
+        if not refused and (facts.delta is None or facts.delta > self.delta):
             raise ReplyError(
-                f"delta {facts.get('delta')!r} is missing or above the run's {self.delta}",
+                f"delta {facts.delta!r} is missing or above the run's {self.delta}",
                 "facts-mismatch",
             )
         self._check_clip(facts)
 
-    def _check_clip(self, facts: dict[str, Any]) -> None:
+    def _check_clip(self, facts: ReplyFacts) -> None:
         """``max-norm = auto``: an ok reply's ``max-norm`` in ``AutoClip``'s range, and a clip
         estimate's facts only on an ok reply of such a run, with the run's K steps."""
-        estimated = "quantile-steps" in facts
+        estimate = facts.quantile
         auto = self.auto_clip
-        if estimated and (auto is None or facts["status"] != STATUS_OK):
+        if estimate is not None and (auto is None or facts.status != STATUS_OK):
             raise ReplyError(
                 "clip-estimate facts on a refusal or in a run without max-norm = auto",
                 "facts-mismatch",
             )
-        if auto is None or facts["status"] != STATUS_OK:
+        if auto is None or facts.status != STATUS_OK:
             return
-        if estimated and int(facts["quantile-steps"]) != auto.steps:
+        if estimate is not None and estimate.steps != auto.steps:
             raise ReplyError(
-                f"the clip estimate ran {facts['quantile-steps']} steps, the run asks {auto.steps}",
+                f"the clip estimate ran {estimate.steps} steps, the run asks {auto.steps}",
                 "facts-mismatch",
             )
-        clip = float(facts.get("max-norm", math.nan))
+        clip = math.nan if facts.max_norm is None else facts.max_norm
         low, high = auto.low * (1 - FLOAT32_SLACK), auto.high * (1 + FLOAT32_SLACK)
         if not low <= clip <= high:
             raise ReplyError(
-                f"max-norm {facts.get('max-norm')!r} is missing or outside [{auto.low:.6g}, "
+                f"max-norm {facts.max_norm!r} is missing or outside [{auto.low:.6g}, "
                 f"{auto.high:.6g}], the clips a private estimate of this run can give",
                 "facts-mismatch",
             )

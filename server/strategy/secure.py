@@ -47,6 +47,7 @@ from numpy.typing import NDArray
 from torch import Tensor
 
 from prism_core.distributed import FIELD_BITS
+from prism_runtime.facts import ReplyFacts
 from prism_runtime.faults import NO_FAULTS, Faults
 from prism_runtime.protocol import (
     ACCOUNTING,
@@ -57,6 +58,7 @@ from prism_runtime.protocol import (
     SECURE_MASK,
     SECURE_SHARE,
     SECURE_UNMASK,
+    SITE_ID,
     STATUS_OK,
     message_type,
 )
@@ -144,7 +146,7 @@ def _with(base: dict[str, Any], secure: RecordDict) -> RecordDict:
     return RecordDict({**base, RECORD: secure[RECORD]})
 
 
-def _no_masked_input(site: str, facts: dict[str, Any], msg: Message) -> Callable[[], None]:
+def _no_masked_input(site: str, facts: ReplyFacts, msg: Message) -> Callable[[], None]:
     """The key exchange's handler: an answer there with accepted facts has no input to add."""
     raise ReplyError("update is a NoneType, not an ArrayRecord", "keys")
 
@@ -226,7 +228,7 @@ class SecureRound:
                 continue
             try:
                 record = msg.content.get(RECORD)
-                claimed = record.get("site-id") if isinstance(record, ConfigRecord) else None
+                claimed = record.get(SITE_ID) if isinstance(record, ConfigRecord) else None
                 if not isinstance(claimed, str):
                     raise SecureSumError("the advertisement names no site")
                 keys = decode_advertise_reply(
@@ -308,11 +310,14 @@ class SecureRound:
             self.binding.sent_to[node] = state.round_.server_round
         state.sealed.clear()
 
-        def keep_masked(site: str, facts: dict[str, Any], msg: Message) -> Callable[[], None]:
+        def keep_masked(site: str, facts: ReplyFacts, msg: Message) -> Callable[[], None]:
             if site not in state.participants:
                 raise ReplyError(f"{site!r} is not a participant of this round", "invalid")
-            if facts["status"] != STATUS_OK:
+            if facts.status != STATUS_OK:
                 return lambda: None
+            secure, divisor = facts.secure, facts.expected_batch_size
+            if secure is None or divisor is None:  # ReplyFacts.parse and RunTerms.check
+                raise ReplyError("a masked input without its Skellam facts", "facts")
             try:
                 vector = decode_mask_reply(
                     _part(msg.content),
@@ -323,7 +328,7 @@ class SecureRound:
                 )
             except (SecureSumError, ValueError) as exc:
                 raise ReplyError(f"masked input: {exc}", "update") from None
-            share, divisor = float(facts["share-sigma"]), float(facts["expected-batch-size"])
+            share = secure.share_sigma
 
             def add() -> None:
                 state.masked[site] = vector

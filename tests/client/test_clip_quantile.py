@@ -17,9 +17,9 @@ from prism_core.quantile import QUANTILE_MECHANISM
 from prism_runtime.config import RunConfig, SiteConfig, parse_config
 from prism_runtime.errors import ConfigError
 from prism_runtime.exchange import to_arrays
-from prism_runtime.protocol import ACCOUNTING_KEYS, STATUS_OK, STATUS_REFUSED
+from prism_runtime.facts import ClipEstimate, ReplyFacts
+from prism_runtime.protocol import STATUS_OK, STATUS_REFUSED
 
-QUANTILE_FACTS = ("quantile-sigma", "quantile-q", "quantile-steps")
 BATCH, EXAMPLES, K = 16, 64, 3
 
 
@@ -141,7 +141,7 @@ def test_an_auto_clip_site_charges_the_estimate_then_training_within_its_cap(tin
 
     reply = site.train_round(1, to_arrays(site.loaded), run_id="run-a")
     facts = reply.accounting
-    assert facts["status"] == STATUS_OK and set(facts) <= set(ACCOUNTING_KEYS)
+    assert facts.status == STATUS_OK and ReplyFacts.parse(facts.to_record()) == facts
     entries = SiteLedger(tmp_path / "state").entries()
     assert [(e.server_round, e.mechanism) for e in entries] == [
         (1, QUANTILE_MECHANISM),
@@ -149,31 +149,31 @@ def test_an_auto_clip_site_charges_the_estimate_then_training_within_its_cap(tin
     ]  # the estimate is charged first, as its own event
     assert (entries[0].sigma, entries[0].q, entries[0].steps) == (1.6, q, K)
     assert (entries[1].sigma, entries[1].steps) == (site.sigma, 2)
-    assert (facts["quantile-sigma"], facts["quantile-q"], facts["quantile-steps"]) == (1.6, q, K)
+    assert facts.quantile == ClipEstimate(1.6, q, K)
     spent = epsilon([e.event for e in entries], run.delta)
-    assert facts["epsilon"] == pytest.approx(spent, rel=1e-12) and spent <= 8.0
+    assert facts.epsilon == pytest.approx(spent, rel=1e-12) and spent <= 8.0
 
     stored = ClipStore(tmp_path / "state").load()
     assert stored is not None and stored.run_id == "run-a" and stored.server_round == 1
     low, high = run.auto_clip_range
-    assert low <= facts["max-norm"] <= high
-    assert facts["max-norm"] == stored.max_norm == site.trainer.config.max_norm
+    assert low <= facts.max_norm <= high
+    assert facts.max_norm == stored.max_norm == site.trainer.config.max_norm
 
 
 def test_a_restarted_site_reuses_its_runs_clip_and_a_new_run_estimates_again(tiny_bert, tmp_path):
     site = _site(tiny_bert, tmp_path)
     first = site.train_round(1, to_arrays(site.loaded), run_id="run-a").accounting
-    assert all(k in first for k in QUANTILE_FACTS)
+    assert first.quantile is not None
 
     restarted = _site(tiny_bert, tmp_path)  # a new process: nothing in memory
     second = restarted.train_round(2, to_arrays(restarted.loaded), run_id="run-a").accounting
-    assert not any(k in second for k in QUANTILE_FACTS)  # nothing spent on the clip again
-    assert second["max-norm"] == first["max-norm"]
+    assert second.quantile is None  # nothing spent on the clip again
+    assert second.max_norm == first.max_norm
     mechanisms = [e.mechanism for e in SiteLedger(tmp_path / "state").entries()]
     assert mechanisms.count(QUANTILE_MECHANISM) == 1 and len(mechanisms) == 3
 
     third = restarted.train_round(1, to_arrays(restarted.loaded), run_id="run-b").accounting
-    assert all(k in third for k in QUANTILE_FACTS)  # a new run: a new estimate, charged
+    assert third.quantile is not None  # a new run: a new estimate, charged
     entries = SiteLedger(tmp_path / "state").entries()
     assert [e.mechanism for e in entries[-2:]] == [QUANTILE_MECHANISM, "prism-tangent-gaussian"]
     assert ClipStore(tmp_path / "state").load().run_id == "run-b"  # type: ignore[union-attr]
@@ -189,7 +189,7 @@ def test_the_cap_check_covers_the_estimate_before_anything_is_charged(tiny_bert,
     run = _run(tiny_bert, **{"clip-quantile-noise": 0.05, "target-epsilon": (train + both) / 2})
     site = _site(tiny_bert, tmp_path, run)
     reply = site.train_round(1, to_arrays(site.loaded), run_id="run-a")
-    assert (reply.accounting["status"], reply.accounting["reason"]) == (
+    assert (reply.accounting.status, reply.accounting.reason) == (
         STATUS_REFUSED,
         "cap-exhausted",
     )
@@ -226,10 +226,10 @@ def test_a_split_head_clip_runs_with_the_total_of_the_estimate_and_the_share(tin
     facts = site.train_round(1, to_arrays(site.loaded), run_id="run-a").accounting
     stored = ClipStore(tmp_path / "state").load()
     assert stored is not None
-    assert facts["max-norm"] == pytest.approx(math.hypot(stored.estimate, 0.05), rel=1e-12)
+    assert facts.max_norm == pytest.approx(math.hypot(stored.estimate, 0.05), rel=1e-12)
     assert site.trainer.config.head_max_norm == 0.05  # the head keeps its share
     low, high = run.auto_clip_range
-    assert low <= facts["max-norm"] <= high
+    assert low <= facts.max_norm <= high
 
 
 @pytest.mark.parametrize(
@@ -295,7 +295,7 @@ def test_a_crash_between_the_two_charges_never_leaves_a_step_uncharged(tiny_bert
 
     again = _site(tiny_bert, tmp_path)
     facts = again.train_round(1, to_arrays(again.loaded), run_id="run-a").accounting
-    assert not any(k in facts for k in QUANTILE_FACTS) and facts["max-norm"] == stored.max_norm
+    assert facts.quantile is None and facts.max_norm == stored.max_norm
     entries = SiteLedger(tmp_path / "state").entries()
     assert [e.mechanism for e in entries] == [QUANTILE_MECHANISM] * 2 + ["prism-tangent-gaussian"]
-    assert facts["epsilon"] == pytest.approx(epsilon([e.event for e in entries], 1e-5))
+    assert facts.epsilon == pytest.approx(epsilon([e.event for e in entries], 1e-5))

@@ -11,9 +11,11 @@ from client.reply import RoundReply
 from client.request import RoundRequest
 from client.round_store import RoundStore
 from prism_runtime.errors import ConfigError
+from prism_runtime.facts import ReplyFacts
 
 ARRAYS = {"m/A": torch.ones(3, 2), "m/B": torch.full((4, 2), 2.0)}
-REPLY = RoundReply({"m/dA": torch.zeros(3, 2)}, {"status": "ok", "steps": 2}, {"x": 1.0})
+FACTS = ReplyFacts.parse({"site-id": "s", "status": "ok", "sigma": 1.0, "q": 0.05, "steps": 2})
+REPLY = RoundReply({"m/dA": torch.zeros(3, 2)}, FACTS, {"x": 1.0})
 MOMENTS = {"states": [{"step": 3}], "points": [(torch.ones(3, 2), torch.ones(4, 2))]}
 
 

@@ -20,8 +20,8 @@ from prism_core.rng import SecureRNG
 from prism_runtime.config import RunConfig, SiteConfig, parse_config
 from prism_runtime.errors import AccountingMismatchError, ConfigError
 from prism_runtime.exchange import to_arrays
+from prism_runtime.facts import ReplyFacts
 from prism_runtime.protocol import (
-    ACCOUNTING_KEYS,
     HEAD_PREFIX,
     REFUSAL_REASONS,
     RNG_REPRODUCIBLE,
@@ -57,12 +57,12 @@ def _ledger_bytes(site):
 def test_default_reply_carries_only_dp_update_and_accounting_facts(tiny_bert, tmp_path):
     site = _site(tiny_bert, tmp_path)
     reply = site.train_round(1, to_arrays(site.loaded))
-    assert reply.accounting["status"] == STATUS_OK
-    assert set(reply.accounting) <= set(ACCOUNTING_KEYS)
-    assert reply.accounting["rng"] == RNG_SECURE  # the default: the OS CSPRNG at the site
-    assert reply.accounting["unit"] == "record"  # from the mechanism's records, as charged
+    assert reply.accounting.status == STATUS_OK
+    assert ReplyFacts.parse(reply.accounting.to_record()) == reply.accounting
+    assert reply.accounting.rng == RNG_SECURE  # the default: the OS CSPRNG at the site
+    assert reply.accounting.unit == "record"  # from the mechanism's records, as charged
     assert [e.unit for e in site.ledger.entries()] == ["record"]
-    assert "num-examples" not in reply.accounting  # not shared unless the site allows it
+    assert reply.accounting.num_examples is None  # not shared unless the site allows it
     assert reply.nonprivate == {}
     modules = {h.name for h in site.loaded.handles}
     for name in reply.arrays:
@@ -83,7 +83,7 @@ def test_nonprivate_metrics_only_when_the_run_asks_and_the_site_allows(tiny_bert
     )
     reply = site.train_round(1, to_arrays(site.loaded))
     assert list(reply.nonprivate) == ["nonprivate-train-loss"]
-    assert reply.accounting["num-examples"] == 64
+    assert reply.accounting.num_examples == 64
 
 
 # -- the site's policy: requests above it are refused, and refusing costs nothing -------------
@@ -112,22 +112,22 @@ def test_a_request_the_site_does_not_allow_is_refused_and_charges_nothing(
     assert before is not None and before.count(b"\n") == 1
     hostile = _site(tiny_bert, tmp_path, run=_run(tiny_bert, **request_), **node)
     reply = hostile.train_round(2, to_arrays(honest.loaded))
-    assert reply.accounting["status"] == STATUS_REFUSED
-    assert reply.accounting["reason"] == code and code in REFUSAL_REASONS
-    assert reply.accounting["unit"] == "record"
-    assert reply.accounting["steps"] == 0 and reply.arrays == {} and reply.nonprivate == {}
-    assert set(reply.accounting) <= set(ACCOUNTING_KEYS)
+    assert reply.accounting.status == STATUS_REFUSED
+    assert reply.accounting.reason == code and code in REFUSAL_REASONS
+    assert reply.accounting.unit == "record"
+    assert reply.accounting.steps == 0 and reply.arrays == {} and reply.nonprivate == {}
+    assert ReplyFacts.parse(reply.accounting.to_record()) == reply.accounting
     assert _ledger_bytes(hostile) == before  # byte-identical: nothing charged
     again = hostile.train_round(3, to_arrays(honest.loaded))  # and every round alike
-    assert again.accounting["reason"] == code and _ledger_bytes(hostile) == before
+    assert again.accounting.reason == code and _ledger_bytes(hostile) == before
 
 
 def test_requests_at_or_below_the_site_policy_are_honoured(tiny_bert, tmp_path):
     run = _run(tiny_bert, **{"target-epsilon": 20.0, "delta": 1e-6})  # stricter: fine
     stricter = _site(tiny_bert, tmp_path, run=run, **{"epsilon-cap": 50.0, "delta": 1e-4})
     reply = stricter.train_round(1, to_arrays(stricter.loaded))
-    assert reply.accounting["status"] == STATUS_OK
-    assert (reply.accounting["epsilon-cap"], reply.accounting["delta"]) == (20.0, 1e-6)
+    assert reply.accounting.status == STATUS_OK
+    assert (reply.accounting.epsilon_cap, reply.accounting.delta) == (20.0, 1e-6)
     # the run's request, not the site's policy, is what this run may spend
     assert stricter.ledger.entries()[0].delta == 1e-6
 
@@ -189,9 +189,9 @@ def test_site_refuses_past_its_own_cap_even_if_asked(tiny_bert, tmp_path):
     first = site.train_round(1, to_arrays(site.loaded))
     before = _ledger_bytes(site)
     second = site.train_round(2, to_arrays(site.loaded))  # the server ignored the cap
-    assert first.accounting["status"] == STATUS_OK
-    assert second.accounting["status"] == STATUS_REFUSED and second.arrays == {}
-    assert second.accounting["reason"] == "cap-exhausted"
+    assert first.accounting.status == STATUS_OK
+    assert second.accounting.status == STATUS_REFUSED and second.arrays == {}
+    assert second.accounting.reason == "cap-exhausted"
     assert _ledger_bytes(site) == before
     assert [e.steps for e in site.ledger.entries()] == [2]
     assert site.ledger.epsilon(1e-5) == pytest.approx(one_round)
@@ -225,7 +225,7 @@ def test_the_cap_check_counts_the_round_it_is_about_to_run(tiny_bert, tmp_path):
     first = _site(tiny_bert, tmp_path / "a", run=below_one_round)
     first.trainer._check_budget = lambda: None
     reply = first.train_round(1, to_arrays(first.loaded))
-    assert (reply.accounting["status"], reply.accounting["reason"]) == (
+    assert (reply.accounting.status, reply.accounting.reason) == (
         STATUS_REFUSED,
         "cap-exhausted",
     )
@@ -235,11 +235,11 @@ def test_the_cap_check_counts_the_round_it_is_about_to_run(tiny_bert, tmp_path):
     cap = (one_round + two_rounds) / 2  # one round fits, two do not
     site = _site(tiny_bert, tmp_path / "b", run=_run(tiny_bert, **{"target-epsilon": cap}))
     site.trainer._check_budget = lambda: None
-    assert site.train_round(1, to_arrays(site.loaded)).accounting["status"] == STATUS_OK
+    assert site.train_round(1, to_arrays(site.loaded)).accounting.status == STATUS_OK
     assert epsilon(site.ledger.events(), 1e-5) == pytest.approx(one_round)  # < cap
     before = _ledger_bytes(site)
     second = site.train_round(2, to_arrays(site.loaded))
-    assert (second.accounting["status"], second.accounting["reason"]) == (
+    assert (second.accounting.status, second.accounting.reason) == (
         STATUS_REFUSED,
         "cap-exhausted",
     )
@@ -263,7 +263,7 @@ def test_a_calibrated_sigma_covers_every_planned_round(tiny_bert, tmp_path):
     # one round at this sigma spends far less: a sigma for one round would overshoot
     assert epsilon([PrivacyEvent(site.sigma, q, 2)], 1e-5) < target / 2
     reply = site.train_round(1, to_arrays(site.loaded))
-    assert reply.accounting["sigma"] == site.sigma  # the steps ran at that sigma
+    assert reply.accounting.sigma == site.sigma  # the steps ran at that sigma
 
 
 def test_a_restart_remembers_spent_budget(tiny_bert, tmp_path):
@@ -330,10 +330,10 @@ def test_a_bad_broadcast_is_refused_before_anything_is_charged(tiny_bert, tmp_pa
     before = _ledger_bytes(site)
     name = key(site.loaded.handles[0].name, "A")
     reply = site.train_round(2, BAD_BROADCASTS[kind](good, name))
-    assert reply.accounting["status"] == STATUS_REFUSED
-    assert reply.accounting["reason"] == "bad-broadcast" and reply.arrays == {}
+    assert reply.accounting.status == STATUS_REFUSED
+    assert reply.accounting.reason == "bad-broadcast" and reply.arrays == {}
     assert _ledger_bytes(site) == before  # byte-identical: the garbled round cost nothing
-    assert site.train_round(2, good).accounting["status"] == STATUS_OK  # a good one still runs
+    assert site.train_round(2, good).accounting.status == STATUS_OK  # a good one still runs
 
 
 def test_a_non_finite_head_in_the_broadcast_is_refused(tiny_bert, tmp_path):
@@ -343,7 +343,7 @@ def test_a_non_finite_head_in_the_broadcast_is_refused(tiny_bert, tmp_path):
     assert heads
     before = _ledger_bytes(site)
     bad = {**good, heads[0]: torch.full_like(good[heads[0]], math.nan)}
-    assert site.train_round(1, bad).accounting["reason"] == "bad-broadcast"
+    assert site.train_round(1, bad).accounting.reason == "bad-broadcast"
     assert _ledger_bytes(site) == before
 
 
@@ -357,7 +357,7 @@ def test_a_coordinator_replica_cannot_reproduce_a_reply(tiny_bert, tmp_path):
     arrays = to_arrays(site.loaded)
     real = site.train_round(3, arrays, run_id="x")
     copy = replica.train_round(3, arrays, run_id="x")
-    assert real.accounting["rng"] == RNG_SECURE
+    assert real.accounting.rng == RNG_SECURE
     for name in real.arrays:
         assert not torch.allclose(real.arrays[name], copy.arrays[name], rtol=0, atol=1e-7), name
 
@@ -475,7 +475,7 @@ def test_reproducible_mode_needs_the_sites_secret_and_says_so(tiny_bert, tmp_pat
     arrays = to_arrays(_site(tiny_bert, tmp_path / "init").loaded)
     a = _site(tiny_bert, tmp_path / "a", secret=SECRET).train_round(3, arrays, run_id="x")
     b = _site(tiny_bert, tmp_path / "b", secret=SECRET).train_round(3, arrays, run_id="y")
-    assert a.accounting["rng"] == RNG_REPRODUCIBLE
+    assert a.accounting.rng == RNG_REPRODUCIBLE
     assert _same(a.arrays, b.arrays)  # the same secret: bitwise the same reply
     other = _site(tiny_bert, tmp_path / "c", secret="another").train_round(3, arrays, run_id="x")
     assert not _same(a.arrays, other.arrays)
@@ -503,8 +503,8 @@ def test_reply_facts_are_the_mechanisms_records_and_a_mismatch_fails_loudly(tiny
     reply = site.train_round(1, to_arrays(site.loaded))
     (entry,) = site.ledger.entries()
     facts = reply.accounting
-    assert (facts["sigma"], facts["q"], facts["steps"]) == (entry.sigma, entry.q, entry.steps)
-    assert facts["mechanism"] == "prism-tangent-gaussian" == entry.mechanism
+    assert (facts.sigma, facts.q, facts.steps) == (entry.sigma, entry.q, entry.steps)
+    assert facts.mechanism == "prism-tangent-gaussian" == entry.mechanism
     # A trainer that runs another sigma than the site charged: no reply, the charge stays.
     site.trainer.noise_multiplier = 2.0
     with pytest.raises(AccountingMismatchError, match="the mechanism ran"):
@@ -529,12 +529,12 @@ def test_an_allowed_nondp_run_is_recorded_as_unprotected(tiny_bert, tmp_path):
     run = _run(tiny_bert, method="nondp", **{"lora-init": "standard"})
     site = _site(tiny_bert, tmp_path, run=run, **{"allow-nondp": True})
     reply = site.train_round(1, to_arrays(site.loaded))
-    assert reply.accounting["status"] == STATUS_OK and reply.accounting["sigma"] == 0.0
+    assert reply.accounting.status == STATUS_OK and reply.accounting.sigma == 0.0
     (entry,) = site.ledger.entries()
     assert entry.sigma == 0.0 and entry.steps == 2
-    assert reply.accounting["epsilon"] == math.inf  # the data now has no DP guarantee
+    assert reply.accounting.epsilon == math.inf  # the data now has no DP guarantee
     dp = _site(tiny_bert, tmp_path)  # a later DP run on the same ledger cannot claim one
-    assert dp.train_round(2, to_arrays(dp.loaded)).accounting["reason"] == "cap-exhausted"
+    assert dp.train_round(2, to_arrays(dp.loaded)).accounting.reason == "cap-exhausted"
 
 
 def test_siamese_pairs_with_a_zero_shot_sgd_head_run_a_round(tiny_bert, tmp_path):
@@ -560,7 +560,7 @@ def test_siamese_pairs_with_a_zero_shot_sgd_head_run_a_round(tiny_bert, tmp_path
     assert site.loaded.spec.siamese and site.loaded.pair_encoding == "siamese"
     broadcast = to_arrays(site.loaded)
     reply = site.train_round(1, broadcast)
-    assert reply.accounting["status"] == STATUS_OK
+    assert reply.accounting.status == STATUS_OK
     assert all(torch.isfinite(t).all() for t in reply.arrays.values())
     assert reply.arrays[HEAD_PREFIX + "head.weight"].abs().sum() > 0  # the head moved
     with pytest.raises(ConfigError, match="text-pairs=true but this site's data are single"):

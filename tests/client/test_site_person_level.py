@@ -60,9 +60,9 @@ def test_a_user_run_in_simulation_samples_people_and_every_record_says_user(tiny
     assert site.num_units == len(people) < len(rows)  # N counts people, not notes
     assert site.sample_rate == pytest.approx(8 / len(people), rel=1e-12)  # q = b_u / N_users
     reply = site.train_round(1, to_arrays(site.loaded))
-    assert reply.accounting["status"] == STATUS_OK
-    assert reply.accounting["unit"] == "user"
-    assert reply.accounting["q"] == pytest.approx(8 / len(people), rel=1e-12)
+    assert reply.accounting.status == STATUS_OK
+    assert reply.accounting.unit == "user"
+    assert reply.accounting.q == pytest.approx(8 / len(people), rel=1e-12)
     assert [e.unit for e in site.ledger.entries()] == ["user"]
 
 
@@ -76,11 +76,11 @@ def test_a_user_site_runs_per_person_when_the_run_asks_for_records(tiny_bert, tm
     site = Site(_run(tiny_bert), node, site_policy(node))  # the run asks for record
     assert site.num_units == 24
     reply = site.train_round(1, to_arrays(site.loaded))
-    assert reply.accounting["status"] == STATUS_OK
-    assert reply.accounting["unit"] == "user"
+    assert reply.accounting.status == STATUS_OK
+    assert reply.accounting.unit == "user"
     # N is in the site's unit: its people, as b / q says (the coordinator checks the two agree)
-    assert reply.accounting["num-examples"] == 24
-    assert 8 / reply.accounting["q"] == pytest.approx(24, rel=1e-12)
+    assert reply.accounting.num_examples == 24
+    assert 8 / reply.accounting.q == pytest.approx(24, rel=1e-12)
     assert site.ledger.entries()[0].event.unit == "user"
 
 
@@ -90,10 +90,10 @@ def test_a_record_site_refuses_a_user_run_with_a_code_and_charges_nothing(tiny_b
     ledger = site.ledger.path
     before = ledger.read_bytes() if ledger.exists() else None
     reply = site.train_round(1, {})
-    assert reply.accounting["status"] == STATUS_REFUSED
-    assert reply.accounting["reason"] == "user-level-not-configured"
+    assert reply.accounting.status == STATUS_REFUSED
+    assert reply.accounting.reason == "user-level-not-configured"
     assert "user-level-not-configured" in REFUSAL_REASONS
-    assert reply.accounting["unit"] == "record"
+    assert reply.accounting.unit == "record"
     assert reply.arrays == {}
     assert (ledger.read_bytes() if ledger.exists() else None) == before
 
@@ -137,11 +137,11 @@ def test_record_events_count_per_person_by_group_privacy_after_a_switch(tiny_ber
     user_site = Site(run, user_node, site_policy(user_node))
     assert user_site.ledger.group_size == 5  # the site's largest records per person
     reply = user_site.train_round(2, to_arrays(user_site.loaded))
-    assert reply.accounting["status"] == STATUS_OK and reply.accounting["unit"] == "user"
+    assert reply.accounting.status == STATUS_OK and reply.accounting.unit == "user"
     events = user_site.ledger.events()
     assert [e.unit for e in events] == ["record", "user"]
     expected = epsilon(events, 1e-5, group_size=5)
-    assert reply.accounting["epsilon"] == pytest.approx(expected, rel=1e-9)
+    assert reply.accounting.epsilon == pytest.approx(expected, rel=1e-9)
     # never below the per-record epsilon times the group (the conversion is conservative)
     assert expected > 5 * epsilon(record_events, 1e-5)
 
@@ -266,7 +266,7 @@ def test_the_clip_estimate_counts_people_at_the_person_level(tiny_bert, tmp_path
     )
     site = _site(run, tmp_path)
     reply = site.train_round(1, to_arrays(site.loaded))
-    assert reply.accounting["status"] == STATUS_OK
+    assert reply.accounting.status == STATUS_OK
     units = [e.event.unit for e in site.ledger.entries()]
     assert units == ["user", "user"]  # the quantile event, then the steps
     assert isinstance(site.ledger.entries()[0].event, PrivacyEvent)

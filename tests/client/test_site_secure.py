@@ -84,7 +84,7 @@ def test_a_secure_round_refuses_a_bad_broadcast_before_anything_is_charged(tiny_
     name = key(site.loaded.handles[0].name, "A")
     with site.admit(1, {**arrays, name: torch.zeros_like(arrays[name])}, secure=True) as refused:
         assert isinstance(refused, RoundReply)
-        assert (refused.accounting["status"], refused.accounting["reason"]) == (
+        assert (refused.accounting.status, refused.accounting.reason) == (
             STATUS_REFUSED,
             "bad-broadcast",
         )
@@ -98,5 +98,5 @@ def test_a_secure_round_of_a_plain_run_is_refused_as_off(tiny_bert, tmp_path):
     assert site.admission_refusal(secure=False) is None
     with site.admit(1, to_arrays(site.loaded), secure=True) as refused:
         assert isinstance(refused, RoundReply)
-        assert refused.accounting["reason"] == "secure-aggregation-off"
+        assert refused.accounting.reason == "secure-aggregation-off"
     assert _ledger_lines(site) == []

@@ -2,13 +2,16 @@
 
 One definition for the server tests, which each wrote the whole dict out before. Keywords
 change a fact (underscores for the hyphens of the fact names: ``max_norm`` is ``max-norm``);
-``None`` leaves the fact out, as a site that does not send it.
+``None`` leaves the fact out, as a site that does not send it. ``honest_reply_facts`` is the same
+record as the coordinator reads it (``ReplyFacts.parse``), for the strategy's parts that take the
+typed facts.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from prism_runtime.facts import ReplyFacts
 from prism_runtime.protocol import ROUND_NONCE, SERVER_ROUND
 
 HONEST_FACTS: dict[str, Any] = {
@@ -37,3 +40,8 @@ def honest_facts(site_id: str, config: Any = None, **changes: Any) -> dict[str, 
         facts.update({SERVER_ROUND: config[SERVER_ROUND], ROUND_NONCE: config[ROUND_NONCE]})
     facts.update({name.replace("_", "-"): value for name, value in changes.items()})
     return {name: value for name, value in facts.items() if value is not None}
+
+
+def honest_reply_facts(site_id: str = "site-a", config: Any = None, **changes: Any) -> ReplyFacts:
+    """``honest_facts`` parsed as the coordinator reads them (``ReplyFacts.parse``)."""
+    return ReplyFacts.parse(honest_facts(site_id, config, **changes))

@@ -38,6 +38,7 @@ from prism_core.manifold import project_dense, tangent_displacement, tangent_to_
 from prism_runtime.protocol import ACCOUNTING, UPDATE, key
 from server.ledger import Ledger
 from server.strategy import UpdateBound
+from server.strategy.replies import read_facts
 
 pytestmark = pytest.mark.usefixtures("flower_identity")
 
@@ -452,7 +453,7 @@ def test_an_unknown_server_lr_schedule_is_refused(tmp_path):
 def test_a_momentum_head_may_move_ten_times_one_sgd_steps_bound(tmp_path):
     """Heavy ball with beta 0.9 sums the site's DP gradients with weights 0.9^k: at most
     1 / (1 - 0.9) = 10 times one step's bound, for the same reported sigma, q and C."""
-    facts = {**site_facts("site-0"), "sigma": 1.3, "q": 0.1}
+    facts = read_facts({**site_facts("site-0"), "sigma": 1.3, "q": 0.1})
     bounds = {}
     for optimizer in ("sgd", "momentum"):
         strategy, _ = strategy_and_ledger(

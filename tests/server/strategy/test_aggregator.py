@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reply_facts import honest_reply_facts
 
 import server.strategy.aggregator as aggregator_module
+from prism_runtime.facts import ReplyFacts
 from prism_runtime.protocol import MAX_EXAMPLES
 from server.errors import ReplyError
 from server.strategy.aggregator import _SIZE_RTOL, StreamingAggregator
@@ -19,7 +21,7 @@ def aggregator(expected_batch_size: float | None) -> StreamingAggregator:
     return stepper(mode="tangent", aggregation="examples", expected_batch_size=expected_batch_size)
 
 
-def refused(agg: StreamingAggregator, facts: dict[str, object]) -> str:
+def refused(agg: StreamingAggregator, facts: ReplyFacts) -> str:
     with pytest.raises(ReplyError) as info:
         agg.num_examples(facts)
     assert info.value.code == "facts"
@@ -27,53 +29,60 @@ def refused(agg: StreamingAggregator, facts: dict[str, object]) -> str:
 
 
 def test_without_a_stated_size_the_shard_is_b_over_q() -> None:
-    assert aggregator(8.0).num_examples({"q": 0.02}) == pytest.approx(400.0, rel=1e-15)
+    assert aggregator(8.0).num_examples(honest_reply_facts(q=0.02)) == pytest.approx(
+        400.0, rel=1e-15
+    )
 
 
 def test_a_size_exactly_at_the_limit_is_accepted_and_one_past_it_refused() -> None:
     half = MAX_EXAMPLES / 2
-    assert aggregator(half).num_examples({"q": 0.5}) == MAX_EXAMPLES
-    message = refused(aggregator(half * 1.001), {"q": 0.5})
+    assert aggregator(half).num_examples(honest_reply_facts(q=0.5)) == MAX_EXAMPLES
+    message = refused(aggregator(half * 1.001), honest_reply_facts(q=0.5))
     assert "q = 0.5 implies more than 1e+12 examples" in message
 
 
 def test_without_b_a_reply_must_state_its_size_and_one_that_does_is_taken() -> None:
-    message = refused(aggregator(None), {"q": 0.02})
+    message = refused(aggregator(None), honest_reply_facts(q=0.02))
     assert message.startswith("aggregation=examples but the reply has no num-examples")
-    assert aggregator(None).num_examples({"q": 0.02, "num-examples": 123}) == 123.0
+    stated = honest_reply_facts(q=0.02, num_examples=123)
+    assert aggregator(None).num_examples(stated) == 123.0
+
+
+# A stated size is a whole number of examples (``num-examples`` is an integer fact): at q = 1 the
+# tolerance's edge is tested at b = 5e6, where b (1 + _SIZE_RTOL) is a whole number in float64.
+EDGE_B = 5e6
 
 
 @pytest.mark.parametrize(
     ("b", "q", "stated"),
     [
-        pytest.param(8.0, 1.0, 8.0, id="q1-equal"),
-        pytest.param(8.0, 1.0, 3.0, id="q1-smaller-shard"),  # N <= b at q = 1
-        pytest.param(8.0, 1.0, 8.0 * (1 + _SIZE_RTOL), id="q1-at-the-tolerance"),
-        pytest.param(10.0, 1e-6, 1e7 + 5.0, id="large-shard-within-relative-tolerance"),
-        pytest.param(8.0, 8.0 / 100.4, 100.0, id="small-shard-within-half-an-example"),
+        pytest.param(8.0, 1.0, 8, id="q1-equal"),
+        pytest.param(8.0, 1.0, 3, id="q1-smaller-shard"),  # N <= b at q = 1
+        pytest.param(EDGE_B, 1.0, int(EDGE_B * (1 + _SIZE_RTOL)), id="q1-at-the-tolerance"),
+        pytest.param(10.0, 1e-6, 10**7 + 5, id="large-shard-within-relative-tolerance"),
+        pytest.param(8.0, 8.0 / 100.4, 100, id="small-shard-within-half-an-example"),
     ],
 )
-def test_a_stated_size_that_agrees_with_b_over_q_is_taken(
-    b: float, q: float, stated: float
-) -> None:
-    assert aggregator(b).num_examples({"q": q, "num-examples": stated}) == stated
+def test_a_stated_size_that_agrees_with_b_over_q_is_taken(b: float, q: float, stated: int) -> None:
+    facts = honest_reply_facts(q=q, num_examples=stated)
+    assert aggregator(b).num_examples(facts) == stated
 
 
 @pytest.mark.parametrize(
     ("b", "q", "stated"),
     [
-        pytest.param(8.0, 1.0, 8.0 * (1 + 2 * _SIZE_RTOL), id="q1-larger-than-b"),
-        pytest.param(8.0, 0.5, 10.0, id="smaller-than-b-over-q"),
-        pytest.param(8.0, 0.5, 17.0, id="larger-than-b-over-q"),
-        pytest.param(10.0, 1e-6, 1e7 + 50.0, id="large-shard-past-relative-tolerance"),
-        pytest.param(8.0, 8.0 / 100.6, 100.0, id="small-shard-past-half-an-example"),
+        pytest.param(EDGE_B, 1.0, int(EDGE_B * (1 + 2 * _SIZE_RTOL)), id="q1-larger-than-b"),
+        pytest.param(8.0, 0.5, 10, id="smaller-than-b-over-q"),
+        pytest.param(8.0, 0.5, 17, id="larger-than-b-over-q"),
+        pytest.param(10.0, 1e-6, 10**7 + 50, id="large-shard-past-relative-tolerance"),
+        pytest.param(8.0, 8.0 / 100.6, 100, id="small-shard-past-half-an-example"),
     ],
 )
 def test_a_stated_size_that_disagrees_with_b_over_q_is_refused_naming_both(
-    b: float, q: float, stated: float
+    b: float, q: float, stated: int
 ) -> None:
-    message = refused(aggregator(b), {"q": q, "num-examples": stated})
-    assert message.startswith(f"num-examples {int(stated)} disagrees with b / q = {b / q:.6g}")
+    message = refused(aggregator(b), honest_reply_facts(q=q, num_examples=stated))
+    assert message.startswith(f"num-examples {stated} disagrees with b / q = {b / q:.6g}")
 
 
 # -- the round's sums, the server step and its guards -----------------------------------------
@@ -111,8 +120,8 @@ def point(seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.
     }
 
 
-def dp_facts(sigma: float) -> dict[str, object]:
-    return {"sigma": sigma, "max-norm": 0.05, "expected-batch-size": 16.0}
+def dp_facts(sigma: float) -> ReplyFacts:
+    return honest_reply_facts(sigma=sigma, max_norm=0.05, expected_batch_size=16.0)
 
 
 def test_a_fresh_aggregator_holds_no_weight() -> None:

@@ -10,18 +10,22 @@ import re
 from typing import Any
 
 import pytest
+from reply_facts import honest_reply_facts
 
+from prism_runtime.facts import ReplyFacts
 from prism_runtime.protocol import ROUND_NONCE, SERVER_ROUND
 from server.errors import ReplyError
 from server.strategy.binding import SiteBinding
 
 
-def facts(binding: SiteBinding, site: str, server_round: int, **changes: Any) -> dict[str, Any]:
-    """What an honest reply of ``site`` to ``server_round`` states about its origin."""
-    return {"site-id": site, SERVER_ROUND: server_round, ROUND_NONCE: binding.nonce, **changes}
+def facts(binding: SiteBinding, site: str, server_round: int, **changes: Any) -> ReplyFacts:
+    """The facts of an honest reply of ``site`` to ``server_round``, echoing its round and the
+    binding's nonce."""
+    config = {SERVER_ROUND: server_round, ROUND_NONCE: binding.nonce}
+    return honest_reply_facts(site, config, **changes)
 
 
-def refused(binding: SiteBinding, server_round: int, node: int, f: dict[str, Any]) -> ReplyError:
+def refused(binding: SiteBinding, server_round: int, node: int, f: ReplyFacts) -> ReplyError:
     with pytest.raises(ReplyError) as info:
         binding.check_origin(server_round, node, f)
     return info.value

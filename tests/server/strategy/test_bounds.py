@@ -14,13 +14,14 @@ with a wide margin; the same reply scaled past the bound must be rejected with r
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 from helpers.points import random_point
-from reply_facts import honest_facts
+from reply_facts import honest_facts, honest_reply_facts
 from strategy_helpers import strategy_for
 
 from client.policy import site_policy
@@ -29,6 +30,7 @@ from prism_core.bounds import FLOAT32_SLACK, adam_gain, dp_step_norm_bound, roun
 from prism_core.manifold import Point
 from prism_runtime.config import HEAD_MOMENTUM, RunConfig, SiteConfig, parse_config
 from prism_runtime.exchange import head_named, to_arrays
+from prism_runtime.facts import ReplyFacts
 from prism_runtime.protocol import (
     ACCOUNTING,
     CONFIG,
@@ -49,7 +51,7 @@ pytestmark = pytest.mark.usefixtures("flower_identity")
 
 M, N, R = 6, 4, 2  # one LoRA module: A (m, r), B (n, r)
 HEAD = (3, 4)
-FACTS = {"sigma": "1.3", "q": "0.1", "max-norm": "0.5"}
+FACTS = honest_reply_facts(sigma=1.3, q=0.1, max_norm=0.5)
 
 
 def test_the_sites_bound_is_the_train_config_they_run() -> None:
@@ -193,16 +195,16 @@ def test_a_factor_average_update_is_checked_against_its_own_move() -> None:
     small = {
         k: v + 0.01 * checker.factor_bounds[k] / math.sqrt(v.numel()) for k, v in broadcast.items()
     }
-    checker.check_norm(small, {})
+    checker.check_norm(small, FACTS)
     zero = {k: torch.zeros_like(v) for k, v in broadcast.items()}
     checker.begin_round(1, zero)  # moves from 0: a move is the entry itself
     for side in (-1, 1):
         update = {**zero, name: _one_entry((M, R), _just(limit, side))}
         if side < 0:
-            checker.check_norm(update, {})
+            checker.check_norm(update, FACTS)
             continue
         with pytest.raises(ReplyError, match=rf"{name} moved by .* more than the .* 3 AdamW steps"):
-            checker.check_norm(update, {})
+            checker.check_norm(update, FACTS)
 
 
 def test_an_sgd_heads_update_is_checked_at_the_edge_of_its_own_bound() -> None:
@@ -233,12 +235,12 @@ def test_a_tangent_update_is_checked_at_the_edge_of_the_mechanisms_bound() -> No
         entry = _just(limit, side, within=1e-6 * scale)
         update = {**zero, HEAD_PREFIX + "weight": _one_entry(HEAD, entry)}
         if side < 0:
-            checker.validate(_record(update), {})
+            checker.validate(_record(update), FACTS)
             continue
         with pytest.raises(
             ReplyError, match=r"update norm .* exceeds the bound .* \(3 steps at lr"
         ):
-            checker.validate(_record(update), {})
+            checker.validate(_record(update), FACTS)
 
 
 def _honest(checker: UpdateChecker) -> dict[str, torch.Tensor]:
@@ -300,7 +302,7 @@ def test_each_malformed_update_is_refused_with_its_code_and_what_was_found(
     tensor and the value found (at most 3 names of a key list)."""
     checker = _checker(UpdateBound(lr=0.05))
     with pytest.raises(ReplyError) as info:
-        checker.validate(change(_honest(checker)), {})
+        checker.validate(change(_honest(checker)), FACTS)
     assert info.value.code == code
     assert message in str(info.value)
 
@@ -309,7 +311,7 @@ def test_an_entry_of_exactly_the_magnitude_limit_is_accepted() -> None:
     """``|x| > 1e8`` is refused, ``|x| = 1e8`` (exact in float32) is not (no norm bound here)."""
     checker = _checker(None)
     update = {**_honest(checker), "m/dA": _one_entry((M, R), 1e8)}
-    assert float(checker.validate(_record(update), {})["m/dA"].abs().max()) == 1e8
+    assert float(checker.validate(_record(update), FACTS)["m/dA"].abs().max()) == 1e8
 
 
 # b1^2 < b2 (torch's default), b1^2 > b2 > b1^3, b1^2 = b2 exactly (0.5^2 = 0.25 in binary)
@@ -386,7 +388,7 @@ def test_a_key_list_names_at_most_three_missing_keys() -> None:
     checker = _checker(None, head=("weight", "bias"), broadcast=broadcast)
     assert len(checker.expected_update_keys()) == 4
     with pytest.raises(ReplyError, match=r"missing \['head/bias', 'head/weight', 'm/dA'\],"):
-        checker.validate(_record({}), {})
+        checker.validate(_record({}), FACTS)
 
 
 # -- UpdateBound and AutoClip: what they accept and refuse -------------------------------------
@@ -484,13 +486,13 @@ def test_a_private_clip_range_refuses_what_is_outside_naming_the_rule(
 @pytest.mark.parametrize(
     ("facts", "expected"),
     [
-        pytest.param({"max-norm": 0.25}, 0.25, id="the-reply-s-own-clip"),
-        pytest.param({"max-norm": 4.0}, 2.0, id="never-above-the-bound-s"),
-        pytest.param({}, 2.0, id="the-bound-s-when-not-stated"),
+        pytest.param(honest_reply_facts(max_norm=0.25), 0.25, id="the-reply-s-own-clip"),
+        pytest.param(honest_reply_facts(max_norm=4.0), 2.0, id="never-above-the-bound-s"),
+        pytest.param(honest_reply_facts(max_norm=None), 2.0, id="the-bound-s-when-not-stated"),
     ],
 )
 def test_a_replys_dp_steps_are_bounded_with_its_clip_never_above_the_runs(
-    facts: dict[str, float], expected: float
+    facts: ReplyFacts, expected: float
 ) -> None:
     checker = UpdateChecker(
         modules=["m"],
@@ -593,15 +595,16 @@ def _one_round(strategy, site, server_round):
     )
     config = request.content[CONFIG]
     reply = site.train_round(config[SERVER_ROUND], broadcast)
-    facts = {**reply.accounting, ROUND_NONCE: config[ROUND_NONCE]}  # as the ClientApp echoes it
-    content = RecordDict({UPDATE: ArrayRecord(reply.arrays), ACCOUNTING: ConfigRecord(facts)})
+    facts = replace(reply.accounting, round_nonce=config[ROUND_NONCE])  # the ClientApp echoes it
+    record = ConfigRecord(facts.to_record())
+    content = RecordDict({UPDATE: ArrayRecord(reply.arrays), ACCOUNTING: record})
     return strategy.aggregate_train(server_round, [Message(content=content, reply_to=request)])
 
 
-def _norm_and_bound(strategy, arrays):
+def _norm_and_bound(strategy, arrays, facts):
     """The strategy's own norm of a reply and this round's bound, via a rejected probe."""
     tensors = {k: torch.as_tensor(v) for k, v in arrays.items()}
-    strategy.round_kind.checker.check_norm(tensors, {})  # raises if over the bound
+    strategy.round_kind.checker.check_norm(tensors, facts)  # raises if over the bound
     if strategy.round_kind.checker.mode == "tangent":
         from prism_core.manifold import tangent_norm_sq
 
@@ -651,8 +654,8 @@ def test_honest_site_updates_pass_with_margin_and_scaled_ones_are_rejected(
     (request,) = strategy.configure_train(2, ArrayRecord(broadcast), ConfigRecord(), _Grid([7]))
     config = request.content[CONFIG]
     reply = site.train_round(2, broadcast)
-    reply.accounting[ROUND_NONCE] = config[ROUND_NONCE]  # as the ClientApp echoes it
-    norm, bound = _norm_and_bound(strategy, reply.arrays)
+    facts = replace(reply.accounting, round_nonce=config[ROUND_NONCE])  # the ClientApp echoes it
+    norm, bound = _norm_and_bound(strategy, reply.arrays, facts)
     print(f"honest norm / bound = {norm / bound:.4f}")
     assert 0 < norm < MARGIN * bound, (norm, bound)
     factor = 1.5 * bound / norm
@@ -663,7 +666,7 @@ def test_honest_site_updates_pass_with_margin_and_scaled_ones_are_rejected(
         arrays = {
             k: (point[k] + factor * (v - point[k])).contiguous() for k, v in reply.arrays.items()
         }
-    content = RecordDict({UPDATE: ArrayRecord(arrays), ACCOUNTING: ConfigRecord(reply.accounting)})
+    content = RecordDict({UPDATE: ArrayRecord(arrays), ACCOUNTING: ConfigRecord(facts.to_record())})
     new, metrics = strategy.aggregate_train(2, [Message(content=content, reply_to=request)])
     assert new is None and metrics["rejected-norm"] == 1
     assert [e.round for e in strategy.ledger.events(site.site_id)] == [1, 2]  # still charged
@@ -746,15 +749,14 @@ def test_sgd_head_bound_admits_an_honest_site_and_rejects_a_pushed_head(
     broadcast = to_arrays(site.loaded)
     (request,) = strategy.configure_train(2, ArrayRecord(broadcast), ConfigRecord(), _Grid([7]))
     reply = site.train_round(2, broadcast)
-    reply.accounting[ROUND_NONCE] = request.content[CONFIG][ROUND_NONCE]
+    facts = replace(reply.accounting, round_nonce=request.content[CONFIG][ROUND_NONCE])
     # head_lr tau DP steps over the head's coordinates, with the total clip C (>= its share)
-    facts = reply.accounting
-    assert facts["max-norm"] == run.max_norm
+    assert facts.max_norm == run.max_norm
     step = _dp_step_bound(
         C=run.max_norm,
-        sigma=facts["sigma"],
+        sigma=facts.sigma,
         b=run.batch_size,
-        q=facts["q"],
+        q=facts.q,
         dimension=sum(p.numel() for _, p in head_named(site.loaded)),
         failure=1e-9 / run.local_steps,
     )
@@ -770,6 +772,6 @@ def test_sgd_head_bound_admits_an_honest_site_and_rejects_a_pushed_head(
     arrays = dict(reply.arrays)
     for k in names:
         arrays[k] = (start[k] + factor * (reply.arrays[k] - start[k])).contiguous()
-    content = RecordDict({UPDATE: ArrayRecord(arrays), ACCOUNTING: ConfigRecord(reply.accounting)})
+    content = RecordDict({UPDATE: ArrayRecord(arrays), ACCOUNTING: ConfigRecord(facts.to_record())})
     new, metrics = strategy.aggregate_train(2, [Message(content=content, reply_to=request)])
     assert new is None and metrics["rejected-norm"] == 1

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from flwr.app import Error, Message
 from ledger_events import ledger_event
-from reply_facts import honest_facts
+from reply_facts import honest_reply_facts
 
 from client.policy import site_policy
 from client.site import Site
@@ -36,6 +36,7 @@ from prism_core.quantile import QUANTILE_MECHANISM
 from prism_core.records import SKELLAM_MECHANISM
 from prism_runtime.config import SiteConfig, parse_config
 from prism_runtime.exchange import head_named, to_arrays
+from prism_runtime.facts import ClipEstimate, ReplyFacts
 from prism_runtime.protocol import ARRAYS
 from server.audit.accountants import check_ledger
 from server.cli import main
@@ -281,9 +282,9 @@ def test_without_auto_clip_no_estimate_row_is_charged(ledger: Ledger) -> None:
     assert [e.mechanism for e in new] == [MECHANISM]
 
 
-def reply(site: str = "a", **changes: object) -> dict[str, object]:
+def reply(site: str = "a", **changes: object) -> ReplyFacts:
     """A checked ok reply's facts: the run's mechanism, and a cap other than the run's 8."""
-    return honest_facts(site, None, **{"mechanism": MECHANISM, "epsilon_cap": 4.0, **changes})
+    return honest_reply_facts(site, None, **{"mechanism": MECHANISM, "epsilon_cap": 4.0, **changes})
 
 
 def test_a_one_step_reply_is_charged_as_confirmed_with_its_own_facts(ledger: Ledger) -> None:
@@ -431,11 +432,12 @@ def test_the_unit_of_a_reply_is_charged_and_reported_and_an_absent_one_is_a_reco
 def test_facts_the_ledger_refuses_are_a_facts_error_and_nothing_is_charged(
     ledger: Ledger,
 ) -> None:
+    # values ReplyFacts.parse refuses too: the ledger is the last check of what it stores
     with pytest.raises(ReplyError, match=r"^accounting facts refused by the ledger: .*q") as info:
-        charges(ledger).confirmed(3, reply(q=1.5))
+        charges(ledger).confirmed(3, replace(reply(), q=1.5))
     assert info.value.code == "facts"
     # an estimate the ledger refuses takes the round's steps with it: all or nothing
-    facts = reply(quantile_sigma=7.5, quantile_q=2.0, quantile_steps=3)
+    facts = replace(reply(), quantile=ClipEstimate(noise_multiplier=7.5, sample_rate=2.0, steps=3))
     with pytest.raises(ReplyError) as info:
         charges(ledger, AUTO).confirmed(3, facts)
     assert info.value.code == "facts"
@@ -674,12 +676,14 @@ def test_the_estimate_is_charged_in_both_ledgers_and_in_the_report(tiny_bert, tm
         broadcast = request.content[ARRAYS].to_torch_state_dict()
         reply = site.train_round(server_round, broadcast, run_id="run-1")
         new, metrics = strategy.aggregate_train(
-            server_round, [clip_estimate.message(request, reply.arrays, reply.accounting)]
+            server_round,
+            [clip_estimate.message(request, reply.arrays, reply.accounting.to_record())],
         )
         assert metrics["sites-accepted"] == 1 and new is not None, strategy.summaries[-1]
         arrays = new.to_torch_state_dict()
         if server_round == 1:
-            assert reply.accounting["quantile-steps"] == clip_estimate.K
+            assert reply.accounting.quantile is not None
+            assert reply.accounting.quantile.steps == clip_estimate.K
 
     # the coordinator's ledger holds what the site's ledger holds, the estimate as its own row
     site_entries = SiteLedger(tmp_path / "site").entries()

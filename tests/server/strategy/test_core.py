@@ -505,7 +505,7 @@ def test_an_unexpected_error_on_one_reply_rejects_it_as_invalid_and_the_round_go
     real = strategy.round_kind.aggregator.weight
 
     def weight(facts):
-        if facts["site-id"] == "site-b":
+        if facts.site_id == "site-b":
             raise ValueError("boom in weight")
         return real(facts)
 

@@ -23,7 +23,7 @@ from flwr.common.constant import ErrorCode
 from reply_facts import honest_facts
 
 from prism_core.bounds import FLOAT32_SLACK
-from prism_core.records import PRIVACY_UNITS, SKELLAM_MECHANISM
+from prism_core.records import PRIVACY_UNITS, SKELLAM_MECHANISM, SkellamShare
 from prism_runtime.protocol import (
     ACCOUNTING,
     MAX_EXAMPLES,
@@ -40,14 +40,13 @@ from server.report import build_report
 from server.report_files import write_reports
 from server.strategy.bounds import AutoClip
 from server.strategy.replies import (
-    SECURE_FACTS,
     RunTerms,
     error_reply,
     error_reply_text,
     facts_of,
     in_order,
+    read_facts,
     unconfirmed_code,
-    validate_facts,
 )
 from strategy import clip_estimate, three_sites
 
@@ -59,9 +58,14 @@ AUTO = AutoClip(low=0.02, high=0.5, steps=3, noise_multiplier=6.4)
 ESTIMATE = {"quantile_sigma": 6.4, "quantile_q": 0.05, "quantile_steps": 3}
 
 
+def _read(facts: dict) -> dict:
+    """The record ``read_facts`` accepts, back in wire form (its round trip)."""
+    return read_facts(facts).to_record()
+
+
 def _rejected(facts: dict, code: str = "facts") -> str:
     with pytest.raises(ReplyError) as info:
-        validate_facts(facts)
+        read_facts(facts)
     assert info.value.code == code, str(info.value)
     return str(info.value)
 
@@ -81,14 +85,14 @@ def _terms(**changes) -> RunTerms:
 
 def _mismatch(terms: RunTerms, facts: dict, code: str = "facts-mismatch") -> str:
     with pytest.raises(ReplyError) as info:
-        terms.check(facts)
+        terms.check(read_facts(facts))
     assert info.value.code == code, str(info.value)
     return str(info.value)
 
 
 def test_honest_facts_pass_and_come_back_as_given():
     facts = honest_facts("a", server_round=0, num_examples=1)
-    assert validate_facts(dict(facts)) == facts
+    assert _read(dict(facts)) == facts
 
 
 def test_unknown_facts_are_named_three_at_most():
@@ -127,11 +131,11 @@ def test_a_fact_of_the_wrong_type_is_named_with_its_value(change, says):
 
 def test_the_sites_own_epsilon_may_be_infinite_and_a_1000_character_text_is_accepted():
     facts = honest_facts("a", epsilon=math.inf, reason="x" * 1000)
-    assert validate_facts(facts)["epsilon"] == math.inf
+    assert _read(facts)["epsilon"] == math.inf
 
 
 def test_site_id_from_one_to_128_characters():
-    assert validate_facts(honest_facts("s" * 128))["site-id"] == "s" * 128
+    assert _read(honest_facts("s" * 128))["site-id"] == "s" * 128
     long_id = "".join(chr(ord("a") + i % 26) for i in range(129))
     message = _rejected(honest_facts(long_id))
     assert message == f"site-id {long_id[:20]!r} is empty or too long"
@@ -163,7 +167,7 @@ def test_an_unknown_status_shows_its_first_20_characters():
 def test_mechanism_parameters_at_the_edges_of_their_ranges(change, ok):
     facts = honest_facts("a", **change)
     if ok:
-        assert validate_facts(facts)
+        assert _read(facts)
     else:
         message = _rejected(facts)
         assert message.startswith("impossible mechanism parameters sigma=")
@@ -176,7 +180,7 @@ def test_a_noise_multiplier_is_zero_or_in_the_range_a_site_runs(status):
     """0 (no noise: a refusal, or a non-DP method) or ``[SIGMA_MIN, SIGMA_MAX]``, whatever the
     status: a positive sigma below ``SIGMA_MIN`` is no multiplier any site runs."""
     for sigma in (0.0, SIGMA_MIN, 1.0, SIGMA_MAX):
-        assert validate_facts(honest_facts("a", status=status, sigma=sigma))["sigma"] == sigma
+        assert _read(honest_facts("a", status=status, sigma=sigma))["sigma"] == sigma
     for sigma in (SIGMA_MIN * (1 - 1e-12), 0.5 * SIGMA_MIN, 1e-9, 5e-324):
         assert _rejected(honest_facts("a", status=status, sigma=sigma)) == (
             f"sigma={sigma} is neither 0 (no noise) nor in [{SIGMA_MIN:g}, {SIGMA_MAX:g}], the "
@@ -197,16 +201,16 @@ def test_a_noise_multiplier_is_zero_or_in_the_range_a_site_runs(status):
 def test_optional_facts_at_the_edges_of_their_ranges(name, good, bad, says):
     fact = name.replace("_", "-")
     for value in good:
-        assert validate_facts(honest_facts("a", **{name: value}))[fact] == value
+        assert _read(honest_facts("a", **{name: value}))[fact] == value
     for value in bad:
         assert _rejected(honest_facts("a", **{name: value})) == f"{fact}={value!r} {says}"
 
 
 def test_a_unit_is_optional_and_one_of_the_privacy_units():
     """Absent, the facts are per record (an older site); present, it must be a known unit."""
-    assert "unit" not in validate_facts(honest_facts("a"))
+    assert "unit" not in _read(honest_facts("a"))
     for unit in PRIVACY_UNITS:
-        assert validate_facts(honest_facts("a", unit=unit))["unit"] == unit
+        assert _read(honest_facts("a", unit=unit))["unit"] == unit
     assert _rejected(honest_facts("a", unit="household")) == (
         "unit 'household' is not one of ['record', 'user']"
     )
@@ -217,11 +221,11 @@ def test_a_unit_is_optional_and_one_of_the_privacy_units():
 def test_a_reply_without_a_server_round_is_valid():
     facts = honest_facts("a")
     assert "server-round" not in facts
-    assert validate_facts(facts) == facts
+    assert _read(facts) == facts
 
 
 def test_clip_estimate_facts_come_all_three_or_none():
-    assert validate_facts(honest_facts("a", **ESTIMATE))
+    assert _read(honest_facts("a", **ESTIMATE))
     for missing in ESTIMATE:
         partial = {k: v for k, v in ESTIMATE.items() if k != missing}
         given = [k.replace("_", "-") for k in ESTIMATE if k != missing]
@@ -252,7 +256,7 @@ def test_clip_estimate_facts_come_all_three_or_none():
 def test_clip_estimate_parameters_at_the_edges_of_their_ranges(change, ok):
     facts = honest_facts("a", **{**ESTIMATE, **change})
     if ok:
-        assert validate_facts(facts)
+        assert _read(facts)
     else:
         sigma, q = float(facts["quantile-sigma"]), float(facts["quantile-q"])
         steps = facts["quantile-steps"]
@@ -266,9 +270,9 @@ SECURE = {"mechanism": SKELLAM_MECHANISM, "honest_sites": 3, "share_sigma": 0.5}
 
 
 def test_secure_facts_pass_with_the_skellam_mechanism_and_come_back_typed():
-    facts = validate_facts(honest_facts("a", **SECURE))
+    facts = _read(honest_facts("a", **SECURE))
     assert (facts["honest-sites"], facts["share-sigma"]) == (3, 0.5)
-    assert SECURE_FACTS == ("honest-sites", "share-sigma")
+    assert read_facts(honest_facts("a", **SECURE)).secure == SkellamShare(3, 0.5)
 
 
 @pytest.mark.parametrize(
@@ -289,7 +293,7 @@ def test_secure_facts_pass_with_the_skellam_mechanism_and_come_back_typed():
 def test_secure_facts_at_the_edges_of_their_ranges(change, ok):
     facts = honest_facts("a", **{**SECURE, **change})
     if ok:
-        assert validate_facts(facts)
+        assert _read(facts)
         return
     if "honest_sites" in change:
         assert _rejected(facts) == f"honest-sites={change['honest_sites']} is not in [1, 10000]"
@@ -330,16 +334,16 @@ def test_secure_facts_are_present_exactly_on_a_skellam_reply_a_refusal_may_omit_
         f"a {SKELLAM_MECHANISM} reply without its facts ['honest-sites', 'share-sigma']"
     )
     refused = honest_facts("a", status="refused", reason="cap-exhausted", steps=0, **without)
-    assert validate_facts(refused)
+    assert _read(refused)
     stated = {**SECURE, "share_sigma": 0.0}  # a refusal that states them, with sigma 0
-    assert validate_facts(honest_facts("a", status="refused", steps=0, sigma=0.0, **stated))
+    assert _read(honest_facts("a", status="refused", steps=0, sigma=0.0, **stated))
     for mechanism in (MECHANISM, None):
         facts = honest_facts("a", **{**SECURE, "mechanism": mechanism})
         assert _rejected(facts) == (
             "secure-aggregation facts ['honest-sites', 'share-sigma'] on a reply whose "
             f"mechanism is not {SKELLAM_MECHANISM}"
         )
-    assert "honest-sites" not in validate_facts(honest_facts("a"))  # a plain reply
+    assert "honest-sites" not in _read(honest_facts("a"))  # a plain reply
 
 
 def test_facts_of_a_reply_without_its_record_is_a_facts_rejection():
@@ -349,7 +353,7 @@ def test_facts_of_a_reply_without_its_record_is_a_facts_rejection():
     assert info.value.code == "facts"
     assert str(info.value) == "reply has no accounting facts record"
     ok = Message(RecordDict({ACCOUNTING: ConfigRecord(honest_facts("a"))}), 1, "train")
-    assert facts_of(ok)["site-id"] == "a"
+    assert facts_of(ok).site_id == "a"
 
 
 def test_the_unconfirmed_code_names_the_error_code_only_for_an_error_reply():
@@ -368,7 +372,7 @@ def test_a_refusal_needs_a_known_reason_code():
         "refused reply without a known reason code (prism_runtime.protocol.REFUSAL_REASONS)"
     )
     valid = honest_facts("a", status="refused", reason=next(iter(REFUSAL_REASONS)), steps=0)
-    _terms().check(valid)
+    _terms().check(read_facts(valid))
 
 
 @pytest.mark.parametrize(
@@ -400,13 +404,13 @@ def test_sigma_zero_in_a_dp_run_is_a_mismatch_and_fine_in_a_non_dp_run():
     facts = honest_facts("a", sigma=0.0)
     assert _mismatch(_terms(), facts) == "sigma = 0 for a differentially private method"
     nondp = honest_facts("a", sigma=0.0, max_norm=None, expected_batch_size=None)
-    _terms(dp=False, max_norm=None, expected_batch_size=None).check(nondp)
+    _terms(dp=False, max_norm=None, expected_batch_size=None).check(read_facts(nondp))
 
 
 def test_a_fixed_noise_multiplier_is_matched_to_one_part_in_a_million():
     terms = _terms(noise_multiplier=2.0)
     for sigma in (2.0, 2.0 * (1 + 5e-7), 2.0 * (1 - 5e-7)):
-        terms.check(honest_facts("a", sigma=sigma))
+        terms.check(read_facts(honest_facts("a", sigma=sigma)))
     for sigma in (1.0, 2.0 * (1 + 5e-6), 2.0 * (1 - 5e-6), 4.0):  # 1.0: half the run's sigma
         assert _mismatch(terms, honest_facts("a", sigma=sigma)) == (
             f"fact sigma {sigma!r} is not the run's noise-multiplier 2.0"
@@ -415,11 +419,11 @@ def test_a_fixed_noise_multiplier_is_matched_to_one_part_in_a_million():
 
 def test_a_calibrated_noise_multiplier_is_any_sigma_a_site_runs():
     """Each site calibrates its own sigma: any in ``[SIGMA_MIN, SIGMA_MAX]`` matches the run,
-    and one below ``SIGMA_MIN`` never reaches the terms (``validate_facts`` refuses it)."""
+    and one below ``SIGMA_MIN`` never reaches the terms (``read_facts`` refuses it)."""
     terms = _terms()
     assert terms.noise_multiplier is None
     for sigma in (SIGMA_MIN, 0.8, 37.0, SIGMA_MAX):
-        terms.check(validate_facts(honest_facts("a", sigma=sigma)))
+        terms.check(read_facts(honest_facts("a", sigma=sigma)))
     for sigma in (SIGMA_MIN * (1 - 1e-9), 0.1):
         message = _rejected(honest_facts("a", sigma=sigma))
         assert message.startswith(f"sigma={sigma} is neither 0 (no noise) nor in [0.3, 10000]")
@@ -427,9 +431,11 @@ def test_a_calibrated_noise_multiplier_is_any_sigma_a_site_runs():
 
 def test_a_fixed_noise_multiplier_binds_no_refusal_and_no_non_dp_reply():
     refusal = honest_facts("a", status="refused", reason=next(iter(REFUSAL_REASONS)), steps=0)
-    _terms(noise_multiplier=2.0).check({**refusal, "sigma": 0.0})
+    _terms(noise_multiplier=2.0).check(read_facts({**refusal, "sigma": 0.0}))
     nondp = honest_facts("a", sigma=0.0, max_norm=None, expected_batch_size=None)
-    _terms(dp=False, noise_multiplier=2.0, max_norm=None, expected_batch_size=None).check(nondp)
+    _terms(dp=False, noise_multiplier=2.0, max_norm=None, expected_batch_size=None).check(
+        read_facts(nondp)
+    )
     assert _mismatch(_terms(noise_multiplier=2.0), honest_facts("a", sigma=0.0)) == (
         "sigma = 0 for a differentially private method"
     )
@@ -437,7 +443,11 @@ def test_a_fixed_noise_multiplier_binds_no_refusal_and_no_non_dp_reply():
 
 def test_the_runs_clip_and_batch_are_matched_to_one_part_in_a_million():
     terms = _terms()
-    terms.check(honest_facts("a", max_norm=0.05 * (1 + 5e-7), expected_batch_size=16 * (1 - 5e-7)))
+    terms.check(
+        read_facts(
+            honest_facts("a", max_norm=0.05 * (1 + 5e-7), expected_batch_size=16 * (1 - 5e-7))
+        )
+    )
     for name, value in (("max_norm", 0.05 * (1 + 5e-6)), ("expected_batch_size", 16.1)):
         fact, wanted = name.replace("_", "-"), 0.05 if name == "max_norm" else 16.0
         message = _mismatch(terms, honest_facts("a", **{name: value}))
@@ -451,13 +461,15 @@ def test_a_runs_one_sample_rate_binds_q_and_leaves_each_sites_batch_its_own():
     """Secure aggregation with ``sample-rate``: every DP reply states the run's q (to one part
     in a million); its expected batch is its own q N_k, so the run fixes none."""
     terms = _terms(expected_batch_size=None, sample_rate=0.05)
-    terms.check(honest_facts("a", q=0.05 * (1 + 5e-7), expected_batch_size=3.0))
-    terms.check(honest_facts("b", q=0.05, expected_batch_size=400.0))
+    terms.check(read_facts(honest_facts("a", q=0.05 * (1 + 5e-7), expected_batch_size=3.0)))
+    terms.check(read_facts(honest_facts("b", q=0.05, expected_batch_size=400.0)))
     assert _mismatch(terms, honest_facts("a", q=0.05 * (1 + 5e-6))) == (
         "fact q is not the run's sample-rate 0.05"
     )
     refusal = honest_facts("a", status="refused", reason=next(iter(REFUSAL_REASONS)), steps=0)
-    terms.check({**refusal, "q": 0.5, "sigma": 0.0})  # a refusal ran nothing: its q binds nothing
+    terms.check(
+        read_facts({**refusal, "q": 0.5, "sigma": 0.0})
+    )  # a refusal ran nothing: its q binds nothing
 
 
 def test_a_delta_above_the_runs_or_missing_is_named():
@@ -467,13 +479,13 @@ def test_a_delta_above_the_runs_or_missing_is_named():
     assert _mismatch(_terms(), honest_facts("a", delta=None)) == (
         "delta None is missing or above the run's 1e-05"
     )
-    _terms().check(honest_facts("a", delta=1e-6))
+    _terms().check(read_facts(honest_facts("a", delta=1e-6)))
 
 
 def test_an_auto_clip_reply_with_its_estimate_and_a_clip_in_range_passes():
     terms = _terms(max_norm=None, auto_clip=AUTO)
-    terms.check(honest_facts("a", max_norm=0.1, **ESTIMATE))  # round 1: the estimate
-    terms.check(honest_facts("a", max_norm=0.1))  # later rounds: the stored estimate
+    terms.check(read_facts(honest_facts("a", max_norm=0.1, **ESTIMATE)))  # round 1: the estimate
+    terms.check(read_facts(honest_facts("a", max_norm=0.1)))  # later rounds: the stored estimate
 
 
 def test_estimate_facts_on_a_refusal_or_without_auto_clip_are_a_mismatch():
@@ -495,7 +507,7 @@ def test_an_auto_clip_at_the_edges_of_its_public_range():
     terms = _terms(max_norm=None, auto_clip=AUTO)
     low, high = AUTO.low * (1 - FLOAT32_SLACK), AUTO.high * (1 + FLOAT32_SLACK)
     for clip in (low, AUTO.low, AUTO.high, high):
-        terms.check(honest_facts("a", max_norm=clip))
+        terms.check(read_facts(honest_facts("a", max_norm=clip)))
     for clip in (low * (1 - 1e-9), high * (1 + 1e-9), AUTO.low * 0.99, AUTO.high * 1.01):
         message = _mismatch(terms, honest_facts("a", max_norm=clip))
         assert message == (
@@ -508,7 +520,7 @@ def test_a_refusal_in_an_auto_clip_run_states_no_clip():
     refusal = honest_facts(
         "a", status="refused", reason=next(iter(REFUSAL_REASONS)), steps=0, max_norm=None
     )
-    _terms(max_norm=None, auto_clip=AUTO).check(refusal)
+    _terms(max_norm=None, auto_clip=AUTO).check(read_facts(refusal))
 
 
 # -- error replies: a code and its fixed text, never the site's own words ----------------------
