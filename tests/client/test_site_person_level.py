@@ -199,7 +199,7 @@ def test_a_patient_with_40_records_after_record_rounds_is_refused_not_an_error(t
     record_node = _deployed(tmp_path, rows, **{"privacy-unit": "record"})
     run = _run(tiny_bert, **{"noise-multiplier": 1.0})
     record_site = Site(run, record_node, site_policy(record_node))
-    assert record_site.train_round(1, to_arrays(record_site.loaded)).accounting["status"] == (
+    assert record_site.train_round(1, to_arrays(record_site.loaded)).accounting.status == (
         STATUS_OK
     )
     user_node = _deployed(tmp_path, rows, **{"privacy-unit": "user", "user-field": "patient_id"})
@@ -207,8 +207,8 @@ def test_a_patient_with_40_records_after_record_rounds_is_refused_not_an_error(t
     assert user_site.ledger.group_size == 40
     before = user_site.ledger.path.read_bytes()
     reply = user_site.train_round(2, to_arrays(user_site.loaded))
-    assert reply.accounting["status"] == STATUS_REFUSED
-    assert reply.accounting["reason"] == "cap-exhausted" and "cap-exhausted" in REFUSAL_REASONS
+    assert reply.accounting.status == STATUS_REFUSED
+    assert reply.accounting.reason == "cap-exhausted" and "cap-exhausted" in REFUSAL_REASONS
     assert user_site.ledger.path.read_bytes() == before
 
 

@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from prism_runtime.config import RunConfig, SiteConfig, parse_config
 from prism_runtime.errors import ConfigError
+from prism_runtime.ranges import MAX_RECORDS_PER_USER_MAX
 
 _SYMBOL = {
     annotated_types.Gt: ("gt", ">"),
@@ -37,6 +38,7 @@ _CUSTOM = {  # fields whose rule is not a plain bound: a value just outside it
     "privacy_unit": ["person", "records"],
     "min_honest_sites": [0, 1001],
     "secure_max_dropouts": [-1, 1000],
+    "max_records_per_user": [0, MAX_RECORDS_PER_USER_MAX + 1],
 }
 
 
