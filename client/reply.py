@@ -103,8 +103,8 @@ class SiteFacts:
             sigma=float(event.noise_multiplier),
             q=float(event.sample_rate),
             steps=int(event.steps),
-            max_norm=None if max_norm is None else float(max_norm),
-            expected_batch_size=None if batch is None else float(batch),
+            max_norm=max_norm,
+            expected_batch_size=batch,
             quantile=estimate,
             secure=event.secure,
         )
