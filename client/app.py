@@ -15,7 +15,6 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import cast
 
 from flwr.app import (
@@ -31,6 +30,7 @@ from flwr.clientapp import ClientApp
 
 from client import secure
 from client.policy import RNG_SECRET_ENV, SitePolicy, site_policy
+from client.reply import facts_record
 from client.site import Site, get_site
 from prism_core.errors import PrivacyParameterError
 from prism_runtime.cache import CACHE_DIR_ENV
@@ -173,10 +173,7 @@ def _train(msg: Message, context: Context) -> Message:
     start = time.perf_counter()
     reply = site.train_round(server_round, arrays, run_id=str(config.get("run-id", "")))
     log.info("round %.40r answered in %.3f s", server_round, time.perf_counter() - start)
-    # Freshness: echo this round's nonce (also on a stored reply the site resends), so the
-    # coordinator can tell this answer from a replay of an earlier round's.
-    facts = replace(reply.accounting, round_nonce=str(config.get(ROUND_NONCE, "")))
-    accounting = ConfigRecord(facts.to_record())
+    accounting = facts_record(reply.accounting, str(config.get(ROUND_NONCE, "")))
     content = RecordDict({UPDATE: ArrayRecord(reply.arrays), ACCOUNTING: accounting})
     if reply.nonprivate:  # run asked AND site allowed; labelled non-private in key and record
         content[NONPRIVATE] = MetricRecord({**reply.nonprivate})

@@ -7,10 +7,11 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+from flwr.app import ConfigRecord
 from torch import Tensor
 
 from client.site_ledger import SiteLedger
@@ -24,12 +25,20 @@ __all__ = [
     "RoundReply",
     "SiteFacts",
     "broadcast_digest",
+    "facts_record",
     "noise_scales",
     "refuse",
     "released_event",
 ]
 
 log = logging.getLogger(__name__)
+
+
+def facts_record(facts: ReplyFacts, nonce: str) -> ConfigRecord:
+    """``facts`` as a reply's record, with the nonce of the message it answers: the coordinator
+    tells a fresh answer (also a stored reply the site resends) from a replay of an earlier
+    round's by it."""
+    return ConfigRecord(replace(facts, round_nonce=nonce).to_record())
 
 
 @dataclass

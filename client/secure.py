@@ -41,7 +41,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
@@ -51,7 +51,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 
 from client.masked_input import MaskedInput, masked_input
 from client.policy import SitePolicy
-from client.reply import RoundReply, refuse
+from client.reply import RoundReply, facts_record, refuse
 from client.request import valid_round
 from client.secure_record import SecureRecord
 from client.site import SecureNoise, Site
@@ -309,8 +309,7 @@ class SecureStage:
 
     def facts_reply(self, accounting: ReplyFacts) -> RecordDict:
         """A reply carrying the accounting facts ``accounting`` and this message's nonce."""
-        facts = replace(accounting, round_nonce=self.nonce)
-        return RecordDict({ACCOUNTING: ConfigRecord(facts.to_record())})
+        return RecordDict({ACCOUNTING: facts_record(accounting, self.nonce)})
 
 
 def advertise(stage: SecureStage) -> RecordDict:

@@ -94,6 +94,7 @@ _NODE_ENV = {
     "require-secure-rng": "PRISM_REQUIRE_SECURE_RNG",
     "privacy-unit": "PRISM_PRIVACY_UNIT",
     "user-field": "PRISM_USER_FIELD",
+    "max-records-per-user": "PRISM_MAX_RECORDS_PER_USER",
     "partition-id": "PRISM_PARTITION_ID",
     "num-partitions": "PRISM_NUM_PARTITIONS",
     "secure-aggregation": "PRISM_SECURE_AGGREGATION",
@@ -107,6 +108,7 @@ _NUMERIC = {
     "delta",
     "partition-id",
     "num-partitions",
+    "max-records-per-user",
     "min-honest-sites",
     "secure-max-dropouts",
 }

@@ -18,8 +18,8 @@ from flwr.app import ArrayRecord, Message
 from flwr.serverapp import Grid
 from torch import Tensor
 
-from prism_runtime.faults import Faults
 from server.strategy.intake import ReplyIntake
+from server.strategy.transport import Exchange
 
 __all__ = ["STATE_PREFIX", "RoundContext", "RoundKind"]
 
@@ -36,19 +36,14 @@ class RoundContext:
         grid: Flower's grid.
         messages: ``configure_train``'s messages (one per chosen node: arrays and config).
         intake: the round's reply intake.
-        timeout: seconds each exchange waits for replies after its push.
-        pull_batch, poll_interval: see ``server.strategy.transport.stream_replies``.
-        faults: crash points for tests (``prism_runtime.faults``).
+        exchange: how each exchange is pushed and pulled (timeout, polling, crash points).
     """
 
     server_round: int
     grid: Grid
     messages: list[Message]
     intake: ReplyIntake
-    timeout: float
-    pull_batch: int
-    poll_interval: float
-    faults: Faults
+    exchange: Exchange
 
 
 class RoundKind(Protocol):

@@ -27,9 +27,8 @@ from prism_runtime.faults import NO_FAULTS, Faults
 from prism_runtime.protocol import ARRAYS, CONFIG, ROUND_NONCE, SERVER_ROUND, TRAIN
 from prism_runtime.train_config import MECHANISMS
 from server.ledger import Ledger
-from server.strategy.aggregator import Mode, StreamingAggregator
 from server.strategy.binding import SiteBinding
-from server.strategy.bounds import AutoClip, UpdateBound, UpdateChecker
+from server.strategy.bounds import AutoClip, UpdateBound
 from server.strategy.central import CentralStep
 from server.strategy.charges import Charges
 from server.strategy.contract import RoundContext, RoundKind
@@ -40,6 +39,7 @@ from server.strategy.replies import RunTerms
 from server.strategy.rounds import RoundSummary
 from server.strategy.secure import SecureRound
 from server.strategy.selection import WAIT_FOR_NODES, Selection
+from server.strategy.transport import Exchange
 
 __all__ = ["PrismStrategy"]
 
@@ -111,11 +111,6 @@ class PrismStrategy(Strategy):
             wait_for_nodes: seconds a round waits for ``sites-per-round`` sites before going
                 on with ``min-sites``.
         """
-        if not 1 <= run.min_sites <= run.sites_per_round:  # RunConfig checks it too
-            raise ValueError(
-                f"min-sites={run.min_sites} with sites-per-round={run.sites_per_round}: "
-                "use 1 <= min-sites <= sites-per-round"
-            )
         auto_clip = AutoClip.for_run(run)
         dp = run.method != "nondp"
         mechanism = MECHANISMS[site_method(run.method)]
@@ -144,28 +139,74 @@ class PrismStrategy(Strategy):
             )
         else:
             round_kind = plain_round(run, modules=modules, head=head, terms=terms)
+        return cls.assemble(
+            modules=modules,
+            head=head,
+            ledger=ledger,
+            run_id=run_id,
+            terms=terms,
+            round_kind=round_kind,
+            binding=binding,
+            target_epsilon=run.target_epsilon,
+            sites_per_round=run.sites_per_round,
+            min_sites=run.min_sites,
+            seed=run.seed,
+            wait_for_nodes=wait_for_nodes,
+            connect_timeout=run.connect_timeout,
+        )
+
+    @classmethod
+    def assemble(
+        cls,
+        *,
+        modules: list[str],
+        head: list[str],
+        ledger: Ledger,
+        run_id: str,
+        terms: RunTerms,
+        round_kind: RoundKindT,
+        binding: SiteBinding,
+        target_epsilon: float,
+        sites_per_round: int,
+        min_sites: int,
+        seed: int,
+        wait_for_nodes: float,
+        connect_timeout: float,
+    ) -> PrismStrategy:
+        """The strategy of built ``terms``, ``round_kind`` and ``binding``: its selection and
+        charges from the settings named (``from_run`` reads them from a run config).
+
+        Raises:
+            ValueError: not 1 <= ``min_sites`` <= ``sites_per_round`` (``RunConfig`` checks it
+                too).
+        """
+        if not 1 <= min_sites <= sites_per_round:
+            raise ValueError(
+                f"min-sites={min_sites} with sites-per-round={sites_per_round}: "
+                "use 1 <= min-sites <= sites-per-round"
+            )
         return cls(
             modules=modules,
             head=head,
             selection=Selection(
                 ledger=ledger,
                 run_id=run_id,
-                local_steps=run.local_steps,
-                sites_per_round=run.sites_per_round,
-                min_sites=run.min_sites,
-                seed=run.seed,
+                local_steps=terms.local_steps,
+                sites_per_round=sites_per_round,
+                min_sites=min_sites,
+                seed=seed,
                 wait_for_nodes=wait_for_nodes,
-                connect_timeout=run.connect_timeout,
+                connect_timeout=connect_timeout,
             ),
             binding=binding,
             terms=terms,
             charges=Charges(
                 ledger=ledger,
                 run_id=run_id,
-                target_epsilon=run.target_epsilon,
-                delta=run.delta,
-                mechanism=mechanism,
-                auto_clip=auto_clip,
+                target_epsilon=target_epsilon,
+                delta=terms.delta,
+                mechanism=terms.mechanism,
+                auto_clip=terms.auto_clip,
             ),
             round_kind=round_kind,
         )
@@ -222,11 +263,7 @@ class PrismStrategy(Strategy):
         server_round: int,
         grid: Grid,
         messages: list[Message],
-        *,
-        timeout: float,
-        pull_batch: int,
-        poll_interval: float,
-        faults: Faults,
+        exchange: Exchange,
     ) -> tuple[ArrayRecord | None, MetricRecord]:
         """Run ``configure_train``'s round with the round kind; the next global arrays (None:
         nothing applied) and the round's metrics."""
@@ -238,10 +275,7 @@ class PrismStrategy(Strategy):
                 grid=grid,
                 messages=messages,
                 intake=intake,
-                timeout=timeout,
-                pull_batch=pull_batch,
-                poll_interval=poll_interval,
-                faults=faults,
+                exchange=exchange,
             )
         )
         return new, intake.metrics()
@@ -351,25 +385,15 @@ def plain_round(
 ) -> PlainRound:
     """The plain round kind of ``run``: its update checker (the bound of the sites' own
     ``TrainConfig``, ``UpdateBound.for_run``) and streaming aggregator, in the run's mode."""
-    mode: Mode = "tangent" if run.method == "prism" else "factor-average"
-    return PlainRound(
-        checker=UpdateChecker(
-            modules=modules,
-            head=head,
-            mode=mode,
-            local_steps=run.local_steps,
-            update_bound=UpdateBound.for_run(run),
-        ),
-        aggregator=StreamingAggregator(
-            modules=modules,
-            head=head,
-            mode=mode,
-            server_lr=run.server_lr,
-            lr_schedule=run.server_lr_schedule,
-            num_rounds=run.num_rounds,
-            aggregation=run.aggregation,
-            dp=terms.dp,
-            expected_batch_size=terms.expected_batch_size,
-        ),
+    return PlainRound.of(
+        modules=modules,
+        head=head,
+        mode="tangent" if run.method == "prism" else "factor-average",
+        terms=terms,
+        update_bound=UpdateBound.for_run(run),
+        server_lr=run.server_lr,
+        lr_schedule=run.server_lr_schedule,
+        num_rounds=run.num_rounds,
+        aggregation=run.aggregation,
         min_sites=run.min_sites,
     )

@@ -27,7 +27,7 @@ from flwr.serverapp.strategy.result import Result
 
 from prism_runtime.faults import NO_FAULTS, Faults
 from server.strategy.rounds import RoundSummary
-from server.strategy.transport import POLL_INTERVAL_S, PULL_BATCH
+from server.strategy.transport import POLL_INTERVAL_S, PULL_BATCH, Exchange
 
 __all__ = ["EvaluateFn", "RoundEndFn", "Rounds", "run_rounds"]
 
@@ -53,11 +53,7 @@ class Rounds(Protocol):
         server_round: int,
         grid: Grid,
         messages: list[Message],
-        *,
-        timeout: float,
-        pull_batch: int,
-        poll_interval: float,
-        faults: Faults,
+        exchange: Exchange,
     ) -> tuple[ArrayRecord | None, MetricRecord]: ...
 
 
@@ -87,6 +83,7 @@ def run_rounds(
     ``poll_interval``: see ``server.strategy.transport.stream_replies``. ``faults``: crash
     points for tests (``round-start``, and ``mid-aggregation`` in ``stream_replies``).
     """
+    exchange = Exchange(timeout, pull_batch, poll_interval, faults)
     result = Result() if previous is None else previous
     result.arrays = initial_arrays
     arrays = initial_arrays
@@ -101,15 +98,7 @@ def run_rounds(
             log.info("round %d: no site can continue within its cap; ending the run", server_round)
             break
         faults.reach("round-start", server_round)
-        new_arrays, metrics = strategy.run_round(
-            server_round,
-            grid,
-            messages,
-            timeout=timeout,
-            pull_batch=pull_batch,
-            poll_interval=poll_interval,
-            faults=faults,
-        )
+        new_arrays, metrics = strategy.run_round(server_round, grid, messages, exchange)
         del messages  # the grid has them; the broadcast arrays live on in ``arrays``
         log.info(
             "round %d: sent, answered and aggregated in %.2f s",

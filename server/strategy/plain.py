@@ -24,12 +24,14 @@ from typing import Any
 from flwr.app import ArrayRecord, Message
 from torch import Tensor
 
+from prism_core.aggregation import Aggregation
 from prism_runtime.facts import ReplyFacts
 from prism_runtime.protocol import UPDATE
-from server.strategy.aggregator import StreamingAggregator
-from server.strategy.bounds import UpdateChecker
+from server.strategy.aggregator import Mode, StreamingAggregator
+from server.strategy.bounds import UpdateBound, UpdateChecker
 from server.strategy.contract import RoundContext
 from server.strategy.intake import ReplyIntake
+from server.strategy.replies import RunTerms
 from server.strategy.transport import stream_replies
 
 __all__ = ["PlainRound"]
@@ -51,6 +53,46 @@ class PlainRound:
     ) -> None:
         self.checker, self.aggregator, self.min_sites = checker, aggregator, min_sites
 
+    @classmethod
+    def of(
+        cls,
+        *,
+        modules: list[str],
+        head: list[str],
+        mode: Mode,
+        terms: RunTerms,
+        update_bound: UpdateBound | None,
+        server_lr: float,
+        lr_schedule: str,
+        num_rounds: int,
+        aggregation: Aggregation,
+        min_sites: int,
+    ) -> PlainRound:
+        """The round's checker and aggregator over ``modules`` and ``head`` in ``mode``, with
+        the steps, dp and b of ``terms`` (``server.strategy.core.plain_round`` reads the rest
+        from a run config)."""
+        return cls(
+            checker=UpdateChecker(
+                modules=modules,
+                head=head,
+                mode=mode,
+                local_steps=terms.local_steps,
+                update_bound=update_bound,
+            ),
+            aggregator=StreamingAggregator(
+                modules=modules,
+                head=head,
+                mode=mode,
+                server_lr=server_lr,
+                lr_schedule=lr_schedule,
+                num_rounds=num_rounds,
+                aggregation=aggregation,
+                dp=terms.dp,
+                expected_batch_size=terms.expected_batch_size,
+            ),
+            min_sites=min_sites,
+        )
+
     def begin(self, server_round: int, broadcast: dict[str, Tensor]) -> None:
         """Start a round at the broadcast arrays: the bound's reference, empty sums."""
         self.checker.begin_round(server_round, broadcast)
@@ -61,11 +103,11 @@ class PlainRound:
         replies = stream_replies(
             round_.grid,
             round_.messages,
-            timeout=round_.timeout,
-            pull_batch=round_.pull_batch,
-            poll_interval=round_.poll_interval,
+            timeout=round_.exchange.timeout,
+            pull_batch=round_.exchange.pull_batch,
+            poll_interval=round_.exchange.poll_interval,
             server_round=round_.server_round,
-            faults=round_.faults,
+            faults=round_.exchange.faults,
         )
         return self.aggregate(round_.intake, replies)
 

@@ -337,7 +337,7 @@ class SecureRound:
 
             return add
 
-        for msg in self._send(state, contents, SECURE_MASK, state.round_.faults):
+        for msg in self._send(state, contents, SECURE_MASK, state.round_.exchange.faults):
             state.intake.take(msg, keep_masked)
             del msg
         state.intake.charge_unanswered()
@@ -478,11 +478,12 @@ class SecureRound:
             round_.grid,
             contents,
             message_type(action),
-            timeout=round_.timeout,
+            timeout=round_.exchange.timeout,
             server_round=round_.server_round,
-            poll_interval=min(round_.poll_interval, LIGHT_POLL_S)
+            pull_batch=round_.exchange.pull_batch,
+            poll_interval=min(round_.exchange.poll_interval, LIGHT_POLL_S)
             if light
-            else round_.poll_interval,
+            else round_.exchange.poll_interval,
             faults=faults,
         )
 

@@ -22,6 +22,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
@@ -29,7 +30,7 @@ from flwr.serverapp import Grid
 from prism_runtime.faults import NO_FAULTS, Faults
 from server.strategy.replies import in_order
 
-__all__ = ["LIGHT_POLL_S", "POLL_INTERVAL_S", "PULL_BATCH", "send", "stream_replies"]
+__all__ = ["LIGHT_POLL_S", "POLL_INTERVAL_S", "PULL_BATCH", "Exchange", "send", "stream_replies"]
 
 log = logging.getLogger("server.strategy")
 
@@ -39,6 +40,23 @@ POLL_INTERVAL_S = 1.0
 """Wait between polls when a pass over the pending messages found no reply."""
 LIGHT_POLL_S = 0.05
 """Seconds between polls of an exchange the sites answer at once (milliseconds of work)."""
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """How every exchange of a round is pushed and pulled (``stream_replies``).
+
+    Attributes:
+        timeout: seconds each exchange waits for replies after its push.
+        pull_batch: message ids per ``pull_messages`` call.
+        poll_interval: wait between polls that found no reply.
+        faults: crash points for tests (``prism_runtime.faults``).
+    """
+
+    timeout: float
+    pull_batch: int = PULL_BATCH
+    poll_interval: float = POLL_INTERVAL_S
+    faults: Faults = NO_FAULTS
 
 
 def send(

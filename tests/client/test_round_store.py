@@ -77,3 +77,16 @@ def test_a_damaged_file_stops_the_site_and_is_left_as_it_is(tmp_path):
             read()
         assert str(store.path) in str(info.value) and "move it away" in str(info.value)
     assert store.path.read_bytes() == b"not a torch file"
+
+
+def test_a_stored_reply_whose_facts_do_not_parse_is_not_resent_and_is_left_as_it_is(tmp_path):
+    request = RoundRequest("run-a", 2, ARRAYS)
+    store = _stored(tmp_path, request)
+    saved = torch.load(store.path, weights_only=True)
+    saved["accounting"] = {**saved["accounting"], "sigma": -1.0}  # no mechanism has sigma < 0
+    torch.save(saved, store.path)
+    before = store.path.read_bytes()
+    with pytest.raises(ConfigError, match="accounting facts are not valid") as info:
+        store.resend(request)
+    assert str(store.path) in str(info.value) and "Move the file away" in str(info.value)
+    assert store.path.read_bytes() == before

@@ -136,6 +136,17 @@ def test_a_sites_privacy_unit_and_person_field_reach_its_node_config(pki):
         supernode_args(_site_env(pki, PRISM_PRIVACY_UNIT="patient"))
 
 
+def test_a_sites_records_per_person_bound_reaches_its_node_config(pki):
+    person = {"PRISM_PRIVACY_UNIT": "user", "PRISM_USER_FIELD": "patient_id"}
+    args = supernode_args(_site_env(pki, **person, PRISM_MAX_RECORDS_PER_USER="8"))
+    node = parse_config_args([args[args.index("--node-config") + 1]])
+    assert node["max-records-per-user"] == 8
+    args = supernode_args(_site_env(pki, **person, PRISM_MAX_RECORDS_PER_USER=""))
+    assert "max-records-per-user" not in parse_config_args([args[args.index("--node-config") + 1]])
+    with pytest.raises(DeployError, match="max-records-per-user"):
+        supernode_args(_site_env(pki, **person, PRISM_MAX_RECORDS_PER_USER="0"))
+
+
 def test_insecure_start_prints_a_warning(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "PRISM_ALLOW_INSECURE": "1"}
     env["FLWR_HOME"] = str(tmp_path)

@@ -2,12 +2,12 @@
 
 ``PrismStrategy.from_run`` builds the strategy of a run config, and the tests that model a run
 use it. The tests that drive the strategy's parts on a synthetic adapter build it with
-``strategy_for``, which builds each part the way ``from_run`` does, from settings a run config
-need not be able to say: ``UNIT_SETTINGS`` names each setting they
-rely on and a test overrides the ones it is about. Where these differ from what a run config
-can say, they do so on purpose: no fixed clip C or batch b (each reply states its own), no bound
-on the update's norm (any finite update of the right shape is honest), inverse-noise weights,
-one round, and no wait for sites that are not connected.
+``strategy_for``, through the same ``PrismStrategy.assemble`` and ``PlainRound.of`` that
+``from_run`` uses, from settings a run config need not be able to say: ``UNIT_SETTINGS`` names
+each setting they rely on and a test overrides the ones it is about. Where these differ from
+what a run config can say, they do so on purpose: no fixed clip C or batch b (each reply states
+its own), no bound on the update's norm (any finite update of the right shape is honest),
+inverse-noise weights, one round, and no wait for sites that are not connected.
 """
 
 from __future__ import annotations
@@ -16,10 +16,8 @@ from typing import Any
 
 from prism_runtime.train_config import MECHANISMS
 from server.ledger import Ledger
-from server.strategy import PlainRound, PrismStrategy, RunTerms, StreamingAggregator, UpdateChecker
+from server.strategy import PlainRound, PrismStrategy, RunTerms
 from server.strategy.binding import SiteBinding
-from server.strategy.charges import Charges
-from server.strategy.selection import Selection
 
 UNIT_SETTINGS: dict[str, Any] = {
     "head": [],
@@ -55,12 +53,6 @@ def strategy_for(*, modules: list[str], ledger: Ledger, **settings: Any) -> Pris
     if unknown:
         raise TypeError(f"not a PrismStrategy setting: {unknown}")
     s = {**UNIT_SETTINGS, **settings}
-    if not 1 <= s["min_sites"] <= s["sites_per_round"]:
-        raise ValueError(
-            f"min-sites={s['min_sites']} with sites-per-round={s['sites_per_round']}: "
-            "use 1 <= min-sites <= sites-per-round"
-        )
-    head, mode = s["head"], s["mode"]
     terms = RunTerms(
         mechanism=s["mechanism"],
         dp=s["dp"],
@@ -72,48 +64,29 @@ def strategy_for(*, modules: list[str], ledger: Ledger, **settings: Any) -> Pris
         sample_rate=s["sample_rate"],
         auto_clip=s["auto_clip"],
     )
-    return PrismStrategy(
+    return PrismStrategy.assemble(
         modules=modules,
-        head=head,
-        selection=Selection(
-            ledger=ledger,
-            run_id=s["run_id"],
-            local_steps=s["local_steps"],
-            sites_per_round=s["sites_per_round"],
+        head=s["head"],
+        ledger=ledger,
+        run_id=s["run_id"],
+        terms=terms,
+        round_kind=PlainRound.of(
+            modules=modules,
+            head=s["head"],
+            mode=s["mode"],
+            terms=terms,
+            update_bound=s["update_bound"],
+            server_lr=s["server_lr"],
+            lr_schedule=s["lr_schedule"],
+            num_rounds=s["num_rounds"],
+            aggregation=s["aggregation"],
             min_sites=s["min_sites"],
-            seed=s["seed"],
-            wait_for_nodes=s["wait_for_nodes"],
-            connect_timeout=s["connect_timeout"],
         ),
         binding=SiteBinding(),
-        terms=terms,
-        charges=Charges(
-            ledger=ledger,
-            run_id=s["run_id"],
-            target_epsilon=s["target_epsilon"],
-            delta=s["delta"],
-            mechanism=s["mechanism"],
-            auto_clip=s["auto_clip"],
-        ),
-        round_kind=PlainRound(
-            checker=UpdateChecker(
-                modules=modules,
-                head=head,
-                mode=mode,
-                local_steps=s["local_steps"],
-                update_bound=s["update_bound"],
-            ),
-            aggregator=StreamingAggregator(
-                modules=modules,
-                head=head,
-                mode=mode,
-                server_lr=s["server_lr"],
-                lr_schedule=s["lr_schedule"],
-                num_rounds=s["num_rounds"],
-                aggregation=s["aggregation"],
-                dp=s["dp"],
-                expected_batch_size=s["expected_batch_size"],
-            ),
-            min_sites=s["min_sites"],
-        ),
+        target_epsilon=s["target_epsilon"],
+        sites_per_round=s["sites_per_round"],
+        min_sites=s["min_sites"],
+        seed=s["seed"],
+        wait_for_nodes=s["wait_for_nodes"],
+        connect_timeout=s["connect_timeout"],
     )

@@ -57,17 +57,15 @@ class Strategy:
         self.summaries.append(Summary(server_round))
         return requests(*self.nodes)
 
-    def run_round(
-        self, server_round, grid, messages, *, timeout, pull_batch, poll_interval, faults
-    ):
+    def run_round(self, server_round, grid, messages, exchange):
         replies = stream_replies(
             grid,
             messages,
-            timeout=timeout,
-            pull_batch=pull_batch,
-            poll_interval=poll_interval,
+            timeout=exchange.timeout,
+            pull_batch=exchange.pull_batch,
+            poll_interval=exchange.poll_interval,
             server_round=server_round,
-            faults=faults,
+            faults=exchange.faults,
         )
         count = sum(1 for _ in replies)
         new = None if server_round in self.unchanged else f"after-{server_round}"
