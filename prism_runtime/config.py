@@ -26,6 +26,7 @@ from pydantic import (
 
 from prism_core.quantile import clip_range
 from prism_runtime.errors import ConfigError
+from prism_runtime.plan import MAX_PASSES, PLANNED_KEYS, BudgetPlan, plan_budget
 from prism_runtime.ranges import (
     HEAD_LR_MAX,
     LOCAL_STEPS_MAX,
@@ -236,6 +237,21 @@ class RunConfig(_Kebab):
         "prism",
         description="prism (Riemannian LoRA updates, tangent-space aggregation), fedavg-factors "
         "(DP-AdamW on the factors, averaged), ffa (frozen A, DP B), or nondp (no privacy)",
+    )
+    budget: float = Field(
+        0.0,
+        ge=0,
+        le=MAX_PASSES,
+        description="compute budget in passes over each site's data: the planner (prism-fl "
+        "plan) sets batch-size, num-rounds, local-steps and lr for it from rows-per-site; 0 = "
+        "no budget: those keys as set (the demo's 30 rounds x 1 step x 128)",
+    )
+    rows_per_site: int = Field(
+        0,
+        ge=0,
+        description="PUBLIC: about how many rows (people at privacy-unit=user) a site holds, "
+        "for the budget's plan; 0 = synthetic-examples with data=synthetic (required with a "
+        "budget on other data)",
     )
     num_rounds: int = Field(30, ge=1, le=NUM_ROUNDS_MAX, description="federated rounds")
     sites_per_round: int = Field(3, ge=1, description="sites asked to train in each round")
@@ -510,6 +526,48 @@ class RunConfig(_Kebab):
         if not any(t.strip() for t in value.split(",")):
             raise ValueError("names no module")
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_budget(cls, values: Any) -> Any:
+        """With ``budget`` > 0, the plan's keys (``prism_runtime.plan``); a key also given
+        must agree with the plan or be at its default (``pyproject.toml`` lists every key)."""
+        if not isinstance(values, Mapping):
+            return values
+        given = {_alias(k): v for k, v in values.items()}
+        budget = given.get("budget", 0)
+        number = isinstance(budget, int | float) and not isinstance(budget, bool)
+        if not (number and 0 < budget <= MAX_PASSES):
+            return values  # 0, or a value the field's own check refuses
+        rows = given.get("rows-per-site", 0)
+        if rows == 0 and given.get("data", SYNTHETIC) == SYNTHETIC:
+            rows = given.get("synthetic-examples", cls.model_fields["synthetic_examples"].default)
+        if rows == 0:
+            raise ValueError(
+                f"budget={budget:g} needs rows-per-site: about how many rows a site holds (a "
+                "public figure; it sets the batch and the rounds), e.g. rows-per-site=20000"
+            )
+        plan = plan_budget(passes=float(budget), rows_per_site=rows)
+        # a key at its default (as pyproject.toml lists every key) is the plan's to set
+        defaults = {_alias(k): f.default for k, f in cls.model_fields.items()}
+        clashes = [
+            f"{key}={given[key]!r} (the plan's: {value!r})"
+            for key, value in plan.settings().items()
+            if key in given and given[key] not in (value, defaults[key])
+        ]
+        if clashes:
+            raise ValueError(
+                f"budget={budget:g} sets {', '.join(PLANNED_KEYS)}; the run config also sets "
+                f"{'; '.join(clashes)}: remove those keys, or budget"
+            )
+        return {**given, **plan.settings(), "rows-per-site": rows}
+
+    @property
+    def plan(self) -> BudgetPlan | None:
+        """The budget's plan (None without a budget)."""
+        if self.budget <= 0:
+            return None
+        return plan_budget(passes=self.budget, rows_per_site=self.rows_per_site)
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:

@@ -21,6 +21,11 @@ Subcommands:
 
 - ``predict RUN_DIR --data FILE --out FILE``: the same predictions for rows without labels.
 
+- ``plan --passes P | --example-gradients E --rows-per-site N [--epsilon E] [--delta D]
+  [--sites K] [--model M]``: from public facts only, the run config the budget study found best
+  for the budget (``prism_runtime.plan``), the sigma a site calibrates for it, the noise of one
+  step in units of C, and the epsilon the run charges.
+
 Exit codes: 0 success, 1 cannot write the output, 2 bad ledger, data or arguments, 3 an audit
 check failed.
 """
@@ -308,6 +313,81 @@ def _add_model_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     predict.set_defaults(handler=_predict)
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from prism_core.errors import PrivacyParameterError
+    from prism_runtime.config import MINILM
+    from prism_runtime.plan import budget_report, plan_budget
+
+    passes = args.passes
+    if args.example_gradients is not None:
+        passes = args.example_gradients / args.rows_per_site
+    try:
+        plan = plan_budget(passes=passes, rows_per_site=args.rows_per_site)
+        report = budget_report(plan, epsilon=args.epsilon, delta=args.delta)
+    except (ValueError, PrivacyParameterError) as exc:
+        raise ConfigError(f"plan: {exc}") from None
+    keys = {"budget": round(plan.passes, 6), "rows-per-site": plan.rows_per_site}
+    keys.update({"target-epsilon": args.epsilon, "delta": args.delta})
+    keys["sites-per-round"] = args.sites
+    if args.model != MINILM:
+        keys["model"] = args.model
+    print(
+        f"# {plan.passes:g} passes over {plan.rows_per_site} rows a site, epsilon {args.epsilon:g}"
+    )
+    print("# run config (flwr run . <federation> --run-config '...'):")
+    print(" ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v:g}" for k, v in keys.items()))
+    print("# what the budget sets:")
+    for key, value in plan.settings().items():
+        print(f"{key} = {value:g}")
+    print(f"# sample rate q = b / N: {plan.sample_rate:.5g}")
+    print(f"# example-gradients per site: {plan.example_gradients}")
+    print(f"# sigma (calibrated by each site of {plan.rows_per_site} rows): {report.sigma:.4f}")
+    print(f"# noise std of one step's mean gradient: {report.step_noise:.3g} C (sigma / b)")
+    federated = report.step_noise / args.sites**0.5
+    print(f"# ... of the mean over {args.sites} equal sites: {federated:.3g} C")
+    print(
+        f"# epsilon charged per site: {report.charged:.4f} (<= {args.epsilon:g}) "
+        f"at delta {args.delta:g}"
+    )
+    if args.model != MINILM:
+        print(
+            f"# note: the rules were chosen on MiniLM (docs/benchmarks.md); {args.model} is "
+            "untested"
+        )
+    return EXIT_OK
+
+
+def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    plan = sub.add_parser(
+        "plan",
+        help="the run config for a compute budget at an epsilon, from public facts",
+        description="From public facts only (the budget, about how many rows a site holds, "
+        "epsilon, delta), print the run config the budget study found best (batch, rounds, "
+        "lr), the sigma each site calibrates, the noise of a step in units of C and the "
+        "epsilon a site charges. Rules and study: docs/benchmarks.md.",
+    )
+    budget = plan.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--passes", type=_positive_float, help="passes over each site's data")
+    budget.add_argument(
+        "--example-gradients",
+        type=_positive_float,
+        metavar="E",
+        help="example-gradients per site (passes = E / rows-per-site)",
+    )
+    plan.add_argument(
+        "--rows-per-site",
+        type=_positive_int,
+        required=True,
+        metavar="N",
+        help="about how many rows (people, per person) a site holds: public",
+    )
+    plan.add_argument("--epsilon", type=_positive_float, default=3.0, help="default 3")
+    plan.add_argument("--delta", type=_positive_float, default=1e-5, help="default 1e-5")
+    plan.add_argument("--sites", type=_positive_int, default=3, help="sites per round (3)")
+    plan.add_argument("--model", default="minilm", help="the run's model (default minilm)")
+    plan.set_defaults(handler=_plan)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser: one subparser per subcommand, each with a ``handler``."""
     parser = argparse.ArgumentParser(
@@ -338,6 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.set_defaults(handler=_report)
     _add_audit(sub)
     _add_model_commands(sub)
+    _add_plan(sub)
     return parser
 
 

@@ -42,6 +42,7 @@ from prism_runtime.exchange import head_named, load_arrays, to_arrays
 from prism_runtime.export import export_adapter
 from prism_runtime.faults import NO_FAULTS, Faults
 from prism_runtime.model import LoadedModel, load_model, model_config_for
+from prism_runtime.plan import BudgetPlan
 from prism_runtime.synthetic import synthetic_examples, synthetic_stream
 from server.checkpoint import (
     CHECKPOINT,
@@ -166,6 +167,17 @@ def _export(loaded: LoadedModel, run_dir: Path, summaries: list[RoundSummary]) -
     return {**entries, "adapter": ADAPTER_DIR}
 
 
+def _say_plan(plan: BudgetPlan) -> None:
+    """Say what the run's budget chose (``prism_runtime.plan``)."""
+    chosen = " ".join(f"{k}={v:g}" for k, v in plan.settings().items())
+    line = (
+        f"budget of {plan.passes:g} passes over about {plan.rows_per_site} rows a site "
+        f"({plan.example_gradients} example-gradients a site): {chosen}"
+    )
+    log.info("%s", line)
+    print(f"prism-fl: {line}")
+
+
 def run_federation(grid: Grid, run: RunConfig, *, faults: Faults = NO_FAULTS) -> Path:
     """Run the whole federation for ``run`` on ``grid`` (resuming a checkpointed run folder).
 
@@ -173,6 +185,8 @@ def run_federation(grid: Grid, run: RunConfig, *, faults: Faults = NO_FAULTS) ->
     the ledger and the checkpoint; production passes none.
     """
     run_dir = make_run_dir(run)
+    if run.plan is not None:
+        _say_plan(run.plan)
     config = run.model_dump(by_alias=True)
     _check_same_config(run_dir, config)
     ckpt = load_checkpoint(run_dir)

@@ -415,6 +415,7 @@ def test_site_kit_settings_start_a_tls_authenticated_supernode(tmp_path):
         "require-secure-rng": True,
         "privacy-unit": "user",  # the example site.env: epsilon per patient
         "user-field": "patient_id",
+        "max-records-per-user": 4,
         "secure-aggregation": "allow",
         "min-honest-sites": 1,  # counts on no one: its own share carries the whole noise
         "secure-max-dropouts": 0,  # tolerates no site missing from a sum

@@ -1,0 +1,99 @@
+"""Table and plot of a budget study: ``bench/federation_run.py`` runs at several budgets.
+
+Reads each run folder's ``result.json`` (the run config, the coordinator's accuracy on the held-out
+selection split after every round, the exported model's dev accuracy, every site's epsilon) and
+writes ``budget.md`` (one row per run: the budget in example-gradients per site, batch, rounds,
+lr, the clip's head share, the server-lr schedule, dev accuracy, the best and the last selection
+accuracy, epsilon, wall time) and ``budget.png`` (the selection accuracy per round of every run,
+against example-gradients per site, so runs of different batches share one axis).
+
+    .venv/bin/python bench/budget_report.py --out docs/results/budget RUN_DIR [RUN_DIR ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from prism_runtime.plan import plan_budget
+
+DEFAULTS = {"batch-size": 128, "num-rounds": 30, "lr": 0.002, "head-max-norm": 0.9}
+
+
+def _row(name: str, result: dict[str, Any]) -> dict[str, Any]:
+    config = {**DEFAULTS, **result["run-config"]}
+    if config.get("budget"):  # the plan's keys, as the run config applied them
+        plan = plan_budget(passes=config["budget"], rows_per_site=config["rows-per-site"])
+        config.update(plan.settings())
+    curve = {int(k): v for k, v in result["selection-curve"].items()}
+    dev = next(iter(result["eval"].values()))["accuracy"]
+    batch, rounds = int(config["batch-size"]), int(config["num-rounds"])
+    return {
+        "run": name,
+        "example-gradients": batch * rounds,
+        "batch": batch,
+        "rounds": rounds,
+        "lr": config["lr"],
+        "head share": config["head-max-norm"],
+        "server lr": config.get("server-lr-schedule", "constant"),
+        "method": config.get("method", "prism"),
+        "dev": dev,
+        "selection best": max(v for k, v in curve.items() if k > 0),
+        "selection last": curve[max(curve)],
+        "epsilon (max)": max(result["epsilon"].values()) if result["epsilon"] else None,
+        "seconds": result["seconds"],
+        "curve": curve,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="bench/federation_run.py --out folders")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for folder in args.runs:
+        result = json.loads((folder / "result.json").read_text())
+        shutil.copy(folder / "result.json", args.out / f"{folder.name}.json")
+        rows.append(_row(folder.name, result))
+    rows.sort(key=lambda r: (r["example-gradients"], r["run"]))
+    columns = [c for c in rows[0] if c != "curve"]
+    lines = ["| " + " | ".join(columns) + " |", "| " + " | ".join("---" for _ in columns) + " |"]
+    for row in rows:
+        cells = []
+        for c in columns:
+            v = row[c]
+            cells.append(f"{v:.3f}" if isinstance(v, float) and c != "lr" else str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    (args.out / "budget.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for row in rows:
+        xs = [r * row["batch"] for r in sorted(row["curve"])]
+        ys = [row["curve"][r] for r in sorted(row["curve"])]
+        ax.plot(xs, ys, marker=".", label=f"{row['run']} (dev {row['dev']:.3f})")
+    ax.set_xscale("symlog", linthresh=1000)
+    ax.set_xlabel("example-gradients per site")
+    ax.set_ylabel("accuracy, held-out selection split")
+    ax.set_title("SST-2, 3 Dirichlet(0.5) sites, epsilon 3: accuracy against compute")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(args.out / "budget.png", dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""The budget planner: the run settings the budget study found best for a compute budget.
+
+A federation states its budget as public facts only: the passes over each site's data (or the
+example-gradients per site) and about how many rows a site holds. ``plan_budget`` turns them into
+the keys a run needs (expected batch, rounds, lr, the clip's split), by the rules of the budget
+study (docs/benchmarks.md, "What does a larger compute budget buy?"):
+
+- one local step per round, so every site's step is taken at the current global model (label
+  skew then does not pull the aggregate toward one site);
+- the steps grow with the budget: ``T = STEPS_PER_PASS x passes`` bounded to
+  ``[MIN_STEPS, MAX_STEPS]``, and the batch takes the rest, ``b = E / T`` (the study: at 30
+  steps a 6x larger batch left PRISM where non-DP LoRA ends at the same 30 steps, within a
+  point; more steps is what a larger budget must buy first);
+- PRISM's step grows with the batch (linear scaling, Li et al. 2022): ``lr = LR_PER_ROW x b``,
+  at most ``MAX_LR``; the noise of a step's mean gradient falls as ``sigma C / b``;
+- the clip, its head share and the head's step stay at the demo's (the study found none that
+  moved held-out accuracy beyond one seed's noise).
+
+``budget_report`` adds what a site's accountant makes of the plan: the sigma it calibrates for
+the stated epsilon over the planned steps (the same call a site makes), the noise std of one
+step's mean gradient in units of C, and the epsilon the run charges.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "MAX_LR",
+    "MAX_STEPS",
+    "MIN_BATCH",
+    "MIN_STEPS",
+    "PLANNED_KEYS",
+    "BudgetPlan",
+    "BudgetReport",
+    "budget_report",
+    "plan_budget",
+]
+
+STEPS_PER_PASS = 60.0
+"""Steps per pass over a site's data. The study: at 30 steps, non-DP LoRA and PRISM end within a
+point of each other whatever the batch; the steps, not the noise, limit a run."""
+MIN_STEPS = 30
+"""The fewest steps a plan takes (the demo's 30: fewer leave the adapter where it started)."""
+MAX_STEPS = 600
+"""The most steps a plan takes; a larger budget goes into the batch."""
+MIN_BATCH = 32
+"""The smallest expected batch a plan uses."""
+LR_PER_ROW = 0.002 / 128
+"""PRISM's LoRA lr per row of the expected batch: the demo's 0.002 at b = 128, scaled linearly."""
+MAX_LR = 0.02
+"""The largest LoRA lr a plan sets (the study's largest stable step)."""
+MAX_PASSES = 100.0
+"""The most passes a budget may state."""
+
+PLANNED_KEYS = ("batch-size", "num-rounds", "local-steps", "lr")
+"""The run-config keys a budget sets (a run config that also sets one must agree with it)."""
+
+
+@dataclass(frozen=True)
+class BudgetPlan:
+    """The run settings of a budget (``plan_budget``).
+
+    Attributes:
+        passes: the budget in passes over a site's ``rows_per_site`` rows.
+        rows_per_site: the rows a site holds, as stated (public).
+        batch_size: the expected Poisson batch b of a step.
+        num_rounds: the rounds T (one local step each).
+        lr: PRISM's LoRA step.
+    """
+
+    passes: float
+    rows_per_site: int
+    batch_size: int
+    num_rounds: int
+    lr: float
+    local_steps: int = 1
+
+    @property
+    def sample_rate(self) -> float:
+        """q = b / N of a site with ``rows_per_site`` rows."""
+        return self.batch_size / self.rows_per_site
+
+    @property
+    def example_gradients(self) -> int:
+        """Expected example-gradients per site: b x T x steps per round."""
+        return self.batch_size * self.num_rounds * self.local_steps
+
+    def settings(self) -> dict[str, Any]:
+        """The run-config keys the plan sets (``PLANNED_KEYS``)."""
+        return {
+            "batch-size": self.batch_size,
+            "num-rounds": self.num_rounds,
+            "local-steps": self.local_steps,
+            "lr": self.lr,
+        }
+
+
+def plan_budget(*, passes: float, rows_per_site: int) -> BudgetPlan:
+    """The run settings for ``passes`` over each site's data of about ``rows_per_site`` rows.
+
+    Raises:
+        ValueError: passes not in (0, ``MAX_PASSES``], fewer than ``MIN_BATCH`` rows a site, or
+            a budget of less than one step of ``MIN_BATCH`` rows (a budget too small for
+            ``MIN_STEPS`` steps of ``MIN_BATCH`` rows takes fewer steps).
+    """
+    if not (isinstance(passes, int | float) and 0 < passes <= MAX_PASSES):
+        raise ValueError(
+            f"budget={passes!r}: the passes over each site's data must be a number in "
+            f"(0, {MAX_PASSES:g}] (e.g. budget=2 for two passes)"
+        )
+    if not (isinstance(rows_per_site, int) and rows_per_site >= MIN_BATCH):
+        raise ValueError(
+            f"rows-per-site={rows_per_site!r}: a budget needs about how many rows a site holds "
+            f"(a public figure, at least {MIN_BATCH}), e.g. rows-per-site=20000"
+        )
+    example_gradients = passes * rows_per_site
+    if example_gradients < MIN_BATCH:
+        raise ValueError(
+            f"budget={passes:g} passes over {rows_per_site} rows is {example_gradients:.0f} "
+            f"example-gradients a site: less than one step of {MIN_BATCH} rows. State a larger "
+            "budget."
+        )
+    steps = min(MAX_STEPS, max(MIN_STEPS, round(STEPS_PER_PASS * passes)))
+    batch = min(rows_per_site, max(MIN_BATCH, round(example_gradients / steps)))
+    steps = max(1, round(example_gradients / batch))
+    lr = min(MAX_LR, LR_PER_ROW * batch)
+    return BudgetPlan(
+        passes=float(passes),
+        rows_per_site=rows_per_site,
+        batch_size=batch,
+        num_rounds=steps,
+        lr=float(f"{lr:.3g}"),
+    )
+
+
+@dataclass(frozen=True)
+class BudgetReport:
+    """What a site's accountant makes of a plan (``budget_report``).
+
+    Attributes:
+        plan: the plan.
+        epsilon, delta: the budget the plan spends (calibrated for).
+        sigma: the noise multiplier a site with ``plan.rows_per_site`` rows calibrates.
+        step_noise: the noise std of one step's mean gradient, sigma / b, in units of C.
+        charged: the epsilon a site with ``plan.rows_per_site`` rows charges over the run.
+    """
+
+    plan: BudgetPlan
+    epsilon: float
+    delta: float
+    sigma: float
+    step_noise: float
+    charged: float
+
+
+def budget_report(plan: BudgetPlan, *, epsilon: float, delta: float) -> BudgetReport:
+    """Calibrate sigma for ``plan`` at (``epsilon``, ``delta``) as a site does
+    (``prism_core.accounting.calibrate_noise_multiplier`` over its planned steps at q = b / N),
+    and the epsilon that sigma charges.
+
+    Raises:
+        prism_core.errors.PrivacyParameterError: epsilon or delta out of range, or no sigma
+            meets the budget.
+    """
+    from prism_core.accounting import PrivacyEvent, calibrate_noise_multiplier
+    from prism_core.accounting import epsilon as charge
+
+    steps = plan.num_rounds * plan.local_steps
+    sigma = calibrate_noise_multiplier(
+        target_epsilon=epsilon, delta=delta, sample_rate=plan.sample_rate, steps=steps
+    )
+    charged = charge([PrivacyEvent(sigma, plan.sample_rate, steps)], delta)
+    return BudgetReport(
+        plan=plan,
+        epsilon=epsilon,
+        delta=delta,
+        sigma=sigma,
+        step_noise=sigma / plan.batch_size,
+        charged=charged,
+    )

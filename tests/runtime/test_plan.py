@@ -1,0 +1,151 @@
+"""The budget planner: its plan spends the stated budget, never more, and the run charges it."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from helpers.sites import simulated_node
+
+from client.policy import site_policy
+from client.site import Site
+from prism_core.accounting import PrivacyEvent, epsilon
+from prism_runtime.config import RunConfig, parse_config
+from prism_runtime.errors import ConfigError
+from prism_runtime.exchange import to_arrays
+from prism_runtime.plan import (
+    MAX_LR,
+    MAX_STEPS,
+    MIN_BATCH,
+    MIN_STEPS,
+    budget_report,
+    plan_budget,
+)
+from server.cli import EXIT_OK, EXIT_USAGE, main
+
+
+@pytest.mark.parametrize("passes", [0.17, 1.0, 2.0, 6.0])
+@pytest.mark.parametrize("rows", [5_000, 22_349])
+def test_a_plan_spends_the_stated_budget_in_steps_of_its_batch(passes, rows):
+    plan = plan_budget(passes=passes, rows_per_site=rows)
+    # b x T is the budget up to half a batch of rounding
+    assert abs(plan.example_gradients - passes * rows) <= plan.batch_size / 2 + 1
+    assert plan.local_steps == 1 and 0 < plan.lr <= MAX_LR
+    assert 1 <= plan.batch_size <= rows
+    assert plan.num_rounds >= MIN_STEPS - 1 or plan.batch_size == MIN_BATCH
+    assert plan.num_rounds <= MAX_STEPS + 1 or plan.batch_size == rows
+
+
+@pytest.mark.parametrize(
+    ("passes", "eps", "delta"), [(0.17, 3.0, 1e-5), (2.0, 1.0, 1e-5), (2.0, 8.0, 1e-6)]
+)
+def test_a_plan_never_charges_more_than_the_stated_epsilon_and_spends_nearly_all(
+    passes, eps, delta
+):
+    plan = plan_budget(passes=passes, rows_per_site=22_349)
+    report = budget_report(plan, epsilon=eps, delta=delta)
+    steps = plan.num_rounds * plan.local_steps
+    independent = epsilon([PrivacyEvent(report.sigma, plan.sample_rate, steps)], delta)
+    assert report.charged == pytest.approx(independent, rel=1e-12)
+    assert 0.99 * eps <= report.charged <= eps
+    assert report.step_noise == pytest.approx(report.sigma / plan.batch_size, rel=1e-12)
+
+
+@pytest.mark.slow
+def test_a_run_with_the_plans_config_charges_the_plans_epsilon(tiny_bert, tmp_path):
+    """A simulated site of the budget's rows runs every planned round; its ledger's epsilon is
+    the plan's, to the accountant's tolerance."""
+    values = {
+        "model": tiny_bert,
+        "lora-rank": 4,
+        "micro-batch-size": 8,
+        "max-length": 24,
+        "synthetic-examples": 64,
+        "budget": 5,  # 320 example-gradients: 10 rounds of the smallest batch, 32 of the 64 rows
+        "target-epsilon": 3.0,
+    }
+    run = parse_config(RunConfig, values, what="run config")
+    plan = run.plan
+    assert plan is not None and run.batch_size == plan.batch_size == MIN_BATCH == 32
+    assert run.num_rounds == plan.num_rounds == 10 and run.lr == plan.lr
+    report = budget_report(plan, epsilon=run.target_epsilon, delta=run.delta)
+    node = simulated_node(tmp_path, **{"epsilon-cap": 3.0})
+    site = Site(run, node, site_policy(node, env_secret=""))
+    assert site.num_examples == plan.rows_per_site
+    for server_round in range(1, run.num_rounds + 1):
+        reply = site.train_round(server_round, to_arrays(site.loaded))
+        assert reply.accounting.status == "ok"
+        assert reply.accounting.sigma == pytest.approx(report.sigma, rel=1e-9)
+    charged = epsilon(site.ledger.events(), run.delta)
+    assert charged == pytest.approx(report.charged, rel=1e-6)
+    assert charged <= run.target_epsilon
+
+
+def test_a_budget_run_config_says_what_it_sets_and_survives_a_round_trip():
+    run = parse_config(RunConfig, {"budget": 2, "rows-per-site": 22_000}, what="run config")
+    plan = plan_budget(passes=2, rows_per_site=22_000)
+    assert run.plan == plan
+    assert (run.batch_size, run.num_rounds, run.local_steps, run.lr) == (
+        plan.batch_size,
+        plan.num_rounds,
+        plan.local_steps,
+        plan.lr,
+    )
+    again = parse_config(RunConfig, run.model_dump(by_alias=True), what="run config")
+    assert again == run
+    listed = {
+        "budget": 2,
+        "rows-per-site": 22_000,
+        "num-rounds": 30,
+        "batch-size": 128,
+        "lr": 0.002,
+    }
+    assert parse_config(RunConfig, listed, what="run config") == run  # defaults: the plan's
+    demo = parse_config(RunConfig, {}, what="run config")
+    assert demo.plan is None and (demo.batch_size, demo.num_rounds) == (128, 30)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"budget": 2, "data": "shard.jsonl"}, "needs rows-per-site"),
+        ({"budget": 2, "rows-per-site": 22_000, "lr": 0.5}, "lr=0.5 .*remove those keys"),
+        ({"budget": 2, "rows-per-site": 22_000, "num-rounds": 7}, "num-rounds=7"),
+        ({"budget": 2, "rows-per-site": 10}, "rows-per-site=10"),
+        ({"budget": 0.01, "rows-per-site": 1_000}, "State a larger budget"),
+        ({"budget": -1}, "budget=-1"),
+        ({"budget": 1e9, "rows-per-site": 1_000}, "budget=1000000000.0: .*less than or equal"),
+    ],
+)
+def test_bad_budget_facts_get_a_clear_error(values, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(RunConfig, values, what="run config")
+
+
+def test_the_plan_command_prints_the_config_sigma_noise_and_epsilon(capsys):
+    assert main(["plan", "--passes", "2", "--rows-per-site", "22000", "--epsilon", "3"]) == EXIT_OK
+    out = capsys.readouterr().out
+    plan = plan_budget(passes=2, rows_per_site=22_000)
+    report = budget_report(plan, epsilon=3.0, delta=1e-5)
+    assert "budget=2 rows-per-site=22000 target-epsilon=3" in out
+    assert f"batch-size = {plan.batch_size}" in out and f"num-rounds = {plan.num_rounds}" in out
+    assert f"sigma (calibrated by each site of 22000 rows): {report.sigma:.4f}" in out
+    assert f"epsilon charged per site: {report.charged:.4f} (<= 3)" in out
+    same = ["plan", "--example-gradients", "44000", "--rows-per-site", "22000"]
+    assert main(same) == EXIT_OK
+    assert f"batch-size = {plan.batch_size}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "--passes", "2", "--rows-per-site", "10"], "rows-per-site=10"),
+        (["plan", "--passes", "0.001", "--rows-per-site", "1000"], "State a larger budget"),
+        (["plan", "--passes", "2", "--rows-per-site", "22000", "--delta", "2"], "delta"),
+    ],
+)
+def test_the_plan_command_refuses_bad_facts_with_a_clear_error(argv, message, capsys):
+    assert main(argv) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("prism-fl: plan:")
+    assert re.search(message, err), err
