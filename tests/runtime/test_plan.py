@@ -15,16 +15,15 @@ from prism_runtime.errors import ConfigError
 from prism_runtime.exchange import to_arrays
 from prism_runtime.plan import (
     MAX_LR,
-    MAX_STEPS,
     MIN_BATCH,
-    MIN_STEPS,
+    STEPS,
     budget_report,
     plan_budget,
 )
 from server.cli import EXIT_OK, EXIT_USAGE, main
 
 
-@pytest.mark.parametrize("passes", [0.17, 1.0, 2.0, 6.0])
+@pytest.mark.parametrize("passes", [0.05, 0.17, 1.0, 2.0, 60.0])
 @pytest.mark.parametrize("rows", [5_000, 22_349])
 def test_a_plan_spends_the_stated_budget_in_steps_of_its_batch(passes, rows):
     plan = plan_budget(passes=passes, rows_per_site=rows)
@@ -32,8 +31,10 @@ def test_a_plan_spends_the_stated_budget_in_steps_of_its_batch(passes, rows):
     assert abs(plan.example_gradients - passes * rows) <= plan.batch_size / 2 + 1
     assert plan.local_steps == 1 and 0 < plan.lr <= MAX_LR
     assert 1 <= plan.batch_size <= rows
-    assert plan.num_rounds >= MIN_STEPS - 1 or plan.batch_size == MIN_BATCH
-    assert plan.num_rounds <= MAX_STEPS + 1 or plan.batch_size == rows
+    # 30 steps; fewer only at the smallest batch, more only at a batch of every row
+    assert plan.num_rounds == STEPS or plan.batch_size in (MIN_BATCH, rows)
+    assert plan.num_rounds >= STEPS or plan.batch_size == MIN_BATCH
+    assert plan.num_rounds <= STEPS or plan.batch_size == rows
 
 
 @pytest.mark.parametrize(
