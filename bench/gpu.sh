@@ -26,12 +26,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 for model in minilm bert-large; do
     echo "== $model ==" >&2
     "$PYTHON" bench/step.py --device cuda --model "$model" --steps 20 --warmup 3 --no-phases \
-        --out "$OUT/step-$model.json" | tee "$OUT/step-$model.md"
+        --methods prism prism-hooks dp-adamw nondp --out "$OUT/step-$model.json" | tee "$OUT/step-$model.md"
 done
 for micro in 4 64; do
     echo "== gemma3-4b, micro-batch $micro ==" >&2
     "$PYTHON" bench/step.py --device cuda --model gemma3-4b --data sst2 --batch 64 \
         --micro-batch "$micro" --steps 10 --warmup 2 --no-phases \
-        --out "$OUT/step-gemma3-4b-mb$micro.json" | tee "$OUT/step-gemma3-4b-mb$micro.md"
+        --methods prism prism-hooks dp-adamw nondp --out "$OUT/step-gemma3-4b-mb$micro.json" | tee "$OUT/step-gemma3-4b-mb$micro.md"
 done
 echo "bench/gpu.sh: results in $OUT" >&2

@@ -9,6 +9,9 @@ machine falls on all of them alike. Every step goes through ``PrivateTrainer.ste
   its step runs, ``prism_runtime.trainer.base.micro_batches`` is swapped for a wrapper that forces
   ``by_length=False`` (each Poisson batch is split in its own order), product code unchanged;
 * ``dp-adamw``: factor-space DP-AdamW, standard LoRA initialisation;
+* ``prism-hooks``, ``dp-adamw-hooks``: the same trainers with per-example gradients from Opacus'
+  hooks (``grad_sample_mode='hooks'``) instead of the trainable layers' own backward
+  (``prism_runtime.per_example``, the default);
 * ``nondp``: plain LoRA with AdamW, standard initialisation.
 
 ``--methods`` picks which to time (default ``prism dp-adamw nondp``); ``prism`` against
@@ -84,25 +87,37 @@ from opacus import GradSampleModule
 import prism_runtime.trainer.base as trainer_module
 import prism_runtime.trainer.factor
 import prism_runtime.trainer.prism
+from prism_runtime import per_example
 from prism_runtime.config import RunConfig
 from prism_runtime.data import TokenizedDataset, load_examples
 from prism_runtime.model import LoadedModel, ModelConfig, load_model, load_tokenizer
 from prism_runtime.trainer import DPTrainer, PrivateTrainer, TrainConfig
 from tests.helpers.shared_data import SHARED_DATA
 
-METHODS = ("prism", "prism-inorder", "dp-adamw", "nondp")
+METHODS = ("prism", "prism-hooks", "prism-inorder", "dp-adamw", "dp-adamw-hooks", "nondp")
 DEFAULT_METHODS = ("prism", "dp-adamw", "nondp")
-TRAINER_METHOD = {"prism-inorder": "prism"}
+TRAINER_METHOD = {"prism-inorder": "prism", "prism-hooks": "prism", "dp-adamw-hooks": "dp-adamw"}
 """The product method a bench variant runs (others: itself)."""
 IN_ORDER = frozenset({"prism-inorder"})
+HOOKS = frozenset({"prism-hooks", "dp-adamw-hooks"})
+"""Variants whose per-example gradients come from Opacus' hooks (``grad_sample_mode='hooks'``)."""
 """Variants whose micro-batches are split in batch order (``by_length=False``)."""
 INIT = {
     "prism": "spectral-residual",
     "prism-inorder": "spectral-residual",
+    "prism-hooks": "spectral-residual",
     "dp-adamw": "standard",
+    "dp-adamw-hooks": "standard",
     "nondp": "standard",
 }
-PAIRS = (("prism", "nondp"), ("prism", "dp-adamw"), ("dp-adamw", "nondp"))
+PAIRS = (
+    ("prism", "nondp"),
+    ("prism", "dp-adamw"),
+    ("dp-adamw", "nondp"),
+    ("prism-hooks", "nondp"),
+    ("prism", "prism-hooks"),
+    ("dp-adamw-hooks", "nondp"),
+)
 AB = ("prism", "prism-inorder")
 """The paired A/B of length-aware micro-batching."""
 SEQ_LEN = 64
@@ -124,6 +139,7 @@ PHASES = (
     "opacus: capture activations",
     "backward",
     "opacus: per-example grads",
+    "layer: backward with per-example grads",
     "read/write factors",
     "lift",
     "clip + sum",
@@ -341,6 +357,7 @@ def make_run(
         micro_batch_size=workload.micro_batch,
         steps=1_000_000,
         seed=seed,
+        grad_sample_mode="hooks" if method in HOOKS else "layer",
         progress=False,
     )
     return PrivateTrainer(loaded, dataset, config)
@@ -470,6 +487,10 @@ def instrument(clock: PhaseClock) -> None:
     )
     GradSampleModule.capture_backprops_hook = _timed(  # type: ignore[method-assign]
         clock, "opacus: per-example grads", GradSampleModule.capture_backprops_hook
+    )
+    rows = per_example._RowsLinear
+    rows.backward = staticmethod(  # type: ignore[method-assign,assignment]
+        _timed(clock, "layer: backward with per-example grads", rows.backward)
     )
 
 

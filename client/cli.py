@@ -56,7 +56,6 @@ from prism_runtime.config import (
     DEFAULT_LR,
     DEFAULT_MAX_LENGTH,
     DEFAULT_MAX_NORM,
-    DEFAULT_MICRO_BATCH_SIZE,
     HEAD_MOMENTUM,
     check_label_texts,
     describe_allowed,
@@ -107,6 +106,7 @@ TRAIN_FIELDS = {
     "steps": "steps",
     "batch_size": "batch_size",
     "micro_batch_size": "micro_batch_size",
+    "grad_sample_mode": "grad_sample_mode",
     "max_norm": "max_norm",
     "lr": "lr",
     "head_lr": "head_lr",
@@ -223,7 +223,14 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument(
         "--micro-batch-size",
         type=int,
-        help=f"examples per forward (default {DEFAULT_MICRO_BATCH_SIZE})",
+        help="examples per forward/backward, memory only (default: the largest that fits the "
+        "memory available, at most 64 on a CPU; the run logs its choice)",
+    )
+    opt.add_argument(
+        "--grad-sample-mode",
+        choices=["layer", "hooks"],
+        help="per-example gradients: in each trainable layer's backward (default layer) or by "
+        "Opacus' hooks; both exact",
     )
     opt.add_argument("--lr", type=float, help=f"learning rate (default {DEFAULT_LR})")
     opt.add_argument(
@@ -601,6 +608,8 @@ def run(values: Mapping[str, Any], sources: Mapping[str, str]) -> int:
                 f"noise multiplier {trainer.noise_multiplier} and q={trainer.sample_rate:.4g} stay "
                 f"within epsilon={train_cfg.epsilon}. Lower --steps or raise --noise-multiplier."
             )
+    import torch
+
     train_started = time.perf_counter()
     trainer.train()
     train_time = time.perf_counter() - train_started
@@ -636,7 +645,12 @@ def run(values: Mapping[str, Any], sources: Mapping[str, str]) -> int:
         "noise_multiplier": trainer.noise_multiplier if trainer.is_private else None,
         "sample_rate": trainer.sample_rate,
         "expected_batch_size": trainer.expected_batch_size,
-        "micro_batch_size": train_cfg.micro_batch_size,
+        "micro_batch_size": trainer.micro_batch_size,
+        "micro_batch": (
+            trainer.micro_batch_choice.describe() if trainer.micro_batch_choice else "set"
+        ),
+        "grad_sample_mode": train_cfg.grad_sample_mode if trainer.is_private else None,
+        "threads": torch.get_num_threads(),
         "max_norm": train_cfg.max_norm if trainer.is_private else None,
         "steps": trainer.steps_done,
         "delta": train_cfg.delta if trainer.is_private else None,
@@ -687,6 +701,12 @@ def _print_summary(metrics: Mapping[str, Any], adapter: Path, metrics_path: Path
         f"{metrics['steps']} steps of expected batch {metrics['expected_batch_size']:.0f}, "
         f"{metrics['wall_time_s']:.0f} s"
     ]
+    micro = metrics["micro_batch"]
+    compute = [micro if micro != "set" else f"micro-batch {metrics['micro_batch_size']}"]
+    if metrics["grad_sample_mode"]:
+        compute.append(f"per-example gradients by {metrics['grad_sample_mode']}")
+    compute.append(f"{metrics['threads']} threads, training {metrics['train_time_s']:.1f} s")
+    lines.append("compute: " + ", ".join(compute))
     if metrics["epsilon"] is None:
         lines.append("privacy: none (non-DP baseline)")
     else:

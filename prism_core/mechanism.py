@@ -182,7 +182,7 @@ def finite_rows(tensors: Sequence[Tensor], *, leading: int = 1) -> Tensor:
     """
     valid: Tensor | None = None
     for t in tensors:
-        sums = t.flatten(leading).sum(-1)
+        sums = t.sum(dim=tuple(range(leading, t.dim()))) if t.dim() > leading else t
         ok = torch.isfinite(sums)
         for _ in range(leading - 1):
             ok = ok.all(0)
@@ -585,7 +585,10 @@ def clip_and_sum_grads(
         coordinates; ``lift_moments``) and one weighted sum. Modules of equal shape are stacked
         (chunks of at most ``STACK_BYTES_MAX`` bytes) so that their moments, weighted sums and
         lifts are one batched call per chunk, not one per module (no Python loop over
-        modules).
+        modules). An example with an infinite or NaN entry (or entries whose squares overflow)
+        has a non-finite norm from its moments: it gets coefficient 0 and its rows, alone, are
+        zeroed in the stacked copies before the weighted sum, so no pass over every example's
+        gradients checks them.
         Cost O((m + n) r^2) per example and module.
     """
     _check_grads(points, grads)
@@ -597,19 +600,22 @@ def clip_and_sum_grads(
     for chunk in _chunks(frames, grads):
         gA = _stack_grads([grads[i][0] for i in chunk.indices])
         gB = _stack_grads([grads[i][1] for i in chunk.indices])
-        ok = finite_rows([gA, gB], leading=2)
-        valid = ok if valid is None else valid & ok
-        gA, gB = gA.nan_to_num_(0.0, 0.0, 0.0), gB.nan_to_num_(0.0, 0.0, 0.0)  # our own copies
         norms = lift_norm_sq_from_moments(lift_moments_stacked(chunk.frame, gA, gB))
+        ok = torch.isfinite(norms).all(0)  # a non-finite entry gives non-finite moments
+        valid = ok if valid is None else valid & ok
         for j, i in enumerate(chunk.indices):
             rows[i] = norms[j]
         stacks.append((chunk, gA, gB))
-    norms_sq = torch.stack([r for r in rows if r is not None])
+    assert valid is not None  # at least one module
+    norms_sq = torch.stack([r for r in rows if r is not None]).nan_to_num(0.0, 0.0, 0.0)
     euclidean = [finite_values(g) for g in euclidean]
     alphas = _coefficients(norms_sq, euclidean, max_norm, euclidean_max_norm, valid)
     alpha = alphas[0]
+    dropped = (~valid).nonzero().flatten()  # usually empty: zero only the dropped rows
     parts: list[Tangent | None] = [None] * len(points)
     for chunk, gA, gB in stacks:  # alpha's dtype is the widest: the moments' or the head's
+        gA.index_fill_(1, dropped, 0.0)  # our own stacked copies; 0 * inf would be NaN
+        gB.index_fill_(1, dropped, 0.0)
         sum_a = _weighted_sums(alpha, gA.to(alpha.dtype))
         sum_b = _weighted_sums(alpha, gB.to(alpha.dtype))
         lifted = lift(chunk.point.A, chunk.point.B, sum_a, sum_b, frame=chunk.frame)

@@ -58,8 +58,9 @@ DEFAULT_LORA_TARGETS = ("query", "value")
 """Module names LoRA attaches to (BERT-style attention)."""
 DEFAULT_BATCH_SIZE = 128
 """Expected Poisson batch b = q N per local step."""
-DEFAULT_MICRO_BATCH_SIZE = 64
-"""Examples per forward/backward pass (memory only; never changes the result beyond float)."""
+DEFAULT_MICRO_BATCH_SIZE = 0
+"""Examples per forward/backward pass (memory only; never changes the result beyond float); 0:
+each site chooses from its own memory (``prism_runtime.memory.auto_micro_batch``)."""
 DEFAULT_MAX_RECORDS_PER_USER = 4
 """The most records one person contributes to a person-level batch (``max-records-per-user``):
 a person with more gives a random chunk of this many at each step they are sampled. A larger k
@@ -264,8 +265,9 @@ class RunConfig(_Kebab):
     )
     micro_batch_size: int = Field(
         DEFAULT_MICRO_BATCH_SIZE,
-        ge=1,
-        description="examples per forward/backward pass at a site (memory only)",
+        ge=0,
+        description="examples per forward/backward pass at a site (memory only); 0: each site "
+        "chooses from its own memory and logs its choice",
     )
     privacy_unit: Literal["record", "user"] = Field(
         "record",

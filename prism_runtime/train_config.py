@@ -105,7 +105,16 @@ class TrainConfig(BaseModel):
         "(expected batch q N; batch_size is then not used); None: q = batch_size / N",
     )
     micro_batch_size: int = Field(
-        DEFAULT_MICRO_BATCH_SIZE, ge=1, description="examples per forward/backward (memory)"
+        DEFAULT_MICRO_BATCH_SIZE,
+        ge=0,
+        description="examples per forward/backward (memory only); 0: the largest that fits the "
+        "memory available (prism_runtime.memory.auto_micro_batch), logged",
+    )
+    grad_sample_mode: Literal["layer", "hooks"] = Field(
+        "layer",
+        description="how per-example gradients are computed: 'layer' (inside each trainable "
+        "linear layer's backward, prism_runtime.per_example) or 'hooks' (Opacus' "
+        "GradSampleModule); both exact, 'layer' at about the cost of a non-DP backward",
     )
     max_norm: float = Field(
         DEFAULT_MAX_NORM, gt=0, description="total clip C (the sensitivity): LoRA and head"

@@ -12,7 +12,7 @@ The privacy unit (``config.privacy_unit``, docs/design.md §3.2) is a record or 
 person level the trainer needs each row's person (``units``, or the dataset's ``users``), the
 sampler draws PEOPLE at ``q = b_u / N_users`` with a random chunk of at most
 ``config.max_records_per_user`` records each (``prism_runtime.data.units``), a micro-batch holds
-at most ``config.micro_batch_size`` rows whoever was sampled (a person with more spans several),
+at most ``micro_batch_size`` rows whoever was sampled (a person with more spans several),
 and the DP methods sum a person's per-record gradients into one contribution before the clip,
 across micro-batches where the person spans several (``prism_runtime.trainer.dp.UnitFold``).
 
@@ -40,6 +40,7 @@ from tqdm import tqdm
 from prism_core.accounting import PrivacyEvent
 from prism_core.errors import BudgetExceededError
 from prism_core.rng import NoiseSource, SecureRNG
+from prism_runtime import per_example
 from prism_runtime.data import IGNORE_INDEX, make_collate, micro_batches, poisson_loader
 from prism_runtime.data.units import (
     OPEN_KEY,
@@ -49,6 +50,7 @@ from prism_runtime.data.units import (
     user_poisson_loader,
 )
 from prism_runtime.errors import ConfigError
+from prism_runtime.memory import MicroBatchChoice, auto_micro_batch
 from prism_runtime.model import LoadedModel
 from prism_runtime.protocol import RNG_REPRODUCIBLE, RNG_SECURE
 from prism_runtime.train_config import PrivacyUnit, TrainConfig
@@ -64,6 +66,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+DEFAULT_MAX_LENGTH_GUESS = 512
+"""The row length the automatic micro-batch assumes for a dataset that does not state one."""
 
 
 @dataclass(frozen=True)
@@ -201,8 +206,21 @@ class PrivateTrainer:
         self.history: list[PrivacyEvent] = list(history)
         self.noise_multiplier = self._noise_multiplier()
         self.steps_done = 0
+        self.micro_batch_choice: MicroBatchChoice | None = None
+        """How the micro-batch was chosen when ``config.micro_batch_size`` is 0 (auto)."""
+        self.micro_batch_size = self._micro_batch_size(dataset)
+        """The examples per forward/backward: ``config.micro_batch_size``, or chosen from the
+        memory available when it is 0 (auto)."""
         loaded.model.train()
         self.module: nn.Module = self._train_module(loaded.model)
+
+    def _micro_batch_size(self, dataset: Dataset[dict[str, object]]) -> int:
+        if self.config.micro_batch_size:
+            return self.config.micro_batch_size
+        max_length = int(getattr(dataset, "max_length", None) or DEFAULT_MAX_LENGTH_GUESS)
+        self.micro_batch_choice = auto_micro_batch(self.loaded, max_length)
+        log.info("%s", self.micro_batch_choice.describe())
+        return self.micro_batch_choice.size
 
     @property
     def privacy_unit(self) -> PrivacyUnit:
@@ -280,7 +298,9 @@ class PrivateTrainer:
     # -- what each method defines -----------------------------------------------------------
 
     def _train_module(self, model: nn.Module) -> nn.Module:
-        """The module forward/backward runs through (the model itself: summed gradients)."""
+        """The module forward/backward runs through (the model itself: summed gradients; a
+        per-example forward a DP trainer attached to the same model is taken off)."""
+        per_example.detach(per_example.attached(model))
         return model
 
     def _noise_multiplier(self) -> float:
@@ -348,12 +368,12 @@ class PrivateTrainer:
         return {k: v.to(self.loaded.device) for k, v in next(self._batches).items()}
 
     def _micro_batches(self, batch: dict[str, Tensor]) -> Iterator[dict[str, Tensor]]:
-        """``batch`` in micro-batches of at most ``config.micro_batch_size`` rows, grouped by
+        """``batch`` in micro-batches of at most ``micro_batch_size`` rows, grouped by
         length; at the person level of whole people, each with its ``unit``, a person with more
         rows in consecutive micro-batches of their own (``unit_micro_batches``)."""
         if self.privacy_unit == "record":
-            return micro_batches(batch, self.config.micro_batch_size, by_length=True)
-        return unit_micro_batches(batch, self.config.micro_batch_size, by_length=True)
+            return micro_batches(batch, self.micro_batch_size, by_length=True)
+        return unit_micro_batches(batch, self.micro_batch_size, by_length=True)
 
     def _losses(self, micro: dict[str, Tensor]) -> Tensor:
         """The per-sequence losses of ``micro`` through ``self.module``."""

@@ -1,11 +1,13 @@
 """What the DP methods share: per-example gradients, the noise multiplier and the accountant.
 
-Each micro-batch runs forward/backward through Opacus' ``GradSampleModule`` (hooks mode) with a
-PER-SEQUENCE loss summed over examples, so ``grad_sample`` holds exact per-example gradients
-(``DPTrainer._example_passes``); each subclass clips them and noises the sum in its own release
-(``PrismTrainer.release``, ``FactorTrainer.factor_release``). The history is the mechanisms'
-``PrivacyEvent`` records (composed by ``prism_core.accounting``), epsilon by PRV; a step that
-would take epsilon past the target is refused with ``BudgetExceededError``
+Each micro-batch runs forward/backward with a PER-SEQUENCE loss summed over examples, and every
+trainable tensor's ``grad_sample`` then holds its exact per-example gradients
+(``DPTrainer._example_passes``): computed in the backward of each trainable linear layer
+(``prism_runtime.per_example``, the default) or by Opacus' ``GradSampleModule`` hooks
+(``TrainConfig.grad_sample_mode='hooks'``). Each subclass clips them and noises the sum in its
+own release (``PrismTrainer.release``, ``FactorTrainer.factor_release``). The history is the
+mechanisms' ``PrivacyEvent`` records (composed by ``prism_core.accounting``), epsilon by PRV; a
+step that would take epsilon past the target is refused with ``BudgetExceededError``
 (``PrivateTrainer.step``).
 
 At the person level (``config.privacy_unit='user'``, docs/design.md §3.2) ``UnitFold`` sums each
@@ -31,6 +33,7 @@ from torch.utils.data import Dataset
 
 from prism_core.accounting import PrivacyEvent, calibrate_noise_multiplier, epsilon, max_steps
 from prism_core.mechanism import finite_rows
+from prism_runtime import per_example
 from prism_runtime.data.units import OPEN_KEY, UNIT_KEY
 from prism_runtime.errors import ConfigError
 from prism_runtime.model import LoadedModel
@@ -43,7 +46,8 @@ log = logging.getLogger(__name__)
 
 
 def grad_sample(p: Tensor) -> Tensor:
-    """The per-example gradients of ``p`` that Opacus' hooks stored as ``p.grad_sample``."""
+    """The per-example gradients of ``p`` of the last backward, ``p.grad_sample`` (set by the
+    layer's own backward, ``prism_runtime.per_example``, or by Opacus' hooks)."""
     rows: Tensor = p.grad_sample  # type: ignore[attr-defined]  # set by Opacus at runtime
     return rows
 
@@ -150,6 +154,13 @@ class DPTrainer(PrivateTrainer):
         self._allowed: int | None = None  # steps left under the cap, computed on demand
 
     def _train_module(self, model: nn.Module) -> nn.Module:
+        """The model with per-example gradients: its trainable linear layers compute them in
+        their backward (``grad_sample_mode='layer'``, ``prism_runtime.per_example``), or
+        Opacus' ``GradSampleModule`` hooks do (``'hooks'``)."""
+        if self.config.grad_sample_mode == "layer":
+            per_example.attach(per_example.trainable_layers(model))
+            return model
+        per_example.detach(per_example.attached(model))
         module: nn.Module = GradSampleModule(model, batch_first=True, loss_reduction="sum")
         module.train()
         return module

@@ -330,12 +330,19 @@ def test_only_lora_factors_and_the_dp_head_are_trainable(tiny_bert):
 def test_opacus_hooks_sit_on_the_lora_and_head_modules_only_and_a_step_leaves_no_grads(
     tiny_bert, sst2_rows
 ):
-    """Opacus' two hooks (activations, per-example gradients) are on exactly the modules that
-    own a trainable tensor, each LoRA factor's and the head's, none on the frozen base; after a
-    step (micro-batches of 5) no tensor of the model still holds a gradient of either kind."""
+    """On the hooks path, Opacus' two hooks (activations, per-example gradients) are on exactly
+    the modules that own a trainable tensor, each LoRA factor's and the head's, none on the
+    frozen base; after a step (micro-batches of 5) no tensor of the model still holds a
+    gradient of either kind."""
     lm = load_model(ModelConfig(model=tiny_bert, rank=4))
     config = TrainConfig(
-        noise_multiplier=1.0, steps=1, batch_size=16, micro_batch_size=5, seed=0, progress=False
+        noise_multiplier=1.0,
+        steps=1,
+        batch_size=16,
+        micro_batch_size=5,
+        seed=0,
+        grad_sample_mode="hooks",
+        progress=False,
     )
     trainer = PrivateTrainer(lm, _dataset(lm, sst2_rows[:64]), config)
     owners = {

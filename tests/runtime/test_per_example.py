@@ -1,0 +1,274 @@
+"""Per-example gradients computed inside the trainable linear layers (``prism_runtime.per_example``)
+against Opacus' hooks mode and against autograd on one example at a time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from opacus import GradSampleModule
+from torch import nn
+
+from prism_runtime import per_example
+from prism_runtime.classifier import fold_text_rows
+from prism_runtime.data import TokenizedDataset, make_collate
+from prism_runtime.errors import ConfigError
+from prism_runtime.lora import read_points
+from prism_runtime.model import ModelConfig, load_model
+from prism_runtime.trainer import TrainConfig, make_trainer, per_example_loss
+
+SST2 = "seq-cls"
+TOL = 1e-10
+"""Relative tolerance of two float64 computations of the same rows (summation order only)."""
+
+PAIRS = [
+    ("The nurse was kind.", "Was the nurse kind to you at the clinic last week?"),
+    ("Knee pain after running", "What helps with knee pain?"),
+    ("Is a fever of 39 C dangerous for a child?", "Fever in children"),
+]
+
+
+def _trainable(lm):
+    return [p for h in lm.handles for p in (h.lora_A, h.lora_B)] + list(lm.head_params)
+
+
+def _clear(params):
+    for p in params:
+        p.grad = None
+        p.grad_sample = None
+
+
+def _sst2_batch(lm, rows):
+    ds = TokenizedDataset(rows, lm.tokenizer, SST2, max_length=32)
+    return make_collate(lm.tokenizer, SST2)([ds[i] for i in range(len(ds))])
+
+
+def _pair_batch(lm):
+    rows = [{"text_a": a, "text_b": b, "label": i % 2} for i, (a, b) in enumerate(PAIRS)]
+    ds = TokenizedDataset(rows, lm.tokenizer, SST2, max_length=32, pair_encoding="siamese")
+    return make_collate(lm.tokenizer, SST2)([ds[i] for i in range(len(ds))])
+
+
+def _causal_batch(b=4, t=10):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 30000, (b, t), generator=g)
+    mask = torch.ones(b, t, dtype=torch.long)
+    mask[1, 6:] = 0  # a padded sequence
+    labels = ids.clone()
+    labels[:, :3] = -100  # prompt tokens are not supervised
+    labels[mask == 0] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _layer_rows(lm, batch, task, seed=0):
+    """Every trainable tensor's rows from the layer path, and whether any summed grad formed."""
+    params = _trainable(lm)
+    layers = per_example.trainable_layers(lm.model)
+    per_example.attach(layers)
+    torch.manual_seed(seed)  # the same dropout masks as the hooks run
+    per_example_loss(lm.model, batch, task).sum().backward()
+    rows = [p.grad_sample.clone() for p in params]
+    summed = [p.grad is not None for p in params]
+    _clear(params)
+    per_example.detach(layers)
+    return rows, summed
+
+
+def _hooks_rows(lm, batch, task, seed=0):
+    params = _trainable(lm)
+    gsm = GradSampleModule(lm.model, batch_first=True, loss_reduction="sum")
+    torch.manual_seed(seed)
+    per_example_loss(gsm, batch, task).sum().backward()
+    rows = [p.grad_sample.clone() for p in params]
+    _clear(params)
+    gsm._close()
+    return rows
+
+
+def _worst(rows, want):
+    """The largest relative distance ||a - b|| / ||b|| over tensors and examples."""
+    worst = 0.0
+    for a, b in zip(rows, want, strict=True):
+        assert a.shape == b.shape
+        for i in range(b.shape[0]):
+            worst = max(worst, float((a[i] - b[i]).norm() / b[i].norm().clamp_min(1e-300)))
+    return worst
+
+
+def _bert(tiny_bert, **settings):
+    lm = load_model(ModelConfig(model=tiny_bert, rank=4, **settings))
+    lm.model.to(torch.float64).train()
+    with torch.no_grad():  # a head with signal in every row (the zero-shot start is tied)
+        lm.model.head.weight.normal_(generator=torch.Generator().manual_seed(1))
+    return lm
+
+
+def _llama(tiny_llama, **settings):
+    config = ModelConfig(
+        model=tiny_llama, task="causal-lm", rank=4, target_modules=("q_proj", "v_proj"), **settings
+    )
+    lm = load_model(config)
+    lm.model.to(torch.float64).train()
+    return lm
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_layer_rows_equal_opacus_hooks_on_a_padded_classifier_batch(tiny_bert, sst2_rows, dropout):
+    """Padded SST-2 rows of different lengths, LoRA dropout on or off: every LoRA factor's and
+    the head weight's and bias's rows equal Opacus' hooks mode (float64, relative 1e-10), and
+    the layer path forms no summed gradient."""
+    lm = _bert(tiny_bert, dropout=dropout)
+    batch = _sst2_batch(lm, sst2_rows[:6])
+    assert (batch["attention_mask"] == 0).any()  # padded
+    rows, summed = _layer_rows(lm, batch, SST2)
+    assert _worst(rows, _hooks_rows(lm, batch, SST2)) <= TOL
+    assert not any(summed)
+    assert len(rows) == 2 * len(lm.handles) + 2  # the head's weight and bias
+
+
+def test_layer_rows_equal_opacus_hooks_on_a_padded_causal_lm_batch(tiny_llama):
+    lm = _llama(tiny_llama, dropout=0.2)
+    batch = _causal_batch()
+    rows, _ = _layer_rows(lm, batch, "causal-lm")
+    assert _worst(rows, _hooks_rows(lm, batch, "causal-lm")) <= TOL
+
+
+def test_bf16_base_weights_with_float32_factors_give_float32_rows_equal_to_hooks(tiny_llama):
+    """The GPU layout on a CPU: the frozen base in bfloat16, the LoRA factors in float32 (peft
+    casts the LoRA branch's input to the factors' dtype). The rows are float32 and equal Opacus'
+    hooks rows on the same model within float32 rounding (relative 1e-5)."""
+    config = ModelConfig(
+        model=tiny_llama, task="causal-lm", rank=4, target_modules=("q_proj", "v_proj")
+    )
+    lm = load_model(config)
+    for p in lm.model.parameters():
+        if not p.requires_grad:
+            p.data = p.data.to(torch.bfloat16)
+    lm.model.train()
+    assert lm.handles[0].lora_A.dtype == torch.float32
+    batch = _causal_batch()
+    rows, _ = _layer_rows(lm, batch, "causal-lm")
+    assert all(r.dtype == torch.float32 for r in rows)
+    assert _worst(rows, _hooks_rows(lm, batch, "causal-lm")) <= 1e-5
+
+
+@pytest.mark.parametrize("task", [SST2, "causal-lm"])
+def test_layer_rows_equal_autograd_on_one_example_at_a_time(tiny_bert, tiny_llama, sst2_rows, task):
+    """Row i of every trainable tensor is the gradient of example i's loss alone (the example
+    padded to its own length), relative 1e-10 in float64."""
+    if task == SST2:
+        lm = _bert(tiny_bert)
+        batch = _sst2_batch(lm, sst2_rows[:5])
+        singles = [_sst2_batch(lm, sst2_rows[i : i + 1]) for i in range(5)]
+    else:
+        lm = _llama(tiny_llama)
+        batch = _causal_batch()
+        singles = [{k: v[i : i + 1] for k, v in batch.items()} for i in range(4)]
+    params = _trainable(lm)
+    rows, _ = _layer_rows(lm, batch, task)
+    for i, one in enumerate(singles):
+        want = torch.autograd.grad(per_example_loss(lm.model, one, task).sum(), params)
+        for k, (r, w) in enumerate(zip(rows, want, strict=True)):
+            assert (r[i] - w).norm() <= TOL * w.norm() + 1e-300, (i, k)
+
+
+def test_siamese_text_rows_fold_into_the_hooks_rows_of_each_pair(tiny_bert):
+    """A siamese batch of B pairs runs the encoder on 2B texts: the layer path gives one row per
+    text (as Opacus does) and the folded rows equal Opacus' folded rows."""
+    lm = _bert(tiny_bert, text_pairs=True, pair_encoding="siamese")
+    batch = _pair_batch(lm)
+    B = int(batch["labels"].shape[0])
+    rows, _ = _layer_rows(lm, batch, SST2)
+    hooks = _hooks_rows(lm, batch, SST2)
+    assert rows[0].shape[0] == 2 * B
+    folded = [fold_text_rows(r, B) for r in rows]
+    assert _worst(folded, [fold_text_rows(r, B) for r in hooks]) <= TOL
+
+
+def _roll_rows(store):
+    return lambda p, rows: store(p, rows.roll(1, dims=0))
+
+
+def _unscaled_lora_rows(lm, store):
+    lora = {id(h.lora_B): h.scaling for h in lm.handles}
+    return lambda p, rows: store(p, rows / lora.get(id(p), 1.0))
+
+
+@pytest.mark.parametrize("fault", [_roll_rows, _unscaled_lora_rows])
+def test_a_planted_fault_in_the_rows_is_caught(tiny_bert, sst2_rows, monkeypatch, fault):
+    """The comparison the tests above make catches a row of the wrong example and rows that
+    miss LoRA's scaling alpha / r (here 4): the worst relative error is far above tolerance."""
+    lm = _bert(tiny_bert, alpha=16.0)
+    assert {h.scaling for h in lm.handles} == {4.0}
+    batch = _sst2_batch(lm, sst2_rows[:6])
+    want = _hooks_rows(lm, batch, SST2)
+    store = per_example._store_rows
+    planted = fault(store) if fault is _roll_rows else fault(lm, store)
+    monkeypatch.setattr(per_example, "_store_rows", planted)
+    rows, _ = _layer_rows(lm, batch, SST2)
+    assert _worst(rows, want) > 0.5
+
+
+@pytest.mark.parametrize("unit", ["record", "user"])
+@pytest.mark.parametrize("method", ["prism", "dp-adamw"])
+def test_two_steps_on_the_layer_path_release_what_the_hooks_path_releases(
+    tiny_bert, sst2_rows, method, unit
+):
+    """The same seed (batches, dropout, noise), one model on each path: after two steps
+    (micro-batches of 5, so a person's records can span two) the LoRA factors and the head
+    agree within float32 rounding (relative 1e-4), and the history is the same."""
+    rows = sst2_rows[:48]
+    units = [i // 3 for i in range(len(rows))] if unit == "user" else None
+    finals, histories = [], []
+    for mode in ("layer", "hooks"):
+        lm = load_model(ModelConfig(model=tiny_bert, rank=4, dropout=0.1), method=method)
+        config = TrainConfig(
+            method=method,
+            noise_multiplier=1.0,
+            steps=2,
+            batch_size=6,
+            micro_batch_size=5,
+            privacy_unit=unit,
+            max_records_per_user=2,
+            seed=0,
+            grad_sample_mode=mode,
+            progress=False,
+        )
+        dataset = TokenizedDataset(rows, lm.tokenizer, SST2, max_length=32)
+        trainer = make_trainer(lm, dataset, config, units=units)
+        trainer.train()
+        finals.append(
+            [t for p in read_points(lm.handles) for t in (p.A, p.B)]
+            + [p.detach().clone() for p in lm.head_params]
+        )
+        histories.append(trainer.history)
+    layer, hooks = finals
+    for a, b in zip(layer, hooks, strict=True):
+        assert (a - b).norm() <= 1e-4 * b.norm(), (a - b).norm()
+    assert histories[0] == histories[1]
+
+
+def test_the_layer_path_adds_no_hook_and_a_step_leaves_no_grads(tiny_bert, sst2_rows):
+    """No module of the model has a forward or backward hook on the layer path; the attached
+    layers are exactly the LoRA factors' and the head's; a non-DP trainer on the same model
+    takes them off (its summed gradients are autograd's own)."""
+    lm = load_model(ModelConfig(model=tiny_bert, rank=4))
+    dataset = TokenizedDataset(sst2_rows[:40], lm.tokenizer, SST2, max_length=32)
+    config = TrainConfig(noise_multiplier=1.0, steps=1, batch_size=8, micro_batch_size=3, seed=0)
+    trainer = make_trainer(lm, dataset, config.model_copy(update={"progress": False}))
+    modules = list(lm.model.modules())
+    assert not any(m._forward_hooks or m._backward_hooks for m in modules)
+    layers = {id(m) for m in per_example.attached(lm.model)}
+    owners = {id(m) for m in modules if any(p.requires_grad for p in m.parameters(recurse=False))}
+    assert layers == owners and len(owners) == 2 * len(lm.handles) + 1
+    trainer.step()
+    for name, p in lm.model.named_parameters():
+        assert p.grad is None and getattr(p, "grad_sample", None) is None, name
+    make_trainer(lm, dataset, config.model_copy(update={"method": "nondp", "progress": False}))
+    assert per_example.attached(lm.model) == []
+
+
+def test_a_trainable_layer_that_is_not_linear_is_refused_with_the_way_out():
+    model = nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3))
+    model[0].requires_grad_(False)
+    with pytest.raises(ConfigError, match=r"LayerNorm.*grad_sample_mode='hooks'"):
+        per_example.trainable_layers(model)
