@@ -35,7 +35,7 @@ Z = 6.0
 """Standard errors of the std estimate allowed (two-sided Gaussian tail 2e-9)."""
 
 
-def _trainer(tiny_bert: str, rows: list[dict], method: str) -> PrivateTrainer:
+def _trainer(tiny_bert: str, rows: list[dict], method: str, mode: str) -> PrivateTrainer:
     init = "spectral-residual" if method == "prism" else "standard"
     lm = load_model(
         ModelConfig(model=tiny_bert, rank=RANK, init=init, num_labels=NUM_LABELS), method=method
@@ -48,6 +48,7 @@ def _trainer(tiny_bert: str, rows: list[dict], method: str) -> PrivateTrainer:
         batch_size=B,
         micro_batch_size=3,
         seed=0,
+        grad_sample_mode=mode,
         progress=False,
     )
     dataset = TokenizedDataset(rows[:40], lm.tokenizer, SST2, max_length=32)
@@ -86,8 +87,9 @@ def _check_std(differences: list[Tensor], *, expected: float, wrong: float, what
     )
 
 
-def test_prism_head_noise_has_the_total_clip(tiny_bert, sst2_rows):
-    trainer = _trainer(tiny_bert, sst2_rows, "prism")
+@pytest.mark.parametrize("mode", ["layer", "hooks"])
+def test_prism_head_noise_has_the_total_clip(tiny_bert, sst2_rows, mode):
+    trainer = _trainer(tiny_bert, sst2_rows, "prism", mode)
     batch, points = _batch(trainer, sst2_rows[:B]), read_points(trainer.loaded.handles)
     sums: list[list[Tensor]] = []
 
@@ -103,9 +105,12 @@ def test_prism_head_noise_has_the_total_clip(tiny_bert, sst2_rows):
     _check_std(differences, expected=SIGMA * C / B, wrong=SIGMA * C_HEAD / B, what="prism head")
 
 
+@pytest.mark.parametrize("mode", ["layer", "hooks"])
 @pytest.mark.parametrize("method", ["dp-adamw", "ffa"])
-def test_factor_baseline_noise_has_the_total_clip_on_lora_and_head(method, tiny_bert, sst2_rows):
-    trainer = _trainer(tiny_bert, sst2_rows, method)
+def test_factor_baseline_noise_has_the_total_clip_on_lora_and_head(
+    method, tiny_bert, sst2_rows, mode
+):
+    trainer = _trainer(tiny_bert, sst2_rows, method, mode)
     batch = _batch(trainer, sst2_rows[:B])
     n_head = len(trainer.loaded.head_params)
     assert n_head == 2
