@@ -92,6 +92,7 @@ class FactorTrainer(DPTrainer):
             acc, _ = clip(
                 lora, max_norm=self.config.max_norm, previous=acc, euclidean=head, **split
             )
+            del lora, head  # the rows go before the next micro-batch's forward
         if acc is None:
             acc = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
         return acc, total

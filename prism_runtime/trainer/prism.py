@@ -131,6 +131,7 @@ class PrismTrainer(DPTrainer):
                 frames=frames,
                 **split,
             )
+            del grads, head_grads  # the rows go before the next micro-batch's forward
         return (acc if acc is not None else empty_sum(points, self.loaded.head_params)), total
 
     def release(
@@ -205,6 +206,7 @@ class PrismTrainer(DPTrainer):
                     frames=frames,
                 )
                 count, below = count + acc.count, below + acc.count - acc.clipped
+                del grads, head_grads  # the rows go before the next micro-batch's forward
         return count, below
 
     # -- post-processing -------------------------------------------------------------------
