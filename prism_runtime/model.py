@@ -132,7 +132,7 @@ class ModelConfig(BaseModel):
         description="public cosine threshold of the siamese zero-shot head",
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    seed: int = Field(0, description="seeds the head and orthonormal initialisation (public)")
+    seed: int = Field(0, description="seeds the head and the adapter's random start (public)")
 
     @field_validator("target_modules", mode="before")
     @classmethod
@@ -281,6 +281,14 @@ def load_model(
             "init='standard' puts the adapter at Z = 0, where the rank-r tangent space PRISM "
             "works in is degenerate: use init='spectral-residual' (default) or 'orthonormal'"
         )
+    # Modules built here and peft's standard start draw from torch's global generator: seed it
+    # from the config's public seed, leaving the caller's generator as it was.
+    with torch.random.fork_rng():
+        torch.manual_seed(config.seed)
+        return _load(config, method, cache_dir)
+
+
+def _load(config: ModelConfig, method: str, cache_dir: Path | None) -> LoadedModel:
     device = resolve_device(config.device)
     base = _load_base(config, device)
     tokenizer = load_tokenizer(config.model)

@@ -88,6 +88,26 @@ def test_pooling_is_read_from_the_models_own_config(tiny_bert, tiny_llama, st_be
         )
 
 
+def test_the_random_start_is_the_config_seeds_and_leaves_the_global_generator_alone(tiny_bert):
+    """peft's standard start draws lora_A at random: two loads with one seed start at the same
+    adapter and head whatever the global generator holds, another seed starts elsewhere, and
+    the caller's generator is where it was."""
+
+    def start(seed: int, noise: int) -> list[torch.Tensor]:
+        torch.manual_seed(noise)
+        lm = load_model(
+            ModelConfig(model=tiny_bert, rank=2, init="standard", seed=seed), method="dp-adamw"
+        )
+        after = torch.rand(1)
+        torch.manual_seed(noise)
+        assert torch.equal(after, torch.rand(1))  # the load drew nothing from the caller's
+        return [h.lora_A.detach() for h in lm.handles] + [p.detach() for p in lm.head_params]
+
+    one, again, other = start(3, noise=1), start(3, noise=2), start(4, noise=1)
+    assert all(torch.equal(a, b) for a, b in zip(one, again, strict=True))
+    assert not torch.equal(one[0], other[0])
+
+
 def test_mean_pooling_is_the_masked_mean_of_the_last_hidden_states(tiny_bert, sst2_rows):
     lm = load_model(ModelConfig(model=tiny_bert, rank=2, pooling="mean"))
     lm.model.eval()

@@ -351,7 +351,6 @@ def test_a_person_across_micro_batches_is_clipped_as_in_one_pass(
     rows = sst2_rows[: len(units)]
     sums = {}
     for size in (micro, len(units)):
-        torch.manual_seed(0)  # peft's standard start draws lora_A from the global generator
         lm = load_model(ModelConfig(model=tiny_bert, rank=4, init=init), method=method)
         trainer, dataset = _trainer(
             lm, rows, units, method=method, micro_batch_size=size, max_records_per_user=6
