@@ -84,6 +84,9 @@ class SitePolicy:
     """The most honest sites this site counts on; None: 1 when deployed, the run's in simulation."""
     secure_max_dropouts: int = 0
     """D, the most roster sites this site tolerates missing from a secure sum."""
+    secure_graph: str | None = None
+    """``complete`` or ``sparse`` (node config ``secure-graph``); None: ``complete`` when
+    deployed, the run's in simulation (``sparse_graph``)."""
     secure_peers: Path | None = None
     """Deployed: the folder of the peers' pinned identity keys (``<site-id>.pem``)."""
     secure_identity: Path | None = None
@@ -134,6 +137,14 @@ class SitePolicy:
         if own is None:
             own = run.min_honest_sites if self.simulation else 1
         return min(own, run.min_honest_sites)
+
+    def sparse_graph(self, run: RunConfig) -> bool:
+        """Whether this site accepts a sparse masking graph in ``run``'s secure rounds (within
+        its own bound, ``RoundTrust.check_graph``)."""
+        own = self.secure_graph
+        if own is None:
+            own = run.secure_graph if self.simulation else "complete"
+        return own == "sparse"
 
     def round_trust(self, run: RunConfig) -> RoundTrust:
         """H and D of this site's secure rounds of ``run`` (``prism_runtime.secure_sum.trust``).
@@ -289,6 +300,7 @@ def site_policy(
         secure_aggregation=site.secure_aggregation,
         min_honest_sites=site.min_honest_sites,
         secure_max_dropouts=site.secure_max_dropouts,
+        secure_graph=site.secure_graph,
         secure_peers=Path(site.secure_peers) if site.secure_peers else None,
         secure_identity=Path(site.secure_identity) if site.secure_identity else None,
         rng_secret=secret.encode() if secret else None,

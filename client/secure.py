@@ -73,6 +73,7 @@ from prism_runtime.secure_sum import (
     MasksUsedError,
     RoundId,
     SiteRound,
+    ThresholdError,
     check_sum_fits,
 )
 from prism_runtime.secure_sum.messages import (
@@ -355,7 +356,8 @@ def share(stage: SecureStage) -> RecordDict:
     sealed shares (``SiteRound.share``), shared once.
 
     Raises:
-        ThresholdError: the roster or threshold fails the site's threshold condition.
+        ThresholdError: the roster or threshold fails the site's threshold condition, or the
+            masking graph is sparse and the site does not accept one or its bound.
         KeyBindingError: an advertisement does not verify (a substituted key, or a site whose
             key is not pinned here), or the peers folder is writable by others.
         MasksUsedError: the site shared already this round (its kept state is stale).
@@ -363,8 +365,16 @@ def share(stage: SecureStage) -> RecordDict:
     site, round_id = stage.site, stage.round_id
     site_round = stage.load_round()
     request = decode_share_request(stage.secure_part(), round_id=round_id, site_id=site.site_id)
+    if request.graph is not None and not stage.noise.sparse_graph:
+        raise ThresholdError(
+            f"a sparse masking graph of degree {request.graph_degree}: this site masks with "
+            "every site of a round only (node config secure-graph); nothing shared"
+        )
     sealed = site_round.share(
-        request.roster, registered=registered_keys(site.policy), threshold=request.threshold
+        request.roster,
+        registered=registered_keys(site.policy),
+        threshold=request.threshold,
+        graph=request.graph,
     )
     stage.keep_round(site_round)
     return encode_share_reply(sealed, round_id=round_id, site_id=site.site_id)
@@ -390,7 +400,11 @@ def mask(stage: SecureStage) -> RecordDict:
     """
     site, noise, round_id = stage.site, stage.noise, stage.round_id
     site_round = stage.load_round()
-    request = decode_mask_request(stage.secure_part(), round_id=round_id, site_id=site.site_id)
+    graph = site_round.graph
+    near = None if graph.complete else graph.neighbourhood(site.site_id)
+    request = decode_mask_request(
+        stage.secure_part(), round_id=round_id, site_id=site.site_id, near=near
+    )
     participants = request.participants
     site_round.receive(request.sealed)
     # whatever mask() would refuse is refused now, before the round is charged

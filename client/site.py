@@ -137,6 +137,7 @@ class SecureNoise:
         share_sigma: the RDP-equivalent multiplier of the share alone (the guarantee if every
             other site colluded with the coordinator).
         dim: the length of the coordinate vector (public: the model's shapes).
+        sparse_graph: whether the site accepts a sparse masking graph (``SitePolicy.sparse_graph``).
     """
 
     trust: RoundTrust
@@ -145,6 +146,7 @@ class SecureNoise:
     mu_share: float
     share_sigma: float
     dim: int
+    sparse_graph: bool = False
 
     @property
     def honest(self) -> int:
@@ -152,13 +154,15 @@ class SecureNoise:
         return self.trust.honest
 
     @classmethod
-    def for_sigma(cls, sigma: float, *, trust: RoundTrust, dim: int) -> SecureNoise:
+    def for_sigma(
+        cls, sigma: float, *, trust: RoundTrust, dim: int, sparse_graph: bool = False
+    ) -> SecureNoise:
         l2, l1 = discrete_sensitivity(dim)
         mu = skellam_mu(sigma=sigma, l1=l1, l2=l2)
         share = mu / trust.share_divisor
         # at H - D = 1 the share IS the sum: min() keeps float rounding from putting it above sigma
         alone = min(skellam_sigma(mu=share, l1=l1, l2=l2), sigma)
-        return cls(trust, sigma, mu, share, alone, dim)
+        return cls(trust, sigma, mu, share, alone, dim, sparse_graph)
 
 
 @dataclass(frozen=True)
@@ -275,6 +279,7 @@ class Site:
                 dim=coordinate_dim(
                     coordinate_shapes(read_points(self.loaded.handles), self.loaded.head_params)
                 ),
+                sparse_graph=policy.sparse_graph(run),
             )
         train_config = site_train_config(
             run,

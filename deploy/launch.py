@@ -40,10 +40,11 @@ required with ``user``), ``PRISM_PARTITION_ID`` and ``PRISM_NUM_PARTITIONS`` (on
 ``PRISM_SECURE_AGGREGATION`` (``off``, ``allow`` (default) or ``require``),
 ``PRISM_MIN_HONEST_SITES`` (H: the most honest sites, this one included, the site counts on;
 default 1), ``PRISM_SECURE_MAX_DROPOUTS`` (D: the most sites of a round it tolerates missing;
-below H, default 0), ``PRISM_SECURE_PEERS`` (the folder of pinned identity public keys, one
-``<site-id>.pem`` per site, writable by its owner only; their fingerprints are logged at start;
-a site without it refuses secure rounds), ``PRISM_SECURE_IDENTITY``
-(the site's identity private key file, e.g. ``KEYS_DIR/identity.pem``),
+below H, default 0), ``PRISM_SECURE_GRAPH`` (``complete``, the default, or ``sparse``: also
+accept a sparse masking graph within the site's own bound), ``PRISM_SECURE_PEERS`` (the folder of
+pinned identity public keys, one ``<site-id>.pem`` per site, writable by its owner only; their
+fingerprints are logged at start; a site without it refuses secure rounds),
+``PRISM_SECURE_IDENTITY`` (the site's identity private key file, e.g. ``KEYS_DIR/identity.pem``),
 ``PRISM_CLIENTAPP_PORT`` (default 9094), ``PRISM_SITE_EXECUTOR`` (``worker``, the default: the
 SuperNode runs under the site's warm worker ``client.worker``, one long-lived process that runs
 every message with the site's installed ClientApp; ``flower``: Flower's own executor, a fresh
@@ -100,6 +101,7 @@ _NODE_ENV = {
     "secure-aggregation": "PRISM_SECURE_AGGREGATION",
     "min-honest-sites": "PRISM_MIN_HONEST_SITES",
     "secure-max-dropouts": "PRISM_SECURE_MAX_DROPOUTS",
+    "secure-graph": "PRISM_SECURE_GRAPH",
     "secure-peers": "PRISM_SECURE_PEERS",
     "secure-identity": "PRISM_SECURE_IDENTITY",
 }

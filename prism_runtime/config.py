@@ -302,6 +302,12 @@ class RunConfig(_Kebab):
         "adds noise std sigma C / sqrt(H)); a site never counts on more than its own "
         "min-honest-sites, and a round with fewer than H masked inputs is aborted",
     )
+    secure_graph: Literal["complete", "sparse"] = Field(
+        "complete",
+        description="secure aggregation: whom each site masks with: complete (every other "
+        "site; O(n d) work a site) or sparse (k = O(log n) neighbours of a public random graph, "
+        "SecAgg+; only sites whose node config accepts it take part, docs/security.md)",
+    )
     sample_rate: float = Field(
         0.0,
         ge=0,
@@ -791,6 +797,16 @@ class SiteConfig(_Kebab):
         json_schema_extra=_allowed_note(
             f"an integer in [0, {MAX_HONEST_SITES - 1}], below min-honest-sites (a round whose "
             "H is not above it is refused: secure-dropouts-not-below-honest-sites)"
+        ),
+    )
+    secure_graph: Literal["complete", "sparse"] | None = Field(
+        None,
+        description="secure aggregation: sparse also accepts a sparse masking graph (k "
+        "neighbours) whose chance of breaking this site's guarantee, for n - H colluders and D "
+        "dropouts fixed before the graph is drawn, is at most 2^-40; complete refuses one (4010)",
+        json_schema_extra=_allowed_note(
+            "complete or sparse (default: complete for a deployed site; a simulated site "
+            "follows the run's secure-graph)"
         ),
     )
     secure_identity: str = Field(

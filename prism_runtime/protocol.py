@@ -144,8 +144,8 @@ REFUSAL_REASONS: dict[str, str] = {
 """Codes a site may put in ``reason`` of a ``refused`` reply, with their fixed meaning."""
 
 SECURE_ERRORS: dict[int, str] = {
-    4010: "secure round refused: the roster or threshold does not meet this site's threshold "
-    "condition; nothing shared",
+    4010: "secure round refused: the roster, threshold or masking graph does not meet this "
+    "site's threshold condition; nothing shared",
     4011: "secure round refused: more of the round's sites are missing than this site tolerates; "
     "nothing charged or revealed",
     4012: "secure round refused: the participant or survivor sets disagree with those this site "

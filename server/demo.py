@@ -21,6 +21,7 @@ import datetime as dt
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -30,14 +31,42 @@ from pathlib import Path
 from prism_runtime.config import SYNTHETIC
 from server.report import UNIT_NAMES
 
-__all__ = ["demo_env", "demo_run_config", "demo_summary", "main", "stop_local_superlinks"]
+__all__ = [
+    "LOCAL_PORTS",
+    "demo_env",
+    "demo_run_config",
+    "demo_summary",
+    "main",
+    "stop_local_superlinks",
+]
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+LOCAL_PORTS = ("FLWR_LOCAL_SUPERLINK_HTTP_API_PORT", "FLWR_LOCAL_CONTROL_API_PORT")
+"""The environment variables that move ``flwr run . local``'s SuperLink off its fixed ports."""
+
+
+def _free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports on 127.0.0.1 that are free now (the OS picks them)."""
+    holders = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in holders:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in holders]
+    finally:
+        for sock in holders:
+            sock.close()
+
+
 def demo_env(flwr_home: Path) -> dict[str, str]:
-    """Environment for a local, offline Flower run that installs nothing at run time."""
+    """Environment for a local, offline Flower run that installs nothing at run time, with its
+    own local SuperLink: on ports of its own (``LOCAL_PORTS``, unless set already), so a demo
+    started while another runs (another checkout, another venv) starts its own SuperLink and
+    simulation instead of submitting to the other one's."""
     env = dict(os.environ)
+    for name, port in zip(LOCAL_PORTS, _free_ports(len(LOCAL_PORTS)), strict=True):
+        env.setdefault(name, str(port))
     # Ray's socket paths must stay under 108 bytes: keep its folder short.
     ray_dir = Path(tempfile.gettempdir()) / f"pfl-ray-{os.getuid()}"
     ray_dir.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,10 @@ per-round class over bytes and numpy uint64 vectors, with no network:
   ChaCha20-Poly1305 encryption bound to sender, receiver, run, round, threshold and roster;
 - ``site``: ``SiteRound``, a site's secrets and shares for one round, whose ``answer`` reveals
   shares only for the one view it signed, never both secrets of one site; ``unmask``: the
-  coordinator's request and the exact sum;
+  coordinator's request and the exact sum, added up as the masked inputs arrive (``MaskedSum``);
+- ``graph``: the masking graph (complete, or SecAgg+'s sparse Harary graph over a
+  transcript-seeded order: each site masks with k neighbours and shares among its neighbourhood),
+  its failure bound and ``sparse_parameters``;
 - ``trust``: a site's H and D (``RoundTrust``) and the threshold condition they give;
   ``views``: the consistency check, each survivor's signature of its participant and survivor
   sets;
@@ -68,6 +71,7 @@ from prism_runtime.secure_sum.field import (
     encode_signed,
     sum_fits,
 )
+from prism_runtime.secure_sum.graph import MaskingGraph, sparse_parameters
 from prism_runtime.secure_sum.keys import (
     AdvertisedKeys,
     RoundId,
@@ -79,8 +83,9 @@ from prism_runtime.secure_sum.keys import (
 from prism_runtime.secure_sum.masks import expand_mask, mask_input, pairwise_sign
 from prism_runtime.secure_sum.shamir import check_threshold, combine_secret, split_secret
 from prism_runtime.secure_sum.site import RoundDecisions, SiteRound
-from prism_runtime.secure_sum.trust import RoundTrust, least_common_threshold
+from prism_runtime.secure_sum.trust import RoundTrust, common_graph, least_common_threshold
 from prism_runtime.secure_sum.unmask import (
+    MaskedSum,
     ShareKind,
     UnmaskRequest,
     UnmaskResponse,
@@ -99,6 +104,8 @@ __all__ = [
     "AdvertisedKeys",
     "ConsistencyError",
     "KeyBindingError",
+    "MaskedSum",
+    "MaskingGraph",
     "MasksUsedError",
     "NoiseShareError",
     "RoundDecisions",
@@ -119,6 +126,7 @@ __all__ = [
     "check_sum_fits",
     "check_threshold",
     "combine_secret",
+    "common_graph",
     "confirming_signers",
     "encode_signed",
     "expand_mask",
@@ -133,6 +141,7 @@ __all__ = [
     "seed_commitment",
     "sign_keys",
     "sign_view",
+    "sparse_parameters",
     "split_secret",
     "sum_fits",
     "unmask_sum",

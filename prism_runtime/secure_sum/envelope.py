@@ -39,9 +39,15 @@ class SharePair(NamedTuple):
 
 
 def _associated(
-    round_id: RoundId, sender: str, receiver: str, threshold: int, roster: Collection[str]
+    round_id: RoundId,
+    sender: str,
+    receiver: str,
+    threshold: int,
+    roster: Collection[str],
+    degree: int | None,
 ) -> bytes:
     holders = sorted(roster)
+    graph: tuple[str | int, ...] = () if degree is None else ("degree", degree)
     return frame(
         DOMAIN,
         "shares",
@@ -52,6 +58,7 @@ def _associated(
         threshold,
         len(holders),
         *holders,
+        *graph,
     )
 
 
@@ -64,12 +71,14 @@ def seal_shares(
     round_id: RoundId,
     threshold: int,
     roster: Collection[str],
+    degree: int | None = None,
 ) -> bytes:
     """``nonce || ChaCha20-Poly1305(key, nonce, shares, ad = (run, round, sender, receiver,
-    threshold, roster))``."""
+    threshold, roster[, degree]))``; ``degree``: a sparse masking graph's (``graph``), whose
+    threshold ``threshold`` then is."""
     nonce = os.urandom(NONCE_BYTES)
     plaintext = frame(shares.seed, shares.mask_key)
-    associated = _associated(round_id, sender, receiver, threshold, roster)
+    associated = _associated(round_id, sender, receiver, threshold, roster, degree)
     return nonce + ChaCha20Poly1305(key).encrypt(nonce, plaintext, associated)
 
 
@@ -82,6 +91,7 @@ def open_shares(
     round_id: RoundId,
     threshold: int,
     roster: Collection[str],
+    degree: int | None = None,
 ) -> SharePair:
     """The shares ``sender`` sealed for ``receiver`` with ``threshold`` among ``roster``.
 
@@ -90,7 +100,7 @@ def open_shares(
             direction, round or run, sealed under another key, or for another threshold or
             roster) or is malformed.
     """
-    associated = _associated(round_id, sender, receiver, threshold, roster)
+    associated = _associated(round_id, sender, receiver, threshold, roster, degree)
     try:
         plaintext = ChaCha20Poly1305(key).decrypt(
             sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], associated

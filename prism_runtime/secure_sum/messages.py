@@ -115,10 +115,19 @@ class AdvertiseRequest:
 
 @dataclass(frozen=True)
 class ShareRequest:
-    """The roster of advertised keys (``U1``, keyed by site id) and the threshold t."""
+    """The roster of advertised keys (``U1``, keyed by site id), the threshold t and the masking
+    graph: ``graph_degree`` k and ``graph_threshold`` of a sparse one (``graph``), 0 and 0 for
+    the complete graph."""
 
     roster: Mapping[str, AdvertisedKeys]
     threshold: int
+    graph_degree: int = 0
+    graph_threshold: int = 0
+
+    @property
+    def graph(self) -> tuple[int, int] | None:
+        """(degree, neighbourhood threshold) of a sparse graph; None: the complete graph."""
+        return None if self.graph_degree == 0 else (self.graph_degree, self.graph_threshold)
 
 
 @dataclass(frozen=True)
@@ -245,6 +254,17 @@ def _threshold_is_a_majority(read: MessageReader, got: Mapping[str, Any]) -> Non
             "threshold",
             f"is {threshold} with {n} roster sites, not a majority of them ({n // 2 + 1}..{n})",
         )
+    degree, local = got["graph_degree"], got["graph_threshold"]
+    if degree == 0 and local == 0:
+        return
+    if degree % 2 or not 2 <= degree < n - 1:
+        raise read.fail("graph-degree", f"is {degree}: give 0 or an even degree in [2, {n - 2}]")
+    if not degree // 2 < local <= degree:
+        raise read.fail(
+            "graph-threshold",
+            f"is {local} for degree {degree}: not a majority of the neighbourhood "
+            f"({degree // 2 + 1}..{degree})",
+        )
 
 
 def _survivors_and_dropped_are_disjoint(read: MessageReader, got: Mapping[str, Any]) -> None:
@@ -266,6 +286,13 @@ def _signers_are_survivors(read: MessageReader, got: Mapping[str, Any]) -> None:
 def _sender_is_a_survivor(read: MessageReader, got: Mapping[str, Any]) -> None:
     if got["site_id"] not in got["request"].survivors:
         raise read.fail("site-id", f"names {got['site_id']!r}, which is not a survivor")
+
+
+def _near(got: Mapping[str, Any], sites: frozenset[str]) -> Collection[str]:
+    """``sites`` within the sender's neighbourhood ``near`` of a sparse masking graph (all of
+    them without one)."""
+    near = got.get("near")
+    return sites if near is None else sites & set(near)
 
 
 def _other_roster_sites(got: Mapping[str, Any]) -> Collection[str] | None:
@@ -290,6 +317,8 @@ _SHARE_REQUEST = Message(
     Stage.SHARE_REQUEST,
     (
         Int("threshold", 1, MAX_SITES),
+        Int("graph-degree", 0, MAX_SITES),
+        Int("graph-threshold", 0, MAX_SITES),
         Table(
             "roster",
             "roster",
@@ -322,8 +351,14 @@ _MASK_REQUEST = Message(
             "sealed",
             "senders",
             (("sealed-shares", _SEALED),),
-            expect=lambda got: got["participants"] - {got["site_id"]},
-            what="other participants",
+            expect=lambda got: (
+                (
+                    got["participants"]
+                    & (got["participants"] if got.get("near") is None else set(got["near"]))
+                )
+                - {got["site_id"]}
+            ),
+            what="other participants of its neighbourhood",
         ),
     ),
     make=MaskRequest,
@@ -360,14 +395,14 @@ _UNMASK_REPLY = Message(
             "seed_shares",
             "seed-share-owners",
             (("seed-shares", _SHARE),),
-            expect=lambda got: got["request"].survivors,
+            expect=lambda got: _near(got, got["request"].survivors),
             what="asked for",
         ),
         Table(
             "key_shares",
             "key-share-owners",
             (("key-shares", _SHARE),),
-            expect=lambda got: got["request"].dropped,
+            expect=lambda got: _near(got, got["request"].dropped),
             what="asked for",
         ),
     ),
@@ -446,14 +481,29 @@ def decode_share_reply(
     return _SHARE_REPLY.decode(content, round_id=round_id, site_id=site_id, roster=roster)
 
 
-def encode_mask_request(request: MaskRequest, *, round_id: RoundId, site_id: str) -> RecordDict:
-    """The ciphertexts sealed for ``site_id`` and the participant list, sent to ``site_id``."""
-    return _MASK_REQUEST.encode(vars(request), round_id=round_id, site_id=site_id)
+def encode_mask_request(
+    request: MaskRequest,
+    *,
+    round_id: RoundId,
+    site_id: str,
+    near: Collection[str] | None = None,
+) -> RecordDict:
+    """The ciphertexts sealed for ``site_id`` and the participant list, sent to ``site_id``
+    (``near``: its neighbourhood in a sparse masking graph)."""
+    return _MASK_REQUEST.encode(vars(request), round_id=round_id, site_id=site_id, near=near)
 
 
-def decode_mask_request(content: RecordDict, *, round_id: RoundId, site_id: str) -> MaskRequest:
-    """The participants (this site among them) and one ciphertext from each other participant."""
-    return _MASK_REQUEST.decode(content, round_id=round_id, site_id=site_id)
+def decode_mask_request(
+    content: RecordDict,
+    *,
+    round_id: RoundId,
+    site_id: str,
+    near: Collection[str] | None = None,
+) -> MaskRequest:
+    """The participants (this site among them) and one ciphertext from each other participant,
+    or, with a sparse masking graph, from each other participant of ``near`` (its
+    neighbourhood)."""
+    return _MASK_REQUEST.decode(content, round_id=round_id, site_id=site_id, near=near)
 
 
 def encode_mask_reply(
@@ -542,7 +592,15 @@ def encode_unmask_reply(response: UnmaskResponse, *, round_id: RoundId) -> Recor
 
 
 def decode_unmask_reply(
-    content: RecordDict, *, round_id: RoundId, site_id: str, request: UnmaskRequest
+    content: RecordDict,
+    *,
+    round_id: RoundId,
+    site_id: str,
+    request: UnmaskRequest,
+    near: Collection[str] | None = None,
 ) -> UnmaskResponse:
-    """A survivor's shares: one ``SHARE_BYTES`` share per site ``request`` named, no other."""
-    return _UNMASK_REPLY.decode(content, round_id=round_id, site_id=site_id, request=request)
+    """A survivor's shares: one ``SHARE_BYTES`` share per site ``request`` named, no other
+    (``near``: with a sparse masking graph, per site of the sender's neighbourhood it named)."""
+    return _UNMASK_REPLY.decode(
+        content, round_id=round_id, site_id=site_id, request=request, near=near
+    )

@@ -9,11 +9,12 @@ X25519 key pairs and a fresh 32-byte self-mask seed (``secrets``), and the site'
 2. ``share``: refuses a roster or threshold that does not meet its threshold condition
    (``ThresholdError``), verifies every advertisement of the roster against the registered
    identity keys (``KeyBindingError`` names a substituted site), splits its seed and mask
-   private key with threshold t among the roster and seals each receiver's two shares for that
-   t and roster (``envelope``);
+   private key with threshold t among the roster (with a sparse masking graph, ``graph``: with
+   the neighbourhood threshold among its neighbourhood, after checking the graph against its
+   own bound) and seals each receiver's two shares for that t and roster (``envelope``);
 3. ``receive``: opens the shares the other sites sealed for it (``ShareError`` if one fails);
 4. ``mask``: masks its ONE input of the round with its self mask and a pairwise mask per
-   participant, refusing more than D missing roster sites;
+   participant (per participating neighbour), refusing more than D missing roster sites;
 5. ``sign_view``: signs the participant and survivor sets it was given (``views``), once;
 6. ``answer``: reveals, for an unmasking request of exactly its signed sets confirmed by t valid
    signatures of survivors, the seed shares of the survivors and the mask-key shares of the
@@ -50,6 +51,7 @@ from prism_runtime.secure_sum.errors import (
     ShareError,
 )
 from prism_runtime.secure_sum.field import FieldVector, check_bits
+from prism_runtime.secure_sum.graph import MaskingGraph
 from prism_runtime.secure_sum.keys import (
     KEY_BYTES,
     MASK_PURPOSE,
@@ -160,6 +162,8 @@ class SiteRound:
         )
         self._roster: dict[str, AdvertisedKeys] = {}
         self._threshold = 0
+        self._sparse: tuple[int, int] | None = None  # (degree, neighbourhood threshold)
+        self._graph: MaskingGraph | None = None
         self._held: dict[str, SharePair] = {}
         self._participants: frozenset[str] = frozenset()
         self._survivors: frozenset[str] | None = None
@@ -185,28 +189,37 @@ class SiteRound:
         *,
         registered: Mapping[str, ec.EllipticCurvePublicKey],
         threshold: int,
+        graph: tuple[int, int] | None = None,
     ) -> dict[str, bytes]:
-        """Check the threshold, verify the roster, split this site's secrets among it and seal
-        each receiver's shares.
+        """Check the threshold, verify the roster, split this site's secrets among it (or among
+        its neighbourhood of a sparse masking graph) and seal each receiver's shares.
 
         Args:
             roster: The advertised keys of every site of the round (``U1``), this one included,
                 keyed by site id, as relayed by the coordinator.
             registered: The identity public key of each registered site id.
             threshold: t; this site's threshold condition must accept it for ``len(roster)``.
+            graph: A sparse masking graph's degree k and neighbourhood threshold (``graph``),
+                which this site must accept (``RoundTrust.check_graph``); None, or a degree of
+                ``n - 1`` and above: the complete graph.
 
         Returns:
-            The sealed shares for each other site of the roster, keyed by receiver.
+            The sealed shares for each other holder of this site's shares, keyed by receiver.
 
         Raises:
             MasksUsedError: This site shared already this round.
-            ThresholdError: The roster is smaller than H or t fails the threshold condition.
+            ThresholdError: The roster is smaller than H, t fails the threshold condition, or
+                the graph breaks this site's guarantee with too high a probability.
             KeyBindingError: An advertisement does not verify (names the site), or the roster
                 does not carry this site's own keys unchanged.
         """
         if self._roster:
             raise MasksUsedError(f"site {self.site_id!r} already shared its secrets this round")
         self.trust.check_threshold(threshold, len(roster))
+        if graph is not None and graph[0] >= len(roster) - 1:
+            graph = None
+        if graph is not None:
+            self.trust.check_graph(len(roster), degree=graph[0], threshold=graph[1])
         if roster.get(self.site_id) != self._advertised:
             raise KeyBindingError(
                 f"the roster does not carry the keys site {self.site_id!r} advertised: they were "
@@ -219,11 +232,12 @@ class SiteRound:
                 )
             verify_keys(advertised, round_id=self.round_id, registered=registered)
         check_threshold(threshold, len(roster))
-        holders = sorted(roster)
-        seeds = split_secret(self._seed, threshold=threshold, holders=holders)
-        keys = split_secret(
-            self._mask_key.private_bytes_raw(), threshold=threshold, holders=holders
-        )
+        self._roster = dict(roster)
+        self._threshold = threshold
+        self._sparse = graph
+        holders, split = self._holders(self.site_id), self._share_threshold
+        seeds = split_secret(self._seed, threshold=split, holders=holders)
+        keys = split_secret(self._mask_key.private_bytes_raw(), threshold=split, holders=holders)
         sealed: dict[str, bytes] = {}
         for peer in holders:
             pair = SharePair(seeds[peer], keys[peer])
@@ -237,12 +251,30 @@ class SiteRound:
                 sender=self.site_id,
                 receiver=peer,
                 round_id=self.round_id,
-                threshold=threshold,
-                roster=holders,
+                threshold=split,
+                roster=sorted(roster),
+                degree=None if graph is None else graph[0],
             )
-        self._roster = dict(roster)
-        self._threshold = threshold
         return sealed
+
+    @property
+    def graph(self) -> MaskingGraph:
+        """The round's masking graph, derived from the roster and transcript it shared with."""
+        if not self._roster:
+            raise SecureSumError(f"site {self.site_id!r} has no verified roster this round")
+        if self._graph is None:
+            degree = len(self._roster) - 1 if self._sparse is None else self._sparse[0]
+            self._graph = MaskingGraph.derive(
+                self._roster, degree=degree, transcript=self.transcript
+            )
+        return self._graph
+
+    @property
+    def _share_threshold(self) -> int:
+        return self._threshold if self._sparse is None else self._sparse[1]
+
+    def _holders(self, site: str) -> list[str]:
+        return sorted(self._roster) if self._sparse is None else self.graph.neighbourhood(site)
 
     def receive(self, sealed: Mapping[str, bytes]) -> None:
         """Open and keep the shares each sender sealed for this site (all, or none on an error).
@@ -254,9 +286,12 @@ class SiteRound:
         if not self._roster:
             raise SecureSumError(f"site {self.site_id!r} must share before it receives shares")
         opened: dict[str, SharePair] = {}
+        senders = set(self._holders(self.site_id)) - {self.site_id}
         for sender in sorted(sealed):
-            if sender not in self._roster or sender == self.site_id:
-                raise ShareError(f"shares arrived from {sender!r}, not another site of the roster")
+            if sender not in senders:
+                raise ShareError(
+                    f"shares arrived from {sender!r}, not another holder of this site's shares"
+                )
             key = self._pairwise(self._roster[sender], SHARE_PURPOSE)
             opened[sender] = open_shares(
                 key,
@@ -264,8 +299,9 @@ class SiteRound:
                 sender=sender,
                 receiver=self.site_id,
                 round_id=self.round_id,
-                threshold=self._threshold,
+                threshold=self._share_threshold,
                 roster=sorted(self._roster),
+                degree=None if self._sparse is None else self._sparse[0],
             )
         self._held.update(opened)
 
@@ -286,7 +322,8 @@ class SiteRound:
                 "once (two masked inputs would reveal their difference)"
             )
         everyone = frozenset(participants)
-        missing = sorted(everyone - set(self._held))
+        near = everyone & set(self._holders(self.site_id))
+        missing = sorted((near - set(self._held)) | (everyone - set(self._roster)))
         if self.site_id not in everyone or missing:
             raise ConsistencyError(
                 f"site {self.site_id!r} cannot mask with participants {sorted(everyone)}: it holds "
@@ -297,6 +334,11 @@ class SiteRound:
             raise SecureSumAbortedError(
                 f"secure sum aborted: {len(everyone)} participants and the threshold needs "
                 f"{self._threshold}; nothing was sent"
+            )
+        if len(near) < self._share_threshold:
+            raise SecureSumAbortedError(
+                f"secure sum aborted: {len(near)} of this site's neighbourhood participate and "
+                f"its neighbourhood threshold needs {self._share_threshold}; nothing was sent"
             )
         return everyone
 
@@ -312,9 +354,10 @@ class SiteRound:
             The errors of ``check_participants``.
         """
         everyone = self.check_participants(participants)
+        near = everyone & set(self._holders(self.site_id))
         keys = {
             peer: self._pairwise(self._roster[peer], MASK_PURPOSE)
-            for peer in everyone
+            for peer in near
             if peer != self.site_id
         }
         self._participants = everyone
@@ -345,8 +388,8 @@ class SiteRound:
 
     @property
     def transcript(self) -> bytes:
-        """``views.round_transcript`` of the roster and threshold this site shared with."""
-        return round_transcript(self._threshold, self._roster.values())
+        """``views.round_transcript`` of the roster, threshold and graph this site shared with."""
+        return round_transcript(self._threshold, self._roster.values(), self._sparse)
 
     def view(self, survivors: Collection[str]) -> RoundView:
         """This run of the round as this site saw it, with ``survivors``: the participants it
@@ -431,10 +474,11 @@ class SiteRound:
             registered=registered,
             threshold=self._threshold,
         )
+        near = set(self._holders(self.site_id))
         return UnmaskResponse(
             site_id=self.site_id,
-            seed_shares={u: self._held[u].seed for u in sorted(view.survivors)},
-            key_shares={d: self._held[d].mask_key for d in sorted(view.dropped)},
+            seed_shares={u: self._held[u].seed for u in sorted(view.survivors & near)},
+            key_shares={d: self._held[d].mask_key for d in sorted(view.dropped & near)},
         )
 
     # -- what the site decided once ---------------------------------------------------------
@@ -505,6 +549,7 @@ class SiteRound:
             "advertised": keys(self._advertised),
             "roster": {s: keys(a) for s, a in self._roster.items()},
             "threshold": self._threshold,
+            "graph": None if self._sparse is None else list(self._sparse),
             "held": {s: [p.seed.hex(), p.mask_key.hex()] for s, p in self._held.items()},
             "participants": sorted(self._participants),
             "survivors": None if self._survivors is None else sorted(self._survivors),
@@ -540,6 +585,9 @@ class SiteRound:
             self._advertised = keys(state["advertised"])
             self._roster = {str(s): keys(v) for s, v in state["roster"].items()}
             self._threshold = int(state["threshold"])
+            graph = state.get("graph")
+            self._sparse = None if graph is None else (int(graph[0]), int(graph[1]))
+            self._graph = None
             self._held = {
                 str(s): SharePair(bytes.fromhex(v[0]), bytes.fromhex(v[1]))
                 for s, v in state["held"].items()

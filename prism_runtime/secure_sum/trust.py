@@ -39,8 +39,9 @@ from dataclasses import dataclass
 
 from prism_runtime.errors import ConfigError
 from prism_runtime.secure_sum.errors import SecureSumAbortedError, ThresholdError
+from prism_runtime.secure_sum.graph import SECURITY_BITS, graph_failure, sparse_parameters
 
-__all__ = ["RoundTrust", "least_common_threshold"]
+__all__ = ["RoundTrust", "common_graph", "least_common_threshold"]
 
 
 def _count(value: object, name: str, low: int) -> int:
@@ -103,6 +104,38 @@ class RoundTrust:
                 f"{self.least_threshold(sites)}..{sites}; nothing shared"
             )
 
+    def check_graph(self, sites: int, *, degree: int, threshold: int) -> None:
+        """Accept a sparse masking graph of ``degree`` with neighbourhood threshold
+        ``threshold`` for a roster of ``sites`` sites, or refuse it (``graph``): its chance of
+        breaking this site's guarantee, with ``n - H`` colluders and D dropped sites fixed
+        before the round's order is drawn, must be at most ``2^-SECURITY_BITS``.
+
+        Raises:
+            ThresholdError: The threshold is not a majority of the ``degree + 1`` holders or
+                above ``degree``, or the bound is larger.
+        """
+        if degree >= sites - 1:
+            return
+        if not degree // 2 + 1 <= threshold <= degree:
+            raise ThresholdError(
+                f"neighbourhood threshold {threshold} for degree {degree}: give "
+                f"{degree // 2 + 1}..{degree} (a majority of the neighbourhood); nothing shared"
+            )
+        failure = graph_failure(
+            sites,
+            degree=degree,
+            threshold=threshold,
+            corrupt=sites - self.honest,
+            dropouts=self.dropouts,
+        )
+        if failure > 2.0**-SECURITY_BITS:
+            raise ThresholdError(
+                f"a masking graph of degree {degree} (neighbourhood threshold {threshold}) for "
+                f"{sites} sites breaks this site's guarantee (H = {self.honest}, "
+                f"D = {self.dropouts}) with probability up to {failure:.3g}, above "
+                f"2^-{SECURITY_BITS}: nothing shared"
+            )
+
     def check_present(self, present: int, sites: int, what: str) -> None:
         """Refuse a stage at which more than D of the ``sites`` roster sites are missing.
 
@@ -114,6 +147,18 @@ class RoundTrust:
                 f"{present} {what} of {sites} roster sites: this site tolerates at most "
                 f"{self.dropouts} missing; nothing further done"
             )
+
+
+def common_graph(trusts: Iterable[RoundTrust], sites: int) -> tuple[int, int] | None:
+    """The sparse masking graph (degree, neighbourhood threshold) every site of a roster of
+    ``sites`` sites with ``trusts`` accepts, from the most colluders and dropouts any of them
+    allows for (``graph.sparse_parameters``); None: the complete graph."""
+    trusts = list(trusts)
+    if not trusts:
+        return None
+    corrupt = max(sites - trust.honest for trust in trusts)
+    dropouts = max(trust.dropouts for trust in trusts)
+    return sparse_parameters(sites, corrupt=max(corrupt, 0), dropouts=dropouts)
 
 
 def least_common_threshold(trusts: Iterable[RoundTrust], sites: int) -> int | None:

@@ -33,10 +33,17 @@ from prism_runtime.secure_sum.keys import AdvertisedKeys, RoundId
 __all__ = ["RoundView", "confirming_signers", "round_transcript", "sign_view"]
 
 
-def round_transcript(threshold: int, roster: Iterable[AdvertisedKeys]) -> bytes:
+def round_transcript(
+    threshold: int,
+    roster: Iterable[AdvertisedKeys],
+    graph: tuple[int, int] | None = None,
+) -> bytes:
     """SHA-256 of ``threshold`` and each roster site's id, round keys and seed commitment,
-    in id order: what one run of a round shared with (its keys are fresh every run)."""
+    in id order: what one run of a round shared with (its keys are fresh every run); with a
+    sparse masking ``graph`` (degree, neighbourhood threshold), those two as well."""
     fields: list[bytes | str | int] = [DOMAIN, "round-transcript", threshold]
+    if graph is not None:
+        fields += ["sparse-graph", *graph]
     for keys in sorted(roster, key=lambda k: k.site_id):
         fields += [keys.site_id, keys.mask_public, keys.share_public, keys.seed_commitment]
     return hashlib.sha256(frame(*fields)).digest()
@@ -62,20 +69,20 @@ class RoundView:
         return self.participants - self.survivors
 
 
-def _signed_bytes(round_id: RoundId, signer: str, view: RoundView) -> bytes:
+def _view_bytes(view: RoundView) -> bytes:
+    """The framed sets and transcript of ``view``: the part of every signer's signed bytes that
+    does not name the signer (framed once, however many signatures are checked on it)."""
     participants, survivors = sorted(view.participants), sorted(view.survivors)
-    return frame(
-        DOMAIN,
-        "round-view",
-        round_id.run_id,
-        round_id.server_round,
-        signer,
-        len(participants),
-        *participants,
-        len(survivors),
-        *survivors,
-        view.transcript,
-    )
+    return frame(len(participants), *participants, len(survivors), *survivors, view.transcript)
+
+
+def _signed_bytes(
+    round_id: RoundId, signer: str, view: RoundView, framed: bytes | None = None
+) -> bytes:
+    """``frame(DOMAIN, "round-view", run, round, signer, |U2|, *U2, |U3|, *U3, transcript)``
+    (``framed``: ``_view_bytes(view)``, if already made; framing concatenates its fields)."""
+    head = frame(DOMAIN, "round-view", round_id.run_id, round_id.server_round, signer)
+    return head + (_view_bytes(view) if framed is None else framed)
 
 
 def sign_view(
@@ -109,6 +116,7 @@ def confirming_signers(
             sites other sets (or too few survivors signed); reveal nothing.
     """
     valid = []
+    framed = _view_bytes(view)
     for signer in sorted(signatures):
         public = registered.get(signer)
         if signer not in view.survivors or public is None:
@@ -116,7 +124,7 @@ def confirming_signers(
         try:
             public.verify(
                 signatures[signer],
-                _signed_bytes(round_id, signer, view),
+                _signed_bytes(round_id, signer, view, framed),
                 ec.ECDSA(hashes.SHA256()),
             )
         except InvalidSignature:

@@ -136,6 +136,7 @@ class PrismStrategy(Strategy):
                 central=CentralStep(run, modules=modules, head=head, arrays=arrays),
                 binding=binding,
                 min_honest_sites=run.min_honest_sites,
+                sparse_graph=run.secure_graph == "sparse",
             )
         else:
             round_kind = plain_round(run, modules=modules, head=head, terms=terms)

@@ -35,6 +35,7 @@ in a plain round; a node that never got the mask message cannot have charged and
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -43,7 +44,6 @@ from typing import Any, cast
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
-from numpy.typing import NDArray
 from torch import Tensor
 
 from prism_core.distributed import FIELD_BITS
@@ -64,14 +64,17 @@ from prism_runtime.protocol import (
 )
 from prism_runtime.secure_sum import (
     AdvertisedKeys,
+    MaskedSum,
+    MaskingGraph,
     RoundId,
     SecureSumError,
     UnmaskRequest,
     UnmaskResponse,
     centre,
+    common_graph,
     least_common_threshold,
     plan_unmask,
-    unmask_sum,
+    round_transcript,
 )
 from prism_runtime.secure_sum.messages import (
     AdvertiseRequest,
@@ -114,9 +117,10 @@ class SecureState:
     nodes: list[int]
     adverts: dict[str, tuple[int, AdvertisedKeys]] = field(default_factory=dict)
     threshold: int = 0
+    sparse: tuple[int, int] | None = None  # a sparse graph's degree and neighbourhood threshold
     sealed: dict[str, dict[str, bytes]] = field(default_factory=dict)
     participants: frozenset[str] = frozenset()
-    masked: dict[str, NDArray[np.uint64]] = field(default_factory=dict)
+    masked: MaskedSum | None = None  # the running sum of the masked inputs that arrived
     shares: dict[str, float] = field(default_factory=dict)  # site -> its share's sigma
     divisor: dict[str, float] = field(default_factory=dict)  # site -> its expected batch
     signatures: dict[str, bytes] = field(default_factory=dict)  # survivor -> its view's signature
@@ -133,6 +137,20 @@ class SecureState:
 
     def node_of(self, site: str) -> int:
         return self.adverts[site][0]
+
+    @functools.cached_property
+    def graph(self) -> MaskingGraph:
+        """The masking graph every site derives from the roster, t and ``sparse`` it shared
+        with (the complete graph unless ``sparse``)."""
+        roster = self.roster
+        degree = len(roster) - 1 if self.sparse is None else self.sparse[0]
+        transcript = round_transcript(self.threshold, roster.values(), self.sparse)
+        return MaskingGraph.derive(roster, degree=degree, transcript=transcript)
+
+    @property
+    def masked_from(self) -> frozenset[str]:
+        """The participants whose masked input arrived."""
+        return frozenset() if self.masked is None else frozenset(self.masked.sites)
 
 
 def _part(content: RecordDict) -> RecordDict:
@@ -159,12 +177,20 @@ class SecureRound:
         binding: the strategy's node <-> site binding (advertisements bind nodes to sites).
         min_honest_sites: the run's ``min-honest-sites`` (what the sites are asked to count on;
             each site's own H and D, signed in its advertisement, set the threshold).
+        sparse_graph: the run's ``secure-graph = sparse``: a sparse masking graph that every
+            site's own H and D accept (``common_graph``), where one is smaller than complete.
     """
 
     def __init__(
-        self, *, central: CentralStep, binding: SiteBinding, min_honest_sites: int
+        self,
+        *,
+        central: CentralStep,
+        binding: SiteBinding,
+        min_honest_sites: int,
+        sparse_graph: bool = False,
     ) -> None:
         self.central, self.binding, self.min_honest_sites = central, binding, min_honest_sites
+        self.sparse_graph = sparse_graph
 
     def begin(self, server_round: int, broadcast: dict[str, Tensor]) -> None:
         """Nothing to prepare: the central step reads the broadcast from the mask messages."""
@@ -259,11 +285,19 @@ class SecureRound:
         threshold = least_common_threshold(trusts, len(trusts)) if trusts else None
         # None: no site advertised, or one counts on more honest sites than advertised: abort
         state.threshold = len(trusts) + 1 if threshold is None else threshold
+        if self.sparse_graph and threshold is not None:
+            state.sparse = common_graph(trusts, len(trusts))
         return self._enough(state, len(state.adverts), "sites advertised keys")
 
     def share_keys(self, state: SecureState) -> bool:
         """2. The roster and threshold to every advertiser; their sealed Shamir shares back."""
-        share_ask = ShareRequest(roster=state.roster, threshold=state.threshold)
+        degree, local = state.sparse or (0, 0)
+        share_ask = ShareRequest(
+            roster=state.roster,
+            threshold=state.threshold,
+            graph_degree=degree,
+            graph_threshold=local,
+        )
         contents = {
             node: _with(
                 {CONFIG: state.config},
@@ -271,7 +305,7 @@ class SecureRound:
             )
             for site, (node, _) in state.adverts.items()
         }
-        roster = list(state.adverts)
+        graph = state.graph
         for msg in self._send(state, contents, SECURE_SHARE):
             site = self.binding.site_of(msg.metadata.src_node_id)
             if site not in state.adverts or msg.has_error():
@@ -283,7 +317,10 @@ class SecureRound:
                 continue
             try:
                 state.sealed[site] = decode_share_reply(
-                    _part(msg.content), round_id=state.round_id, site_id=site, roster=roster
+                    _part(msg.content),
+                    round_id=state.round_id,
+                    site_id=site,
+                    roster=graph.neighbourhood(site),
                 )
             except (SecureSumError, ValueError) as exc:
                 log.warning(
@@ -295,20 +332,28 @@ class SecureRound:
     def collect_masked(self, state: SecureState) -> bool:
         """3. The charged stage: each participant's facts (through the intake) and masked input."""
         contents = {}
+        graph = state.graph
         for site in sorted(state.participants):
             node = state.node_of(site)
+            near = graph.neighbourhood(site)
             for_site = {
                 sender: state.sealed[sender][site]
-                for sender in state.participants
+                for sender in state.participants & set(near)
                 if sender != site
             }
             mask_ask = MaskRequest(sealed=for_site, participants=state.participants)
             contents[node] = _with(
                 {ARRAYS: state.arrays, CONFIG: state.config},
-                encode_mask_request(mask_ask, round_id=state.round_id, site_id=site),
+                encode_mask_request(
+                    mask_ask,
+                    round_id=state.round_id,
+                    site_id=site,
+                    near=None if graph.complete else near,
+                ),
             )
             self.binding.sent_to[node] = state.round_.server_round
         state.sealed.clear()
+        running = state.masked = MaskedSum(self.central.dim, bits=FIELD_BITS)
 
         def keep_masked(site: str, facts: ReplyFacts, msg: Message) -> Callable[[], None]:
             if site not in state.participants:
@@ -331,7 +376,7 @@ class SecureRound:
             share = secure.share_sigma
 
             def add() -> None:
-                state.masked[site] = vector
+                running.add(site, vector)  # one running sum: the vector is not kept
                 state.shares[site] = share
                 state.divisor[site] = divisor
 
@@ -341,13 +386,13 @@ class SecureRound:
             state.intake.take(msg, keep_masked)
             del msg
         state.intake.charge_unanswered()
-        return self._enough(state, len(state.masked), "masked inputs", charged=True)
+        return self._enough(state, len(running.sites), "masked inputs", charged=True)
 
     def check_consistency(self, state: SecureState) -> bool:
         """4. Every survivor signs its participants and the survivor set; at least t signatures
         go on (the sites verify them: the coordinator holds no pinned key)."""
         request = state.unmask = plan_unmask(
-            state.masked, participants=state.participants, threshold=state.threshold
+            state.masked_from, participants=state.participants, threshold=state.threshold
         )
         ask = ConsistencyRequest(survivors=request.survivors)
         contents = {
@@ -379,7 +424,7 @@ class SecureRound:
                 )
         if self._enough(state, len(state.signatures), "survivors signed", charged=True):
             return True
-        state.masked.clear()
+        state.masked = None
         return False
 
     def unmask_sum(self, state: SecureState) -> bool:
@@ -403,7 +448,11 @@ class SecureRound:
             try:
                 state.answers.append(
                     decode_unmask_reply(
-                        _part(msg.content), round_id=state.round_id, site_id=site, request=request
+                        _part(msg.content),
+                        round_id=state.round_id,
+                        site_id=site,
+                        request=request,
+                        near=None if state.graph.complete else state.graph.neighbourhood(site),
                     )
                 )
             except (SecureSumError, ValueError) as exc:
@@ -420,23 +469,25 @@ class SecureRound:
         summary = state.intake.summary
         request = state.unmask
         assert request is not None
+        running = state.masked
+        assert running is not None
         try:
-            total = unmask_sum(
-                state.masked,
+            total = running.unmask(
                 state.answers,
                 roster=state.roster,
                 participants=state.participants,
                 threshold=state.threshold,
-                bits=FIELD_BITS,
                 round_id=state.round_id,
+                graph=state.graph,
+                graph_threshold=None if state.sparse is None else state.sparse[1],
             )
         except SecureSumError as exc:
-            state.masked.clear()
+            state.masked = None
             summary.discarded = f"secure sum aborted: {exc}"
             log.warning("round %d: %s", state.round_.server_round, summary.discarded)
             return None
         survivors = sorted(request.survivors)
-        state.masked.clear()  # from here on the coordinator holds the sum only
+        state.masked = None  # from here on the coordinator holds the sum only
         expected = sum(state.divisor[s] for s in survivors)
         noise = noise_std_of(
             [state.shares[s] for s in survivors],
@@ -453,11 +504,13 @@ class SecureRound:
             return None
         summary.applied = True
         log.info(
-            "round %d: secure sum of %d sites (%d dropped after sharing), threshold %d",
+            "round %d: secure sum of %d sites (%d dropped after sharing), threshold %d, "
+            "masking graph degree %d",
             state.round_.server_round,
             len(survivors),
             len(request.dropped),
             state.threshold,
+            state.graph.degree,
         )
         return ArrayRecord(new)
 
@@ -502,7 +555,11 @@ class SecureRound:
         return False
 
     def describe(self) -> str:
-        return f"secure aggregation, min-honest-sites={self.min_honest_sites}, lr={self.central.lr}"
+        graph = "sparse" if self.sparse_graph else "complete"
+        return (
+            f"secure aggregation, min-honest-sites={self.min_honest_sites}, {graph} masking "
+            f"graph, lr={self.central.lr}"
+        )
 
     def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """The central step's moments (``CentralStep.state_dict``)."""

@@ -286,6 +286,24 @@ def test_a_site_counts_on_at_most_its_own_honest_sites(
 
 
 @pytest.mark.parametrize(
+    ("simulation", "own", "run_graph", "expected"),
+    [
+        (False, None, "sparse", False),  # deployed: complete unless its node config says sparse
+        (False, "sparse", "sparse", True),
+        (False, "sparse", "complete", True),  # accepts one; a complete run sends none
+        (True, None, "sparse", True),  # simulated: the run's
+        (True, None, "complete", False),
+        (True, "complete", "sparse", False),  # its own node config wins
+    ],
+)
+def test_a_site_accepts_a_sparse_masking_graph_only_if_its_node_config_says_so(
+    simulation: bool, own: str | None, run_graph: str, expected: bool
+) -> None:
+    policy = _policy(simulation=simulation, secure_graph=own)
+    assert policy.sparse_graph(_run(**SECURE, **{"secure-graph": run_graph})) is expected
+
+
+@pytest.mark.parametrize(
     ("own", "dropouts", "code"),
     [
         (4, 3, None),  # D = H - 1: the largest D a round at H = 4 allows

@@ -713,3 +713,38 @@ def test_encoders_refuse_to_send_what_the_receiver_refuses(played: Played) -> No
 def test_message_format_error_is_a_secure_sum_error() -> None:
     assert issubclass(MessageFormatError, SecureSumError)
     assert issubclass(MessageFormatError, ValueError)
+
+
+def test_a_share_requests_graph_is_bounded_and_the_neighbourhood_tables_exact(
+    played: Played,
+) -> None:
+    """A sparse graph's degree is even and below n - 1 and its threshold a majority of the
+    neighbourhood; with a neighbourhood ``near`` the mask request and unmask reply list exactly
+    its sites, no more."""
+    share_request = played.sent[Stage.SHARE_REQUEST][0]
+    assert isinstance(share_request, ShareRequest)
+    roster = share_request.roster  # 4 sites: degree 2 is the only sparse one
+    sparse = ShareRequest(roster=roster, threshold=THRESHOLD, graph_degree=2, graph_threshold=2)
+    got = decode_share_request(
+        encode_share_request(sparse, round_id=ROUND, site_id=SITE), round_id=ROUND, site_id=SITE
+    )
+    assert got.graph == (2, 2) and share_request.graph is None
+    for degree, local, key in [(3, 2, "graph-degree"), (4, 3, "graph-degree"),
+                               (2, 1, "graph-threshold"), (2, 3, "graph-threshold")]:  # fmt: skip
+        bad = ShareRequest(
+            roster=roster, threshold=THRESHOLD, graph_degree=degree, graph_threshold=local
+        )
+        with pytest.raises(MessageFormatError, match=rf"refusing to send.*'{key}'"):
+            encode_share_request(bad, round_id=ROUND, site_id=SITE)
+    near = ["s0", "s1", "s3"]
+    everyone = frozenset(SITES)
+    ask = MaskRequest(sealed={"s1": bytes(142), "s3": bytes(142)}, participants=everyone)
+    with pytest.raises(MessageFormatError, match=r"refusing to send.*'senders'"):
+        encode_mask_request(ask, round_id=ROUND, site_id=SITE)  # the complete graph's: 3 senders
+    decoded = decode_mask_request(
+        encode_mask_request(ask, round_id=ROUND, site_id=SITE, near=near),
+        round_id=ROUND,
+        site_id=SITE,
+        near=near,
+    )
+    assert set(decoded.sealed) == {"s1", "s3"}

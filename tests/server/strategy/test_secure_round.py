@@ -381,3 +381,67 @@ def test_one_sample_rate_gives_unequal_sites_one_sigma_and_the_central_divisor(
     for site_id in sites:
         lines = (tmp_path / "run" / "sites" / site_id / "privacy-ledger.jsonl").read_text()
         assert [json.loads(x)["q"] for x in lines.splitlines()] == [q]
+
+
+def _sparse_run(tmp_path: Path, tiny_bert: str, sites: int, **nodes_extra: object):
+    values = _config(
+        tiny_bert,
+        tmp_path / "run",
+        **{
+            "num-rounds": 1,
+            "sites-per-round": sites,
+            "min-honest-sites": sites,
+            "secure-graph": "sparse",
+            "synthetic-examples": 32 * sites,
+        },
+    )
+    nodes = {
+        100 + i: {
+            "partition-id": i,
+            "num-partitions": sites,
+            "min-honest-sites": sites,
+            "secure-max-dropouts": 1,
+            **nodes_extra,
+        }
+        for i in range(sites)
+    }
+    return values, nodes
+
+
+def test_a_sparse_masking_graph_round_applies_the_sum_with_a_dropout(tiny_bert, tmp_path):
+    """Six sites that count on all six and tolerate one missing: the coordinator takes the
+    common sparse graph (degree 4, neighbourhood threshold 3), one site drops after masking,
+    and the round's sum is unmasked from its neighbours' shares and applied."""
+    values, nodes = _sparse_run(tmp_path, tiny_bert, 6)
+    grid = SecureGrid(values, nodes=nodes, drop={103: "secure_unmask"})
+    applied: list[str] = []
+
+    class Applied(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "secure sum of" in record.getMessage():
+                applied.append(record.getMessage())
+
+    strategy, handler = logging.getLogger("server.strategy"), Applied()
+    level = strategy.level
+    strategy.addHandler(handler)
+    strategy.setLevel(logging.INFO)
+    try:
+        summary = _summary(_run(values, grid))
+    finally:
+        strategy.removeHandler(handler)
+        strategy.setLevel(level)
+    (only,) = summary["rounds"]
+    assert only["applied"] and len(only["accepted"]) == 6, only
+    assert applied and applied[0].endswith("masking graph degree 4"), applied
+
+
+def test_a_site_that_masks_with_everyone_only_refuses_a_sparse_graph(tiny_bert, tmp_path):
+    """Node config secure-graph = complete at one site: it refuses the sparse graph (4010)
+    before it shares, and the other five go on within D."""
+    values, nodes = _sparse_run(tmp_path, tiny_bert, 6)
+    nodes[100]["secure-graph"] = "complete"
+    grid = SecureGrid(values, nodes=nodes)
+    (only,) = _summary(_run(values, grid))["rounds"]
+    assert only["applied"] and sorted(only["accepted"]) == [f"site-{i}" for i in range(1, 6)]
+    own = tmp_path / "run" / "sites" / "site-0" / "privacy-ledger.jsonl"
+    assert not own.exists() or own.read_text() == ""  # charged nothing

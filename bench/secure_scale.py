@@ -1,0 +1,287 @@
+"""The secure sum at the scale of edge fleets, in one process: n sites and the coordinator.
+
+Every site is a real ``prism_runtime.secure_sum.SiteRound`` (fresh X25519 keys, ECDSA P-256
+identity, Shamir shares sealed with ChaCha20-Poly1305, ChaCha20 masks); the coordinator plans
+the unmasking and adds each masked input to one running sum as it arrives (``MaskedSum``), so it
+holds one vector whatever n. No transport: messages are handed over in memory, and their bytes
+are counted from the objects that would travel (keys, commitments, signatures, sealed shares,
+site ids, the masked vector of d 8-byte words).
+
+The round: every site counts on H = n - c honest sites (c = ``--corrupt`` x n colluders allowed
+for) and tolerates D = the dropout count; the coordinator takes the least common threshold and,
+with ``--graph sparse``, the common sparse graph (``secure_sum.common_graph``: the least even
+degree k whose failure bound is <= 2^-40 and abort bound <= 2^-20). A fraction ``delta`` of the
+roster drops, split evenly over three stages: after advertising (never shares), after sharing
+(never masks: its masks are removed with its rebuilt mask key) and after masking (never answers
+the unmasking). The sum is compared with the plain sum of the survivors' inputs exactly.
+
+Reported per (n, delta, d): degree k and neighbourhood threshold, per-site median and max time
+over all of a site's calls, per-site bytes sent and received (median), ChaCha mask words one
+site expands, the coordinator's time (adds and unmasking) and the vector it holds (one running
+sum of d words: no site's vector is kept after it is added), whether the round succeeded and the
+sum was exact.
+
+    PYTHONPATH=. .venv/bin/python bench/secure_scale.py --sites 10 100 300 1000 \\
+        --dropout 0 0.1 0.3 --length 74498 --out bench-results/secure-scale.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from datetime import date
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from prism_runtime.secure_sum import (
+    AdvertisedKeys,
+    MaskedSum,
+    RoundId,
+    RoundTrust,
+    SecureSumError,
+    SiteRound,
+    centre,
+    common_graph,
+    encode_signed,
+    least_common_threshold,
+    plan_unmask,
+)
+from prism_runtime.secure_sum import masks as masks_module
+
+BITS = 62
+T = TypeVar("T")
+
+
+def _advert_bytes(a: AdvertisedKeys) -> int:
+    return (
+        len(a.site_id)
+        + len(a.mask_public)
+        + len(a.share_public)
+        + len(a.seed_commitment)
+        + (len(a.signature) + 8 + 4 + 4)
+    )
+
+
+def simulate(
+    n: int, *, delta: float, length: int, corrupt: float, sparse: bool, seed: int
+) -> dict[str, Any]:
+    """One round of n in-process sites (module docstring); the measurements."""
+    rng = np.random.default_rng(seed)  # which sites drop and the test inputs; never the masks
+    ids = [f"site-{i:05d}" for i in range(n)]
+    dropped_total = round(delta * n)
+    c = int(corrupt * n)
+    trust = RoundTrust(n - c, max(dropped_total, 0) if dropped_total < n - c else n - c - 1)
+    seconds: dict[str, float] = defaultdict(float)
+    sent: dict[str, int] = defaultdict(int)
+    received: dict[str, int] = defaultdict(int)
+
+    def timed(site: str, call: Callable[[], T]) -> T:
+        start = time.perf_counter()
+        out = call()
+        seconds[site] += time.perf_counter() - start
+        return out
+
+    identities = {s: ec.generate_private_key(ec.SECP256R1()) for s in ids}
+    registered = {s: k.public_key() for s, k in identities.items()}
+    round_id = RoundId("scale", 1)
+    sites = {
+        s: timed(
+            s,
+            lambda s=s: SiteRound(
+                site_id=s,
+                round_id=round_id,
+                identity_key=identities[s],
+                bits=BITS,
+                noise_share=1.0,
+                trust=trust,
+            ),
+        )
+        for s in ids
+    }
+    roster = {s: site.advertised for s, site in sites.items()}
+    for s in ids:
+        sent[s] += _advert_bytes(roster[s])
+    threshold = least_common_threshold([trust] * n, n)
+    assert threshold is not None
+    graph = common_graph([trust] * n, n) if sparse else None
+
+    order = list(rng.permutation(ids))
+    third = dropped_total // 3
+    stage_drops = [third, third, dropped_total - 2 * third]
+    drop_share = set(order[: stage_drops[0]])
+    drop_mask = set(order[stage_drops[0] : stage_drops[0] + stage_drops[1]])
+    drop_answer = set(order[stage_drops[0] + stage_drops[1] : dropped_total])
+
+    # Stage 2: every site that stays verifies the roster and seals shares for its holders.
+    roster_bytes = sum(_advert_bytes(a) for a in roster.values())
+    sealed: dict[str, dict[str, bytes]] = {}
+    for s in ids:
+        if s in drop_share:
+            continue
+        received[s] += roster_bytes + 16
+        sealed[s] = timed(
+            s,
+            lambda s=s: sites[s].share(
+                roster, registered=registered, threshold=threshold, graph=graph
+            ),
+        )
+        sent[s] += sum(len(b) + len(r) for r, b in sealed[s].items())
+    sharing = sorted(sealed)
+    for s in sharing:
+        box = {p: b[s] for p, b in sealed.items() if s in b}
+        received[s] += sum(len(b) + len(p) for p, b in box.items())
+        timed(s, lambda s=s, box=box: sites[s].receive(box))
+    participants = sharing
+    ids_bytes = sum(len(p) for p in participants)
+
+    plain = {s: rng.integers(-(2**20), 2**20, size=length, endpoint=True) for s in participants}
+    running = MaskedSum(length, bits=BITS)
+    coordinator = 0.0
+    words: list[int] = []
+    real_expand = masks_module.expand_mask
+
+    def counting(key: bytes, size: int, *, bits: int) -> np.ndarray:
+        words.append(size)
+        return real_expand(key, size, bits=bits)
+
+    masks_module.expand_mask = counting  # counts the site's mask words; restored below
+    mask_words: list[int] = []
+    try:
+        outcome = "ok"
+        for s in participants:
+            received[s] += ids_bytes
+            if s in drop_mask:
+                continue
+            words.clear()
+            try:
+                vector = timed(
+                    s,
+                    lambda s=s: sites[s].mask(
+                        encode_signed(plain[s], bits=BITS, bound=2**20),
+                        participants=participants,
+                    ),
+                )
+            except SecureSumError as exc:
+                outcome = f"aborted at mask ({type(exc).__name__})"
+                break
+            mask_words.append(sum(words))
+            sent[s] += vector.nbytes
+            start = time.perf_counter()
+            running.add(s, vector)
+            coordinator += time.perf_counter() - start
+            del vector
+    finally:
+        masks_module.expand_mask = real_expand
+
+    result: dict[str, Any] = {
+        "sites": n,
+        "dropout": delta,
+        "length": length,
+        "corrupt": corrupt,
+        "graph": "sparse" if graph is not None else "complete",
+        "degree": graph[0] if graph is not None else n - 1,
+        "neighbourhood_threshold": graph[1] if graph is not None else threshold,
+        "threshold": threshold,
+        "dropped": {"share": len(drop_share), "mask": len(drop_mask), "answer": len(drop_answer)},
+    }
+    if outcome == "ok":
+        try:
+            start = time.perf_counter()
+            request = plan_unmask(running.sites, participants=participants, threshold=threshold)
+            coordinator += time.perf_counter() - start
+            survivors = sorted(request.survivors)
+            signatures = {}
+            for s in survivors:
+                received[s] += sum(len(p) for p in survivors) + 16
+                signatures[s] = timed(
+                    s,
+                    lambda s=s: sites[s].sign_view(survivors, identity_key=identities[s]),
+                )
+                sent[s] += len(signatures[s])
+            signature_bytes = sum(len(b) + len(s) for s, b in signatures.items())
+            answers = []
+            for s in survivors:
+                if s in drop_answer:
+                    continue
+                received[s] += signature_bytes
+                response = timed(
+                    s,
+                    lambda s=s: sites[s].answer(
+                        request, signatures=signatures, registered=registered
+                    ),
+                )
+                sent[s] += sum(
+                    len(b) + len(o)
+                    for book in (response.seed_shares, response.key_shares)
+                    for o, b in book.items()
+                )
+                answers.append(response)
+            start = time.perf_counter()
+            total = running.unmask(
+                answers,
+                roster=roster,
+                participants=participants,
+                threshold=threshold,
+                round_id=round_id,
+                graph=sites[survivors[0]].graph,
+                graph_threshold=None if graph is None else graph[1],
+            )
+            coordinator += time.perf_counter() - start
+            expected = np.sum([plain[s] for s in survivors], axis=0)
+            exact = bool(np.array_equal(centre(total, bits=BITS), expected))
+            result |= {"exact": exact}
+        except SecureSumError as exc:
+            outcome = f"aborted at unmask ({type(exc).__name__})"
+    active = [s for s in ids if s not in drop_share]
+    result |= {
+        "outcome": outcome,
+        "site_seconds_median": statistics.median(seconds[s] for s in active),
+        "site_seconds_max": max(seconds[s] for s in active),
+        "site_sent_bytes_median": statistics.median(sent[s] for s in active),
+        "site_received_bytes_median": statistics.median(received[s] for s in active),
+        "site_mask_words": max(mask_words, default=0),
+        "coordinator_seconds": coordinator,
+        "coordinator_sum_bytes": running.total.nbytes,
+    }
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sites", type=int, nargs="+", default=[10, 100, 300, 1000])
+    parser.add_argument("--dropout", type=float, nargs="+", default=[0.0, 0.1, 0.3])
+    parser.add_argument("--length", type=int, nargs="+", default=[74_498])
+    parser.add_argument("--corrupt", type=float, default=0.1, help="colluders allowed for (c/n)")
+    parser.add_argument("--graph", choices=["sparse", "complete"], default="sparse")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    rows = []
+    for length in args.length:
+        for n in args.sites:
+            for delta in args.dropout:
+                row = simulate(
+                    n,
+                    delta=delta,
+                    length=length,
+                    corrupt=args.corrupt,
+                    sparse=args.graph == "sparse",
+                    seed=args.seed,
+                )
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"machine": platform.processor() or platform.machine(), "date": str(date.today())}
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
