@@ -419,6 +419,7 @@ def test_site_kit_settings_start_a_tls_authenticated_supernode(tmp_path):
         "secure-aggregation": "allow",
         "min-honest-sites": 1,  # counts on no one: its own share carries the whole noise
         "secure-max-dropouts": 0,  # tolerates no site missing from a sum
+        "secure-graph": "complete",  # masks with every site of a round
         "secure-identity": str(keys / "identity.pem"),
     }
 

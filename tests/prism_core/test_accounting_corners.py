@@ -89,14 +89,15 @@ def test_any_refusal_of_opacus_falls_back_to_rdp_and_is_asked_once(monkeypatch):
 
 
 def test_where_prv_falls_below_the_pessimistic_pld_the_pld_is_charged():
-    """sigma 0.5, q 1e-3, 100,000 steps, delta 1e-10: PRV's ``eps_upper`` is 20.88, while
+    """sigma 0.5, q 1e-3, 100,000 steps, delta 1e-10: PRV's ``eps_upper`` is 20.87-20.88 (it
+    moves in its last digits with the numeric libraries' versions), while
     dp_accounting's pessimistic PLD (an upper bound by construction) gives 20.94 to 21.05 at
     every interval from 2e-3 to 1e-4: PRV understates by more than its stated error 0.01. The
     charge is the larger of the two: at least PRV and at least every pessimistic PLD computed
     here at the product's interval and at a finer one, and still below RDP."""
     sigma, q, steps, delta = 0.5, 1e-3, PRV_STEPS_MAX, 1e-10
     prv = accounting._prv_epsilon(((sigma, q, steps),), delta)  # Opacus' PRV, memoised
-    assert prv == pytest.approx(20.88, abs=0.01)
+    assert prv == pytest.approx(20.875, abs=0.015)
     plds = [_pld(sigma, q, steps, delta, interval) for interval in (PLD_VALUE_INTERVAL, 5e-4)]
     assert min(plds) > prv + 5 * PRV_EPS_ERROR  # the corner is real
     charged = epsilon([PrivacyEvent(sigma, q, steps)], delta)

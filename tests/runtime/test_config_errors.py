@@ -38,6 +38,7 @@ _CUSTOM = {  # fields whose rule is not a plain bound: a value just outside it
     "privacy_unit": ["person", "records"],
     "min_honest_sites": [0, 1001],
     "secure_max_dropouts": [-1, 1000],
+    "secure_graph": ["sparser", 2],
     "max_records_per_user": [0, MAX_RECORDS_PER_USER_MAX + 1],
 }
 
