@@ -400,10 +400,11 @@ def mask(stage: SecureStage) -> RecordDict:
     """
     site, noise, round_id = stage.site, stage.noise, stage.round_id
     site_round = stage.load_round()
-    graph = site_round.graph
-    near = None if graph.complete else graph.neighbourhood(site.site_id)
     request = decode_mask_request(
-        stage.secure_part(), round_id=round_id, site_id=site.site_id, near=near
+        stage.secure_part(),
+        round_id=round_id,
+        site_id=site.site_id,
+        near=site_round.graph.neighbourhood(site.site_id),
     )
     participants = request.participants
     site_round.receive(request.sealed)

@@ -111,9 +111,9 @@ class MaskingGraph:
         n = len(self.order)
         if len(set(self.order)) != n:
             raise ConfigError("a masking graph names a site twice: give distinct site ids")
-        if isinstance(self.degree, bool) or not isinstance(self.degree, int) or self.degree < 1:
-            raise ConfigError(f"graph degree is {self.degree!r}: give an int >= 1")
-        if not self.complete and self.degree % 2:
+        if isinstance(self.degree, bool) or not isinstance(self.degree, int) or self.degree < 0:
+            raise ConfigError(f"graph degree is {self.degree!r}: give an int >= 0")
+        if not self.complete and (self.degree % 2 or self.degree < 2):
             raise ConfigError(
                 f"graph degree {self.degree} for {n} sites: a sparse Harary graph takes an even "
                 f"degree (or {n - 1} and above: the complete graph)"

@@ -274,7 +274,7 @@ class SiteRound:
         return self._threshold if self._sparse is None else self._sparse[1]
 
     def _holders(self, site: str) -> list[str]:
-        return sorted(self._roster) if self._sparse is None else self.graph.neighbourhood(site)
+        return self.graph.neighbourhood(site)  # the whole roster with the complete graph
 
     def receive(self, sealed: Mapping[str, bytes]) -> None:
         """Open and keep the shares each sender sealed for this site (all, or none on an error).

@@ -168,11 +168,10 @@ class MaskedSum:
         if outside:
             raise SecureSumError(f"participants {outside} are not in the roster of advertised keys")
         request = plan_unmask(self.sites, participants=participants, threshold=threshold)
-        sparse = graph is not None and not graph.complete
-        split = graph_threshold if sparse and graph_threshold is not None else threshold
-
-        def holders_of(site: str) -> list[str]:
-            return graph.neighbourhood(site) if graph is not None and sparse else holders
+        if graph is None:
+            graph = MaskingGraph.derive(roster, degree=len(holders) - 1, transcript=b"")
+        split = threshold if graph.complete or graph_threshold is None else graph_threshold
+        holders_of = graph.neighbourhood  # the whole roster with the complete graph
 
         answered: dict[str, UnmaskResponse] = {}
         for response in responses:

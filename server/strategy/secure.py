@@ -344,12 +344,7 @@ class SecureRound:
             mask_ask = MaskRequest(sealed=for_site, participants=state.participants)
             contents[node] = _with(
                 {ARRAYS: state.arrays, CONFIG: state.config},
-                encode_mask_request(
-                    mask_ask,
-                    round_id=state.round_id,
-                    site_id=site,
-                    near=None if graph.complete else near,
-                ),
+                encode_mask_request(mask_ask, round_id=state.round_id, site_id=site, near=near),
             )
             self.binding.sent_to[node] = state.round_.server_round
         state.sealed.clear()
@@ -452,7 +447,7 @@ class SecureRound:
                         round_id=state.round_id,
                         site_id=site,
                         request=request,
-                        near=None if state.graph.complete else state.graph.neighbourhood(site),
+                        near=state.graph.neighbourhood(site),
                     )
                 )
             except (SecureSumError, ValueError) as exc:

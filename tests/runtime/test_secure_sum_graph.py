@@ -15,6 +15,7 @@ import numpy.typing as npt
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from prism_runtime.errors import ConfigError
 from prism_runtime.secure_sum import (
     AdvertisedKeys,
     ConsistencyError,
@@ -172,6 +173,10 @@ def test_the_complete_graph_is_the_protocol_without_a_graph() -> None:
     assert site.transcript == round_transcript(rnd.threshold, rnd.roster.values())
     graph = MaskingGraph.derive(rnd.roster, degree=5, transcript=b"ignored")
     assert graph.complete and graph.order == tuple(sorted(rnd.roster))
+    alone = MaskingGraph.derive(["site-0000"], degree=0, transcript=b"")  # a one-site roster
+    assert alone.complete and alone.neighbourhood("site-0000") == ["site-0000"]
+    with pytest.raises(ConfigError, match="even degree"):
+        MaskingGraph(tuple(sorted(rnd.roster)), 3)
 
 
 @pytest.mark.parametrize(
