@@ -163,7 +163,8 @@ def test_every_site_derives_the_coordinators_graph_and_it_is_regular_and_symmetr
 
 
 def test_the_complete_graph_is_the_protocol_without_a_graph() -> None:
-    """Degree n - 1 is today's round exactly: the same transcript, holders and shares."""
+    """Degree n - 1 is the protocol without a graph, exactly: the same transcript, holders and
+    shares."""
     rnd = start(6, honest=6, dropouts=1, sparse=False)
     share(rnd, rnd.sites)
     site = next(iter(rnd.sites.values()))
