@@ -51,8 +51,9 @@ test-fast: $(STAMP)
 
 test: lint typecheck pytest
 
-# Tests marked `slow` (none at present: the crash/resume tests run in `make test`); pytest's
-# exit status 5 ("no tests collected") is not a failure here.
+# Tests marked `slow`, outside `make test`: the hundred-virtual-site secure round on Flower's
+# simulation engine (tests/e2e/test_secure_scale_simulation.py); pytest's exit status 5 ("no
+# tests collected") is not a failure here.
 test-slow: $(STAMP)
 	$(BIN)/pytest -m slow || [ $$? -eq 5 ]
 

@@ -51,10 +51,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import hashlib
 import importlib.metadata
 import inspect
 import logging
+import os
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -530,7 +533,52 @@ class Site:
         return reply
 
 
-_SITES: dict[tuple[str, ...], Site] = {}
+SITES_KEPT_ENV = "PRISM_SITES_KEPT"
+"""The most ``Site`` objects a process keeps open (least recently used closed first), when set
+(an integer >= 1); unset: as many as memory allows (``MEMORY_FLOOR``)."""
+
+MEMORY_FLOOR = 0.25
+"""``get_site`` closes the least recently used open sites, before it opens another, while
+the machine's available memory (``/proc/meminfo``'s MemAvailable) is below this fraction of its
+total. A deployed site's process serves one site; a simulation actor serves every virtual site
+Flower routes to it, and each open site holds its model, tokenised shard and trainer (a hundred
+tiny-BERT sites on two actors: 6.4 GiB open, docs/benchmarks.md). A closed site opens again from
+its state folder as after a restart (ledger, stored round, optimizer state and clip on disk; a
+secure round's secrets in the node's ``context.state`` and ``secure-round.json``), so closing
+one changes no result, only the time of its next message."""
+
+
+def _sites_kept() -> int | None:
+    """``PRISM_SITES_KEPT`` if set, else None (no bound but memory).
+
+    Raises:
+        ConfigError: the variable is not an integer >= 1.
+    """
+    text = os.environ.get(SITES_KEPT_ENV, "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(
+            f"{SITES_KEPT_ENV}={text!r}: give the most sites a process keeps open, an integer "
+            ">= 1, or unset it to keep as many as memory allows"
+        )
+    return int(text)
+
+
+def _memory_low() -> bool:
+    """Whether available memory is below ``MEMORY_FLOOR`` of the total (False where the
+    kernel does not say: only ``PRISM_SITES_KEPT`` bounds the open sites there)."""
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+    except OSError:
+        return False
+    sizes = {k: int(v.split()[0]) for k, _, v in (line.partition(":") for line in lines) if v}
+    if "MemAvailable" not in sizes or not sizes.get("MemTotal"):
+        return False
+    return sizes["MemAvailable"] < MEMORY_FLOOR * sizes["MemTotal"]
+
+
+_SITES: OrderedDict[tuple[str, ...], Site] = OrderedDict()
 
 
 def get_site(
@@ -543,12 +591,14 @@ def get_site(
 ) -> Site:
     """The process-wide ``Site`` for this run (``run_id``), run config and site policy: models
     load once per run and process (Flower's simulation actors, the site's warm worker
-    ``client.worker``). ``faults`` applies to a ``Site`` made by this call.
+    ``client.worker``); the least recently used are closed when memory runs low
+    (``MEMORY_FLOOR``) or beyond the process's ``PRISM_SITES_KEPT``. ``faults`` applies to a
+    ``Site`` made by this call.
 
     A process that serves several runs one after another (the warm worker) keeps only the
     current run's sites: the first call of a new run drops every ``Site`` of the others, so a
     site's noise calibration and refusal are always those of the run it serves, and memory does
-    not grow with the number of runs.
+    not grow with the number of runs, nor with the number of sites a simulation actor serves.
     """
     secret = hashlib.sha256(policy.rng_secret or b"").hexdigest()
     cache_key = (
@@ -561,6 +611,12 @@ def get_site(
     )
     for other in [k for k in _SITES if k[0] != cache_key[0]]:
         del _SITES[other]
-    if cache_key not in _SITES:
-        _SITES[cache_key] = Site(run, site, policy, faults=faults)
+    if cache_key in _SITES:
+        _SITES.move_to_end(cache_key)
+        return _SITES[cache_key]
+    kept = _sites_kept()
+    while _SITES and ((kept is not None and len(_SITES) >= kept) or _memory_low()):
+        _SITES.popitem(last=False)
+        gc.collect()  # the closed site's model and trainer, before the next one loads
+    _SITES[cache_key] = Site(run, site, policy, faults=faults)
     return _SITES[cache_key]

@@ -5,6 +5,7 @@ the one ``Site`` per run it keeps. A real TLS federation served by workers start
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 
 import pytest
 from flwr.app import ConfigRecord, Context, Message, RecordDict
@@ -13,6 +14,7 @@ from flwr.supercore.task_identity import TaskIdentity
 import client.site
 from client.policy import site_policy
 from client.site import get_site
+from client.site_ledger import SiteLedgerEntry
 from client.worker import (
     DEFAULT_POLL_S,
     POLL_ENV,
@@ -24,7 +26,9 @@ from client.worker import (
 )
 from deploy.errors import DeployError
 from deploy.launch import site_command
+from prism_core.records import PrivacyEvent
 from prism_runtime.config import RunConfig, SiteConfig, parse_config
+from prism_runtime.errors import ConfigError
 from prism_runtime.protocol import APP_ID, SITE_ERROR_CODES
 
 SECRET_TEXT = "patient 4711 has diabetes"
@@ -186,9 +190,8 @@ def test_launch_refuses_an_unknown_executor():
 # -- one Site per run in a long-lived process -----------------------------------------------------
 
 
-def test_a_new_run_drops_the_sites_of_the_previous_run(tiny_bert, tmp_path, monkeypatch):
-    monkeypatch.setattr(client.site, "_SITES", {})
-    run = parse_config(
+def _tiny_run(tiny_bert: str) -> RunConfig:
+    return parse_config(
         RunConfig,
         {
             "model": tiny_bert,
@@ -201,19 +204,87 @@ def test_a_new_run_drops_the_sites_of_the_previous_run(tiny_bert, tmp_path, monk
         },
         what="run config",
     )
-    node = parse_config(
+
+
+def _tiny_node(partition: int, state_dir: str) -> SiteConfig:
+    return parse_config(
         SiteConfig,
         {
-            "partition-id": 0,
+            "partition-id": partition,
             "num-partitions": 3,
-            "state-dir": str(tmp_path / "s"),
+            "state-dir": state_dir,
             "epsilon-cap": 50.0,
         },
         what="node config",
     )
+
+
+def test_a_new_run_drops_the_sites_of_the_previous_run(tiny_bert, tmp_path, monkeypatch):
+    monkeypatch.setattr(client.site, "_SITES", OrderedDict())
+    run = _tiny_run(tiny_bert)
+    node = _tiny_node(0, str(tmp_path / "s"))
     policy = site_policy(node)
     first = get_site(run, node, policy, run_id=1)
     assert get_site(run, node, policy, run_id=1) is first  # the model loads once per run
     second = get_site(run, node, policy, run_id=2)
     assert second is not first
     assert list(client.site._SITES.values()) == [second]
+
+
+def test_a_process_keeps_at_most_sites_kept_sites_open_the_least_recent_closed_first(
+    tiny_bert, tmp_path, monkeypatch
+):
+    """A simulation actor serving more virtual sites than ``SITES_KEPT`` holds that many open,
+    and a closed site opens again from its state folder with its ledger as it was."""
+    monkeypatch.setattr(client.site, "_SITES", OrderedDict())
+    monkeypatch.setenv("PRISM_SITES_KEPT", "2")
+    monkeypatch.setattr(client.site, "_memory_low", lambda: False)
+    run = _tiny_run(tiny_bert)
+    nodes = [_tiny_node(i, str(tmp_path / f"s{i}")) for i in range(3)]
+    policies = [site_policy(n) for n in nodes]
+    site0 = get_site(run, nodes[0], policies[0], run_id=1)
+    site0.ledger.charge(SiteLedgerEntry(1, PrivacyEvent(1.0, 0.25, 2), site0.delta))  # on disk
+    spent = site0.ledger.epsilon(site0.delta)
+    site1 = get_site(run, nodes[1], policies[1], run_id=1)
+    assert get_site(run, nodes[0], policies[0], run_id=1) is site0  # used last: kept
+    site2 = get_site(run, nodes[2], policies[2], run_id=1)
+    assert list(client.site._SITES.values()) == [site0, site2]  # site 1 closed
+    reopened = get_site(run, nodes[1], policies[1], run_id=1)
+    assert reopened is not site1
+    assert list(client.site._SITES.values()) == [site2, reopened]  # site 0 closed
+    again = get_site(run, nodes[0], policies[0], run_id=1)
+    assert again is not site0 and again.site_id == site0.site_id
+    assert again.ledger.epsilon(again.delta) == pytest.approx(spent, rel=1e-12)
+    assert spent > 0
+
+
+def test_a_process_short_of_memory_closes_its_open_sites_before_it_opens_another(
+    tiny_bert, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(client.site, "_SITES", OrderedDict())
+    low = [False]
+    monkeypatch.setattr(client.site, "_memory_low", lambda: low[0])
+    run = _tiny_run(tiny_bert)
+    nodes = [_tiny_node(i, str(tmp_path / f"s{i}")) for i in range(3)]
+    opened = [get_site(run, n, site_policy(n), run_id=1) for n in nodes[:2]]
+    assert list(client.site._SITES.values()) == opened
+    low[0] = True
+    assert get_site(run, nodes[1], site_policy(nodes[1]), run_id=1) is opened[1]  # open: kept
+    third = get_site(run, nodes[2], site_policy(nodes[2]), run_id=1)
+    assert list(client.site._SITES.values()) == [third]
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two", "1.5"])
+def test_a_bad_sites_kept_setting_is_refused_saying_what_to_give(value, monkeypatch):
+    monkeypatch.setenv("PRISM_SITES_KEPT", value)
+    with pytest.raises(ConfigError, match=r"PRISM_SITES_KEPT=.*integer >= 1"):
+        client.site._sites_kept()
+
+
+def test_available_memory_is_read_from_the_kernel(monkeypatch):
+    """The floor compares MemAvailable with MemTotal (this machine's, read twice: once at a
+    floor it is above, once at one it is below)."""
+    monkeypatch.setattr(client.site, "MEMORY_FLOOR", 0.0)
+    assert client.site._memory_low() is False
+    monkeypatch.setattr(client.site, "MEMORY_FLOOR", 1.01)
+    assert client.site._memory_low() is True
