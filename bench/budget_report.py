@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path, help="bench/federation_run.py --out folders")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--task", default="SST-2", help="the task's name in the plot's title (default SST-2)"
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -88,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     ax.set_xscale("symlog", linthresh=1000)
     ax.set_xlabel("example-gradients per site")
     ax.set_ylabel("accuracy, held-out selection split")
-    ax.set_title("SST-2, 3 Dirichlet(0.5) sites, epsilon 3: accuracy against compute")
+    ax.set_title(f"{args.task}, 3 Dirichlet(0.5) sites, epsilon 3: accuracy against compute")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
