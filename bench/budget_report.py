@@ -87,11 +87,13 @@ def main(argv: list[str] | None = None) -> None:
     for row in rows:
         xs = [r * row["batch"] for r in sorted(row["curve"])]
         ys = [row["curve"][r] for r in sorted(row["curve"])]
-        ax.plot(xs, ys, marker=".", label=f"{row['run']} (dev {row['dev']:.3f})")
+        spent = row["epsilon (max)"]
+        eps = "no DP" if spent in (None, "inf", float("inf")) else f"eps {float(spent):.1f}"
+        ax.plot(xs, ys, marker=".", label=f"{row['run']} ({eps}, dev {row['dev']:.3f})")
     ax.set_xscale("symlog", linthresh=1000)
     ax.set_xlabel("example-gradients per site")
     ax.set_ylabel("accuracy, held-out selection split")
-    ax.set_title(f"{args.task}, 3 Dirichlet(0.5) sites, epsilon 3: accuracy against compute")
+    ax.set_title(f"{args.task}, 3 Dirichlet(0.5) sites: accuracy against compute")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
