@@ -543,9 +543,14 @@ the machine's available memory (``/proc/meminfo``'s MemAvailable) is below this 
 total. A deployed site's process serves one site; a simulation actor serves every virtual site
 Flower routes to it, and each open site holds its model, tokenised shard and trainer (a hundred
 tiny-BERT sites on two actors: 6.4 GiB open, docs/benchmarks.md). A closed site opens again from
-its state folder as after a restart (ledger, stored round, optimizer state and clip on disk; a
-secure round's secrets in the node's ``context.state`` and ``secure-round.json``), so closing
-one changes no result, only the time of its next message."""
+its state folder as after a restart: its ledger, stored round, PRISM's adaptive moments and clip
+estimate are on disk, a secure round's secrets in the node's ``context.state`` and
+``secure-round.json``, its randomness drawn per charge, so no charge, ledger entry or random
+draw changes. What lives only in memory starts again, as after a restart: the AdamW state of
+the baselines and the velocity of a ``momentum`` or ``adamw`` head (PRISM's default ``sgd``
+head has none), so with those a closed site's next update differs from an open one's. Under
+memory pressure from outside the federation every open site may be closed: slower, never
+wrong."""
 
 
 def _sites_kept() -> int | None:

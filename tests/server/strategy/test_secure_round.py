@@ -306,6 +306,7 @@ def test_every_honest_site_adds_the_largest_share_a_participant_signed(
         return encode(*args, **kwargs)
 
     monkeypatch.setattr(masked_input_module, "encode_share", recording)
+    monkeypatch.setattr(site_module, "_memory_low", lambda: False)  # all sites stay open
     values = _config(tiny_bert, tmp_path / "run", **{"num-rounds": 1})
     nodes = _nodes()
     nodes[100]["min-honest-sites"] = 1  # site-0 counts on itself alone: its share is mu / 1
@@ -344,6 +345,7 @@ def test_one_sample_rate_gives_unequal_sites_one_sigma_and_the_central_divisor(
 
     monkeypatch.setattr(masked_input_module, "encode_share", recording)
     monkeypatch.setattr(CentralStep, "apply", dividing)
+    monkeypatch.setattr(site_module, "_memory_low", lambda: False)  # all sites stay open
     q = 0.25
     data = tmp_path / "train.jsonl"
     words = ("dull", "grim", "bad", "good", "fine", "great")
