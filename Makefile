@@ -52,8 +52,9 @@ test-fast: $(STAMP)
 test: lint typecheck pytest
 
 # Tests marked `slow`, outside `make test`: the hundred-virtual-site secure round on Flower's
-# simulation engine (tests/e2e/test_secure_scale_simulation.py); pytest's exit status 5 ("no
-# tests collected") is not a failure here.
+# simulation engine (tests/e2e/test_secure_scale_simulation.py) and a run at the planner's config
+# charging the plan's epsilon (tests/runtime/test_plan.py); pytest's exit status 5 ("no tests
+# collected") is not a failure here.
 test-slow: $(STAMP)
 	$(BIN)/pytest -m slow || [ $$? -eq 5 ]
 
