@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 import opacus
+import torch
 from torch import Tensor
 
 from client.broadcast import BroadcastLimits, broadcast_limits, check_broadcast
@@ -97,6 +98,7 @@ from prism_runtime.durable import locked
 from prism_runtime.errors import ConfigError
 from prism_runtime.faults import NO_FAULTS, Faults
 from prism_runtime.lora import read_points
+from prism_runtime.memory import available_bytes
 from prism_runtime.model import LoadedModel, load_model, model_config_for
 from prism_runtime.protocol import REFUSAL_REASONS
 from prism_runtime.secure_sum.trust import RoundTrust
@@ -571,16 +573,15 @@ def _sites_kept() -> int | None:
 
 
 def _memory_low() -> bool:
-    """Whether available memory is below ``MEMORY_FLOOR`` of the total (False where the
-    kernel does not say: only ``PRISM_SITES_KEPT`` bounds the open sites there)."""
+    """Whether the host's available memory (``prism_runtime.memory.available_bytes``) is below
+    ``MEMORY_FLOOR`` of its total (False where the system does not say: only
+    ``PRISM_SITES_KEPT`` bounds the open sites there)."""
     try:
-        lines = Path("/proc/meminfo").read_text().splitlines()
-    except OSError:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        available = available_bytes(torch.device("cpu"))
+    except (OSError, ValueError):
         return False
-    sizes = {k: int(v.split()[0]) for k, _, v in (line.partition(":") for line in lines) if v}
-    if "MemAvailable" not in sizes or not sizes.get("MemTotal"):
-        return False
-    return sizes["MemAvailable"] < MEMORY_FLOOR * sizes["MemTotal"]
+    return available < MEMORY_FLOOR * total
 
 
 _SITES: OrderedDict[tuple[str, ...], Site] = OrderedDict()

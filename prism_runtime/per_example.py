@@ -25,6 +25,7 @@ of ``x`` and ``g``).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from types import MethodType
 from typing import Any
@@ -78,33 +79,23 @@ class _RowsLinear(torch.autograd.Function):
         bias: Tensor | None = ctx.bias
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = g.matmul(weight if weight.dtype == g.dtype else weight.to(g.dtype))
-            if grad_x.dtype != x.dtype:
-                grad_x = grad_x.to(x.dtype)
-        if torch.is_autocast_enabled(g.device.type):
-            with torch.autocast(g.device.type, enabled=False):
-                _store_layer_rows(g, x, weight, bias)
-        else:
-            _store_layer_rows(g, x, weight, bias)
+            grad_x = g.matmul(weight.to(g.dtype)).to(x.dtype)
+        b = int(g.shape[0])
+        work = torch.promote_types(weight.dtype, torch.float32)  # float32 at least
+        device = g.device.type  # autocast off only where it is on: entering it costs every call
+        off: contextlib.AbstractContextManager[Any] = (
+            torch.autocast(device, enabled=False)
+            if torch.is_autocast_enabled(device)
+            else contextlib.nullcontext()
+        )
+        with off:
+            g_rows = g.reshape(b, -1, g.shape[-1]).to(work)
+            if weight.requires_grad:
+                x_rows = x.reshape(b, -1, x.shape[-1]).to(work)
+                _store_rows(weight, _weight_rows(g_rows, x_rows).to(weight.dtype))
+            if bias is not None and bias.requires_grad:
+                _store_rows(bias, g_rows.sum(1).to(bias.dtype))
         return grad_x, None, None
-
-
-def _store_layer_rows(g: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
-    """Store the weight's (and bias's) per-example rows from ``g`` and ``x``, in the weight's
-    dtype, computed in float32 at least."""
-    b = int(g.shape[0])
-    work = torch.promote_types(weight.dtype, torch.float32)  # float32 at least
-    g_rows = g.reshape(b, -1, g.shape[-1])
-    if g_rows.dtype != work:
-        g_rows = g_rows.to(work)
-    if weight.requires_grad:
-        x_rows = x.reshape(b, -1, x.shape[-1])
-        if x_rows.dtype != work:
-            x_rows = x_rows.to(work)
-        rows = _weight_rows(g_rows, x_rows)
-        _store_rows(weight, rows if rows.dtype == weight.dtype else rows.to(weight.dtype))
-    if bias is not None and bias.requires_grad:
-        _store_rows(bias, g_rows.sum(1).to(bias.dtype))
 
 
 def _forward(self: nn.Linear, x: Tensor) -> Tensor:

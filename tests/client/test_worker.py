@@ -234,7 +234,7 @@ def test_a_new_run_drops_the_sites_of_the_previous_run(tiny_bert, tmp_path, monk
 def test_a_process_keeps_at_most_sites_kept_sites_open_the_least_recent_closed_first(
     tiny_bert, tmp_path, monkeypatch
 ):
-    """A simulation actor serving more virtual sites than ``SITES_KEPT`` holds that many open,
+    """A simulation actor serving more virtual sites than ``PRISM_SITES_KEPT`` holds that many open,
     and a closed site opens again from its state folder with its ledger as it was."""
     monkeypatch.setattr(client.site, "_SITES", OrderedDict())
     monkeypatch.setenv("PRISM_SITES_KEPT", "2")
