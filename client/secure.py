@@ -11,9 +11,10 @@ it:
    self-mask seed) and returns its public keys, its noise share and its H and D signed with its
    IDENTITY key (``identity_key``: ECDSA P-256, made once in its state folder, never sent);
 2. ``share``: it refuses a roster or threshold that fails its threshold condition
-   (``prism_runtime.secure_sum.RoundTrust``), verifies every site's advertisement against the
-   PINNED identity keys of its peers (``registered_keys``; a key the coordinator substituted or
-   a site it invented fails here), and returns Shamir shares of its secrets sealed for each peer;
+   (``prism_runtime.secure_sum.RoundTrust``), verifies the advertisement of every site whose
+   keys it uses (all, or its neighbours' under a sparse graph) against the PINNED identity keys
+   of its peers (``registered_keys``; a key the coordinator substituted or a site it invented
+   fails here), and returns Shamir shares of its secrets sealed for each peer;
 3. ``mask``: it opens the shares sealed for it and checks the participants (at most D roster
    sites missing) and their noise shares (none above its own whole noise), then runs the round
    itself: the site's one admission (``client.site.Site.admit``: request and policy checks, the
@@ -23,7 +24,8 @@ it:
    never anything a coordinator could read alone;
 4. ``consistency``: it signs the exact participant and survivor sets it was given (once);
 5. ``unmask``: it reveals the shares that remove the masks of the sum, only for exactly the sets
-   it signed and only when at least t survivors' signatures from its pinned peers verify on them.
+   it signed and only when at least t survivors' signatures from its pinned peers verify on them
+   (under a sparse graph: a random sample of them, ``prism_runtime.secure_sum.views``).
 
 Between messages the round's secrets live in ``context.state`` (the SuperNode's memory on the
 site's own machine, or the simulation's), never on disk and never in a message; what the site
@@ -388,15 +390,16 @@ def mask(stage: SecureStage) -> RecordDict:
     than D roster sites missing, fewer than t), one the field could not sum
     (``check_sum_fits``), or a noise share above the site's whole noise
     (``SiteRound.noise_share``). Then the site's admission (``Site.admit``, a secure round) and
-    the secure ending (``client.masked_input``), adding the largest share a participant signed,
-    never less than its own: each participant's own share ``mu_j / (H_j - D_j)`` is then
-    covered by each of its honest sites, whatever their sizes. The decision to mask is durable
-    before the reply leaves (``SecureStage.keep_round``).
+    the secure ending (``client.masked_input``), adding the largest share a roster site
+    signed, never less than its own: each roster site's own share ``mu_j / (H_j - D_j)`` is
+    then covered by each honest site whose input a sum holds, whatever their sizes and whatever
+    participants the coordinator names to whom. The decision to mask is durable before the
+    reply leaves (``SecureStage.keep_round``).
 
     Raises:
         MasksUsedError: this round's masks were used already (a re-sent request).
         SecureSumAbortedError: fewer participants than t, or more than D roster sites missing.
-        NoiseShareError: a participant's signed share exceeds this site's whole noise.
+        NoiseShareError: a roster site's signed share exceeds this site's whole noise.
     """
     site, noise, round_id = stage.site, stage.noise, stage.round_id
     site_round = stage.load_round()
@@ -413,7 +416,7 @@ def mask(stage: SecureStage) -> RecordDict:
     # the sum of every participant's share cannot wrap
     check_sum_fits(sites=len(participants), bound=coordinate_bound(), bits=FIELD_BITS)
     arrays = cast(ArrayRecord, stage.content[ARRAYS]).to_torch_state_dict()
-    mu_share = max(site_round.noise_share(participants), noise.mu_share)
+    mu_share = max(site_round.noise_share(), noise.mu_share)
     answer: RoundReply | MaskedInput
     with site.admit(stage.server_round, arrays, secure=True) as admitted:
         if isinstance(admitted, RoundReply):  # a refusal: nothing charged
@@ -461,16 +464,21 @@ def consistency(stage: SecureStage) -> RecordDict:
 
 def unmask(stage: SecureStage) -> RecordDict:
     """Stage 5: the shares that unmask the sum, only for exactly the view this site signed (its
-    durable record holds it) and with at least t valid signatures of it from survivors it
-    pinned (``SiteRound.answer``).
+    durable record holds it) and with signatures of it from survivors it pinned that confirm it
+    (``SiteRound.answer``: at least t valid, or under a sparse graph a random sample valid).
+    Under a sparse graph the site checks one unmasking request per round, recorded durably
+    before the check: a re-sent or second request is refused, whatever the first's outcome.
 
     Raises:
-        ConsistencyError: the request names other sets than the site signed, or too few
-            signatures verify on them; nothing is revealed.
+        ConsistencyError: the request names other sets than the site signed, the signatures do
+            not confirm them, or (sparse graph) a request was checked already; nothing is
+            revealed.
     """
     site, round_id = stage.site, stage.round_id
     site_round = stage.load_round()
     call = decode_unmask_request(stage.secure_part(), round_id=round_id, site_id=site.site_id)
+    if site_round.sampled:  # one sampled check per round, durable before it runs
+        stage.record.keep(round_id, site_round.decisions(answering=True))
     response = site_round.answer(
         call.request, signatures=call.signatures, registered=registered_keys(site.policy)
     )

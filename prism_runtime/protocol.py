@@ -154,7 +154,7 @@ SECURE_ERRORS: dict[int, str] = {
     "never masked twice",
     4014: "secure round refused: a peer's identity key is not pinned here, or a signature or a "
     "sealed share does not verify; nothing shared",
-    4015: "secure round refused: a participant's noise share exceeds this site's whole noise; "
+    4015: "secure round refused: a roster site's noise share exceeds this site's whole noise; "
     "nothing charged",
 }
 """The error codes with which a site stops its part in a secure round (``prism_runtime.

@@ -96,6 +96,7 @@ from prism_runtime.secure_sum.views import (
     RoundView,
     confirming_signers,
     round_transcript,
+    sample_size,
     sign_view,
 )
 
@@ -137,6 +138,7 @@ __all__ = [
     "pairwise_sign",
     "plan_unmask",
     "round_transcript",
+    "sample_size",
     "seal_shares",
     "seed_commitment",
     "sign_keys",

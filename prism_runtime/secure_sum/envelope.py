@@ -4,17 +4,18 @@ A site's two shares for one receiver (of its self-mask seed and of its mask priv
 as one ChaCha20-Poly1305 ciphertext under the pair's share-encryption key
 (``keys.pairwise_key`` with ``SHARE_PURPOSE``). Both directions of a pair use the same key, so
 the 12-byte nonce is random (``os.urandom``) and sent in front of the ciphertext. The associated
-data frames the run id, the round, the sender, the receiver, the threshold t and the roster the
-shares were split among: a ciphertext moved to another pair, direction, round or run, or altered
-in any bit, fails authentication, and so does one opened by a site that was told another
-threshold or roster. Every site holding a site's shares therefore holds them for the one t and
-roster that site checked (``trust.RoundTrust.check_threshold``).
+data frames the run id, the round, the sender, the receiver and the round's transcript
+(``views.round_transcript``: the threshold, the masking graph's degree and neighbourhood
+threshold, and every roster site's advertisement): a ciphertext moved to another pair,
+direction, round or run, or altered in any bit, fails authentication, and so does one opened by
+a site that was told another threshold, graph or roster, or another advertisement of any roster
+site. Every site holding a site's shares therefore holds them for the one transcript that site
+shared with (and checked its threshold and graph in, ``trust.RoundTrust``).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Collection
 from typing import NamedTuple
 
 from cryptography.exceptions import InvalidTag
@@ -38,27 +39,9 @@ class SharePair(NamedTuple):
     """Share of the sender's mask private key (raw X25519 bytes)."""
 
 
-def _associated(
-    round_id: RoundId,
-    sender: str,
-    receiver: str,
-    threshold: int,
-    roster: Collection[str],
-    degree: int | None,
-) -> bytes:
-    holders = sorted(roster)
-    graph: tuple[str | int, ...] = () if degree is None else ("degree", degree)
+def _associated(round_id: RoundId, sender: str, receiver: str, transcript: bytes) -> bytes:
     return frame(
-        DOMAIN,
-        "shares",
-        round_id.run_id,
-        round_id.server_round,
-        sender,
-        receiver,
-        threshold,
-        len(holders),
-        *holders,
-        *graph,
+        DOMAIN, "shares", round_id.run_id, round_id.server_round, sender, receiver, transcript
     )
 
 
@@ -69,16 +52,13 @@ def seal_shares(
     sender: str,
     receiver: str,
     round_id: RoundId,
-    threshold: int,
-    roster: Collection[str],
-    degree: int | None = None,
+    transcript: bytes,
 ) -> bytes:
     """``nonce || ChaCha20-Poly1305(key, nonce, shares, ad = (run, round, sender, receiver,
-    threshold, roster[, degree]))``; ``degree``: a sparse masking graph's (``graph``), whose
-    threshold ``threshold`` then is."""
+    transcript))``."""
     nonce = os.urandom(NONCE_BYTES)
     plaintext = frame(shares.seed, shares.mask_key)
-    associated = _associated(round_id, sender, receiver, threshold, roster, degree)
+    associated = _associated(round_id, sender, receiver, transcript)
     return nonce + ChaCha20Poly1305(key).encrypt(nonce, plaintext, associated)
 
 
@@ -89,18 +69,17 @@ def open_shares(
     sender: str,
     receiver: str,
     round_id: RoundId,
-    threshold: int,
-    roster: Collection[str],
-    degree: int | None = None,
+    transcript: bytes,
 ) -> SharePair:
-    """The shares ``sender`` sealed for ``receiver`` with ``threshold`` among ``roster``.
+    """The shares ``sender`` sealed for ``receiver`` in the run of the round ``transcript``
+    names.
 
     Raises:
         ShareError: The ciphertext fails authentication (altered, replayed from another pair,
-            direction, round or run, sealed under another key, or for another threshold or
-            roster) or is malformed.
+            direction, round or run, sealed under another key, or under another transcript:
+            another threshold, graph, roster or advertisement) or is malformed.
     """
-    associated = _associated(round_id, sender, receiver, threshold, roster, degree)
+    associated = _associated(round_id, sender, receiver, transcript)
     try:
         plaintext = ChaCha20Poly1305(key).decrypt(
             sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], associated
@@ -110,6 +89,7 @@ def open_shares(
         raise ShareError(
             f"the encrypted shares from site {sender!r} to site {receiver!r} fail "
             "authentication: they were altered or replayed on the way, or sealed for another "
-            "threshold or roster; use nothing from them and abort this site's part in the round"
+            "threshold, graph or roster; use nothing from them and abort this site's part in "
+            "the round"
         ) from None
     return SharePair(seed, mask_key)

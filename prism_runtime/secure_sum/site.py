@@ -7,18 +7,20 @@ X25519 key pairs and a fresh 32-byte self-mask seed (``secrets``), and the site'
 1. publishes ``advertised`` (its public keys, seed commitment, noise share, H and D, signed with
    its identity key);
 2. ``share``: refuses a roster or threshold that does not meet its threshold condition
-   (``ThresholdError``), verifies every advertisement of the roster against the registered
-   identity keys (``KeyBindingError`` names a substituted site), splits its seed and mask
-   private key with threshold t among the roster (with a sparse masking graph, ``graph``: with
-   the neighbourhood threshold among its neighbourhood, after checking the graph against its
-   own bound) and seals each receiver's two shares for that t and roster (``envelope``);
+   (``ThresholdError``), verifies the advertisement of every site whose keys it uses (every
+   roster site's with the complete graph, its neighbours' with a sparse one, ``graph``) against
+   the registered identity keys (``KeyBindingError`` names a substituted site; the others are
+   checked for form and bound by the round's transcript), splits its seed and mask private key
+   with threshold t among the roster (with a sparse graph: with the neighbourhood threshold
+   among its neighbourhood, after checking the graph against its own bound) and seals each
+   receiver's two shares for the round's transcript (``envelope``);
 3. ``receive``: opens the shares the other sites sealed for it (``ShareError`` if one fails);
 4. ``mask``: masks its ONE input of the round with its self mask and a pairwise mask per
    participant (per participating neighbour), refusing more than D missing roster sites;
 5. ``sign_view``: signs the participant and survivor sets it was given (``views``), once;
 6. ``answer``: reveals, for an unmasking request of exactly its signed sets confirmed by t valid
-   signatures of survivors, the seed shares of the survivors and the mask-key shares of the
-   dropped.
+   signatures of survivors (with a sparse graph, checked on a random sample, ``views``), the
+   seed shares of the survivors and the mask-key shares of the dropped.
 
 The rules that keep a masked input private are enforced here: a site never masks twice, never
 signs two views, and reveals shares only for the one view it signed (so never both the seed
@@ -91,12 +93,16 @@ class RoundDecisions:
         participants: the participants it masked its input with; None: not masked yet.
         survivors: the survivor set it signed (and the only one it reveals shares for);
             None: none signed yet.
+        answered: whether it checked an unmasking request on a random sample of signatures
+            (it checks one such per round: a sampled check must not be retried with fresh
+            draws).
     """
 
     masks: str
     threshold: int | None
     participants: frozenset[str] | None
     survivors: frozenset[str] | None
+    answered: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """The decisions as JSON values (``from_json`` reads them back)."""
@@ -105,6 +111,7 @@ class RoundDecisions:
             "threshold": self.threshold,
             "participants": None if self.participants is None else sorted(self.participants),
             "survivors": None if self.survivors is None else sorted(self.survivors),
+            "answered": self.answered,
         }
 
     @classmethod
@@ -119,11 +126,15 @@ class RoundDecisions:
             threshold = value["threshold"]
             if threshold is not None and (isinstance(threshold, bool) or threshold < 1):
                 raise ValueError("threshold")
+            answered = value.get("answered", False)
+            if not isinstance(answered, bool):
+                raise ValueError("answered")
             return cls(
                 masks=str(value["masks"]),
                 threshold=None if threshold is None else int(threshold),
                 participants=None if participants is None else frozenset(map(str, participants)),
                 survivors=None if survivors is None else frozenset(map(str, survivors)),
+                answered=answered,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise SecureSumError(f"not a secure-sum decision record ({exc})") from None
@@ -164,9 +175,11 @@ class SiteRound:
         self._threshold = 0
         self._sparse: tuple[int, int] | None = None  # (degree, neighbourhood threshold)
         self._graph: MaskingGraph | None = None
+        self._transcript: bytes | None = None
         self._held: dict[str, SharePair] = {}
         self._participants: frozenset[str] = frozenset()
         self._survivors: frozenset[str] | None = None
+        self._answered = False
 
     @property
     def advertised(self) -> AdvertisedKeys:
@@ -210,8 +223,9 @@ class SiteRound:
             MasksUsedError: This site shared already this round.
             ThresholdError: The roster is smaller than H, t fails the threshold condition, or
                 the graph breaks this site's guarantee with too high a probability.
-            KeyBindingError: An advertisement does not verify (names the site), or the roster
-                does not carry this site's own keys unchanged.
+            KeyBindingError: An advertisement of a site whose keys this one uses does not
+                verify, any is malformed or of an unregistered site (names the site), or the
+                roster does not carry this site's own keys unchanged.
         """
         if self._roster:
             raise MasksUsedError(f"site {self.site_id!r} already shared its secrets this round")
@@ -230,12 +244,19 @@ class SiteRound:
                 raise KeyBindingError(
                     f"the roster lists the keys of site {advertised.site_id!r} under {site!r}"
                 )
-            verify_keys(advertised, round_id=self.round_id, registered=registered)
+            verify_keys(advertised, round_id=self.round_id, registered=registered, signature=False)
         check_threshold(threshold, len(roster))
+        transcript = round_transcript(threshold, roster.values(), graph)
+        degree = len(roster) - 1 if graph is None else graph[0]
+        masking = MaskingGraph.derive(roster, degree=degree, transcript=transcript)
+        holders = masking.neighbourhood(self.site_id)
+        for site in holders:  # the keys this site uses: every site's with the complete graph
+            verify_keys(roster[site], round_id=self.round_id, registered=registered)
         self._roster = dict(roster)
         self._threshold = threshold
         self._sparse = graph
-        holders, split = self._holders(self.site_id), self._share_threshold
+        self._graph, self._transcript = masking, transcript
+        split = self._share_threshold
         seeds = split_secret(self._seed, threshold=split, holders=holders)
         keys = split_secret(self._mask_key.private_bytes_raw(), threshold=split, holders=holders)
         sealed: dict[str, bytes] = {}
@@ -251,9 +272,7 @@ class SiteRound:
                 sender=self.site_id,
                 receiver=peer,
                 round_id=self.round_id,
-                threshold=split,
-                roster=sorted(roster),
-                degree=None if graph is None else graph[0],
+                transcript=transcript,
             )
         return sealed
 
@@ -268,6 +287,12 @@ class SiteRound:
                 self._roster, degree=degree, transcript=self.transcript
             )
         return self._graph
+
+    @property
+    def sampled(self) -> bool:
+        """Whether this site checks the consistency signatures on a random sample (it shared
+        under a sparse masking graph), and so checks one unmasking request per round."""
+        return self._sparse is not None
 
     @property
     def _share_threshold(self) -> int:
@@ -299,9 +324,7 @@ class SiteRound:
                 sender=sender,
                 receiver=self.site_id,
                 round_id=self.round_id,
-                threshold=self._share_threshold,
-                roster=sorted(self._roster),
-                degree=None if self._sparse is None else self._sparse[0],
+                transcript=self.transcript,
             )
         self._held.update(opened)
 
@@ -365,23 +388,25 @@ class SiteRound:
             x, site=self.site_id, self_seed=self._seed, pairwise_keys=keys, bits=self.bits
         )
 
-    def noise_share(self, participants: Collection[str]) -> float:
-        """The largest noise share the ``participants`` advertised (signed, verified in
-        ``share``): what this site adds, so that every participant's own share is covered by
-        each honest site whatever the others' sizes.
+    def noise_share(self) -> float:
+        """The largest noise share a roster site advertised (signed; bound by the round's
+        transcript): what this site adds, so that every roster site's own share is covered by
+        each honest site whose input a sum holds, whatever their sizes and whoever the
+        coordinator names as participants (a site a coordinator leaves out of one site's
+        participants still has its share added by it: the site adds the same under every view).
 
         Raises:
-            NoiseShareError: A participant signed more than this site's whole noise
+            NoiseShareError: A roster site signed more than this site's whole noise
                 (``mu = (H - D)`` times its own share, with ``NOISE_SHARE_SLACK``): no policy of
                 this site could need it, and every honest site adding it would drown the round.
         """
         if not self._roster:
             raise SecureSumError(f"site {self.site_id!r} has no verified roster this round")
-        largest = max(self._roster[p].noise_share for p in participants)
+        largest = max(keys.noise_share for keys in self._roster.values())
         own = self._advertised.noise_share * self.trust.share_divisor
         if largest > own * (1 + NOISE_SHARE_SLACK):
             raise NoiseShareError(
-                f"a participant signed a noise share of {largest:.6g}, more than this site's "
+                f"a roster site signed a noise share of {largest:.6g}, more than this site's "
                 f"whole noise {own:.6g}: refused before anything is charged"
             )
         return largest
@@ -389,7 +414,10 @@ class SiteRound:
     @property
     def transcript(self) -> bytes:
         """``views.round_transcript`` of the roster, threshold and graph this site shared with."""
-        return round_transcript(self._threshold, self._roster.values(), self._sparse)
+        if self._transcript is None:
+            roster = self._roster.values()
+            self._transcript = round_transcript(self._threshold, roster, self._sparse)
+        return self._transcript
 
     def view(self, survivors: Collection[str]) -> RoundView:
         """This run of the round as this site saw it, with ``survivors``: the participants it
@@ -449,12 +477,25 @@ class SiteRound:
 
         As the site signs one view per round, it reveals one kind of share of each site (the
         seed's of a survivor, the mask key's of a dropped participant) whatever it is asked.
+        Under a sparse graph (``sampled``) the signatures are checked on a random sample,
+        whose bound holds per check, so the site checks ONE unmasking request per round
+        (``decisions().answered``; a caller keeps ``decisions(answering=True)`` durably before
+        calling); the complete graph's check counts every signature and gives the same verdict
+        however often it is asked.
 
         Raises:
-            ConsistencyError: This site signed no view, or the request names other survivors
-                or dropped sites than it signed, or fewer than t signatures verify on its view.
-                Nothing is revealed.
+            ConsistencyError: This site signed no view, or the request names other survivors or
+                dropped sites than it signed, or the signatures do not confirm its view
+                (``views.confirming_signers``), or (sampled) it checked a request already this
+                round. Nothing is revealed.
         """
+        if self.sampled:
+            if self._answered:
+                raise ConsistencyError(
+                    f"site {self.site_id!r} checked an unmasking request this round already: it "
+                    "checks one per round; nothing further revealed"
+                )
+            self._answered = True
         if self._survivors is None:
             raise ConsistencyError(
                 f"site {self.site_id!r} signed no survivor set this round: it answers no "
@@ -473,6 +514,7 @@ class SiteRound:
             round_id=self.round_id,
             registered=registered,
             threshold=self._threshold,
+            needed=None if self._sparse is None else self.trust.confirmations(len(self._roster)),
         )
         near = set(self._holders(self.site_id))
         return UnmaskResponse(
@@ -483,14 +525,16 @@ class SiteRound:
 
     # -- what the site decided once ---------------------------------------------------------
 
-    def decisions(self) -> RoundDecisions:
+    def decisions(self, *, answering: bool = False) -> RoundDecisions:
         """What this site decided once this round (the threshold it shared with, its masked
-        participants, its signed survivors), for its durable record."""
+        participants, its signed survivors, whether it checked an unmasking request; with
+        ``answering``, that it is about to), for its durable record."""
         return RoundDecisions(
             masks=self.masks_id,
             threshold=self._threshold or None,
             participants=self._participants or None,
             survivors=self._survivors,
+            answered=self._answered or answering,
         )
 
     def recall(self, decisions: RoundDecisions) -> None:
@@ -519,6 +563,7 @@ class SiteRound:
             if self._survivors is not None and self._survivors != decisions.survivors:
                 raise ConsistencyError("the durable record names another signed survivor set")
             self._survivors = decisions.survivors
+        self._answered = self._answered or decisions.answered
 
     # -- the round's state between messages --------------------------------------------------
 
@@ -553,6 +598,7 @@ class SiteRound:
             "held": {s: [p.seed.hex(), p.mask_key.hex()] for s, p in self._held.items()},
             "participants": sorted(self._participants),
             "survivors": None if self._survivors is None else sorted(self._survivors),
+            "answered": self._answered,
         }
         return json.dumps(state, sort_keys=True).encode()
 
@@ -588,6 +634,7 @@ class SiteRound:
             graph = state.get("graph")
             self._sparse = None if graph is None else (int(graph[0]), int(graph[1]))
             self._graph = None
+            self._transcript = None
             self._held = {
                 str(s): SharePair(bytes.fromhex(v[0]), bytes.fromhex(v[1]))
                 for s, v in state["held"].items()
@@ -595,6 +642,7 @@ class SiteRound:
             self._participants = frozenset(str(s) for s in state["participants"])
             survivors = state["survivors"]
             self._survivors = None if survivors is None else frozenset(map(str, survivors))
+            self._answered = bool(state.get("answered", False))
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise SecureSumError(f"not a stored secure-sum round state ({exc})") from None
         return self

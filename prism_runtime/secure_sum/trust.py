@@ -10,19 +10,24 @@ of ``n`` sites and a threshold ``t`` only if
 
 that is ``n - t <= tolerance = min(D, H - 1 - D)``. The last two add up to ``2 t > n + c``,
 the threshold of Bonawitz et al. 2017 (CCS, §6) against an active server colluding with c
-clients. Each part, given that every site's shares are sealed for one roster and one t
-(``envelope``) and that a site reveals shares only with t valid signatures on exactly its own
-participant and survivor sets (``views``):
+clients. Each part, given that every site's shares are sealed under one transcript (the
+threshold, graph and every roster advertisement, ``envelope``) and that a site reveals shares
+only for exactly its own participant and survivor sets, confirmed by signatures of them
+(``views``: t valid, or under a sparse graph a random sample that shows at least
+``confirmations(n) = (n + c) // 2 + 1`` genuine ones but for ``2^-40``):
 
-- ``2 t > n + c``: a view is revealed only if t sites signed it, at least ``t - c`` of them
-  honest, and an honest site signs one view per round; two revealed views would need
-  ``2 (t - c) <= n - c`` honest sites. So every honest site that reveals holds ONE view, and
-  no site's seed and mask key are ever both reconstructed (each needs t shares; the colluders
-  hold c < t).
-- ``t >= n - D``: a sum is unmasked from at least t survivors, so at most D roster sites are
-  missing from it and at least ``H - D`` of its inputs are honest sites' (the ``t - c`` signers
-  of the revealed view, each of which adds at least this site's share): a share of
-  ``mu / (H - D)`` (``share_divisor``) keeps the site's charge true.
+- ``2 t > n + c``: a view is revealed only if at least ``(n + c) // 2 + 1 <= t`` sites signed
+  it, more than ``(n - c) / 2`` of them honest, and an honest site signs one view per round;
+  two revealed views would need more than the ``n - c`` honest sites. So every honest site
+  that reveals holds ONE view, and no site's seed and mask key are ever both reconstructed
+  (each needs t shares; the colluders hold c < t).
+- ``t >= n - D``: a round loses at most D roster sites, and every site refuses a view with
+  more than D missing, so a sum
+  holds at least ``n - D - c = H - D`` honest sites' inputs; each adds the largest noise
+  share of the roster in the transcript the revealing sites hold (an honest input sealed under
+  another transcript keeps its self mask: its seed shares open only under its own), this
+  site's own among them: a share of ``mu / (H - D)`` (``share_divisor``) keeps the site's
+  charge true.
 - ``t > c + D``: the honest sites that reveal a site's seed number at least ``t - c > D``, more
   than the D roster sites a coordinator may leave out of that site's participants, so at least
   one of them masked with it and survived in the same view: their pairwise mask is never
@@ -80,6 +85,12 @@ class RoundTrust:
     def share_divisor(self) -> int:
         """``H - D``: the honest inputs every sum this site takes part in holds at least."""
         return self.honest - self.dropouts
+
+    def confirmations(self, sites: int) -> int:
+        """``(n + c) // 2 + 1`` with ``c = n - H``: the genuine signatures of one view that a
+        second view cannot also gather while each honest site signs one (``views``)."""
+        n = _count(sites, "sites", 1)
+        return (n + max(n - self.honest, 0)) // 2 + 1
 
     def least_threshold(self, sites: int) -> int:
         """The least t this site accepts for a roster of ``sites`` sites: ``sites - tolerance``."""

@@ -10,15 +10,29 @@ them, from distinct survivors whose identity keys it pinned, verify on EXACTLY i
 (``confirming_signers``), as in the ConsistencyCheck round of Bonawitz et al. 2017 (CCS). Why
 t signatures suffice is ``trust``'s threshold condition.
 
-The transcript (``round_transcript``) is the digest of the threshold and the roster's fresh
-keys and seed commitments: it names one run of the round, so a signature collected in an
-earlier run of the same round id (a coordinator that re-runs a round to gather signatures on
-views of its choice) confirms nothing in a later one, whose keys are new.
+The transcript (``round_transcript``) is the digest of the threshold and every roster site's
+advertisement (fresh keys, seed commitment, noise share, H and D): it names one run of the
+round, so a signature collected in an earlier run of the same round id (a coordinator that
+re-runs a round to gather signatures on views of its choice) confirms nothing in a later one,
+whose keys are new; and sites that hold one transcript hold the same advertisement of every
+roster site, whether or not they verified its signature themselves.
+
+With a sparse masking graph a site checks a SAMPLE of the forwarded signatures instead of all
+of them (``sample_size``): what the signatures must show is that at least ``needed`` genuine
+survivors hold the view, ``(n + c) // 2 + 1`` with ``c = n - H`` (``RoundTrust.confirmations``),
+so that no two views are both confirmed by sites that each sign one. If fewer than that are
+genuine among the ``F`` forwarded, a uniform sample of ``s`` of them, drawn from the site's
+CSPRNG after the signatures arrived, all verify with probability at most
+``C(needed - 1, s) / C(F, s)``; the site draws the least ``s`` that keeps this below
+``2^-SECURITY_BITS`` (about 47 at H = 0.9 n, whatever n), and if a drawn signature fails it
+verifies every one and counts, exactly as without a sample.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
+import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -28,9 +42,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from prism_runtime.secure_sum._encoding import DOMAIN, frame
 from prism_runtime.secure_sum.errors import ConsistencyError
-from prism_runtime.secure_sum.keys import AdvertisedKeys, RoundId
+from prism_runtime.secure_sum.graph import SECURITY_BITS
+from prism_runtime.secure_sum.keys import AdvertisedKeys, RoundId, noise_share_bytes
 
-__all__ = ["RoundView", "confirming_signers", "round_transcript", "sign_view"]
+__all__ = ["RoundView", "confirming_signers", "round_transcript", "sample_size", "sign_view"]
 
 
 def round_transcript(
@@ -38,14 +53,23 @@ def round_transcript(
     roster: Iterable[AdvertisedKeys],
     graph: tuple[int, int] | None = None,
 ) -> bytes:
-    """SHA-256 of ``threshold`` and each roster site's id, round keys and seed commitment,
-    in id order: what one run of a round shared with (its keys are fresh every run); with a
-    sparse masking ``graph`` (degree, neighbourhood threshold), those two as well."""
+    """SHA-256 of ``threshold`` and each roster site's id, round keys, seed commitment, noise
+    share, H and D (what it signed), in id order: what one run of a round shared with (its keys
+    are fresh every run); with a sparse masking ``graph`` (degree, neighbourhood threshold),
+    those two as well."""
     fields: list[bytes | str | int] = [DOMAIN, "round-transcript", threshold]
     if graph is not None:
         fields += ["sparse-graph", *graph]
     for keys in sorted(roster, key=lambda k: k.site_id):
-        fields += [keys.site_id, keys.mask_public, keys.share_public, keys.seed_commitment]
+        fields += [
+            keys.site_id,
+            keys.mask_public,
+            keys.share_public,
+            keys.seed_commitment,
+            noise_share_bytes(keys.noise_share),
+            keys.honest_sites,
+            keys.max_dropouts,
+        ]
     return hashlib.sha256(frame(*fields)).digest()
 
 
@@ -97,6 +121,21 @@ def sign_view(
     return identity_key.sign(message, ec.ECDSA(hashes.SHA256()))
 
 
+def sample_size(forwarded: int, needed: int, *, bits: int = SECURITY_BITS) -> int:
+    """The least s such that s of ``forwarded`` signatures, drawn uniformly without
+    replacement, all verify with probability at most ``2^-bits`` when fewer than ``needed`` of
+    the forwarded are genuine (``C(needed - 1, s) / C(forwarded, s)``); ``forwarded`` when no
+    smaller s does (then every one is checked)."""
+    genuine, log_bound, limit = needed - 1, 0.0, -bits * math.log(2)
+    for drawn in range(forwarded):
+        if genuine - drawn <= 0:
+            return drawn + 1  # more draws than genuine signatures: none passes
+        log_bound += math.log((genuine - drawn) / (forwarded - drawn))
+        if log_bound <= limit:
+            return drawn + 1
+    return forwarded
+
+
 def confirming_signers(
     view: RoundView,
     signatures: Mapping[str, bytes],
@@ -104,32 +143,47 @@ def confirming_signers(
     round_id: RoundId,
     registered: Mapping[str, ec.EllipticCurvePublicKey],
     threshold: int,
+    needed: int | None = None,
 ) -> frozenset[str]:
-    """The survivors whose signature in ``signatures`` verifies on exactly ``view``.
+    """The survivors whose signature in ``signatures`` was checked and verifies on exactly
+    ``view``.
 
     A signature counts only if its signer is a survivor of ``view`` (a site signs only as a
     survivor) with an identity key in ``registered`` and it verifies on this round, this run of
-    it (the transcript) and exactly these two sets; the others are ignored.
+    it (the transcript) and exactly these two sets; the others are ignored. With ``needed``
+    (a sparse graph's sites: the genuine signers the view must have, module docstring) and at
+    least ``threshold`` such signers forwarded, a ``sample_size`` sample of them drawn from the
+    OS CSPRNG is checked and returned if every one verifies; otherwise, and without
+    ``needed``, every signature is checked.
 
     Raises:
         ConsistencyError: fewer than ``threshold`` signatures count: the coordinator told other
             sites other sets (or too few survivors signed); reveal nothing.
     """
-    valid = []
     framed = _view_bytes(view)
-    for signer in sorted(signatures):
-        public = registered.get(signer)
-        if signer not in view.survivors or public is None:
-            continue
+    candidates = [
+        signer for signer in sorted(signatures) if signer in view.survivors and signer in registered
+    ]
+
+    def verifies(signer: str) -> bool:
         try:
-            public.verify(
+            registered[signer].verify(
                 signatures[signer],
                 _signed_bytes(round_id, signer, view, framed),
                 ec.ECDSA(hashes.SHA256()),
             )
         except InvalidSignature:
-            continue
-        valid.append(signer)
+            return False
+        return True
+
+    if needed is not None and len(candidates) >= threshold:
+        size = sample_size(len(candidates), needed)
+        if size < len(candidates):
+            drawn = secrets.SystemRandom().sample(candidates, size)
+            if all(verifies(signer) for signer in drawn):
+                return frozenset(drawn)
+            # a forged or damaged signature was forwarded: count every one, as without a sample
+    valid = [signer for signer in candidates if verifies(signer)]
     if len(valid) < threshold:
         raise ConsistencyError(
             f"{len(valid)} of {len(signatures)} forwarded signatures verify on exactly this "

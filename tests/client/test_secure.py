@@ -29,12 +29,18 @@ import client.masked_input as masked_input_module
 from prism_core.distributed import FIELD_BITS
 from prism_runtime.secure_sum import (
     AdvertisedKeys,
+    MaskingGraph,
     RoundTrust,
     UnmaskRequest,
     UnmaskResponse,
     centre,
+    common_graph,
+    least_common_threshold,
+    round_transcript,
+    sample_size,
     unmask_sum,
 )
+from prism_runtime.secure_sum.messages import decode_unmask_reply
 
 FIELD = (1 << FIELD_BITS) - 1
 
@@ -393,6 +399,53 @@ def test_a_resent_mask_request_after_a_lost_state_is_refused_never_masked_again(
     adversary = game.adversary(3)
     assert adversary.recover("a", first, everyone) is None
     assert_charged_as_stated(game)
+
+
+def test_a_sparse_site_checks_one_unmasking_request_a_round_even_after_a_lost_save(
+    tiny_bert, tmp_path
+):
+    """Under a sparse graph a site checks the forwarded signatures on a random sample, so it
+    checks ONE unmasking request a round, recorded before the check: after a request whose
+    signatures do not confirm its view (refused, 4012) it refuses the true one too, also when
+    the save of its state after the first check was lost; a site asked once answers."""
+    sites = ("a", "b", "c", "d", "e", "f")
+    node = {"min-honest-sites": 6, "secure-max-dropouts": 1, "secure-graph": "sparse"}
+    fed = Federation.build(tmp_path, run_config(tiny_bert), {s: node for s in sites})
+    game = advertise(fed)
+    trusts = [RoundTrust(6, 1)] * 6
+    graph, threshold = common_graph(trusts, 6), least_common_threshold(trusts, 6)
+    assert graph == (4, 3) and threshold == 5
+    transcript = round_transcript(threshold, game.roster.values(), graph)
+    ring = MaskingGraph.derive(game.roster, degree=4, transcript=transcript)
+    for site in sites:
+        reply = fed.share(site, game.roster, threshold, graph)
+        assert reply.code is None, reply.code
+        game.sealed[site] = fed.sealed_of(reply, site, ring.neighbourhood(site))
+    everyone = set(sites)
+    for site in sites:
+        reply = fed.mask(site, game.sealed, everyone, game.arrays, ring.neighbourhood(site))
+        assert reply.code is None, reply.code
+    sign(game, {s: everyone for s in sites})
+    assert not game.codes and len(game.signatures) == 6
+    before = RecordDict(dict(fed.states["a"].items()))
+    wrong = {**game.signatures, **{s: game.signatures["c"] for s in ("b", "d", "e")}}
+    # 3 valid: fewer than the 4 genuine a view needs here ((6 + 0) // 2 + 1), so any sample of
+    # sample_size(6, 4) = 4 draws a bad one, and the full count finds 3 < t = 5
+    assert sample_size(6, 4) == 4
+    assert fed.unmask("a", everyone, set(), wrong).code == 4012
+    assert fed.unmask("a", everyone, set(), game.signatures).code == 4012
+    fed.states["a"] = before  # the state as it was before the first check
+    assert fed.unmask("a", everyone, set(), game.signatures).code == 4012
+    answered = fed.unmask("b", everyone, set(), game.signatures)
+    assert answered.code is None
+    shares = decode_unmask_reply(
+        answered.part,
+        round_id=ROUND,
+        site_id="b",
+        request=UnmaskRequest(frozenset(everyone), frozenset()),
+        near=ring.neighbourhood("b"),
+    )
+    assert set(shares.seed_shares) == set(ring.neighbourhood("b"))
 
 
 # -- an unpinned or coordinator-written peer key -------------------------------------------------

@@ -280,8 +280,16 @@ class Federation:
             site, SECURE_ADVERTISE, encode_advertise_request(ask, round_id=ROUND, site_id=site)
         )
 
-    def share(self, site: str, roster: Mapping[str, AdvertisedKeys], threshold: int) -> Reply:
-        ask = ShareRequest(roster=roster, threshold=threshold)
+    def share(
+        self,
+        site: str,
+        roster: Mapping[str, AdvertisedKeys],
+        threshold: int,
+        graph: tuple[int, int] = (0, 0),
+    ) -> Reply:
+        ask = ShareRequest(
+            roster=roster, threshold=threshold, graph_degree=graph[0], graph_threshold=graph[1]
+        )
         return self.call(
             site, SECURE_SHARE, encode_share_request(ask, round_id=ROUND, site_id=site)
         )
@@ -292,11 +300,12 @@ class Federation:
         sealed: Mapping[str, Mapping[str, bytes]],
         participants: Iterable[str],
         arrays: Any,
+        near: Iterable[str] | None = None,
     ) -> Reply:
         everyone = frozenset(participants)
-        for_site = {s: sealed[s][site] for s in everyone if s != site}
+        for_site = {s: sealed[s][site] for s in everyone if s != site and site in sealed[s]}
         ask = MaskRequest(sealed=for_site, participants=everyone)
-        content = encode_mask_request(ask, round_id=ROUND, site_id=site)
+        content = encode_mask_request(ask, round_id=ROUND, site_id=site, near=near)
         return self.call(site, SECURE_MASK, content, arrays)
 
     def consistency(self, site: str, survivors: Iterable[str]) -> Reply:

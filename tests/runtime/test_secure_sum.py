@@ -631,8 +631,8 @@ def test_a_roster_or_threshold_below_the_sites_condition_is_refused_before_shari
 
 @pytest.mark.parametrize(("share", "accepted"), [(25.0, True), (2.0**50, False)])
 def test_a_noise_share_above_the_sites_whole_noise_is_refused(share: float, accepted: bool) -> None:
-    """Each site adds the largest share a participant signed, up to its own whole noise
-    ``(H - D) x`` its share (here 2 x 12.5): a participant signing more (the codec's largest,
+    """Each site adds the largest share a roster site signed, up to its own whole noise
+    ``(H - D) x`` its share (here 2 x 12.5): a roster site signing more (the codec's largest,
     2^50, would drown every round) is refused before anything is charged."""
     rnd = start_round(3, threshold=2, bits=32)  # H = 3, D = 1
     rnd.sites["s2"] = SiteRound(
@@ -644,12 +644,12 @@ def test_a_noise_share_above_the_sites_whole_noise_is_refused(share: float, acce
         trust=trust_for(3, 2),
     )
     rnd.roster["s2"] = rnd.sites["s2"].advertised
-    participants = relay_shares(rnd, rnd.sites)
+    relay_shares(rnd, rnd.sites)
     if accepted:
-        assert rnd.sites["s0"].noise_share(participants) == share
+        assert rnd.sites["s0"].noise_share() == share
     else:
         with pytest.raises(NoiseShareError, match="more than this site's whole noise 25"):
-            rnd.sites["s0"].noise_share(participants)
+            rnd.sites["s0"].noise_share()
 
 
 def test_overflow_bound_just_inside_is_exact_and_just_outside_is_refused() -> None:

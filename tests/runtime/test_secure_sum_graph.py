@@ -6,9 +6,11 @@ work is (k + 1) d words whatever n (counted, not timed)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -19,12 +21,15 @@ from prism_runtime.errors import ConfigError
 from prism_runtime.secure_sum import (
     AdvertisedKeys,
     ConsistencyError,
+    KeyBindingError,
     MaskedSum,
     MaskingGraph,
+    RoundDecisions,
     RoundId,
     RoundTrust,
     RoundView,
     SecureSumAbortedError,
+    SecureSumError,
     ShareError,
     SiteRound,
     ThresholdError,
@@ -35,10 +40,12 @@ from prism_runtime.secure_sum import (
     least_common_threshold,
     plan_unmask,
     round_transcript,
+    sample_size,
     sparse_parameters,
     unmask_sum,
 )
 from prism_runtime.secure_sum import masks as masks_module
+from prism_runtime.secure_sum import views as views_module
 from prism_runtime.secure_sum.graph import graph_abort, graph_failure
 
 BITS = 32
@@ -411,3 +418,230 @@ def test_a_sites_mask_work_is_k_plus_one_times_d_whatever_n(monkeypatch) -> None
         work[(n, sparse)] = sum(counted)
     assert work[(40, True)] == work[(160, True)] == (8 + 1) * d
     assert work[(40, False)] == 40 * d
+
+
+class _CountingKey:
+    """A registered identity key that counts its signature checks."""
+
+    def __init__(self, key: ec.EllipticCurvePublicKey, checks: list[str]) -> None:
+        self._key, self._checks, self.curve = key, checks, key.curve
+
+    def verify(self, signature: bytes, data: bytes, algorithm: object) -> None:
+        self._checks.append("verify")
+        self._key.verify(signature, data, algorithm)  # type: ignore[arg-type]
+
+
+def test_sample_size_is_the_least_that_keeps_the_bound_and_stays_flat_in_n() -> None:
+    """C(needed - 1, s) / C(F, s) <= 2^-40 at s and not at s - 1, checked in exact integers; at
+    H = 0.9 n the sample never exceeds its size for an unbounded roster, 47."""
+    for forwarded, needed in [(100, 56), (1000, 551), (900, 551), (60, 31), (20, 19), (12, 7)]:
+        s = sample_size(forwarded, needed)
+        assert 1 <= s <= forwarded
+        bound = 2**40 * math.comb(needed - 1, s)
+        if s < forwarded:
+            assert bound <= math.comb(forwarded, s)
+            assert 2**40 * math.comb(needed - 1, s - 1) > math.comb(forwarded, s - 1)
+    sizes = {
+        n: sample_size(n, RoundTrust(n - n // 10, 0).confirmations(n))
+        for n in (100, 1000, 10_000, 100_000)
+    }
+    # drawn without replacement it grows toward the with-replacement size, which n leaves alone:
+    # ceil(40 / log2(1 / 0.55)) = 47 (needed / F tends to (1 + 0.1) / 2)
+    limit = math.ceil(40 / math.log2(1 / 0.55))
+    assert sorted(sizes.values()) == list(sizes.values()) and sizes[100_000] == limit == 47
+    assert RoundTrust(90, 0).confirmations(100) == 56  # (100 + 10) // 2 + 1
+
+
+def _mask_and_sign(rnd: Round, everyone: list[str]) -> tuple[Any, dict[str, bytes]]:
+    """Every site of ``everyone`` masks with all of them and signs them all as survivors."""
+    encoded, _ = inputs_for(everyone, 4, seed=len(everyone))
+    for s in everyone:
+        rnd.sites[s].mask(encoded[s], participants=everyone)
+    request = plan_unmask(everyone, participants=everyone, threshold=rnd.threshold)
+    signatures = {
+        s: rnd.sites[s].sign_view(request.survivors, identity_key=rnd.identities[s])
+        for s in everyone
+    }
+    return request, signatures
+
+
+def test_a_sites_signature_checks_do_not_grow_with_n() -> None:
+    """Counted ECDSA checks of one site over a whole sparse round: its neighbourhood's k + 1
+    advertisements and a sample of the survivors' signatures, the same at n = 60 and 240 (and
+    so with colluders allowed for, n = 200, H = 180); with the complete graph every
+    advertisement and every signature, as before."""
+    checks = {}
+    site = "site-0001"
+    for n, honest, sparse in ((60, 60, True), (240, 240, True), (200, 180, True), (40, 40, False)):
+        rnd = start(n, honest=honest, dropouts=1, sparse=sparse)
+        if sparse and honest == n:
+            rnd.graph = (8, 5)
+        per_site: list[str] = []
+        counting = {s: _CountingKey(k, per_site) for s, k in rnd.registered.items()}
+        sealed = {
+            s: rnd.sites[s].share(
+                rnd.roster,
+                registered=counting if s == site else rnd.registered,  # type: ignore[arg-type]
+                threshold=rnd.threshold,
+                graph=rnd.graph,
+            )
+            for s in sorted(rnd.sites)
+        }
+        advertisements = len(per_site)
+        for receiver in rnd.sites:
+            rnd.sites[receiver].receive(
+                {s: box[receiver] for s, box in sealed.items() if receiver in box}
+            )
+        request, signatures = _mask_and_sign(rnd, sorted(rnd.sites))
+        per_site.clear()
+        rnd.sites[site].answer(
+            request,
+            signatures=signatures,
+            registered=counting,  # type: ignore[arg-type]
+        )
+        degree = n - 1 if rnd.graph is None else rnd.graph[0]
+        needed = RoundTrust(honest, 1).confirmations(n)
+        checks[(n, sparse)] = (advertisements, len(per_site), degree + 1, sample_size(n, needed))
+    for n in (60, 240, 200):
+        adverts, signatures, neighbourhood, sample = checks[(n, True)]
+        assert (adverts, signatures) == (neighbourhood, sample) and sample < n
+    assert checks[(60, True)][:2] == (9, sample_size(60, 31))
+    assert sum(checks[(240, True)][:2]) <= 60 < 2 * 240
+    assert checks[(40, False)][:2] == (40, 40)
+
+
+def _signed_round(n: int, honest: int) -> tuple[Round, list[str], Any, dict[str, bytes]]:
+    """A sparse round of n sites run to the consistency stage: every site masked and signed."""
+    rnd = start(n, honest=honest, dropouts=1)
+    everyone = share(rnd, rnd.sites)
+    return (rnd, everyone, *_mask_and_sign(rnd, everyone))
+
+
+class _Draw:
+    """Stands in for ``secrets.SystemRandom`` in ``views``: draws the signers it is told to
+    (first ``first``, then the lowest others), so a test can put a given signature in or out
+    of the sample."""
+
+    first: ClassVar[list[str]] = []
+
+    def sample(self, population: list[str], k: int) -> list[str]:
+        chosen = [s for s in self.first if s in population][:k]
+        return chosen + [s for s in population if s not in chosen][: k - len(chosen)]
+
+
+def test_forged_signatures_are_caught_by_the_sample_or_counted_exactly(monkeypatch) -> None:
+    """Forwarded signatures with fewer genuine ones than a view needs: refused (a sample misses
+    every forgery with probability below 2^-40: here it draws one). One damaged signature among
+    enough genuine ones: a sample without it confirms; a sample with it makes the site check
+    every signature and count, and t valid still confirm. A site checks one unmasking request
+    a round: a second is refused whatever the first's outcome."""
+    rnd, everyone, request, signatures = _signed_round(120, honest=108)
+    needed = rnd.sites[everyone[3]].trust.confirmations(120)
+    size = sample_size(120, needed)
+    assert size < 120 and rnd.graph is not None
+    monkeypatch.setattr(views_module.secrets, "SystemRandom", _Draw)
+    forged = dict(signatures)
+    for s in everyone[needed - 1 :]:  # only needed - 1 genuine signatures remain
+        forged[s] = rnd.sites[everyone[0]].advertised.signature  # valid, but of something else
+    monkeypatch.setattr(_Draw, "first", [everyone[-1]])
+    with pytest.raises(ConsistencyError, match=f"{needed - 1} of 120 forwarded signatures"):
+        rnd.sites[everyone[3]].answer(request, signatures=forged, registered=rnd.registered)
+    with pytest.raises(ConsistencyError, match="checks one per round"):
+        rnd.sites[everyone[3]].answer(request, signatures=signatures, registered=rnd.registered)
+
+    damaged = dict(signatures)
+    damaged[everyone[7]] = bytes(70)
+    view = rnd.sites[everyone[4]].view(request.survivors)
+    kwargs = dict(
+        round_id=rnd.round_id, registered=rnd.registered, threshold=rnd.threshold, needed=needed
+    )
+    monkeypatch.setattr(_Draw, "first", [])  # the lowest ids: everyone[7] among them
+    assert confirming_signers(view, damaged, **kwargs) == set(everyone) - {everyone[7]}
+    monkeypatch.setattr(_Draw, "first", everyone[-size:])  # everyone[7] not drawn
+    assert confirming_signers(view, damaged, **kwargs) == set(everyone[-size:])
+    response = rnd.sites[everyone[4]].answer(request, signatures=damaged, registered=rnd.registered)
+    assert response.site_id == everyone[4]
+
+
+def test_a_site_checks_one_unmasking_request_a_round_durably() -> None:
+    """The durable record of a site about to check a request (``decisions(answering=True)``)
+    makes an older copy of its round state, as a restart would bring back, refuse to check
+    another."""
+    rnd, everyone, request, signatures = _signed_round(30, honest=27)
+    site = rnd.sites[everyone[2]]
+    older = SiteRound.from_bytes(site.to_bytes())
+    record = RoundDecisions.from_json(site.decisions(answering=True).to_json())
+    assert record.answered and not site.decisions().answered
+    site.answer(request, signatures=signatures, registered=rnd.registered)
+    older.recall(record)
+    with pytest.raises(ConsistencyError, match="checks one per round"):
+        older.answer(request, signatures=signatures, registered=rnd.registered)
+    with pytest.raises(SecureSumError, match="not a secure-sum decision record"):
+        RoundDecisions.from_json({**record.to_json(), "answered": "yes"})
+
+
+def test_a_sites_check_of_its_roster_covers_the_keys_it_uses_and_binds_the_rest() -> None:
+    """A coordinator that substitutes a NEIGHBOUR's advertisement is refused before anything is
+    shared; one that changes a non-neighbour's (here its noise share, to make the site add less)
+    gives the site another transcript: its sealed shares open at no holder, so nothing it sealed
+    or masks with is usable with the others'."""
+    rnd = start(80, honest=72, dropouts=2)
+    assert rnd.graph is not None
+    site = "site-0005"
+    true_transcript = round_transcript(rnd.threshold, rnd.roster.values(), rnd.graph)
+    true_graph = MaskingGraph.derive(rnd.roster, degree=rnd.graph[0], transcript=true_transcript)
+    lowered = {}
+    for other in sorted(rnd.roster):
+        if other == site:
+            continue
+        roster = dict(rnd.roster)
+        roster[other] = dataclasses.replace(rnd.roster[other], noise_share=0.5)
+        transcript = round_transcript(rnd.threshold, roster.values(), rnd.graph)
+        graph = MaskingGraph.derive(roster, degree=rnd.graph[0], transcript=transcript)
+        near = graph.neighbours(site)
+        if other in near or near & true_graph.neighbours(site):  # a holder under both graphs
+            lowered.setdefault(other in near, roster)
+        if len(lowered) == 2:
+            break
+    with pytest.raises(KeyBindingError, match="do not verify against its registered identity"):
+        rnd.sites[site].share(
+            lowered[True], registered=rnd.registered, threshold=rnd.threshold, graph=rnd.graph
+        )
+    sealed = rnd.sites[site].share(
+        lowered[False], registered=rnd.registered, threshold=rnd.threshold, graph=rnd.graph
+    )
+    others = sorted(set(rnd.sites) - {site})
+    for s in others:
+        rnd.sites[s].share(
+            rnd.roster, registered=rnd.registered, threshold=rnd.threshold, graph=rnd.graph
+        )
+    assert rnd.sites[site].transcript != rnd.sites[others[0]].transcript
+    true_holders = sorted(set(sealed) & rnd.sites[others[0]].graph.neighbours(site))
+    assert true_holders  # holders under both graphs: the transcript alone refuses them
+    for holder in true_holders:
+        with pytest.raises(ShareError, match="fail authentication"):
+            rnd.sites[holder].receive({site: sealed[holder]})
+    for holder in sorted(set(sealed) - set(true_holders)):
+        with pytest.raises(ShareError, match="not another holder"):
+            rnd.sites[holder].receive({site: sealed[holder]})
+
+
+def test_a_site_adds_the_largest_share_of_its_roster_whatever_participants_it_is_told() -> None:
+    """A coordinator that leaves the neediest site out of one site's participants does not
+    lower what that site adds: the largest share of the roster, not of the participants."""
+    rnd = start(30, honest=27, dropouts=2)
+    needy = "site-0017"
+    rnd.sites[needy] = SiteRound(
+        site_id=needy,
+        round_id=rnd.round_id,
+        identity_key=_identity(needy),
+        bits=BITS,
+        noise_share=3.0,
+        trust=RoundTrust(27, 2),
+    )
+    rnd.roster[needy] = rnd.sites[needy].advertised
+    share(rnd, rnd.sites)
+    told = sorted(set(rnd.sites) - {needy})
+    site = next(s for s in told if needy not in rnd.sites[s].graph.neighbours(s))
+    rnd.sites[site].check_participants(told)
+    assert rnd.sites[site].noise_share() == 3.0

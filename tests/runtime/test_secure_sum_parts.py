@@ -9,11 +9,13 @@ import os
 import numpy as np
 import pytest
 import torch
+from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from prism_runtime.errors import ConfigError
 from prism_runtime.secure_sum import (
     MAX_BITS,
+    AdvertisedKeys,
     RoundId,
     RoundTrust,
     SecureSumAbortedError,
@@ -30,10 +32,13 @@ from prism_runtime.secure_sum import (
     mask_input,
     open_shares,
     pairwise_key,
+    round_transcript,
     seal_shares,
+    sign_keys,
     split_secret,
     sum_fits,
 )
+from prism_runtime.secure_sum._encoding import frame, unframe
 
 RFC8439_ZERO_KEY_BLOCK = bytes.fromhex(
     "76b8e0ada0f13d90405d6ae55386bd28bdd219b8a08ded1aa836efcc8b770dc7"
@@ -130,38 +135,66 @@ def test_a_threshold_outside_half_to_all_sites_is_refused(threshold: int, sites:
         check_threshold(threshold, sites)
 
 
-def test_sealed_shares_open_only_for_their_pair_direction_run_round_threshold_and_roster() -> None:
+def _advertisement(site: str, **change: object) -> AdvertisedKeys:
+    keys = {
+        "mask_public": bytes(32),
+        "share_public": bytes([1]) * 32,
+        "commitment": bytes([2]) * 32,
+        "noise_share": 0.5,
+        "trust": RoundTrust(3, 1),
+    }
+    keys.update(change)
+    return sign_keys(
+        round_id=RoundId("run-1", 2),
+        site_id=site,
+        identity_key=ec.generate_private_key(ec.SECP256R1()),
+        **keys,  # type: ignore[arg-type]
+    )
+
+
+def test_the_transcript_names_the_threshold_graph_and_every_advertised_field() -> None:
+    roster = [_advertisement(s) for s in "abcd"]
+    base = round_transcript(3, roster)
+    assert round_transcript(3, list(reversed(roster))) == base  # framed in id order
+    others = [
+        round_transcript(4, roster),
+        round_transcript(3, roster, (2, 2)),
+        round_transcript(3, roster[:3]),
+        round_transcript(3, [*roster[:3], _advertisement("e")]),
+    ]
+    for change in (
+        {"mask_public": bytes([9]) * 32},
+        {"share_public": bytes([9]) * 32},
+        {"commitment": bytes([9]) * 32},
+        {"noise_share": 0.25},
+        {"trust": RoundTrust(4, 1)},
+        {"trust": RoundTrust(3, 0)},
+    ):
+        others.append(round_transcript(3, [*roster[:3], _advertisement("d", **change)]))
+    assert len({base, *others}) == len(others) + 1
+
+
+def test_sealed_shares_open_only_for_their_pair_direction_run_round_and_transcript() -> None:
     key, rid = os.urandom(32), RoundId("run-1", 2)
     pair = SharePair(os.urandom(52), os.urandom(52))
-    terms = {"threshold": 3, "roster": ["a", "b", "c", "d"]}
-    sealed = seal_shares(key, pair, sender="a", receiver="b", round_id=rid, **terms)
-    opened = open_shares(key, sealed, sender="a", receiver="b", round_id=rid, **terms)
+    transcript = round_transcript(3, [_advertisement(s) for s in "abcd"])
+    sealed = seal_shares(key, pair, sender="a", receiver="b", round_id=rid, transcript=transcript)
+    opened = open_shares(key, sealed, sender="a", receiver="b", round_id=rid, transcript=transcript)
     assert opened == pair
-    # the roster's order does not matter: it is framed sorted
-    mixed = {"threshold": 3, "roster": ["d", "c", "b", "a"]}
-    assert open_shares(key, sealed, sender="a", receiver="b", round_id=rid, **mixed) == pair
+    same = {"transcript": transcript}
     wrong = [
-        dict(key=key, sender="b", receiver="a", round_id=rid, **terms),
-        dict(key=key, sender="a", receiver="c", round_id=rid, **terms),
-        dict(key=key, sender="a", receiver="b", round_id=RoundId("run-1", 3), **terms),
-        dict(key=key, sender="a", receiver="b", round_id=RoundId("run-9", 2), **terms),
-        dict(key=os.urandom(32), sender="a", receiver="b", round_id=rid, **terms),
-        dict(key=key, sender="a", receiver="b", round_id=rid, threshold=4, roster=terms["roster"]),
-        dict(key=key, sender="a", receiver="b", round_id=rid, threshold=3, roster=["a", "b", "c"]),
-        dict(
-            key=key,
-            sender="a",
-            receiver="b",
-            round_id=rid,
-            threshold=3,
-            roster=["a", "b", "c", "e"],
-        ),
+        dict(key=key, sender="b", receiver="a", round_id=rid, **same),
+        dict(key=key, sender="a", receiver="c", round_id=rid, **same),
+        dict(key=key, sender="a", receiver="b", round_id=RoundId("run-1", 3), **same),
+        dict(key=key, sender="a", receiver="b", round_id=RoundId("run-9", 2), **same),
+        dict(key=os.urandom(32), sender="a", receiver="b", round_id=rid, **same),
+        dict(key=key, sender="a", receiver="b", round_id=rid, transcript=os.urandom(32)),
     ]
     for kwargs in wrong:
         with pytest.raises(ShareError, match="fail authentication"):
-            open_shares(kwargs.pop("key"), sealed, **kwargs)
+            open_shares(kwargs.pop("key"), sealed, **kwargs)  # type: ignore[arg-type]
     with pytest.raises(ShareError, match="fail authentication"):
-        open_shares(key, sealed[:10], sender="a", receiver="b", round_id=rid, **terms)
+        open_shares(key, sealed[:10], sender="a", receiver="b", round_id=rid, transcript=transcript)
 
 
 @pytest.mark.parametrize(
@@ -247,3 +280,23 @@ def test_field_boundaries_refuse_bad_vectors_and_widths() -> None:
             pairwise_keys={},
             bits=32,
         )
+
+
+def test_framing_tags_and_length_prefixes_every_field() -> None:
+    """Each field is its 4-byte big-endian length, a type tag and the value (ints as 8-byte
+    signed big-endian), whatever the field's exact type; bools are refused; bytes fields frame
+    back with ``unframe``."""
+    framed = frame(b"ab", "c", 5, -1, bytearray(b"x"))
+    assert framed == (
+        b"\x00\x00\x00\x03bab"
+        + b"\x00\x00\x00\x02sc"
+        + b"\x00\x00\x00\x09i"
+        + (5).to_bytes(8, "big")
+        + b"\x00\x00\x00\x09i"
+        + (-1).to_bytes(8, "big", signed=True)
+        + b"\x00\x00\x00\x02bx"
+    )
+    assert frame("a", "b") != frame("ab") and frame(1, 2) != frame(12)
+    with pytest.raises(TypeError, match="not bool"):
+        frame(b"a", True)
+    assert unframe(frame(b"", b"one", bytes(40))) == [b"", b"one", bytes(40)]
