@@ -84,12 +84,14 @@ def main(argv: list[str] | None = None) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 5))
-    for row in rows:
+    colours = plt.get_cmap("tab20").colors  # distinct beyond the default cycle's ten
+    for i, row in enumerate(rows):
         xs = [r * row["batch"] for r in sorted(row["curve"])]
         ys = [row["curve"][r] for r in sorted(row["curve"])]
         spent = row["epsilon (max)"]
         eps = "no DP" if spent in (None, "inf", float("inf")) else f"eps {float(spent):.1f}"
-        ax.plot(xs, ys, marker=".", label=f"{row['run']} ({eps}, dev {row['dev']:.3f})")
+        label = f"{row['run']} ({eps}, dev {row['dev']:.3f})"
+        ax.plot(xs, ys, marker=".", color=colours[(2 * i) % 20 + (2 * i) // 20 % 2], label=label)
     ax.set_xscale("symlog", linthresh=1000)
     ax.set_xlabel("example-gradients per site")
     ax.set_ylabel("accuracy, held-out selection split")
