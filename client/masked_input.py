@@ -59,7 +59,7 @@ def masked_input(
         site_round: the round's secrets, the peers' shares received.
         participants: the sites whose masks the input carries (U2).
         mu_share: the Skellam share this site adds (``client.secure.mask``: the largest a
-            participant signed, never less than its own).
+            roster site signed, never less than its own).
 
     Raises:
         ConfigError: the site's trainer is not PRISM's (``RunConfig`` allows PRISM only).

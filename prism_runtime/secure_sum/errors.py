@@ -86,7 +86,7 @@ class ShareError(SecureSumError):
 
 
 class NoiseShareError(SecureSumError):
-    """A participant signed a noise share larger than the whole noise the receiving site's own
+    """A roster site signed a noise share larger than the whole noise the receiving site's own
     charge needs: adding it would drown the round. Raised before the site charges anything."""
 
     code = 4015

@@ -289,7 +289,7 @@ def test_a_resumed_secure_run_ends_where_the_uninterrupted_one_does(tiny_bert, t
             assert torch.equal(a.get_tensor(name), b.get_tensor(name)), name
 
 
-def test_every_honest_site_adds_the_largest_share_a_participant_signed(
+def test_every_honest_site_adds_the_largest_share_a_roster_site_signed(
     tiny_bert, tmp_path, monkeypatch
 ):
     """Sites that count on different numbers of honest sites need different shares (mu / H):
