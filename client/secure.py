@@ -477,10 +477,9 @@ def unmask(stage: SecureStage) -> RecordDict:
     site, round_id = stage.site, stage.round_id
     site_round = stage.load_round()
     call = decode_unmask_request(stage.secure_part(), round_id=round_id, site_id=site.site_id)
+    registered = registered_keys(site.policy)
     if site_round.sampled:  # one sampled check per round, durable before it runs
         stage.record.keep(round_id, site_round.decisions(answering=True))
-    response = site_round.answer(
-        call.request, signatures=call.signatures, registered=registered_keys(site.policy)
-    )
+    response = site_round.answer(call.request, signatures=call.signatures, registered=registered)
     stage.drop_round()
     return encode_unmask_reply(response, round_id=round_id)

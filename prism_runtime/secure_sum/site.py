@@ -288,6 +288,13 @@ class SiteRound:
             )
         return self._graph
 
+    def _confirmations(self) -> int:
+        """The genuine signatures a sampled check must show: for the most colluders any roster
+        site allows for (the H each signed is in the transcript), as the shares this site
+        reveals are its neighbours' secrets."""
+        weakest = min(keys.honest_sites for keys in self._roster.values())
+        return self.trust.confirmations(len(self._roster), weakest=weakest)
+
     @property
     def sampled(self) -> bool:
         """Whether this site checks the consistency signatures on a random sample (it shared
@@ -514,7 +521,7 @@ class SiteRound:
             round_id=self.round_id,
             registered=registered,
             threshold=self._threshold,
-            needed=None if self._sparse is None else self.trust.confirmations(len(self._roster)),
+            needed=None if self._sparse is None else self._confirmations(),
         )
         near = set(self._holders(self.site_id))
         return UnmaskResponse(

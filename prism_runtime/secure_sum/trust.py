@@ -14,7 +14,8 @@ clients. Each part, given that every site's shares are sealed under one transcri
 threshold, graph and every roster advertisement, ``envelope``) and that a site reveals shares
 only for exactly its own participant and survivor sets, confirmed by signatures of them
 (``views``: t valid, or under a sparse graph a random sample that shows at least
-``confirmations(n) = (n + c) // 2 + 1`` genuine ones but for ``2^-40``):
+``confirmations(n) = (n + c) // 2 + 1`` genuine ones, c for the smallest H of the roster, but
+for ``2^-40``):
 
 - ``2 t > n + c``: a view is revealed only if at least ``(n + c) // 2 + 1 <= t`` sites signed
   it, more than ``(n - c) / 2`` of them honest, and an honest site signs one view per round;
@@ -86,11 +87,15 @@ class RoundTrust:
         """``H - D``: the honest inputs every sum this site takes part in holds at least."""
         return self.honest - self.dropouts
 
-    def confirmations(self, sites: int) -> int:
+    def confirmations(self, sites: int, *, weakest: int | None = None) -> int:
         """``(n + c) // 2 + 1`` with ``c = n - H``: the genuine signatures of one view that a
-        second view cannot also gather while each honest site signs one (``views``)."""
+        second view cannot also gather while each honest site signs one (``views``). With
+        ``weakest``, the smallest H a roster site signed, c is the most colluders ANY roster
+        site allows for: a site's check protects its neighbours' secrets, whose H may be lower
+        than its own."""
         n = _count(sites, "sites", 1)
-        return (n + max(n - self.honest, 0)) // 2 + 1
+        honest = self.honest if weakest is None else min(self.honest, weakest)
+        return (n + max(n - honest, 0)) // 2 + 1
 
     def least_threshold(self, sites: int) -> int:
         """The least t this site accepts for a roster of ``sites`` sites: ``sites - tolerance``."""

@@ -19,8 +19,9 @@ roster site, whether or not they verified its signature themselves.
 
 With a sparse masking graph a site checks a SAMPLE of the forwarded signatures instead of all
 of them (``sample_size``): what the signatures must show is that at least ``needed`` genuine
-survivors hold the view, ``(n + c) // 2 + 1`` with ``c = n - H`` (``RoundTrust.confirmations``),
-so that no two views are both confirmed by sites that each sign one. If fewer than that are
+survivors hold the view, ``(n + c) // 2 + 1`` with ``c = n - H`` for the smallest H any roster
+site signed (``RoundTrust.confirmations``: what a site reveals are its neighbours' secrets), so
+that no two views are both confirmed by sites that each sign one. If fewer than that are
 genuine among the ``F`` forwarded, a uniform sample of ``s`` of them, drawn from the site's
 CSPRNG after the signatures arrived, all verify with probability at most
 ``C(needed - 1, s) / C(F, s)``; the site draws the least ``s`` that keeps this below

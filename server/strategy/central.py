@@ -171,6 +171,8 @@ class CentralStep:
 
 def noise_std_of(shares: Sequence[float], *, max_norm: float, expected_batch: float) -> float:
     """The std per coordinate of the mean update's noise: the shares' RDP-equivalent sigmas
-    (``share-sigma`` of each survivor's facts) added in variance, times C, over the divisor."""
+    (``share-sigma`` of each survivor's facts) added in variance, times C, over the divisor. A
+    lower bound when the round's sites need different shares: each adds the largest share of
+    the roster, not its own."""
     variance = sum(s * s for s in shares)
     return float(np.sqrt(variance)) * max_norm / expected_batch

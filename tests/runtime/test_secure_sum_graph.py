@@ -626,22 +626,51 @@ def test_a_sites_check_of_its_roster_covers_the_keys_it_uses_and_binds_the_rest(
             rnd.sites[holder].receive({site: sealed[holder]})
 
 
+def _replace(rnd: Round, site: str, *, noise_share: float, trust: RoundTrust) -> None:
+    """Give ``site`` of ``rnd`` another noise share and H and D (a new round state, advertised)."""
+    rnd.sites[site] = SiteRound(
+        site_id=site,
+        round_id=rnd.round_id,
+        identity_key=_identity(site),
+        bits=BITS,
+        noise_share=noise_share,
+        trust=trust,
+    )
+    rnd.roster[site] = rnd.sites[site].advertised
+
+
 def test_a_site_adds_the_largest_share_of_its_roster_whatever_participants_it_is_told() -> None:
     """A coordinator that leaves the neediest site out of one site's participants does not
     lower what that site adds: the largest share of the roster, not of the participants."""
     rnd = start(30, honest=27, dropouts=2)
     needy = "site-0017"
-    rnd.sites[needy] = SiteRound(
-        site_id=needy,
-        round_id=rnd.round_id,
-        identity_key=_identity(needy),
-        bits=BITS,
-        noise_share=3.0,
-        trust=RoundTrust(27, 2),
-    )
-    rnd.roster[needy] = rnd.sites[needy].advertised
+    _replace(rnd, needy, noise_share=3.0, trust=RoundTrust(27, 2))
     share(rnd, rnd.sites)
     told = sorted(set(rnd.sites) - {needy})
     site = next(s for s in told if needy not in rnd.sites[s].graph.neighbours(s))
     rnd.sites[site].check_participants(told)
     assert rnd.sites[site].noise_share() == 3.0
+
+
+def test_a_sampled_check_counts_on_the_rosters_weakest_h() -> None:
+    """A site's sampled check guards its neighbours' secrets, so it needs the genuine
+    signatures of the most colluders ANY roster site allows for: with one site counting on
+    H = 90 of 120, a site counting on all 120 checks for (120 + 30) // 2 + 1 = 76 genuine
+    signatures (a larger sample) instead of 61."""
+    n = 120
+    rnd = start(n, honest=n, dropouts=1)
+    low = RoundTrust(n - 30, 1)
+    _replace(rnd, "site-0040", noise_share=1.0, trust=low)
+    trusts = [RoundTrust(n, 1)] * (n - 1) + [low]
+    threshold, graph = least_common_threshold(trusts, n), common_graph(trusts, n)
+    assert threshold is not None and graph is not None
+    rnd.threshold, rnd.graph = threshold, graph
+    everyone = share(rnd, rnd.sites)
+    request, signatures = _mask_and_sign(rnd, everyone)
+    site = "site-0001"
+    assert rnd.sites[site].trust.confirmations(n) == 61
+    assert rnd.sites[site].trust.confirmations(n, weakest=n - 30) == 76
+    checks: list[str] = []
+    counting = {s: _CountingKey(k, checks) for s, k in rnd.registered.items()}
+    rnd.sites[site].answer(request, signatures=signatures, registered=counting)  # type: ignore[arg-type]
+    assert len(checks) == sample_size(n, 76) > sample_size(n, 61)
