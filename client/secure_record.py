@@ -8,9 +8,10 @@ of the two), or a second view signed (and then the other kind of share revealed)
 stage writes the round's ``prism_runtime.secure_sum.RoundDecisions`` (which masks; the
 threshold it shared with; whom it masked with; the one survivor set it signed, the only one it
 reveals shares for; under a sparse graph, that it checked an unmasking request, written before
-the check so that a sampled check is never drawn twice) to ``<state_dir>/secure-round.json`` in one atomic, fsync'ed write BEFORE its reply leaves, and
-every later stage takes the record into the round's state first (``SiteRound.recall``): a state
-older than the record is refused or completed from it, never used to decide again. The record
+the check so that a sampled check is never drawn twice) to ``<state_dir>/secure-round.json``
+in one atomic, fsync'ed write BEFORE its reply leaves, and every later stage takes the record
+into the round's state first (``SiteRound.recall``): a state older than the record is refused
+or completed from it, never used to decide again. The record
 holds no secret (masks are named by a digest of their public keys); advertising a new round
 replaces it, so a state of an earlier round is refused as stale.
 """
