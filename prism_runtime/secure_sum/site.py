@@ -521,7 +521,7 @@ class SiteRound:
             round_id=self.round_id,
             registered=registered,
             threshold=self._threshold,
-            needed=None if self._sparse is None else self._confirmations(),
+            needed=self._confirmations() if self.sampled else None,
         )
         near = set(self._holders(self.site_id))
         return UnmaskResponse(

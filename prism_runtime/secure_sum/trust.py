@@ -23,12 +23,11 @@ for ``2^-40``):
   that reveals holds ONE view, and no site's seed and mask key are ever both reconstructed
   (each needs t shares; the colluders hold c < t).
 - ``t >= n - D``: a round loses at most D roster sites, and every site refuses a view with
-  more than D missing, so a sum
-  holds at least ``n - D - c = H - D`` honest sites' inputs; each adds the largest noise
-  share of the roster in the transcript the revealing sites hold (an honest input sealed under
-  another transcript keeps its self mask: its seed shares open only under its own), this
-  site's own among them: a share of ``mu / (H - D)`` (``share_divisor``) keeps the site's
-  charge true.
+  more than D missing, so a sum holds at least ``n - D - c = H - D`` honest sites' inputs;
+  each adds the largest noise share of the roster in the transcript the revealing sites hold
+  (an honest input sealed under another transcript keeps its self mask: its seed shares open
+  only under its own), this site's own among them: a share of ``mu / (H - D)``
+  (``share_divisor``) keeps the site's charge true.
 - ``t > c + D``: the honest sites that reveal a site's seed number at least ``t - c > D``, more
   than the D roster sites a coordinator may leave out of that site's participants, so at least
   one of them masked with it and survived in the same view: their pairwise mask is never

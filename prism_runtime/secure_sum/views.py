@@ -25,7 +25,8 @@ that no two views are both confirmed by sites that each sign one. If fewer than 
 genuine among the ``F`` forwarded, a uniform sample of ``s`` of them, drawn from the site's
 CSPRNG after the signatures arrived, all verify with probability at most
 ``C(needed - 1, s) / C(F, s)``; the site draws the least ``s`` that keeps this below
-``2^-SECURITY_BITS`` (about 47 at H = 0.9 n, whatever n), and if a drawn signature fails it
+``2^-SECURITY_BITS`` (47 at H = 0.9 n with none missing, whatever n; more the more of the
+roster is missing), and if a drawn signature fails it
 verifies every one and counts, exactly as without a sample.
 """
 
