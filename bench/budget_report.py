@@ -23,7 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from prism_runtime.plan import plan_budget
 
-DEFAULTS = {"batch-size": 128, "num-rounds": 30, "lr": 0.002, "head-max-norm": 0.9}
+DEFAULTS = {
+    "batch-size": 128,
+    "num-rounds": 30,
+    "lr": 0.002,
+    "max-norm": 1.0,
+    "head-max-norm": 0.9,
+}
 
 
 def _row(name: str, result: dict[str, Any]) -> dict[str, Any]:
@@ -40,9 +46,11 @@ def _row(name: str, result: dict[str, Any]) -> dict[str, Any]:
         "batch": batch,
         "rounds": rounds,
         "lr": config["lr"],
+        "clip": config["max-norm"],
         "head share": config["head-max-norm"],
         "server lr": config.get("server-lr-schedule", "constant"),
-        "method": config.get("method", "prism"),
+        "method": config.get("method", "prism")
+        + ("-secure" if config.get("secure-aggregation") else ""),
         "dev": dev,
         "selection best": max(v for k, v in curve.items() if k > 0),
         "selection last": curve[max(curve)],
@@ -54,7 +62,12 @@ def _row(name: str, result: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="+", type=Path, help="bench/federation_run.py --out folders")
+    parser.add_argument(
+        "runs",
+        nargs="+",
+        type=Path,
+        help="bench/federation_run.py --out folders, or their result.json files kept as NAME.json",
+    )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument(
         "--task", default="SST-2", help="the task's name in the plot's title (default SST-2)"
@@ -62,10 +75,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for folder in args.runs:
-        result = json.loads((folder / "result.json").read_text())
-        shutil.copy(folder / "result.json", args.out / f"{folder.name}.json")
-        rows.append(_row(folder.name, result))
+    for path in args.runs:
+        kept = path.suffix == ".json"  # a result kept in a results folder, named by its run
+        file, name = (path, path.stem) if kept else (path / "result.json", path.name)
+        result = json.loads(file.read_text())
+        target = args.out / f"{name}.json"
+        if not target.exists() or not target.samefile(file):
+            shutil.copy(file, target)
+        rows.append(_row(name, result))
     rows.sort(key=lambda r: (r["example-gradients"], r["run"]))
     columns = [c for c in rows[0] if c != "curve"]
     lines = ["| " + " | ".join(columns) + " |", "| " + " | ".join("---" for _ in columns) + " |"]

@@ -19,6 +19,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
@@ -183,6 +184,14 @@ class _Kebab(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
+def _is_true(value: object) -> bool:
+    """``value`` as the bool field reads it (pydantic's lax rules), False if it is no bool."""
+    try:
+        return TypeAdapter(bool).validate_python(value)
+    except ValidationError:
+        return False  # the field's own check refuses it
+
+
 def _alias(name: str) -> str:
     return name.replace("_", "-")
 
@@ -244,8 +253,9 @@ class RunConfig(_Kebab):
         ge=0,
         le=MAX_PASSES,
         description="compute budget in passes over each site's data: the planner (prism-fl "
-        "plan) sets batch-size, num-rounds, local-steps and lr for it from rows-per-site; 0 = "
-        "no budget: those keys as set (the demo's 30 rounds x 1 step x 128)",
+        "plan) sets batch-size, num-rounds, local-steps and lr for it from rows-per-site (and "
+        "with secure-aggregation one sample-rate = b / rows-per-site); 0 = no budget: those keys "
+        "as set (the demo's 30 rounds x 1 step x 128)",
     )
     rows_per_site: int = Field(
         0,
@@ -568,7 +578,18 @@ class RunConfig(_Kebab):
                 f"budget={budget:g} sets {', '.join(PLANNED_KEYS)}; the run config also sets "
                 f"{'; '.join(clashes)}: remove those keys, or budget"
             )
-        return {**given, **plan.settings(), "rows-per-site": rows}
+        settings = {**plan.settings(), "rows-per-site": rows}
+        if _is_true(given.get("secure-aggregation", False)):
+            # one public rate for every site: a share every site can add (docs/security.md)
+            rate = given.get("sample-rate", 0)
+            if rate not in (0, plan.sample_rate):
+                raise ValueError(
+                    f"budget={budget:g} with secure-aggregation sets sample-rate = b / N = "
+                    f"{plan.sample_rate:.6g}; the run config also sets sample-rate={rate!r}: "
+                    "remove it, or budget"
+                )
+            settings["sample-rate"] = plan.sample_rate
+        return {**given, **settings}
 
     @property
     def plan(self) -> BudgetPlan | None:

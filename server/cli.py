@@ -326,25 +326,47 @@ def _plan(args: argparse.Namespace) -> int:
         report = budget_report(plan, epsilon=args.epsilon, delta=args.delta)
     except (ValueError, PrivacyParameterError) as exc:
         raise ConfigError(f"plan: {exc}") from None
-    keys = {"budget": round(plan.passes, 6), "rows-per-site": plan.rows_per_site}
+    keys: dict[str, float | str | bool] = {
+        "budget": round(plan.passes, 6),
+        "rows-per-site": plan.rows_per_site,
+    }
     keys.update({"target-epsilon": args.epsilon, "delta": args.delta})
     keys["sites-per-round"] = args.sites
+    if args.secure:
+        keys["secure-aggregation"] = True
     if args.model != MINILM:
         keys["model"] = args.model
     print(
         f"# {plan.passes:g} passes over {plan.rows_per_site} rows a site, epsilon {args.epsilon:g}"
     )
     print("# run config (flwr run . <federation> --run-config '...'):")
-    print(" ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v:g}" for k, v in keys.items()))
+    print(
+        " ".join(
+            f"{k}={str(v).lower()}"
+            if isinstance(v, bool)
+            else f"{k}={v!r}"
+            if isinstance(v, str)
+            else f"{k}={v:g}"
+            for k, v in keys.items()
+        )
+    )
     print("# what the budget sets:")
-    for key, value in plan.settings().items():
+    settings = {**plan.settings(), **({"sample-rate": plan.sample_rate} if args.secure else {})}
+    for key, value in settings.items():
         print(f"{key} = {value:g}")
     print(f"# sample rate q = b / N: {plan.sample_rate:.5g}")
     print(f"# example-gradients per site: {plan.example_gradients}")
     print(f"# sigma (calibrated by each site of {plan.rows_per_site} rows): {report.sigma:.4f}")
     print(f"# noise std of one step's mean gradient: {report.step_noise:.3g} C (sigma / b)")
-    federated = report.step_noise / args.sites**0.5
-    print(f"# ... of the mean over {args.sites} equal sites: {federated:.3g} C")
+    if args.secure:  # one sigma in the sum (each of H = K sites adds sigma / sqrt(K)) over K b
+        summed = report.step_noise / args.sites
+        print(
+            f"# ... of the secure sum's mean over {args.sites} sites, each counting on "
+            f"{args.sites} honest: {summed:.3g} C (sqrt(K / H) more if they count on H < K)"
+        )
+    else:
+        federated = report.step_noise / args.sites**0.5
+        print(f"# ... of the mean over {args.sites} equal sites: {federated:.3g} C")
     print(
         f"# epsilon charged per site: {report.charged:.4f} (<= {args.epsilon:g}) "
         f"at delta {args.delta:g}"
@@ -385,6 +407,11 @@ def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     plan.add_argument("--delta", type=_positive_float, default=1e-5, help="default 1e-5")
     plan.add_argument("--sites", type=_positive_int, default=3, help="sites per round (3)")
     plan.add_argument("--model", default="minilm", help="the run's model (default minilm)")
+    plan.add_argument(
+        "--secure",
+        action="store_true",
+        help="secure aggregation: the budget also sets one public sample-rate (b / N)",
+    )
     plan.set_defaults(handler=_plan)
 
 

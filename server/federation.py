@@ -167,9 +167,11 @@ def _export(loaded: LoadedModel, run_dir: Path, summaries: list[RoundSummary]) -
     return {**entries, "adapter": ADAPTER_DIR}
 
 
-def _say_plan(plan: BudgetPlan) -> None:
-    """Say what the run's budget chose (``prism_runtime.plan``)."""
-    chosen = " ".join(f"{k}={v:g}" for k, v in plan.settings().items())
+def _say_plan(plan: BudgetPlan, sample_rate: float) -> None:
+    """Say what the run's budget chose (``prism_runtime.plan``; with secure aggregation also
+    the one ``sample-rate`` it sets)."""
+    settings = {**plan.settings(), **({"sample-rate": sample_rate} if sample_rate else {})}
+    chosen = " ".join(f"{k}={v:g}" for k, v in settings.items())
     line = (
         f"budget of {plan.passes:g} passes over about {plan.rows_per_site} rows a site "
         f"({plan.example_gradients} example-gradients a site): {chosen}"
@@ -186,7 +188,7 @@ def run_federation(grid: Grid, run: RunConfig, *, faults: Faults = NO_FAULTS) ->
     """
     run_dir = make_run_dir(run)
     if run.plan is not None:
-        _say_plan(run.plan)
+        _say_plan(run.plan, run.sample_rate)
     config = run.model_dump(by_alias=True)
     _check_same_config(run_dir, config)
     ckpt = load_checkpoint(run_dir)

@@ -76,11 +76,19 @@ from prism_runtime.secure_sum.views import (
     sign_view,
 )
 
-__all__ = ["NOISE_SHARE_SLACK", "RoundDecisions", "SiteRound"]
+__all__ = ["NOISE_SHARE_SLACK", "RoundDecisions", "SiteRound", "share_too_large"]
 
 NOISE_SHARE_SLACK = 1e-9
 """Relative slack on the largest noise share a site accepts (its whole noise ``mu``): the float
 rounding of ``(mu / (H - D)) (H - D)``, far below any share a site could need more."""
+
+
+def share_too_large(largest: float, keys: AdvertisedKeys) -> bool:
+    """Whether a site that advertised ``keys`` refuses to add the roster's ``largest`` noise
+    share: it exceeds the site's whole noise, ``(H - D)`` times its own share (with
+    ``NOISE_SHARE_SLACK``). The one rule of ``SiteRound.noise_share``; the coordinator applies it
+    to the advertisements it holds to stop a round every such site would refuse."""
+    return largest > keys.noise_share * keys.trust.share_divisor * (1 + NOISE_SHARE_SLACK)
 
 
 @dataclass(frozen=True)
@@ -411,7 +419,7 @@ class SiteRound:
             raise SecureSumError(f"site {self.site_id!r} has no verified roster this round")
         largest = max(keys.noise_share for keys in self._roster.values())
         own = self._advertised.noise_share * self.trust.share_divisor
-        if largest > own * (1 + NOISE_SHARE_SLACK):
+        if share_too_large(largest, self._advertised):
             raise NoiseShareError(
                 f"a roster site signed a noise share of {largest:.6g}, more than this site's "
                 f"whole noise {own:.6g}: refused before anything is charged"

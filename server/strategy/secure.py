@@ -93,6 +93,7 @@ from prism_runtime.secure_sum.messages import (
     encode_share_request,
     encode_unmask_request,
 )
+from prism_runtime.secure_sum.site import share_too_large
 from prism_runtime.secure_sum.wire import RECORD
 from server.errors import ReplyError
 from server.strategy.binding import SiteBinding
@@ -281,6 +282,8 @@ class SecureRound:
         binding.sent_to = {
             n: state.round_.server_round for n in state.intake.answered | state.intake.replied
         }
+        if not self._shares_covered(state):
+            return False
         trusts = [keys.trust for _, keys in state.adverts.values()]
         threshold = least_common_threshold(trusts, len(trusts)) if trusts else None
         # None: no site advertised, or one counts on more honest sites than advertised: abort
@@ -288,6 +291,31 @@ class SecureRound:
         if self.sparse_graph and threshold is not None:
             state.sparse = common_graph(trusts, len(trusts))
         return self._enough(state, len(state.adverts), "sites advertised keys")
+
+    def _shares_covered(self, state: SecureState) -> bool:
+        """Whether every advertiser adds the roster's largest noise share; else the round stops
+        here, before any key is shared or step charged, saying what to set (each such site
+        would refuse to mask: ``SiteRound.noise_share``)."""
+        if not state.adverts:
+            return True
+        needy, (_, most) = max(state.adverts.items(), key=lambda item: item[1][1].noise_share)
+        refusing = sorted(
+            site for site, (_, keys) in state.adverts.items()
+            if share_too_large(most.noise_share, keys)
+        )  # fmt: skip
+        if not refusing:
+            return True
+        summary = state.intake.summary
+        summary.discarded = (
+            f"secure sum aborted: site {needy!r} needs a noise share of {most.noise_share:.6g}, "
+            f"more than the whole noise of {', '.join(map(repr, refusing))}, which refuse to add "
+            "it. Their samples differ too much for each site to calibrate its own sigma (shards "
+            "of very different sizes): set sample-rate (one public q for every site, so all "
+            "charge one sigma), or a smaller min-honest-sites"
+        )
+        log.warning("round %d: %s", state.round_.server_round, summary.discarded)
+        state.intake.charge_unanswered()
+        return False
 
     def share_keys(self, state: SecureState) -> bool:
         """2. The roster and threshold to every advertiser; their sealed Shamir shares back."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import tomllib
 
 import pytest
 from helpers.sites import simulated_node
@@ -106,10 +107,30 @@ def test_a_budget_run_config_says_what_it_sets_and_survives_a_round_trip():
     assert demo.plan is None and (demo.batch_size, demo.num_rounds) == (128, 30)
 
 
+@pytest.mark.parametrize("secure", [True, "true"])
+def test_a_secure_budget_sets_one_public_sample_rate_and_a_plain_one_none(secure):
+    """With secure aggregation the budget also sets ``sample-rate = b / rows-per-site``: every
+    site samples at one q, so all calibrate one sigma and each can add the others' share (per-site
+    sampling over shards of different sizes can need a share some site refuses)."""
+    plan = plan_budget(passes=2, rows_per_site=22_000)
+    values = {"budget": 2, "rows-per-site": 22_000, "secure-aggregation": secure}
+    run = parse_config(RunConfig, values, what="run config")
+    assert run.sample_rate == plan.sample_rate == plan.batch_size / 22_000
+    assert parse_config(RunConfig, run.model_dump(by_alias=True), what="run config") == run
+    plain = parse_config(RunConfig, {"budget": 2, "rows-per-site": 22_000}, what="run config")
+    assert plain.sample_rate == 0.0
+    same = {**values, "sample-rate": plan.sample_rate}
+    assert parse_config(RunConfig, same, what="run config") == run
+
+
 @pytest.mark.parametrize(
     ("values", "message"),
     [
         ({"budget": 2, "data": "shard.jsonl"}, "needs rows-per-site"),
+        (
+            {"budget": 2, "rows-per-site": 22_000, "secure-aggregation": True, "sample-rate": 0.5},
+            "sets sample-rate = b / N = 0.0666818.*sample-rate=0.5: remove it",
+        ),
         ({"budget": 2, "rows-per-site": 22_000, "lr": 0.5}, "lr=0.5 .*remove those keys"),
         ({"budget": 2, "rows-per-site": 22_000, "num-rounds": 7}, "num-rounds=7"),
         ({"budget": 2, "rows-per-site": 10}, "rows-per-site=10"),
@@ -135,6 +156,21 @@ def test_the_plan_command_prints_the_config_sigma_noise_and_epsilon(capsys):
     same = ["plan", "--example-gradients", "44000", "--rows-per-site", "22000"]
     assert main(same) == EXIT_OK
     assert f"batch-size = {plan.batch_size}" in capsys.readouterr().out
+
+
+def test_the_plan_command_with_secure_prints_the_sample_rate_and_the_sums_noise(capsys):
+    argv = ["plan", "--passes", "2", "--rows-per-site", "22000", "--sites", "3", "--secure"]
+    assert main(argv) == EXIT_OK
+    out = capsys.readouterr().out
+    plan = plan_budget(passes=2, rows_per_site=22_000)
+    report = budget_report(plan, epsilon=3.0, delta=1e-5)
+    config = next(line for line in out.splitlines() if line.startswith("budget="))
+    assert "secure-aggregation=true" in config.split()
+    values = tomllib.loads("\n".join(config.split()))  # as flwr reads --run-config
+    run = parse_config(RunConfig, values, what="run config")  # it sets that rate
+    assert run.secure_aggregation and run.sample_rate == plan.sample_rate
+    assert f"sample-rate = {plan.sample_rate:g}" in out
+    assert f"over 3 sites, each counting on 3 honest: {report.step_noise / 3:.3g} C" in out
 
 
 @pytest.mark.parametrize(

@@ -447,3 +447,43 @@ def test_a_site_that_masks_with_everyone_only_refuses_a_sparse_graph(tiny_bert, 
     assert only["applied"] and sorted(only["accepted"]) == [f"site-{i}" for i in range(1, 6)]
     own = tmp_path / "run" / "sites" / "site-0" / "privacy-ledger.jsonl"
     assert not own.exists() or own.read_text() == ""  # charged nothing
+
+
+def test_shares_that_some_site_would_refuse_stop_the_round_before_keys_are_shared(
+    tiny_bert, tmp_path, monkeypatch
+):
+    """Per-site sampling over shards of very different sizes: the smallest shard's site needs a
+    noise share larger than a large shard's whole noise, which that site refuses to add. The
+    coordinator sees it in the signed advertisements and stops the round there: no key shares
+    sent, nothing charged, and the reason names the fix (sample-rate)."""
+    import client.site as site_module
+
+    monkeypatch.setattr(site_module, "_memory_low", lambda: False)  # all sites stay open
+    data = tmp_path / "train.jsonl"
+    rows = [{"text": f"a good film {i}", "label": 1} for i in range(20)]
+    rows += [{"text": f"a dull film {i}", "label": 0} for i in range(20, 200)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    values = _config(
+        tiny_bert,
+        tmp_path / "run",
+        **{
+            "num-rounds": 1,
+            "min-honest-sites": SITES,
+            "target-epsilon": 1.0,  # sigma then grows about as q: shard sizes weigh most
+            "data": str(data),
+            "server-eval-data": str(data),
+            "partitioner": "dirichlet",
+            "dirichlet-alpha": 0.05,
+        },
+    )
+    grid = SecureGrid(values, nodes=_nodes())
+    summary = _summary(_run(values, grid))
+    sites = {s.site_id: s for s in site_module._SITES.values() if s.secure}
+    shares = sorted(s.secure.mu_share for s in sites.values())
+    assert shares[-1] > SITES * shares[0] * 1.01, shares  # the precondition: one would refuse
+    (only,) = summary["rounds"]
+    assert not only["applied"]
+    assert "set sample-rate" in only["discarded"], only["discarded"]
+    assert set(grid.types) == {"train.secure_advertise"}, grid.types  # no shares, no masking
+    ledgers = list((tmp_path / "run" / "sites").glob("*/privacy-ledger.jsonl"))
+    assert all(not path.read_text().strip() for path in ledgers)  # nothing charged
