@@ -34,7 +34,9 @@ DEFAULTS = {
 
 def _row(name: str, result: dict[str, Any]) -> dict[str, Any]:
     config = {**DEFAULTS, **result["run-config"]}
-    if config.get("budget"):  # the plan's keys, as the run config applied them
+    if "resolved" in result:  # the keys as the run applied them
+        config.update(result["resolved"])
+    elif config.get("budget"):  # a result without them: the plain plan, the rule it ran under
         plan = plan_budget(passes=config["budget"], rows_per_site=config["rows-per-site"])
         config.update(plan.settings())
     curve = {int(k): v for k, v in result["selection-curve"].items()}

@@ -29,6 +29,18 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
 from bench.utility import DATA_DIR, _local_grid, read_jsonl, write_jsonl
 
+RESOLVED = (
+    "batch-size",
+    "num-rounds",
+    "local-steps",
+    "lr",
+    "max-norm",
+    "head-max-norm",
+    "head-lr",
+    "sample-rate",
+)
+"""The run-config keys a result records as the run applied them (a budget sets some)."""
+
 
 def _value(text: str) -> Any:
     for cast in (int, float):
@@ -98,8 +110,10 @@ def main(argv: list[str] | None = None) -> None:
     summary = json.loads((run_dir / "summary.json").read_text())
     curve = {r: m.get("accuracy") for r, m in summary.get("server-eval", {}).items()}
     sites = json.loads((run_dir / "report.json").read_text())["sites"]
+    dumped = run.model_dump(by_alias=True)
     result = {
         "run-config": run_config,
+        "resolved": {key: dumped[key] for key in RESOLVED},  # what a budget set, as run
         "seconds": round(seconds, 1),
         "selection-curve": curve,
         "eval": {str(eval_data): metrics},

@@ -27,7 +27,7 @@ from pydantic import (
 
 from prism_core.quantile import clip_range
 from prism_runtime.errors import ConfigError
-from prism_runtime.plan import MAX_PASSES, PLANNED_KEYS, BudgetPlan, plan_budget
+from prism_runtime.plan import MAX_PASSES, BudgetPlan, plan_budget, secure_settings
 from prism_runtime.ranges import (
     HEAD_LR_MAX,
     LOCAL_STEPS_MAX,
@@ -182,6 +182,14 @@ def check_label_texts(
 
 class _Kebab(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+def _same_number(given: object, planned: float) -> bool:
+    """Whether ``given`` is ``planned`` (to a printed plan's precision, 1e-5 relative)."""
+    try:
+        return math.isclose(TypeAdapter(float).validate_python(given), planned, rel_tol=1e-5)
+    except ValidationError:
+        return False
 
 
 def _is_true(value: object) -> bool:
@@ -566,30 +574,21 @@ class RunConfig(_Kebab):
                 "public figure; it sets the batch and the rounds), e.g. rows-per-site=20000"
             )
         plan = plan_budget(passes=float(budget), rows_per_site=rows)
+        secure = _is_true(given.get("secure-aggregation", False))
+        settings = secure_settings(plan) if secure else plan.settings()
         # a key at its default (as pyproject.toml lists every key) is the plan's to set
         defaults = {_alias(k): f.default for k, f in cls.model_fields.items()}
         clashes = [
             f"{key}={given[key]!r} (the plan's: {value!r})"
-            for key, value in plan.settings().items()
-            if key in given and given[key] not in (value, defaults[key])
+            for key, value in settings.items()
+            if key in given and given[key] != defaults[key] and not _same_number(given[key], value)
         ]
         if clashes:
             raise ValueError(
-                f"budget={budget:g} sets {', '.join(PLANNED_KEYS)}; the run config also sets "
+                f"budget={budget:g} sets {', '.join(settings)}; the run config also sets "
                 f"{'; '.join(clashes)}: remove those keys, or budget"
             )
-        settings = {**plan.settings(), "rows-per-site": rows}
-        if _is_true(given.get("secure-aggregation", False)):
-            # one public rate for every site: a share every site can add (docs/security.md)
-            rate = given.get("sample-rate", 0)
-            if rate not in (0, plan.sample_rate):
-                raise ValueError(
-                    f"budget={budget:g} with secure-aggregation sets sample-rate = b / N = "
-                    f"{plan.sample_rate:.6g}; the run config also sets sample-rate={rate!r}: "
-                    "remove it, or budget"
-                )
-            settings["sample-rate"] = plan.sample_rate
-        return {**given, **settings}
+        return {**given, **settings, "rows-per-site": rows}
 
     @property
     def plan(self) -> BudgetPlan | None:

@@ -31,11 +31,13 @@ __all__ = [
     "MAX_LR",
     "MIN_BATCH",
     "PLANNED_KEYS",
+    "SECURE_SETTINGS",
     "STEPS",
     "BudgetPlan",
     "BudgetReport",
     "budget_report",
     "plan_budget",
+    "secure_settings",
 ]
 
 STEPS = 30
@@ -53,6 +55,18 @@ MAX_PASSES = 100.0
 
 PLANNED_KEYS = ("batch-size", "num-rounds", "local-steps", "lr")
 """The run-config keys a budget sets (a run config that also sets one must agree with it)."""
+
+SECURE_SETTINGS: dict[str, float] = {
+    "lr": 0.004,
+    "max-norm": 0.5,
+    "head-max-norm": 0.4,
+    "head-lr": 10.0,
+}
+"""What a budget sets with secure aggregation instead of the plain rule's lr and the demo's clip.
+The coordinator then takes ONE adaptive step on the sum of the sites' clipped sums (a central
+step on the union's batch), so its lr does not grow with a site's batch: the study's secure runs
+at these settings reached 0.792 on SST-2 dev at 0.92 passes (central PRISM 0.799) and 0.815 at
+two, while the plain rule's lr 0.02 at two passes ended at the majority class."""
 
 
 @dataclass(frozen=True)
@@ -176,3 +190,10 @@ def budget_report(plan: BudgetPlan, *, epsilon: float, delta: float) -> BudgetRe
         step_noise=sigma / plan.batch_size,
         charged=charged,
     )
+
+
+def secure_settings(plan: BudgetPlan) -> dict[str, Any]:
+    """The run-config keys ``plan`` sets with secure aggregation: its batch, rounds and local
+    steps, ``SECURE_SETTINGS``, and one public ``sample-rate = b / rows-per-site`` (every site
+    samples at it, so all calibrate one sigma and each can add the others' noise share)."""
+    return {**plan.settings(), **SECURE_SETTINGS, "sample-rate": plan.sample_rate}

@@ -316,7 +316,7 @@ def _add_model_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
 def _plan(args: argparse.Namespace) -> int:
     from prism_core.errors import PrivacyParameterError
     from prism_runtime.config import MINILM
-    from prism_runtime.plan import budget_report, plan_budget
+    from prism_runtime.plan import budget_report, plan_budget, secure_settings
 
     passes = args.passes
     if args.example_gradients is not None:
@@ -332,8 +332,8 @@ def _plan(args: argparse.Namespace) -> int:
     }
     keys.update({"target-epsilon": args.epsilon, "delta": args.delta})
     keys["sites-per-round"] = args.sites
-    if args.secure:
-        keys["secure-aggregation"] = True
+    if args.secure:  # the noise below is for every site counting on all K as honest
+        keys.update({"secure-aggregation": True, "min-honest-sites": args.sites})
     if args.model != MINILM:
         keys["model"] = args.model
     print(
@@ -351,7 +351,7 @@ def _plan(args: argparse.Namespace) -> int:
         )
     )
     print("# what the budget sets:")
-    settings = {**plan.settings(), **({"sample-rate": plan.sample_rate} if args.secure else {})}
+    settings = secure_settings(plan) if args.secure else plan.settings()
     for key, value in settings.items():
         print(f"{key} = {value:g}")
     print(f"# sample rate q = b / N: {plan.sample_rate:.5g}")
@@ -410,7 +410,8 @@ def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     plan.add_argument(
         "--secure",
         action="store_true",
-        help="secure aggregation: the budget also sets one public sample-rate (b / N)",
+        help="secure aggregation: the budget sets one public sample-rate (b / N) and the "
+        "secure runs' lr and clip",
     )
     plan.set_defaults(handler=_plan)
 

@@ -42,7 +42,7 @@ from prism_runtime.exchange import head_named, load_arrays, to_arrays
 from prism_runtime.export import export_adapter
 from prism_runtime.faults import NO_FAULTS, Faults
 from prism_runtime.model import LoadedModel, load_model, model_config_for
-from prism_runtime.plan import BudgetPlan
+from prism_runtime.plan import BudgetPlan, secure_settings
 from prism_runtime.synthetic import synthetic_examples, synthetic_stream
 from server.checkpoint import (
     CHECKPOINT,
@@ -167,10 +167,10 @@ def _export(loaded: LoadedModel, run_dir: Path, summaries: list[RoundSummary]) -
     return {**entries, "adapter": ADAPTER_DIR}
 
 
-def _say_plan(plan: BudgetPlan, sample_rate: float) -> None:
-    """Say what the run's budget chose (``prism_runtime.plan``; with secure aggregation also
-    the one ``sample-rate`` it sets)."""
-    settings = {**plan.settings(), **({"sample-rate": sample_rate} if sample_rate else {})}
+def _say_plan(plan: BudgetPlan, secure: bool) -> None:
+    """Say what the run's budget chose (``prism_runtime.plan``; ``secure_settings`` with secure
+    aggregation)."""
+    settings = secure_settings(plan) if secure else plan.settings()
     chosen = " ".join(f"{k}={v:g}" for k, v in settings.items())
     line = (
         f"budget of {plan.passes:g} passes over about {plan.rows_per_site} rows a site "
@@ -188,7 +188,7 @@ def run_federation(grid: Grid, run: RunConfig, *, faults: Faults = NO_FAULTS) ->
     """
     run_dir = make_run_dir(run)
     if run.plan is not None:
-        _say_plan(run.plan, run.sample_rate)
+        _say_plan(run.plan, run.secure_aggregation)
     config = run.model_dump(by_alias=True)
     _check_same_config(run_dir, config)
     ckpt = load_checkpoint(run_dir)

@@ -282,40 +282,41 @@ class SecureRound:
         binding.sent_to = {
             n: state.round_.server_round for n in state.intake.answered | state.intake.replied
         }
-        if not self._shares_covered(state):
-            return False
         trusts = [keys.trust for _, keys in state.adverts.values()]
         threshold = least_common_threshold(trusts, len(trusts)) if trusts else None
         # None: no site advertised, or one counts on more honest sites than advertised: abort
         state.threshold = len(trusts) + 1 if threshold is None else threshold
         if self.sparse_graph and threshold is not None:
             state.sparse = common_graph(trusts, len(trusts))
-        return self._enough(state, len(state.adverts), "sites advertised keys")
+        refusing, refused = self._refusers(state)
+        # a site that would refuse the largest share drops out at the mask stage: with fewer
+        # than t others left the round cannot succeed, so it stops now, saying why
+        return self._enough(
+            state, len(state.adverts) - len(refusing), "sites advertised keys", why=refused
+        )
 
-    def _shares_covered(self, state: SecureState) -> bool:
-        """Whether every advertiser adds the roster's largest noise share; else the round stops
-        here, before any key is shared or step charged, saying what to set (each such site
-        would refuse to mask: ``SiteRound.noise_share``)."""
+    def _refusers(self, state: SecureState) -> tuple[list[str], str]:
+        """The advertisers that will refuse the roster's largest noise share (above their whole
+        noise: ``SiteRound.noise_share``, whose rule this is; the sites still check for
+        themselves), and why, with what to set ('' when every advertiser adds it)."""
         if not state.adverts:
-            return True
+            return [], ""
         needy, (_, most) = max(state.adverts.items(), key=lambda item: item[1][1].noise_share)
         refusing = sorted(
             site for site, (_, keys) in state.adverts.items()
             if share_too_large(most.noise_share, keys)
         )  # fmt: skip
         if not refusing:
-            return True
-        summary = state.intake.summary
-        summary.discarded = (
-            f"secure sum aborted: site {needy!r} needs a noise share of {most.noise_share:.6g}, "
-            f"more than the whole noise of {', '.join(map(repr, refusing))}, which refuse to add "
-            "it. Their samples differ too much for each site to calibrate its own sigma (shards "
-            "of very different sizes): set sample-rate (one public q for every site, so all "
-            "charge one sigma), or a smaller min-honest-sites"
+            return [], ""
+        reason = (
+            f"{', '.join(map(repr, refusing))} will refuse site {needy!r}'s noise share of "
+            f"{most.noise_share:.6g}, above their whole noise: the sites' sigmas differ too much "
+            "(shards of very different sizes, or different ledgers or epsilons); set sample-rate "
+            "(one public q: one sigma for shards of any size), or a larger min-honest-sites "
+            "(smaller shares)"
         )
-        log.warning("round %d: %s", state.round_.server_round, summary.discarded)
-        state.intake.charge_unanswered()
-        return False
+        log.warning("round %d: %s", state.round_.server_round, reason)
+        return refusing, reason
 
     def share_keys(self, state: SecureState) -> bool:
         """2. The roster and threshold to every advertiser; their sealed Shamir shares back."""
@@ -563,14 +564,18 @@ class SecureRound:
             faults=faults,
         )
 
-    def _enough(self, state: SecureState, count: int, what: str, *, charged: bool = False) -> bool:
+    def _enough(
+        self, state: SecureState, count: int, what: str, *, charged: bool = False, why: str = ""
+    ) -> bool:
         """Whether ``count`` reaches the threshold; else the round is aborted, nothing unmasked
-        (the nodes asked and unanswered are charged unconfirmed unless already ``charged``)."""
+        (the nodes asked and unanswered are charged unconfirmed unless already ``charged``);
+        ``why`` is added to the reason."""
         if count >= state.threshold:
             return True
         summary = state.intake.summary
         summary.discarded = (
             f"secure sum aborted: {count} {what}, the threshold needs {state.threshold}"
+            + (f" ({why})" if why else "")
         )
         log.warning("round %d: %s; nothing unmasked", state.round_.server_round, summary.discarded)
         if not charged:

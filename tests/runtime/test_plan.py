@@ -116,11 +116,13 @@ def test_a_secure_budget_sets_one_public_sample_rate_and_a_plain_one_none(secure
     values = {"budget": 2, "rows-per-site": 22_000, "secure-aggregation": secure}
     run = parse_config(RunConfig, values, what="run config")
     assert run.sample_rate == plan.sample_rate == plan.batch_size / 22_000
+    assert (run.lr, run.max_norm, run.head_max_norm, run.head_lr) == (0.004, 0.5, 0.4, 10.0)
+    assert (run.batch_size, run.num_rounds) == (plan.batch_size, plan.num_rounds)
     assert parse_config(RunConfig, run.model_dump(by_alias=True), what="run config") == run
     plain = parse_config(RunConfig, {"budget": 2, "rows-per-site": 22_000}, what="run config")
     assert plain.sample_rate == 0.0
-    same = {**values, "sample-rate": plan.sample_rate}
-    assert parse_config(RunConfig, same, what="run config") == run
+    printed = {**values, "sample-rate": float(f"{plan.sample_rate:g}"), "lr": 0.004}
+    assert parse_config(RunConfig, printed, what="run config") == run  # to the printed digits
 
 
 @pytest.mark.parametrize(
@@ -129,7 +131,7 @@ def test_a_secure_budget_sets_one_public_sample_rate_and_a_plain_one_none(secure
         ({"budget": 2, "data": "shard.jsonl"}, "needs rows-per-site"),
         (
             {"budget": 2, "rows-per-site": 22_000, "secure-aggregation": True, "sample-rate": 0.5},
-            "sets sample-rate = b / N = 0.0666818.*sample-rate=0.5: remove it",
+            r"sample-rate=0.5 \(the plan's: 0.0666818.*remove those keys",
         ),
         ({"budget": 2, "rows-per-site": 22_000, "lr": 0.5}, "lr=0.5 .*remove those keys"),
         ({"budget": 2, "rows-per-site": 22_000, "num-rounds": 7}, "num-rounds=7"),
@@ -169,8 +171,10 @@ def test_the_plan_command_with_secure_prints_the_sample_rate_and_the_sums_noise(
     values = tomllib.loads("\n".join(config.split()))  # as flwr reads --run-config
     run = parse_config(RunConfig, values, what="run config")  # it sets that rate
     assert run.secure_aggregation and run.sample_rate == plan.sample_rate
-    assert f"sample-rate = {plan.sample_rate:g}" in out
-    assert f"over 3 sites, each counting on 3 honest: {report.step_noise / 3:.3g} C" in out
+    assert run.min_honest_sites == 3 and run.lr == 0.004
+    assert f"sample-rate = {plan.sample_rate:g}" in out and "lr = 0.004" in out
+    summed = report.sigma / (3 * plan.batch_size)  # one sigma in the sum, over 3 b
+    assert f"over 3 sites, each counting on 3 honest: {summed:.3g} C" in out
 
 
 @pytest.mark.parametrize(

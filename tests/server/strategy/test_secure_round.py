@@ -449,16 +449,9 @@ def test_a_site_that_masks_with_everyone_only_refuses_a_sparse_graph(tiny_bert, 
     assert not own.exists() or own.read_text() == ""  # charged nothing
 
 
-def test_shares_that_some_site_would_refuse_stop_the_round_before_keys_are_shared(
-    tiny_bert, tmp_path, monkeypatch
-):
-    """Per-site sampling over shards of very different sizes: the smallest shard's site needs a
-    noise share larger than a large shard's whole noise, which that site refuses to add. The
-    coordinator sees it in the signed advertisements and stops the round there: no key shares
-    sent, nothing charged, and the reason names the fix (sample-rate)."""
-    import client.site as site_module
-
-    monkeypatch.setattr(site_module, "_memory_low", lambda: False)  # all sites stay open
+def _unequal_shards_run(tmp_path: Path, tiny_bert: str, **nodes_extra: object):
+    """Per-site sampling over Dirichlet shards of very different sizes at epsilon 1 (sigma grows
+    about as q: the smallest shard's site needs the largest share) and H = 3."""
     data = tmp_path / "train.jsonl"
     rows = [{"text": f"a good film {i}", "label": 1} for i in range(20)]
     rows += [{"text": f"a dull film {i}", "label": 0} for i in range(20, 200)]
@@ -469,21 +462,67 @@ def test_shares_that_some_site_would_refuse_stop_the_round_before_keys_are_share
         **{
             "num-rounds": 1,
             "min-honest-sites": SITES,
-            "target-epsilon": 1.0,  # sigma then grows about as q: shard sizes weigh most
+            "target-epsilon": 1.0,
             "data": str(data),
             "server-eval-data": str(data),
             "partitioner": "dirichlet",
             "dirichlet-alpha": 0.05,
         },
     )
-    grid = SecureGrid(values, nodes=_nodes())
-    summary = _summary(_run(values, grid))
-    sites = {s.site_id: s for s in site_module._SITES.values() if s.secure}
-    shares = sorted(s.secure.mu_share for s in sites.values())
-    assert shares[-1] > SITES * shares[0] * 1.01, shares  # the precondition: one would refuse
+    grid = SecureGrid(values, nodes=_nodes(**nodes_extra))
+    return _summary(_run(values, grid)), grid
+
+
+def _refusing(site_module: Any, run_dir: Path) -> list[str]:
+    """The sites of the run in ``run_dir`` whose whole noise is below the largest share a site
+    of it advertised."""
+    sites = {
+        s.site_id: s.secure
+        for s in site_module._SITES.values()
+        if s.secure and Path(s.state_dir).is_relative_to(run_dir)
+    }
+    assert len(sites) == SITES, sorted(sites)
+    largest = max(secure.mu_share for secure in sites.values())
+    return sorted(site for site, secure in sites.items() if largest > secure.mu * (1 + 1e-9))
+
+
+def test_shares_that_some_site_would_refuse_stop_the_round_before_keys_are_shared(
+    tiny_bert, tmp_path, monkeypatch
+):
+    """Per-site sampling over shards of very different sizes: the smallest shard's site needs a
+    noise share larger than a large shard's whole noise, which that site refuses to add. The
+    coordinator sees it in the signed advertisements; with no dropout to spare (H = 3 of 3,
+    t = 3) the round stops there: no key shares sent, nothing charged, and the reason names the
+    fix (sample-rate)."""
+    import client.site as site_module
+
+    monkeypatch.setattr(site_module, "_memory_low", lambda: False)  # all sites stay open
+    summary, grid = _unequal_shards_run(tmp_path, tiny_bert)
+    assert _refusing(site_module, tmp_path), "the precondition: some site would refuse"
     (only,) = summary["rounds"]
     assert not only["applied"]
     assert "set sample-rate" in only["discarded"], only["discarded"]
     assert set(grid.types) == {"train.secure_advertise"}, grid.types  # no shares, no masking
     ledgers = list((tmp_path / "run" / "sites").glob("*/privacy-ledger.jsonl"))
     assert all(not path.read_text().strip() for path in ledgers)  # nothing charged
+
+
+def test_a_round_with_one_site_to_refuse_the_largest_share_goes_on_when_d_allows_it(
+    tiny_bert, tmp_path, monkeypatch
+):
+    """The same shards with D = 1 (t = 2): the one site that refuses the largest share drops out
+    at the mask stage (nothing charged), and the other two are unmasked and applied."""
+    import client.site as site_module
+
+    monkeypatch.setattr(site_module, "_memory_low", lambda: False)  # all sites stay open
+    summary, _ = _unequal_shards_run(tmp_path, tiny_bert, **{"secure-max-dropouts": 1})
+    refusing = _refusing(site_module, tmp_path)
+    assert len(refusing) == 1, refusing  # the precondition: exactly one to leave out
+    (only,) = summary["rounds"]
+    assert only["applied"], only
+    ledgers = {
+        path.parent.name: path.read_text().strip()
+        for path in (tmp_path / "run" / "sites").glob("*/privacy-ledger.jsonl")
+    }
+    assert not ledgers.get(refusing[0])  # it refused before any charge (no ledger entry)
+    assert sum(bool(text) for text in ledgers.values()) == SITES - 1
