@@ -15,7 +15,10 @@ study (docs/benchmarks.md, "What does a larger compute budget buy?"):
 - PRISM's step grows with the batch (linear scaling, Li et al. 2022): ``lr = LR_PER_ROW x b``,
   at most ``MAX_LR``; the noise of a step's mean gradient falls as ``sigma C / b``;
 - the clip, its head share and the head's step stay at the demo's (the study found none that
-  moved held-out accuracy beyond one seed's noise).
+  moved held-out accuracy beyond one seed's noise);
+- with secure aggregation (``secure_settings``) the coordinator takes one adaptive step on the
+  sum, so the lr and clip are the study's secure runs' (``SECURE_SETTINGS``), not the rule
+  above, and every site samples at one public rate ``b / rows-per-site``.
 
 ``budget_report`` adds what a site's accountant makes of the plan: the sigma it calibrates for
 the stated epsilon over the planned steps (the same call a site makes), the noise std of one
