@@ -27,7 +27,7 @@ from pydantic import (
 
 from prism_core.quantile import clip_range
 from prism_runtime.errors import ConfigError
-from prism_runtime.plan import MAX_PASSES, BudgetPlan, plan_budget, secure_settings
+from prism_runtime.plan import MAX_PASSES, BudgetPlan, plan_budget
 from prism_runtime.ranges import (
     HEAD_LR_MAX,
     LOCAL_STEPS_MAX,
@@ -574,8 +574,7 @@ class RunConfig(_Kebab):
                 "public figure; it sets the batch and the rounds), e.g. rows-per-site=20000"
             )
         plan = plan_budget(passes=float(budget), rows_per_site=rows)
-        secure = _is_true(given.get("secure-aggregation", False))
-        settings = secure_settings(plan) if secure else plan.settings()
+        settings = plan.settings(secure=_is_true(given.get("secure-aggregation", False)))
         # a key at its default (as pyproject.toml lists every key) is the plan's to set
         defaults = {_alias(k): f.default for k, f in cls.model_fields.items()}
         clashes = [

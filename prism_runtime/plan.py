@@ -16,9 +16,10 @@ study (docs/benchmarks.md, "What does a larger compute budget buy?"):
   at most ``MAX_LR``; the noise of a step's mean gradient falls as ``sigma C / b``;
 - the clip, its head share and the head's step stay at the demo's (the study found none that
   moved held-out accuracy beyond one seed's noise);
-- with secure aggregation (``secure_settings``) the coordinator takes one adaptive step on the
-  sum, so the lr and clip are the study's secure runs' (``SECURE_SETTINGS``), not the rule
-  above, and every site samples at one public rate ``b / rows-per-site``.
+- with secure aggregation (``BudgetPlan.settings(secure=True)``) the coordinator takes one
+  adaptive step on the sum, so the lr and clip are the study's secure runs'
+  (``SECURE_SETTINGS``), not the rule above, and every site samples at one public rate
+  ``b / rows-per-site``.
 
 ``budget_report`` adds what a site's accountant makes of the plan: the sigma it calibrates for
 the stated epsilon over the planned steps (the same call a site makes), the noise std of one
@@ -40,7 +41,6 @@ __all__ = [
     "BudgetReport",
     "budget_report",
     "plan_budget",
-    "secure_settings",
 ]
 
 STEPS = 30
@@ -57,7 +57,8 @@ MAX_PASSES = 100.0
 """The most passes a budget may state."""
 
 PLANNED_KEYS = ("batch-size", "num-rounds", "local-steps", "lr")
-"""The run-config keys a budget sets (a run config that also sets one must agree with it)."""
+"""The run-config keys a plain budget sets (a run config that also sets one must agree with it);
+with secure aggregation ``SECURE_SETTINGS`` and ``sample-rate`` too."""
 
 SECURE_SETTINGS: dict[str, float] = {
     "lr": 0.004,
@@ -101,14 +102,20 @@ class BudgetPlan:
         """Expected example-gradients per site: b x T x steps per round."""
         return self.batch_size * self.num_rounds * self.local_steps
 
-    def settings(self) -> dict[str, Any]:
-        """The run-config keys the plan sets (``PLANNED_KEYS``)."""
-        return {
+    def settings(self, *, secure: bool = False) -> dict[str, Any]:
+        """The run-config keys the plan sets (``PLANNED_KEYS``); with ``secure`` aggregation
+        also ``SECURE_SETTINGS`` (its lr in place of the plain rule's) and one public
+        ``sample-rate = b / rows-per-site`` (every site samples at it, so all calibrate one
+        sigma and each can add the others' noise share)."""
+        planned = {
             "batch-size": self.batch_size,
             "num-rounds": self.num_rounds,
             "local-steps": self.local_steps,
             "lr": self.lr,
         }
+        if not secure:
+            return planned
+        return {**planned, **SECURE_SETTINGS, "sample-rate": self.sample_rate}
 
 
 def plan_budget(*, passes: float, rows_per_site: int) -> BudgetPlan:
@@ -193,10 +200,3 @@ def budget_report(plan: BudgetPlan, *, epsilon: float, delta: float) -> BudgetRe
         step_noise=sigma / plan.batch_size,
         charged=charged,
     )
-
-
-def secure_settings(plan: BudgetPlan) -> dict[str, Any]:
-    """The run-config keys ``plan`` sets with secure aggregation: its batch, rounds and local
-    steps, ``SECURE_SETTINGS``, and one public ``sample-rate = b / rows-per-site`` (every site
-    samples at it, so all calibrate one sigma and each can add the others' noise share)."""
-    return {**plan.settings(), **SECURE_SETTINGS, "sample-rate": plan.sample_rate}

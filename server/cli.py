@@ -313,10 +313,17 @@ def _add_model_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     predict.set_defaults(handler=_predict)
 
 
+def _toml(value: float | str | bool) -> str:
+    """``value`` as a ``--run-config`` (TOML) value: true/false, a quoted string or a number."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(value) if isinstance(value, str) else f"{value:g}"
+
+
 def _plan(args: argparse.Namespace) -> int:
     from prism_core.errors import PrivacyParameterError
     from prism_runtime.config import MINILM
-    from prism_runtime.plan import budget_report, plan_budget, secure_settings
+    from prism_runtime.plan import budget_report, plan_budget
 
     passes = args.passes
     if args.example_gradients is not None:
@@ -340,19 +347,9 @@ def _plan(args: argparse.Namespace) -> int:
         f"# {plan.passes:g} passes over {plan.rows_per_site} rows a site, epsilon {args.epsilon:g}"
     )
     print("# run config (flwr run . <federation> --run-config '...'):")
-    print(
-        " ".join(
-            f"{k}={str(v).lower()}"
-            if isinstance(v, bool)
-            else f"{k}={v!r}"
-            if isinstance(v, str)
-            else f"{k}={v:g}"
-            for k, v in keys.items()
-        )
-    )
+    print(" ".join(f"{k}={_toml(v)}" for k, v in keys.items()))
     print("# what the budget sets:")
-    settings = secure_settings(plan) if args.secure else plan.settings()
-    for key, value in settings.items():
+    for key, value in plan.settings(secure=args.secure).items():
         print(f"{key} = {value:g}")
     print(f"# sample rate q = b / N: {plan.sample_rate:.5g}")
     print(f"# example-gradients per site: {plan.example_gradients}")

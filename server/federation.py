@@ -42,7 +42,7 @@ from prism_runtime.exchange import head_named, load_arrays, to_arrays
 from prism_runtime.export import export_adapter
 from prism_runtime.faults import NO_FAULTS, Faults
 from prism_runtime.model import LoadedModel, load_model, model_config_for
-from prism_runtime.plan import BudgetPlan, secure_settings
+from prism_runtime.plan import BudgetPlan
 from prism_runtime.synthetic import synthetic_examples, synthetic_stream
 from server.checkpoint import (
     CHECKPOINT,
@@ -168,10 +168,8 @@ def _export(loaded: LoadedModel, run_dir: Path, summaries: list[RoundSummary]) -
 
 
 def _say_plan(plan: BudgetPlan, secure: bool) -> None:
-    """Say what the run's budget chose (``prism_runtime.plan``; ``secure_settings`` with secure
-    aggregation)."""
-    settings = secure_settings(plan) if secure else plan.settings()
-    chosen = " ".join(f"{k}={v:g}" for k, v in settings.items())
+    """Say what the run's budget chose (``prism_runtime.plan``)."""
+    chosen = " ".join(f"{k}={v:g}" for k, v in plan.settings(secure=secure).items())
     line = (
         f"budget of {plan.passes:g} passes over about {plan.rows_per_site} rows a site "
         f"({plan.example_gradients} example-gradients a site): {chosen}"
