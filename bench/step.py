@@ -12,6 +12,9 @@ machine falls on all of them alike. Every step goes through ``PrivateTrainer.ste
 * ``prism-hooks``, ``dp-adamw-hooks``: the same trainers with per-example gradients from Opacus'
   hooks (``grad_sample_mode='hooks'``) instead of the trainable layers' own backward
   (``prism_runtime.per_example``, the default);
+* ``prism-grads``: PRISM with the layers' plain ``grad_sample`` rows, stacked and clipped by
+  ``clip_and_sum_grads`` (``PrismTrainer.whitened_rows = False``) instead of the whitened rows
+  the layers write into the clip's buffers (the default);
 * ``nondp``: plain LoRA with AdamW, standard initialisation.
 
 ``--methods`` picks which to time (default ``prism dp-adamw nondp``); ``prism`` against
@@ -94,18 +97,34 @@ from prism_runtime.model import LoadedModel, ModelConfig, load_model, load_token
 from prism_runtime.trainer import DPTrainer, PrivateTrainer, TrainConfig
 from tests.helpers.shared_data import SHARED_DATA
 
-METHODS = ("prism", "prism-hooks", "prism-inorder", "dp-adamw", "dp-adamw-hooks", "nondp")
+METHODS = (
+    "prism",
+    "prism-hooks",
+    "prism-grads",
+    "prism-inorder",
+    "dp-adamw",
+    "dp-adamw-hooks",
+    "nondp",
+)
 DEFAULT_METHODS = ("prism", "dp-adamw", "nondp")
-TRAINER_METHOD = {"prism-inorder": "prism", "prism-hooks": "prism", "dp-adamw-hooks": "dp-adamw"}
+TRAINER_METHOD = {
+    "prism-inorder": "prism",
+    "prism-hooks": "prism",
+    "prism-grads": "prism",
+    "dp-adamw-hooks": "dp-adamw",
+}
 """The product method a bench variant runs (others: itself)."""
 IN_ORDER = frozenset({"prism-inorder"})
+"""Variants whose micro-batches are split in batch order (``by_length=False``)."""
 HOOKS = frozenset({"prism-hooks", "dp-adamw-hooks"})
 """Variants whose per-example gradients come from Opacus' hooks (``grad_sample_mode='hooks'``)."""
-"""Variants whose micro-batches are split in batch order (``by_length=False``)."""
+GRAD_ROWS = frozenset({"prism-grads"})
+"""Variants that clip ``grad_sample`` rows (``PrismTrainer.whitened_rows = False``)."""
 INIT = {
     "prism": "spectral-residual",
     "prism-inorder": "spectral-residual",
     "prism-hooks": "spectral-residual",
+    "prism-grads": "spectral-residual",
     "dp-adamw": "standard",
     "dp-adamw-hooks": "standard",
     "nondp": "standard",
@@ -360,7 +379,10 @@ def make_run(
         grad_sample_mode="hooks" if method in HOOKS else "layer",
         progress=False,
     )
-    return PrivateTrainer(loaded, dataset, config)
+    trainer = PrivateTrainer(loaded, dataset, config)
+    if method in GRAD_ROWS:
+        trainer.whitened_rows = False  # type: ignore[attr-defined]  # a PrismTrainer
+    return trainer
 
 
 def load_method_model(method: str) -> LoadedModel:
@@ -468,6 +490,7 @@ def instrument(clock: PhaseClock) -> None:
         "per_example_factor_grads": "read/write factors",
         "step_frames": "lift",
         "clip_and_sum_grads": "clip + sum",
+        "clip_and_sum_whitened": "clip + sum",
         "factor_clip_and_sum": "clip + sum",
         "privatize": "noise",
         "factor_privatize": "noise",

@@ -30,6 +30,8 @@ __all__ = [
     "lift_moments_stacked",
     "lift_norm_sq",
     "lift_norm_sq_from_moments",
+    "lift_norm_sq_whitened",
+    "lift_whitened",
     "min_norm_lift",
     "point_frame",
     "procrustes_gauge",
@@ -208,8 +210,29 @@ def lift(A: Tensor, B: Tensor, gA: Tensor, gB: Tensor, *, frame: Frame | None = 
         frame = point_frame(A, B)
     gA, gB = gA.to(dtype), gB.to(dtype)
     RA_inv, RB_inv = frame.RA_inv.to(dtype), frame.RB_inv.to(dtype)
-    xA = torch.matmul(torch.matmul(gA, RB_inv), RB_inv.mT)  # gA N^{-1}
-    xB = torch.matmul(torch.matmul(gB, RA_inv), RA_inv.mT)  # gB M^{-1}
+    return lift_whitened(frame, torch.matmul(gA, RB_inv), torch.matmul(gB, RA_inv))
+
+
+def lift_whitened(frame: Frame, a: Tensor, c: Tensor) -> Tangent:
+    """``lift`` of the gradients whose whitened forms are ``a = gA RB^{-1}``, ``c = gB RA^{-1}``.
+
+    Implements eq. (14) of PRISM from the whitened gradients: ``gA N^+ = a RB^{-T}``, so
+    ``dA = a RB^{-T} - 1/2 Pi_A (a RB^{-T})`` and likewise ``dB``. ``lift`` whitens and calls
+    it; a caller that already holds whitened gradients (``clip_and_sum_whitened``) skips the
+    round trip through the raw ones.
+
+    Args:
+        frame: ``point_frame(A, B)`` (of one module, or stacked with the gradients' leading
+            module dimension).
+        a: (..., m, r) and c: (..., n, r) whitened factor gradients.
+
+    Returns:
+        ``Tangent(dA, dB)`` with the shapes of ``a`` and ``c``, in their work dtype.
+    """
+    dtype = work_dtype(frame.QA, a, c)
+    a, c = a.to(dtype), c.to(dtype)
+    xA = torch.matmul(a, frame.RB_inv.to(dtype).mT)  # gA N^{-1}
+    xB = torch.matmul(c, frame.RA_inv.to(dtype).mT)  # gB M^{-1}
     dA = xA - 0.5 * _project_cols(frame.QA.to(dtype), xA)
     dB = xB - 0.5 * _project_cols(frame.QB.to(dtype), xB)
     return Tangent(dA, dB)
@@ -357,16 +380,50 @@ def lift_norm_sq_from_moments(moments: LiftMoments) -> Tensor:
     Returns:
         Tensor of the leading shape, in the moments' dtype, clamped at 0.
     """
+    gram_a, coord_a, gram_c, coord_c = moments
+    a_sq = gram_a.to(torch.float64).diagonal(dim1=-2, dim2=-1).sum(-1)
+    c_sq = gram_c.to(torch.float64).diagonal(dim1=-2, dim2=-1).sum(-1)
+    return _norm_sq(a_sq, coord_a, c_sq, coord_c).to(gram_a.dtype)
+
+
+def _norm_sq(a_sq: Tensor, coord_a: Tensor, c_sq: Tensor, coord_c: Tensor) -> Tensor:
+    """Eq. (15) in float64 from ``||a||^2``, ``a.T QA`` and the same for ``c``, clamped at 0."""
     f64 = torch.float64
-    gram_a, coord_a, gram_c, coord_c = (t.to(f64) for t in moments)
-    alpha, beta = coord_a.mT, coord_c.mT  # QA.T a, QB.T c
-    a_sq = gram_a.diagonal(dim1=-2, dim2=-1).sum(-1)
-    c_sq = gram_c.diagonal(dim1=-2, dim2=-1).sum(-1)
+    alpha, beta = coord_a.to(f64).mT, coord_c.to(f64).mT  # QA.T a, QB.T c
     alpha_sq = alpha.square().sum(dim=(-2, -1))
     beta_sq = beta.square().sum(dim=(-2, -1))
     core_sq = (alpha + beta.mT).square().sum(dim=(-2, -1))
-    total = (a_sq - alpha_sq) + (c_sq - beta_sq) + 0.25 * core_sq
-    return total.clamp_min(0.0).to(moments.gram_a.dtype)
+    total = (a_sq.to(f64) - alpha_sq) + (c_sq.to(f64) - beta_sq) + 0.25 * core_sq
+    return total.clamp_min(0.0)
+
+
+def lift_norm_sq_whitened(frame: Frame, rows_a: Tensor, rows_c: Tensor) -> Tensor:
+    """Squared intrinsic norms of lifts from whitened gradient rows (``lift_norm_sq``).
+
+    Implements eqs. (14)-(15) of PRISM for gradients already whitened and laid out row-wise:
+    ``rows_a = a.T = (gA RB^{-1}).T`` and ``rows_c = (gB RA^{-1}).T``. ``||a||^2`` is one pass
+    of squares over the rows and ``alpha = QA.T a`` one GEMM over all examples; no r x r Gram
+    of each example is formed (the norm needs only its trace).
+
+    Args:
+        frame: a stacked ``point_frame`` (``QA`` of shape (L, m, r)).
+        rows_a: (L, b, r, m) and rows_c: (L, b, r, n), contiguous.
+
+    Returns:
+        (L, b) squared norms in the rows' work dtype, clamped at 0 (non-finite where a row is).
+    """
+    if frame.QA.dim() != 3 or rows_a.dim() != 4 or rows_a.shape[0] != frame.QA.shape[0]:
+        raise ValueError(
+            f"lift_norm_sq_whitened needs a stacked frame (QA of shape (L, m, r)) and rows "
+            f"(L, b, r, m); got QA {tuple(frame.QA.shape)} and rows {tuple(rows_a.shape)}"
+        )
+    dtype = work_dtype(frame.QA, rows_a, rows_c)
+    rows_a, rows_c = rows_a.to(dtype).contiguous(), rows_c.to(dtype).contiguous()
+    coord_a = _coords(rows_a, frame.QA.to(dtype).unsqueeze(1))
+    coord_c = _coords(rows_c, frame.QB.to(dtype).unsqueeze(1))
+    a_sq = rows_a.square().sum(dim=(-2, -1))
+    c_sq = rows_c.square().sum(dim=(-2, -1))
+    return _norm_sq(a_sq, coord_a, c_sq, coord_c).to(dtype)
 
 
 def lift_norm_sq(frame: Frame, gA: Tensor, gB: Tensor) -> Tensor:

@@ -44,6 +44,8 @@ from prism_core.manifold import (
     lift,
     lift_moments_stacked,
     lift_norm_sq_from_moments,
+    lift_norm_sq_whitened,
+    lift_whitened,
     min_norm_lift,
     point_frame,
     retract,
@@ -61,6 +63,7 @@ __all__ = [
     "StepFrames",
     "clip_and_sum",
     "clip_and_sum_grads",
+    "clip_and_sum_whitened",
     "clip_coefficients",
     "dp_tangent_update",
     "dropped_together",
@@ -74,6 +77,7 @@ __all__ = [
     "step_frames",
     "tangent_noise",
     "validate_noise_parameters",
+    "whiten_rows",
     "without_autocast",
 ]
 
@@ -620,6 +624,104 @@ def clip_and_sum_grads(
         sum_b = _weighted_sums(alpha, gB.to(alpha.dtype))
         lifted = lift(chunk.point.A, chunk.point.B, sum_a, sum_b, frame=chunk.frame)
         for j, i in enumerate(chunk.indices):
+            parts[i] = Tangent(lifted.dA[j], lifted.dB[j])
+    return _accumulate([p for p in parts if p is not None], alphas, euclidean, previous)
+
+
+def whiten_rows(
+    frames: StepFrames, grads: Sequence[tuple[Tensor, Tensor]]
+) -> list[tuple[Tensor, Tensor]]:
+    """The rows ``clip_and_sum_whitened`` takes, from per-example factor gradients: per group of
+    ``frames``, ``(gA_i RB^{-1}).T`` and ``(gB_i RA^{-1}).T`` stacked, (L, b, r, m) and
+    (L, b, r, n), in the frames' dtype. (The trainer's layers write them directly.)"""
+    out = []
+    for group, stacked in zip(frames.groups, frames.stacked, strict=True):
+        dtype = stacked.RB_inv.dtype
+        ra = torch.stack([grads[i][0].to(dtype) @ stacked.RB_inv[j] for j, i in enumerate(group)])
+        rc = torch.stack([grads[i][1].to(dtype) @ stacked.RA_inv[j] for j, i in enumerate(group)])
+        out.append((ra.mT.contiguous(), rc.mT.contiguous()))
+    return out
+
+
+def _check_rows(frames: StepFrames, rows: Sequence[tuple[Tensor, Tensor]]) -> None:
+    """Whitened group rows must have the shapes of ``frames``' groups, one b for all."""
+    if len(rows) != len(frames.groups) or not rows:
+        raise ValueError(f"{len(frames.groups)} module groups but {len(rows)} pairs of rows")
+    b = int(rows[0][0].shape[1]) if rows[0][0].dim() == 4 else -1
+    for index, (point, (ra, rc)) in enumerate(zip(frames.points, rows, strict=True)):
+        L, m, r = point.A.shape
+        n = point.B.shape[1]
+        if ra.shape != (L, b, r, m) or rc.shape != (L, b, r, n):
+            raise ValueError(
+                f"group {index}: whitened rows must be (L, b, r, m), (L, b, r, n) = "
+                f"({L}, b, {r}, {m}), ({L}, b, {r}, {n}) with one b for all; got "
+                f"{tuple(ra.shape)}, {tuple(rc.shape)}"
+            )
+
+
+@without_autocast
+def clip_and_sum_whitened(
+    points: Sequence[Point],
+    rows: Sequence[tuple[Tensor, Tensor]],
+    *,
+    frames: StepFrames,
+    max_norm: float,
+    previous: ClippedSum | None = None,
+    euclidean: Sequence[Tensor] = (),
+    euclidean_max_norm: float | None = None,
+) -> ClippedSum:
+    """``clip_and_sum_grads`` from whitened per-example gradient rows, stacked by shape group.
+
+    Implements eqs. (14)-(16) and Algorithm 1 of PRISM, lines 3-10, as ``clip_and_sum_grads``
+    does, for gradients that arrive whitened and stacked: for the group of modules
+    ``frames.groups[k]`` (in that order), ``rows[k] = (RA_rows, RC_rows)`` with
+    ``RA_rows[l, i] = (gA_i RB^{-1}).T`` (r x m) and ``RC_rows[l, i] = (gB_i RA^{-1}).T``
+    (r x n) of module l at this step's frames. ``prism_runtime.per_example`` writes them so in
+    the layers' backward: the whitening is a GEMM on the layer's r-wide operand before the
+    per-example product, and nothing is stacked or copied afterwards.
+
+    The norms need only the trace of each example's whitened Gram, one pass of squares
+    (``lift_norm_sq_whitened``); the weighted sums are of the whitened rows, lifted by
+    ``lift_whitened``. Each example's contribution is computed from the same whitened rows as
+    its norm, so the clip bounds exactly what is summed.
+
+    Args:
+        points: one ``Point(A, B)`` per module (unbatched).
+        rows: one pair per group of ``frames``, (L_k, b, r, m) and (L_k, b, r, n).
+        frames: ``step_frames(points)``, the frames the rows were whitened with.
+        max_norm, previous, euclidean, euclidean_max_norm: as ``clip_and_sum_grads``.
+
+    Returns:
+        A new ``ClippedSum``; the rows are read, not modified.
+
+    Notes:
+        An example with a non-finite entry gets a non-finite norm, coefficient 0, and its rows
+        are zeroed in a copy before the weighted sums (only when there is one). Cost per
+        example and module: one pass of squares, one GEMM pass (coordinates), one weighted sum.
+    """
+    _check_rows(frames, rows)
+    norms: list[Tensor | None] = [None] * len(points)
+    valid = finite_rows(euclidean) if euclidean else None
+    for group, stacked, (ra, rc) in zip(frames.groups, frames.stacked, rows, strict=True):
+        group_norms = lift_norm_sq_whitened(stacked, ra, rc)
+        ok = torch.isfinite(group_norms).all(0)
+        valid = ok if valid is None else valid & ok
+        for j, i in enumerate(group):
+            norms[i] = group_norms[j]
+    assert valid is not None  # at least one group (_check_rows)
+    norms_sq = torch.stack([t for t in norms if t is not None]).nan_to_num(0.0, 0.0, 0.0)
+    euclidean = [finite_values(g) for g in euclidean]
+    alphas = _coefficients(norms_sq, euclidean, max_norm, euclidean_max_norm, valid)
+    alpha = alphas[0]
+    dropped = (~valid).nonzero().flatten()
+    parts: list[Tangent | None] = [None] * len(points)
+    for group, stacked, (ra, rc) in zip(frames.groups, frames.stacked, rows, strict=True):
+        if dropped.numel():  # a copy: 0 * inf would be NaN
+            ra, rc = ra.index_fill(1, dropped, 0.0), rc.index_fill(1, dropped, 0.0)
+        sum_a = _weighted_sums(alpha, ra.to(alpha.dtype).mT)
+        sum_c = _weighted_sums(alpha, rc.to(alpha.dtype).mT)
+        lifted = lift_whitened(stacked, sum_a, sum_c)
+        for j, i in enumerate(group):
             parts[i] = Tangent(lifted.dA[j], lifted.dB[j])
     return _accumulate([p for p in parts if p is not None], alphas, euclidean, previous)
 

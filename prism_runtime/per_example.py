@@ -21,14 +21,21 @@ input; peft's scaling ``alpha / r`` multiplies ``lora_B``'s output, so it reache
 through ``g``. The rows are computed in the weight's dtype, float32 at least, whatever the
 autocast dtype of the forward (the factors are float32; bf16 base weights only change the dtype
 of ``x`` and ``g``).
+
+A PRISM step asks more of the LoRA factors' backward (``RowSink``): their rows WHITENED by the
+step's frames and written straight into the slot of a stacked buffer the clip reads
+(``prism_core.mechanism.clip_and_sum_whitened``). Whitening is a GEMM on the layer's r-wide
+operand (``lora_A``'s output gradient, ``lora_B``'s input) before the per-example product, so it
+costs O(T r^2) an example; the rows then need no stacking copy and their norms no r x r Gram.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable
+from dataclasses import dataclass
 from types import MethodType
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -36,9 +43,61 @@ from torch import Tensor, nn
 
 from prism_runtime.errors import ConfigError
 
-__all__ = ["attach", "attached", "detach", "trainable_layers"]
+__all__ = ["RowSink", "attach", "attached", "clear_sinks", "detach", "set_sink", "trainable_layers"]
 
 _FORWARD = "forward"
+_SINK = "row_sink"
+
+
+@dataclass
+class RowSink:
+    """Where a LoRA factor's backward writes its per-example rows, whitened: ``out[i]`` becomes
+    ``(s_i W).T @ t_i``, (r, k), for the layer's r-wide operand ``s_i`` (T, r) and its other
+    operand ``t_i`` (T, k) of example i.
+
+    ``side`` says which operand carries the rank: ``'output'`` for ``lora_A`` (weight (r, n):
+    ``s`` is the output's gradient, ``t`` the input, so ``out[i] = (W.T grad_i)`` of the weight
+    gradient ``grad_i``), ``'input'`` for ``lora_B`` (weight (m, r): ``s`` is the input, ``t``
+    the output's gradient, so ``out[i] = (grad_i W).T``). ``out`` is (b, r, k), contiguous (a
+    slot of a stacked buffer), ``whiten`` (r, r). ``filled`` turns True at the first write; a
+    second call of the layer in one backward adds to it, as ``grad_sample`` sums.
+    """
+
+    out: Tensor
+    whiten: Tensor
+    side: Literal["input", "output"]
+    filled: bool = False
+
+    def write(self, g: Tensor, x: Tensor) -> None:
+        """Write (or add) the whitened rows from the output's gradient ``g`` (b, T, out) and
+        the input ``x`` (b, T, in), computed in ``out``'s dtype."""
+        small, big = (g, x) if self.side == "output" else (x, g)
+        b, r, k = self.out.shape
+        if small.shape[0] != b or small.shape[-1] != r or big.shape[-1] != k:
+            raise RuntimeError(
+                f"a row sink of shape {(b, r, k)} got operands {tuple(small.shape)} and "
+                f"{tuple(big.shape)}: the sink was set for another micro-batch or layer"
+            )
+        dtype = self.out.dtype  # the clip's (the frames'), whatever the layer's work dtype
+        small, big = small.to(dtype), big.to(dtype)
+        small = small.matmul(self.whiten.to(dtype))
+        if self.filled:
+            self.out.add_(torch.bmm(small.mT, big))
+        else:
+            torch.bmm(small.mT, big, out=self.out)
+            self.filled = True
+
+
+def set_sink(weight: Tensor, sink: RowSink) -> None:
+    """Send ``weight``'s per-example rows to ``sink`` instead of ``weight.grad_sample``."""
+    setattr(weight, _SINK, sink)
+
+
+def clear_sinks(weights: Iterable[Tensor]) -> None:
+    """Send the rows of ``weights`` back to ``grad_sample`` (no-op where no sink is set)."""
+    for w in weights:
+        if hasattr(w, _SINK):
+            delattr(w, _SINK)
 
 
 def _store_rows(p: Tensor, rows: Tensor) -> None:
@@ -92,7 +151,11 @@ class _RowsLinear(torch.autograd.Function):
             g_rows = g.reshape(b, -1, g.shape[-1]).to(work)
             if weight.requires_grad:
                 x_rows = x.reshape(b, -1, x.shape[-1]).to(work)
-                _store_rows(weight, _weight_rows(g_rows, x_rows).to(weight.dtype))
+                sink: RowSink | None = getattr(weight, _SINK, None)
+                if sink is not None:
+                    sink.write(g_rows, x_rows)
+                else:
+                    _store_rows(weight, _weight_rows(g_rows, x_rows).to(weight.dtype))
             if bias is not None and bias.requires_grad:
                 _store_rows(bias, g_rows.sum(1).to(bias.dtype))
         return grad_x, None, None

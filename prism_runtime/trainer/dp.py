@@ -233,17 +233,24 @@ class DPTrainer(PrivateTrainer):
             if hasattr(p, "grad_sample"):
                 p.grad_sample = None
 
-    def _example_passes(self, batch: dict[str, Tensor]) -> Iterator[tuple[int, float, Fold | None]]:
+    def _example_passes(
+        self,
+        batch: dict[str, Tensor],
+        before: Callable[[dict[str, Tensor]], None] | None = None,
+    ) -> Iterator[tuple[int, float, Fold | None]]:
         """Backward each micro-batch of ``batch``; yields its ``(examples, summed loss, fold)``
         while its per-example gradients are set, and clears them when the caller asks for the
         next. ``fold`` maps the micro-batch's per-example rows to those of the people it
-        completes (``UnitFold``, one per batch) at the person level; None at the record level."""
+        completes (``UnitFold``, one per batch) at the person level; None at the record level.
+        ``before(micro)`` runs before each micro-batch's forward (e.g. to set row sinks)."""
         people = UnitFold() if self.privacy_unit == "user" else None
         for micro in self._micro_batches(batch):
             fold: Fold | None = None
             if people is not None:
                 unit, open_ = micro[UNIT_KEY], bool(micro[OPEN_KEY].any())
                 fold = functools.partial(people.fold, unit=unit, open_=open_)
+            if before is not None:
+                before(micro)
             loss = self._backward(micro)
             yield int(micro["labels"].shape[0]), loss, fold
             self._clear_grads()

@@ -3,15 +3,17 @@
 Per step: each example's factor gradients are lifted to the tangent space at the current point
 and globally clipped together with its DP-head gradient (or with the head held to its own share
 ``head_max_norm`` of C), summed over every micro-batch, fused in
-``prism_core.mechanism.clip_and_sum_grads`` with the QR frames computed once per step
-(``PrismTrainer.clipped_sum``); then tangent noise once, divided by the EXPECTED batch size
-(``PrismTrainer.release``); then the DP-aware adaptive transform and the retraction. The head
-steps with AdamW or (heavy-ball) SGD (``head_optimizer``). Siamese text pairs: the encoder's
-per-text gradient rows are folded into one per example
-(``prism_runtime.classifier.fold_text_rows``) before the clip. At the person level a person's
-per-example factor and head gradients are then summed into one row (``fold_units``): one clip
-coefficient per person, in the intrinsic norm, the same split with the head, also for a person
-whose records span several micro-batches (``UnitFold``).
+``prism_core.mechanism.clip_and_sum_whitened`` with the QR frames computed once per step
+(``PrismTrainer.clipped_sum``): the LoRA layers' backward writes each example's gradient rows,
+whitened by those frames, straight into stacked buffers (``StepRows``). Then tangent noise once,
+divided by the EXPECTED batch size (``PrismTrainer.release``); then the DP-aware adaptive
+transform and the retraction. The head steps with AdamW or (heavy-ball) SGD
+(``head_optimizer``). Siamese text pairs: the encoder's per-text gradient rows are folded into
+one per example (``prism_runtime.classifier.fold_text_rows``) before the clip. At the person
+level a person's per-example factor and head gradients are then summed into one row
+(``fold_units``): one clip coefficient per person, in the intrinsic norm, the same split with
+the head, also for a person whose records span several micro-batches (``UnitFold``); both
+folds are sums, applied to the whitened rows alike.
 """
 
 from __future__ import annotations
@@ -31,24 +33,101 @@ from prism_core.mechanism import (
     PrivateStep,
     StepFrames,
     clip_and_sum_grads,
+    clip_and_sum_whitened,
     empty_sum,
     privatize,
     retract_modules,
     step_frames,
 )
+from prism_runtime import per_example
 from prism_runtime.classifier import fold_text_rows
 from prism_runtime.head_optimizer import head_optimizer
-from prism_runtime.lora import per_example_factor_grads, read_points, write_points_
+from prism_runtime.lora import LoraHandle, per_example_factor_grads, read_points, write_points_
 from prism_runtime.model import LoadedModel
 from prism_runtime.train_config import TrainConfig
 from prism_runtime.trainer.dp import DPTrainer, Fold, grad_sample
 
-__all__ = ["ClipFn", "PrismTrainer", "PrivatizeFn"]
+__all__ = ["ClipFn", "PrismTrainer", "PrivatizeFn", "StepRows"]
 
 ClipFn = Callable[..., ClippedSum]
 """Signature of ``prism_core.mechanism.clip_and_sum_grads``."""
 PrivatizeFn = Callable[..., PrivateStep]
 """Signature of ``prism_core.mechanism.privatize``."""
+
+
+def _fold_rows(
+    rows: list[tuple[Tensor, Tensor]], head: list[Tensor], n: int, fold: Fold | None
+) -> tuple[list[tuple[Tensor, Tensor]], list[Tensor]]:
+    """Stacked whitened rows (L, texts, r, k) of a micro-batch's ``n`` examples: siamese text
+    rows summed into one per example (``fold_text_rows``), then, with ``fold``, examples into
+    people (``UnitFold``), as ``PrismTrainer._example_grads`` folds ``grad_sample`` rows: both
+    are sums, so they commute with the whitening. Unchanged when neither applies."""
+    texts = int(rows[0][0].shape[1]) if rows else n
+    if fold is None and texts == n:
+        return rows, head
+    flat = [fold_text_rows(t.movedim(1, 0), n) for pair in rows for t in pair]
+    if fold is not None:
+        folded = fold([*flat, *head])
+        flat, head = folded[: len(flat)], folded[len(flat) :]
+    moved = [t.movedim(0, 1) for t in flat]
+    return list(zip(moved[0::2], moved[1::2], strict=True)), head
+
+
+class StepRows:
+    """The whitened per-example rows of one step's micro-batches, written by the LoRA layers.
+
+    ``prepare(micro)`` allocates, per shape group of ``frames``, the stacked buffers
+    (L, b, r, m) and (L, b, r, n) of the micro-batch's b encoder rows (two an example for
+    siamese pairs: ``texts_per_example``) and points every LoRA
+    factor's ``RowSink`` at its module's slot, whitened by its frame (``lora_B``: ``RB^{-1}``,
+    ``lora_A``: ``RA^{-1}``); ``rows()`` returns them after the backward, for
+    ``clip_and_sum_whitened``; ``close()`` takes the sinks down. A factor whose slot the
+    backward did not write (a module the loss does not reach) is an error, never uninitialised
+    memory in a sum.
+    """
+
+    def __init__(
+        self, handles: Sequence[LoraHandle], frames: StepFrames, *, texts_per_example: int = 1
+    ) -> None:
+        self.handles, self.frames, self.texts = handles, frames, texts_per_example
+        self._sinks: list[per_example.RowSink] = []
+        self._rows: list[tuple[Tensor, Tensor]] = []
+
+    def prepare(self, micro: dict[str, Tensor]) -> None:
+        """Buffers and sinks for ``micro``'s encoder rows (``texts_per_example`` an example)."""
+        b = int(micro["labels"].shape[0]) * self.texts
+        self._sinks, self._rows = [], []
+        for group, stacked, point in zip(
+            self.frames.groups, self.frames.stacked, self.frames.points, strict=True
+        ):
+            L, m, r = point.A.shape
+            n = point.B.shape[1]
+            like = stacked.QA
+            rows_a = torch.empty((L, b, r, m), dtype=like.dtype, device=like.device)
+            rows_c = torch.empty((L, b, r, n), dtype=like.dtype, device=like.device)
+            for j, i in enumerate(group):
+                h = self.handles[i]
+                sink_a = per_example.RowSink(rows_a[j], stacked.RB_inv[j], "input")
+                sink_c = per_example.RowSink(rows_c[j], stacked.RA_inv[j], "output")
+                per_example.set_sink(h.lora_B, sink_a)
+                per_example.set_sink(h.lora_A, sink_c)
+                self._sinks += [sink_a, sink_c]
+            self._rows.append((rows_a, rows_c))
+
+    def rows(self) -> list[tuple[Tensor, Tensor]]:
+        """The micro-batch's whitened rows, one pair per group (after its backward)."""
+        if not all(sink.filled for sink in self._sinks):
+            raise RuntimeError(
+                "a LoRA factor's backward wrote no per-example rows: every LoRA module must be "
+                "on the loss's path"
+            )
+        rows, self._rows = self._rows, []
+        return rows
+
+    def close(self) -> None:
+        """Give the layers back their ``grad_sample`` rows."""
+        per_example.clear_sinks(w for h in self.handles for w in (h.lora_A, h.lora_B))
+        self._sinks, self._rows = [], []
 
 
 class PrismTrainer(DPTrainer):
@@ -60,6 +139,11 @@ class PrismTrainer(DPTrainer):
     """
 
     methods: ClassVar[frozenset[str]] = frozenset({"prism"})
+    whitened_rows: bool = True
+    """With per-example gradients in the layers (``grad_sample_mode='layer'``), the LoRA layers
+    write whitened rows for ``clip_and_sum_whitened`` (``StepRows``). False (or Opacus' hooks):
+    ``grad_sample`` rows and ``clip_and_sum_grads``, the same clipped sum (a benchmark's and
+    the tests' reference)."""
 
     def __init__(
         self,
@@ -114,9 +198,11 @@ class PrismTrainer(DPTrainer):
 
         Returns the ``ClippedSum`` and the summed per-sequence loss (private, local only).
         """
-        clip = clip_and_sum_grads if clip_fn is None else clip_fn
         if frames is None:
             frames = step_frames(points)
+        if clip_fn is None and self._writes_whitened_rows():
+            return self._whitened_sum(batch, points, frames)
+        clip = clip_and_sum_grads if clip_fn is None else clip_fn
         acc, total = None, 0.0
         split = self._head_split()
         for n, loss, fold in self._example_passes(batch):
@@ -132,6 +218,37 @@ class PrismTrainer(DPTrainer):
                 **split,
             )
             del grads, head_grads  # the rows go before the next micro-batch's forward
+        return (acc if acc is not None else empty_sum(points, self.loaded.head_params)), total
+
+    def _writes_whitened_rows(self) -> bool:
+        return self.whitened_rows and self.config.grad_sample_mode == "layer"
+
+    def _whitened_sum(
+        self, batch: dict[str, Tensor], points: Sequence[Point], frames: StepFrames
+    ) -> tuple[ClippedSum, float]:
+        """``clipped_sum`` with the layers writing whitened rows (``StepRows``)."""
+        acc, total = None, 0.0
+        split = self._head_split()
+        spec = self.loaded.spec
+        texts = 2 if spec is not None and spec.siamese else 1
+        step_rows = StepRows(self.loaded.handles, frames, texts_per_example=texts)
+        try:
+            for n, loss, fold in self._example_passes(batch, before=step_rows.prepare):
+                total += loss
+                head = [grad_sample(p).to(torch.float32) for p in self.loaded.head_params]
+                rows, head = _fold_rows(step_rows.rows(), head, n, fold)
+                acc = clip_and_sum_whitened(
+                    points,
+                    rows,
+                    frames=frames,
+                    max_norm=self.config.max_norm,
+                    previous=acc,
+                    euclidean=head,
+                    **split,
+                )
+                del rows, head  # the rows go before the next micro-batch's forward
+        finally:
+            step_rows.close()
         return (acc if acc is not None else empty_sum(points, self.loaded.head_params)), total
 
     def release(

@@ -21,8 +21,9 @@ What exactly runs (``canary_experiment``):
 - Each canary is included independently with probability 1/2 (the audit's secret ``S``). The
   included canaries are the batch of ``steps`` mechanism steps at the same point, run as the
   trainer runs them (``PrismTrainer.release``): per-example factor gradients
-  ``(G_i B, G_i.T A)`` and head gradients, micro-batch by micro-batch, through the fused
-  ``clip_and_sum_grads`` with the step's frames, then ``privatize``, expected batch
+  ``(G_i B, G_i.T A)``, whitened by the step's frames as the trainer's layers write them, and
+  head gradients, micro-batch by micro-batch, through ``clip_and_sum_whitened``, then
+  ``privatize``, expected batch
   ``b = k / 2``, seeded noise.
 
 Statistic 1, the one-run lower bound on epsilon. Score of canary i: the inner product of the
@@ -65,7 +66,7 @@ from torch import Tensor
 
 from prism_core.accounting import PrivacyEvent, epsilon
 from prism_core.manifold import Point, tangent_to_dense
-from prism_core.mechanism import ClippedSum, empty_sum, step_frames
+from prism_core.mechanism import ClippedSum, empty_sum, step_frames, whiten_rows
 from server.audit.blocks import BLOCKS, POWER, VarianceTest, variance_test
 from server.audit.mechanisms import CORRECT, Mechanism
 
@@ -282,13 +283,14 @@ def _clipped_sum(
     head: Tensor,
     frames: Any,
 ) -> ClippedSum:
-    """The trainer's clip: ``clip_and_sum_grads`` micro-batch by micro-batch, one frame set."""
+    """The trainer's clip: ``clip_and_sum_whitened`` on the whitened rows, micro-batch by
+    micro-batch, one frame set."""
     acc = None
     for lo in range(0, head.shape[0], s.micro_batch_size):
         hi = lo + s.micro_batch_size
-        acc = mechanism.clip_and_sum_grads(
+        acc = mechanism.clip_and_sum_whitened(
             points,
-            [(gA[lo:hi], gB[lo:hi]) for gA, gB in grads],
+            whiten_rows(frames, [(gA[lo:hi], gB[lo:hi]) for gA, gB in grads]),
             max_norm=s.max_norm,
             previous=acc,
             euclidean=[head[lo:hi]],

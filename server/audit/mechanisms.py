@@ -1,8 +1,9 @@
 """The mechanism under audit, and deliberately broken variants for the audit's self-test.
 
 The audit runs PRISM's DP release through ``prism_runtime.trainer.PrismTrainer.release`` (the same
-code path as training) with a ``Mechanism``: the pair of functions that clip-and-sum and
-privatize. ``CORRECT`` is ``prism_core``'s pair. The ``BROKEN`` variants reproduce bugs that
+code path as training) with a ``Mechanism``: the functions that clip-and-sum (from per-example
+lifts, factor gradients or the whitened rows the trainer's layers write) and privatize.
+``CORRECT`` is ``prism_core``'s. The ``BROKEN`` variants reproduce bugs that
 published DP code has shipped with, or that a change to the sampler could introduce; they
 exist only so that the audit can prove it catches them (``prism-fl audit --inject-bug NAME``,
 and the tests). Never train with them.
@@ -34,6 +35,7 @@ from prism_core.mechanism import (
     PrivateStep,
     clip_and_sum,
     clip_and_sum_grads,
+    clip_and_sum_whitened,
     clip_coefficients,
     per_example_norms_sq,
     privatize,
@@ -49,14 +51,17 @@ __all__ = ["BROKEN", "CORRECT", "Mechanism", "mechanism_by_name"]
 class Mechanism:
     """Clip-and-sum and privatize functions with ``prism_core``'s signatures.
 
-    ``clip_and_sum`` takes per-example lifts (the canary audit's white-box input);
-    ``clip_and_sum_grads`` takes per-example factor gradients (the trainer's fused path).
+    ``clip_and_sum`` takes per-example lifts; ``clip_and_sum_grads`` per-example factor
+    gradients (the trainer's path for a clip swapped in through ``clip_fn``);
+    ``clip_and_sum_whitened`` the whitened rows (the trainer's own path, and the canary
+    audit's), ``prism_core``'s unless the variant breaks the clip.
     """
 
     name: str
     clip_and_sum: Callable[..., ClippedSum]
     clip_and_sum_grads: Callable[..., ClippedSum]
     privatize: Callable[..., PrivateStep]
+    clip_and_sum_whitened: Callable[..., ClippedSum] = clip_and_sum_whitened
 
 
 def _noise_off_privatize(points: Sequence[Point], clipped: ClippedSum, **kw: Any) -> PrivateStep:
@@ -146,6 +151,28 @@ def _per_module_clip_and_sum_grads(
     )
 
 
+def _per_module_clip_and_sum_whitened(
+    points: Sequence[Point],
+    rows: Sequence[tuple[Tensor, Tensor]],
+    *,
+    frames: Any,
+    max_norm: float,
+    previous: ClippedSum | None = None,
+    euclidean: Sequence[Tensor] = (),
+) -> ClippedSum:
+    grads: list[tuple[Tensor, Tensor] | None] = [None] * len(points)
+    for group, stacked, (ra, rc) in zip(frames.groups, frames.stacked, rows, strict=True):
+        for j, i in enumerate(group):  # g = (rows.T) R: the raw gradients back
+            grads[i] = (ra[j].mT @ stacked.RB[j], rc[j].mT @ stacked.RA[j])
+    return _per_module_clip_and_sum_grads(
+        points,
+        [g for g in grads if g is not None],
+        max_norm=max_norm,
+        previous=previous,
+        euclidean=euclidean,
+    )
+
+
 CORRECT = Mechanism("prism", clip_and_sum, clip_and_sum_grads, privatize)
 """The mechanism that trains: ``prism_core.mechanism``'s clip-and-sum and ``privatize``."""
 
@@ -159,7 +186,11 @@ BROKEN: dict[str, Mechanism] = {
         "realised-batch", clip_and_sum, clip_and_sum_grads, _realised_batch_privatize
     ),
     "per-module-clip": Mechanism(
-        "per-module-clip", _per_module_clip_and_sum, _per_module_clip_and_sum_grads, privatize
+        "per-module-clip",
+        _per_module_clip_and_sum,
+        _per_module_clip_and_sum_grads,
+        privatize,
+        _per_module_clip_and_sum_whitened,
     ),
 }
 """Deliberately broken mechanisms, for the audit's self-test only."""

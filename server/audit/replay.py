@@ -42,7 +42,7 @@ from torch import Tensor
 from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
 from prism_core.manifold import Point, tangent_norm_sq
-from prism_core.mechanism import PrivateStep
+from prism_core.mechanism import PrivateStep, clip_and_sum_grads
 from prism_runtime.data import TokenizedDataset, make_collate
 from prism_runtime.lora import read_points
 from prism_runtime.model import LoadedModel, ModelConfig, load_model
@@ -186,11 +186,14 @@ class _Replayer:
         self.trainer.config = self.trainer.config.model_copy(update={"max_norm": max_norm})
 
     def release(self, indices: Sequence[int], seed: int) -> PrivateStep:
+        """The trainer's release: its own clip (whitened rows from the layers) unless the
+        mechanism breaks the clip, which then replaces it through ``clip_fn``."""
         self.trainer.noise = torch.Generator().manual_seed(seed)
+        clip = self.mechanism.clip_and_sum_grads
         step, _, _ = self.trainer.release(
             self.batch(indices),
             self.points,
-            clip_fn=self.mechanism.clip_and_sum_grads,
+            clip_fn=None if clip is clip_and_sum_grads else clip,
             privatize_fn=self.mechanism.privatize,
         )
         return step

@@ -15,6 +15,8 @@ from prism_core.manifold import (
     lift_moments,
     lift_moments_stacked,
     lift_norm_sq,
+    lift_norm_sq_whitened,
+    lift_whitened,
     min_norm_lift,
     point_frame,
     project_dense,
@@ -354,6 +356,33 @@ def test_lift_moments_stacked_equals_lift_moments_module_by_module(r, layout):
         alone = lift_moments(frame, gA[i], gB[i])
         for got, want in zip(together, alone, strict=True):
             torch.testing.assert_close(got[i], want, rtol=1e-12, atol=1e-12 * want.abs().max())
+
+
+@pytest.mark.parametrize("cond", [1.0, 1e3])
+def test_whitened_lift_and_norm_equal_the_lift_and_norm_of_the_raw_gradients(cond):
+    """From whitened rows ``(g R^{-1}).T`` of a stack of modules (one ill-conditioned), the
+    norm (eq. 15 from a pass of squares, no Gram) and the lift (eq. 14) equal ``lift_norm_sq``
+    and ``lift`` of the raw gradients module by module (float64, rel 1e-10)."""
+    m, n, r, b = 12, 10, 3, 5
+    points = [random_point(m, n, r, seed) for seed in range(3)]
+    A2, B2 = points[2]
+    points[2] = (torch.linalg.qr(A2)[0] @ ill_conditioned(r, 2, cond), B2)
+    stacked = point_frame(torch.stack([p[0] for p in points]), torch.stack([p[1] for p in points]))
+    g = torch.Generator().manual_seed(9)
+    gA = torch.randn(3, b, m, r, generator=g, dtype=torch.float64)
+    gB = torch.randn(3, b, n, r, generator=g, dtype=torch.float64)
+    rows_a = (gA @ stacked.RB_inv.unsqueeze(1)).mT.contiguous()
+    rows_c = (gB @ stacked.RA_inv.unsqueeze(1)).mT.contiguous()
+    norms = lift_norm_sq_whitened(stacked, rows_a, rows_c)
+    assert norms.shape == (3, b)
+    for i, (A, B) in enumerate(points):
+        want = lift_norm_sq(point_frame(A, B), gA[i], gB[i])
+        assert ((norms[i] - want).abs() / want).max().item() < 1e-10
+        got = lift_whitened(point_frame(A, B), rows_a[i].mT, rows_c[i].mT)
+        dA, dB = lift(A, B, gA[i], gB[i])
+        assert _rel(got.dA, dA) < 1e-10 and _rel(got.dB, dB) < 1e-10
+    with pytest.raises(ValueError, match="stacked frame"):
+        lift_norm_sq_whitened(point_frame(*points[0]), rows_a[0], rows_c[0])
 
 
 def test_lift_moments_stacked_needs_a_stacked_frame():

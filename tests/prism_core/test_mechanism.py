@@ -32,6 +32,7 @@ from prism_core.mechanism import (
     ClippedSum,
     clip_and_sum,
     clip_and_sum_grads,
+    clip_and_sum_whitened,
     clip_coefficients,
     dp_tangent_update,
     empty_sum,
@@ -41,6 +42,7 @@ from prism_core.mechanism import (
     split_max_norm,
     step_frames,
     tangent_noise,
+    whiten_rows,
 )
 from prism_core.records import PrivacyEvent
 from prism_core.rng import SecureRNG
@@ -376,15 +378,26 @@ def test_clip_and_sum_grads_equals_clip_and_sum_of_lifts(seed):
     )
 
 
+def _fused_sum(points, grads, max_norm, whitened):
+    """The fused clipped sum from raw gradients, or from their whitened rows."""
+    if not whitened:
+        return clip_and_sum_grads(points, grads, max_norm=max_norm)
+    frames = step_frames(points)
+    rows = whiten_rows(frames, grads)
+    return clip_and_sum_whitened(points, rows, frames=frames, max_norm=max_norm)
+
+
+@pytest.mark.parametrize("whitened", [False, True])
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), b=st.integers(1, 6), log_scale=st.floats(-2.0, 4.0))
-def test_clip_and_sum_grads_sensitivity_is_C(seed, b, log_scale):
-    """Removing one example moves the fused clipped sum by at most C (intrinsic norm)."""
+def test_clip_and_sum_grads_sensitivity_is_C(whitened, seed, b, log_scale):
+    """Removing one example moves the fused clipped sum by at most C (intrinsic norm), from raw
+    gradients and from whitened rows."""
     points = _module_points(seed % 97, DIMS_WITH_REPEATS)
     grads = _random_grads(points, b, seed, scale=10.0**log_scale)
     C = 0.6
-    full = clip_and_sum_grads(points, grads, max_norm=C)
-    rest = clip_and_sum_grads(points, [(gA[1:], gB[1:]) for gA, gB in grads], max_norm=C)
+    full = _fused_sum(points, grads, C, whitened)
+    rest = _fused_sum(points, [(gA[1:], gB[1:]) for gA, gB in grads], C, whitened)
     diff_sq = sum(
         tangent_norm_sq(p.A, p.B, f.dA - r.dA, f.dB - r.dB)
         for p, f, r in zip(points, full.sums, rest.sums, strict=True)
@@ -1010,6 +1023,50 @@ def test_shape_errors_name_what_was_wrong():
         clip_and_sum_grads(points, bad, max_norm=1.0)
 
 
+# -- whitened rows (what the LoRA layers write on PRISM's step) -------------------------------
+
+
+@pytest.mark.parametrize("split", [None, 0.4])
+def test_clip_and_sum_whitened_equals_clip_and_sum_grads(split):
+    """Whitened rows give the fused clipped sum of the raw gradients (float64, rel 1e-10):
+    two shape groups, one module ill-conditioned, a head in the joint or the split clip, over
+    two micro-batches, some examples clipped and some not; the rows are not modified."""
+    points = _module_points(5, DIMS_WITH_REPEATS)
+    A, B = points[2]
+    points[2] = Point(torch.linalg.qr(A)[0] @ ill_conditioned(2, 1, 1e3), B)
+    b = 9
+    scales = torch.logspace(-2.5, 1.0, b, dtype=torch.float64)[:, None, None]
+    grads = [(scales * gA, scales * gB) for gA, gB in _random_grads(points, b, 6)]
+    head = scales * torch.randn(
+        b, 3, 4, generator=torch.Generator().manual_seed(2), dtype=torch.float64
+    )
+    frames = step_frames(points)
+    got = want = None
+    for lo, hi in [(0, 4), (4, 9)]:
+        part = [(gA[lo:hi], gB[lo:hi]) for gA, gB in grads]
+        rows = whiten_rows(frames, part)
+        before = [t.clone() for pair in rows for t in pair]
+        kw = {"max_norm": 0.8, "euclidean": [head[lo:hi]], "euclidean_max_norm": split}
+        got = clip_and_sum_whitened(points, rows, frames=frames, previous=got, **kw)
+        want = clip_and_sum_grads(points, part, frames=frames, previous=want, **kw)
+        assert all(
+            torch.equal(t, u) for t, u in zip((t for p in rows for t in p), before, strict=True)
+        )
+    _assert_same_sum(got, want)
+    assert 0 < got.clipped < got.count == b
+
+
+def test_clip_and_sum_whitened_rejects_rows_of_the_wrong_shape():
+    points = _module_points(1, DIMS_WITH_REPEATS)
+    frames = step_frames(points)
+    rows = whiten_rows(frames, _random_grads(points, 3, 1))
+    with pytest.raises(ValueError, match="module groups"):
+        clip_and_sum_whitened(points, rows[:1], frames=frames, max_norm=1.0)
+    bad = [rows[0], (rows[1][0], rows[1][1][:, :2])]  # another b in the second factor
+    with pytest.raises(ValueError, match=re.escape("group 1: whitened rows must be")):
+        clip_and_sum_whitened(points, bad, frames=frames, max_norm=1.0)
+
+
 # -- numbers from the coordinator: non-finite contributions and the clip in low precision ------
 
 _BAD_VALUES = [math.inf, -math.inf, math.nan, 3e38]
@@ -1029,9 +1086,11 @@ def _spoil(t: torch.Tensor, value: float) -> torch.Tensor:
 @pytest.mark.parametrize("value", _BAD_VALUES)
 @pytest.mark.parametrize("where", ["lora", "head"])
 @pytest.mark.parametrize("split", [None, 0.3])
-def test_a_non_finite_example_contributes_zero_to_the_fused_sum(value, where, split):
+@pytest.mark.parametrize("whitened", [False, True])
+def test_a_non_finite_example_contributes_zero_to_the_fused_sum(value, where, split, whitened):
     """An example whose gradient is infinite, NaN or overflows counts as zero: the clipped sum is
-    that of the other examples (finite), in the tangents and the head alike."""
+    that of the other examples (finite), in the tangents and the head alike; from raw gradients
+    (``clip_and_sum_grads``) and from whitened rows (``clip_and_sum_whitened``)."""
     points = _module_points(11, DIMS_WITH_REPEATS)
     grads = [(gA.float(), gB.float()) for gA, gB in _random_grads(points, 5, 3, scale=2.0)]
     head = torch.randn(5, 3, 4, generator=torch.Generator().manual_seed(4))
@@ -1041,8 +1100,16 @@ def test_a_non_finite_example_contributes_zero_to_the_fused_sum(value, where, sp
         head = _spoil(head, value)
     low = [Point(p.A.float(), p.B.float()) for p in points]
     kw = {"max_norm": 1.0, "euclidean_max_norm": split}
-    got = clip_and_sum_grads(low, grads, euclidean=[head], **kw)
-    rest = clip_and_sum_grads(low, [(a[1:], b[1:]) for a, b in grads], euclidean=[head[1:]], **kw)
+    frames = step_frames(low)
+    if whitened:
+        rows = whiten_rows(frames, grads)
+        got = clip_and_sum_whitened(low, rows, frames=frames, euclidean=[head], **kw)
+        rest_rows = [(a[:, 1:], c[:, 1:]) for a, c in rows]
+        rest = clip_and_sum_whitened(low, rest_rows, frames=frames, euclidean=[head[1:]], **kw)
+    else:
+        got = clip_and_sum_grads(low, grads, euclidean=[head], **kw)
+        rest_grads = [(a[1:], b[1:]) for a, b in grads]
+        rest = clip_and_sum_grads(low, rest_grads, euclidean=[head[1:]], **kw)
     for s, e in zip(got.sums, rest.sums, strict=True):
         assert torch.isfinite(s.dA).all() and torch.isfinite(s.dB).all()
         torch.testing.assert_close(s.dA, e.dA, rtol=1e-5, atol=1e-7)
@@ -1073,11 +1140,15 @@ def _conditioned_factor(rows, r, cond, generator):
 @pytest.mark.parametrize("max_norm", [1e-6, 1e-2, 1.0])
 @pytest.mark.parametrize("scale", [1e-20, 1.0, 1e20])
 @pytest.mark.parametrize("head", [False, True])
-def test_one_clipped_contribution_has_norm_at_most_c_in_low_precision(dtype, max_norm, scale, head):
+@pytest.mark.parametrize("whitened", [False, True])
+def test_one_clipped_contribution_has_norm_at_most_c_in_low_precision(
+    dtype, max_norm, scale, head, whitened
+):
     """One example's clipped contribution, its exact norm taken in float64 at the (rounded)
     point, is at most C: in float32 and bfloat16, for C down to the smallest a site runs
     (``prism_runtime.ranges.MAX_NORM_MIN``), gradients from 1e-20 to 1e20 and factors of
-    condition number up to ``FACTOR_COND_MAX`` (the safety factor covers the rounding)."""
+    condition number up to ``FACTOR_COND_MAX`` (the safety factor covers the rounding); from
+    raw gradients and from whitened rows alike."""
     from prism_runtime.ranges import FACTOR_COND_MAX, MAX_NORM_MIN
 
     assert MAX_NORM_MIN == 1e-6  # the smallest case above is the lower bound
@@ -1088,9 +1159,15 @@ def test_one_clipped_contribution_has_norm_at_most_c_in_low_precision(dtype, max
         G = scale * torch.randn(1, m, n, generator=g, dtype=torch.float64)
         point = Point(A.to(dtype), B.to(dtype))
         extra = [(scale * torch.randn(1, 5, generator=g)).to(dtype)] if head else []
-        got = clip_and_sum_grads(
-            [point], [((G @ B).to(dtype), (G.mT @ A).to(dtype))], max_norm=max_norm, euclidean=extra
-        )
+        grads = [((G @ B).to(dtype), (G.mT @ A).to(dtype))]
+        if whitened:
+            frames = step_frames([point])
+            rows = [(r.to(dtype), c.to(dtype)) for r, c in whiten_rows(frames, grads)]
+            got = clip_and_sum_whitened(
+                [point], rows, frames=frames, max_norm=max_norm, euclidean=extra
+            )
+        else:
+            got = clip_and_sum_grads([point], grads, max_norm=max_norm, euclidean=extra)
         t = got.sums[0]
         norm_sq = tangent_norm_sq(point.A.double(), point.B.double(), t.dA.double(), t.dB.double())
         if head:

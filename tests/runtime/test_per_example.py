@@ -8,6 +8,7 @@ import torch
 from opacus import GradSampleModule
 from torch import nn
 
+from prism_core.mechanism import step_frames
 from prism_runtime import per_example
 from prism_runtime.classifier import fold_text_rows
 from prism_runtime.data import TokenizedDataset, make_collate
@@ -15,6 +16,7 @@ from prism_runtime.errors import ConfigError
 from prism_runtime.lora import read_points
 from prism_runtime.model import ModelConfig, load_model
 from prism_runtime.trainer import TrainConfig, make_trainer, per_example_loss
+from prism_runtime.trainer.prism import StepRows
 
 SST2 = "seq-cls"
 TOL = 1e-10
@@ -272,3 +274,180 @@ def test_a_trainable_layer_that_is_not_linear_is_refused_with_the_way_out():
     model[0].requires_grad_(False)
     with pytest.raises(ConfigError, match=r"LayerNorm.*grad_sample_mode='hooks'"):
         per_example.trainable_layers(model)
+
+
+# -- whitened rows written into the clip's buffers (PRISM's step) ------------------------------
+
+
+def _sinks(lm, b, seed=3):
+    """A sink for every LoRA factor with a random whitening matrix: {param id: sink}."""
+    g = torch.Generator().manual_seed(seed)
+    sinks = {}
+    for h in lm.handles:
+        (m, r), n = h.lora_B.shape, h.lora_A.shape[1]
+        for p, side, k in ((h.lora_B, "input", m), (h.lora_A, "output", n)):
+            W = torch.randn(r, r, generator=g, dtype=torch.float64)
+            sinks[id(p)] = per_example.RowSink(torch.empty(b, r, k, dtype=torch.float64), W, side)
+            per_example.set_sink(p, sinks[id(p)])
+    return sinks
+
+
+def _expected_sink(h, p, rows, W):
+    """What a sink holds: ``W.T grad`` for lora_A (r, n), ``(grad W).T`` for lora_B (m, r)."""
+    return W.mT @ rows if p is h.lora_A else (rows @ W).mT
+
+
+@pytest.mark.parametrize("calls", [1, 2])
+def test_row_sinks_hold_the_whitened_rows_of_both_factors(tiny_bert, sst2_rows, calls):
+    """With sinks set, each LoRA factor's backward writes its rows whitened, ``W.T grad_i`` for
+    ``lora_A`` and ``(grad_i W).T`` for ``lora_B``, into the sink (float64, relative 1e-10,
+    LoRA dropout on), no ``grad_sample`` for those factors, the head's rows as before; a second
+    backward adds to what the first wrote (as ``grad_sample`` sums)."""
+    lm = _bert(tiny_bert, dropout=0.3)
+    batch = _sst2_batch(lm, sst2_rows[:6])
+    want, _ = _layer_rows(lm, batch, SST2)
+    params = _trainable(lm)
+    layers = per_example.trainable_layers(lm.model)
+    per_example.attach(layers)
+    sinks = _sinks(lm, 6)
+    for _ in range(calls):
+        torch.manual_seed(0)  # the dropout masks of _layer_rows
+        per_example_loss(lm.model, batch, SST2).sum().backward()
+    rows = dict(zip((id(p) for p in params), want, strict=True))
+    for h in lm.handles:
+        for p in (h.lora_A, h.lora_B):
+            sink = sinks[id(p)]
+            expected = calls * _expected_sink(h, p, rows[id(p)], sink.whiten)
+            assert sink.filled and getattr(p, "grad_sample", None) is None
+            assert _worst([sink.out], [expected]) <= TOL
+    head = [p.grad_sample for p in lm.head_params]
+    assert _worst(head, [calls * rows[id(p)] for p in lm.head_params]) <= TOL
+    per_example.clear_sinks(params)
+    assert not any(hasattr(p, "row_sink") for p in params)
+    per_example.detach(layers)
+
+
+def test_a_row_sink_of_another_shape_is_refused(tiny_bert, sst2_rows):
+    lm = _bert(tiny_bert)
+    batch = _sst2_batch(lm, sst2_rows[:6])
+    per_example.attach(per_example.trainable_layers(lm.model))
+    _sinks(lm, 5)  # set for 5 examples, the batch has 6
+    with pytest.raises(RuntimeError, match="another micro-batch or layer"):
+        per_example_loss(lm.model, batch, SST2).sum().backward()
+
+
+def _roll_sink(write):
+    def planted(self, g, x):
+        write(self, g, x)
+        self.out.copy_(self.out.roll(1, dims=0))
+
+    return planted
+
+
+def _skip_whitening(write):
+    def planted(self, g, x):
+        self.whiten = torch.eye(self.whiten.shape[0], dtype=self.whiten.dtype)
+        write(self, g, x)
+
+    return planted
+
+
+def _trainer_for(tiny_bert, sst2_rows, setting, split):
+    """A PRISM trainer on 60 rows: ``record``, ``user`` (3 records a person, at most 2 a batch,
+    so a person's records can span micro-batches) or ``siamese`` text pairs."""
+    rows, units, settings = sst2_rows[:60], None, {}
+    if setting == "siamese":
+        lm = _bert(tiny_bert, text_pairs=True, pair_encoding="siamese")
+        rows = [
+            {"text_a": a["text"], "text_b": b["text"], "label": a["label"]}
+            for a, b in zip(rows[0::2], rows[1::2], strict=True)
+        ]
+        dataset = TokenizedDataset(rows, lm.tokenizer, SST2, max_length=32, pair_encoding="siamese")
+    else:
+        lm = _bert(tiny_bert)
+        dataset = TokenizedDataset(rows, lm.tokenizer, SST2, max_length=32)
+    if setting == "user":
+        units = [i // 3 for i in range(len(rows))]
+        settings = {"privacy_unit": "user", "max_records_per_user": 2}
+    config = TrainConfig(
+        noise_multiplier=1.0,
+        steps=1,
+        batch_size=12,
+        micro_batch_size=5,
+        max_norm=3.0 if setting == "siamese" else 1.0,  # a pair's head reads 4 features
+        head_max_norm=split,
+        seed=0,
+        progress=False,
+        **settings,
+    )
+    return lm, make_trainer(lm, dataset, config, units=units)
+
+
+@pytest.mark.parametrize(
+    ("setting", "fault", "split"),
+    [
+        ("record", None, None),
+        ("record", None, 0.8),
+        ("user", None, None),
+        ("siamese", None, None),
+        ("record", _roll_sink, None),  # under a split clip a permutation of rows sums the same
+        ("record", _skip_whitening, None),
+        ("record", _skip_whitening, 0.8),
+    ],
+)
+def test_whitened_rows_give_the_clipped_sum_of_the_grad_sample_rows(
+    tiny_bert, sst2_rows, monkeypatch, setting, fault, split
+):
+    """PRISM's clipped sum over a batch's micro-batches from the whitened rows the layers write
+    (the default) equals the one from their ``grad_sample`` rows (``whitened_rows = False``)
+    within float32 rounding (the clip works at the float32 frames: relative 1e-5): joint and
+    split head clip, examples clipped and not, at the person level (records folded into
+    people across micro-batches) and for siamese pairs (two text rows an example). A planted
+    fault in the sinks (rows of the wrong example, caught through the joint clip that ties them
+    to the head; rows not whitened) moves it by more than 1%. No sink is left on a factor."""
+    lm, trainer = _trainer_for(tiny_bert, sst2_rows, setting, split)
+    batch = trainer._next_batch()
+    points = read_points(lm.handles)
+    frames = step_frames(points)
+    if fault is not None:
+        monkeypatch.setattr(per_example.RowSink, "write", fault(per_example.RowSink.write))
+    got, _ = trainer.clipped_sum(batch, points, frames=frames)
+    assert not any(hasattr(p, "row_sink") for p in _trainable(lm))
+    trainer.whitened_rows = False
+    want, _ = trainer.clipped_sum(batch, points, frames=frames)
+    assert got.count == want.count > 5  # several micro-batches
+    assert 0 < want.clipped < want.count
+    got_t = [t for s in got.sums for t in s] + list(got.euclidean)
+    want_t = [t for s in want.sums for t in s] + list(want.euclidean)
+    error = max(float((a - b).norm() / b.norm()) for a, b in zip(got_t, want_t, strict=True))
+    assert error <= 1e-5 if fault is None else error > 0.01
+
+
+def test_a_step_whose_sinks_fail_leaves_no_sink_behind(tiny_bert, sst2_rows, monkeypatch):
+    """An error inside the backward (here a sink that refuses to write) propagates, and the
+    factors are left without sinks, so the next backward stores ``grad_sample`` rows again."""
+    lm = _bert(tiny_bert)
+    dataset = TokenizedDataset(sst2_rows[:40], lm.tokenizer, SST2, max_length=32)
+    config = TrainConfig(noise_multiplier=1.0, steps=1, batch_size=8, seed=0, progress=False)
+    trainer = make_trainer(lm, dataset, config)
+
+    def broken(self, g, x):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(per_example.RowSink, "write", broken)
+    with pytest.raises(RuntimeError, match="planted"):
+        trainer.step()
+    assert not any(hasattr(p, "row_sink") for p in _trainable(lm))
+
+
+def test_step_rows_refuse_a_factor_the_backward_did_not_reach(tiny_bert):
+    """Buffers are allocated uninitialised: a factor whose slot no backward wrote is an error,
+    never its memory in a sum."""
+    lm = _bert(tiny_bert)
+    frames = step_frames(read_points(lm.handles))
+    rows = StepRows(lm.handles, frames)
+    rows.prepare({"labels": torch.zeros(3, dtype=torch.long)})
+    with pytest.raises(RuntimeError, match="wrote no per-example rows"):
+        rows.rows()
+    rows.close()
+    assert not any(hasattr(p, "row_sink") for p in _trainable(lm))

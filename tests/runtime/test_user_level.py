@@ -312,7 +312,7 @@ def test_the_trainers_micro_batches_are_bounded_and_the_clip_sees_each_person_on
     micros: list[int] = []
     clipped: list[int] = []
     split = trainer_base.unit_micro_batches
-    clip = prism_module.clip_and_sum_grads
+    clip = prism_module.clip_and_sum_whitened
 
     def spy(batch, size, **kwargs):
         people.append(int(batch[UNIT_KEY].max()) + 1 if batch[UNIT_KEY].numel() else 0)
@@ -321,12 +321,12 @@ def test_the_trainers_micro_batches_are_bounded_and_the_clip_sees_each_person_on
             micros.append(int(micro[UNIT_KEY].shape[0]))
             yield micro
 
-    def clip_spy(points, grads, **kwargs):
-        clipped[-1] += int(grads[0][0].shape[0])
-        return clip(points, grads, **kwargs)
+    def clip_spy(points, rows, **kwargs):
+        clipped[-1] += int(rows[0][0].shape[1])  # (L, people, r, m)
+        return clip(points, rows, **kwargs)
 
     monkeypatch.setattr(trainer_base, "unit_micro_batches", spy)
-    monkeypatch.setattr(prism_module, "clip_and_sum_grads", clip_spy)
+    monkeypatch.setattr(prism_module, "clip_and_sum_whitened", clip_spy)
     trainer.train()
     assert micros and max(micros) <= 3
     assert clipped == people and sum(people) > 0

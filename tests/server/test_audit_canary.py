@@ -154,22 +154,22 @@ def test_the_stated_shortfall_is_detected():
 
 
 def test_the_canaries_run_the_trainers_fused_clip_path():
-    """The same functions the trainer calls (prism_core's clip_and_sum_grads and privatize),
+    """The same functions the trainer calls (prism_core's clip_and_sum_whitened and privatize),
     micro-batch by micro-batch with one set of frames, never the per-example-lift path."""
     import prism_core.mechanism as mech
     import prism_runtime.trainer.prism
 
     assert (
-        CORRECT.clip_and_sum_grads
-        is mech.clip_and_sum_grads
-        is prism_runtime.trainer.prism.clip_and_sum_grads
+        CORRECT.clip_and_sum_whitened
+        is mech.clip_and_sum_whitened
+        is prism_runtime.trainer.prism.clip_and_sum_whitened
     )
     assert CORRECT.privatize is mech.privatize is prism_runtime.trainer.prism.privatize
     clips, releases = [], []
 
-    def clip(points, grads, **kw):
+    def clip(points, rows, **kw):
         clips.append(kw)
-        return CORRECT.clip_and_sum_grads(points, grads, **kw)
+        return CORRECT.clip_and_sum_whitened(points, rows, **kw)
 
     def noisy(points, clipped, **kw):
         releases.append((clipped.count, kw))
@@ -179,7 +179,7 @@ def test_the_canaries_run_the_trainers_fused_clip_path():
         raise AssertionError("the per-example-lift clip path must not be used")
 
     s = CanarySettings(micro_batch_size=64, seed=3)
-    run = run_canary_audit(s, Mechanism("spy", never, clip, noisy))
+    run = run_canary_audit(s, Mechanism("spy", never, never, noisy, clip))
     assert run.verdict == "pass"
     assert len(clips) == math.ceil(run.included / 64)
     assert clips[0]["previous"] is None and all(c["previous"] is not None for c in clips[1:])
