@@ -2,7 +2,9 @@
 
 One step (docs/design.md §2, steps 2-5 and 7) for every LoRA module of a configuration:
 
-* low-dimensional path (``prism_core``, as the trainer runs it): per-step thin-QR frames of
+* low-dimensional path (``prism_core`` from raw per-example factor gradients, as the trainer
+  runs it with Opacus' hooks; its default takes rows the layers already whitened,
+  ``clip_and_sum_whitened``, timed by ``bench/step.py``): per-step thin-QR frames of
   all modules (``step_frames``, phase "lift / project"), the fused lift + intrinsic norm +
   global clip + sum of the per-example factor gradients ``(gA_i, gB_i)``
   (``clip_and_sum_grads``, phase "norm + clip + sum"), tangent noise and division by b

@@ -421,8 +421,8 @@ def lift_norm_sq_whitened(frame: Frame, rows_a: Tensor, rows_c: Tensor) -> Tenso
     rows_a, rows_c = rows_a.to(dtype).contiguous(), rows_c.to(dtype).contiguous()
     coord_a = _coords(rows_a, frame.QA.to(dtype).unsqueeze(1))
     coord_c = _coords(rows_c, frame.QB.to(dtype).unsqueeze(1))
-    a_sq = rows_a.square().sum(dim=(-2, -1))
-    c_sq = rows_c.square().sum(dim=(-2, -1))
+    a_sq = torch.linalg.vector_norm(rows_a, dim=(-2, -1)).square()  # no (L, b, r, m) temporary
+    c_sq = torch.linalg.vector_norm(rows_c, dim=(-2, -1)).square()
     return _norm_sq(a_sq, coord_a, c_sq, coord_c).to(dtype)
 
 

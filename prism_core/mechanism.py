@@ -240,8 +240,9 @@ def clip_coefficients(
 class StepFrames:
     """Thin-QR frames of every module at one step, grouped by shape for batched r x r work.
 
-    Build once per logical step with ``step_frames`` and pass to ``clip_and_sum_grads`` (every
-    micro-batch) and ``privatize``: the factors do not move within a step.
+    Build once per logical step with ``step_frames`` and pass to the clip
+    (``clip_and_sum_whitened`` or ``clip_and_sum_grads``, every micro-batch) and ``privatize``:
+    the factors do not move within a step.
 
     Attributes:
         frames: one ``Frame`` per module, in module order (views into ``stacked``).

@@ -12,8 +12,9 @@ The estimate per example (float32; docs/design.md "Memory per example"):
 - activations kept for the backward: ``T x layers x (16 hidden + 2 intermediate + 2 heads T)``
   values for T tokens (attention inputs and outputs, layer norms, the feed-forward's two
   activations, the attention probabilities and their dropout mask); twice for a siamese pair;
-- the per-example gradient rows of every LoRA module, ``(m + n) r`` values, and their stacked
-  copy in the clip: ``2 (m + n) r`` values a module.
+- the per-example gradient rows of every LoRA module, ``(m + n) r`` values, and, on the path
+  from ``grad_sample`` rows, their stacked copy in the clip: ``2 (m + n) r`` values a module
+  (the whitened rows PRISM's layers write need one; the estimate keeps the larger).
 """
 
 from __future__ import annotations

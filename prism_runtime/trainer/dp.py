@@ -4,11 +4,12 @@ Each micro-batch runs forward/backward with a PER-SEQUENCE loss summed over exam
 trainable tensor's ``grad_sample`` then holds its exact per-example gradients
 (``DPTrainer._example_passes``): computed in the backward of each trainable linear layer
 (``prism_runtime.per_example``, the default) or by Opacus' ``GradSampleModule`` hooks
-(``TrainConfig.grad_sample_mode='hooks'``). Each subclass clips them and noises the sum in its
-own release (``PrismTrainer.release``, ``FactorTrainer.factor_release``). The history is the
-mechanisms' ``PrivacyEvent`` records (composed by ``prism_core.accounting``), epsilon by PRV; a
-step that would take epsilon past the target is refused with ``BudgetExceededError``
-(``PrivateTrainer.step``).
+(``TrainConfig.grad_sample_mode='hooks'``); on PRISM's step the LoRA factors' rows go, whitened,
+into the clip's buffers instead (``prism_runtime.trainer.prism.StepRows``). Each subclass clips
+them and noises the sum in its own release (``PrismTrainer.release``,
+``FactorTrainer.factor_release``). The history is the mechanisms' ``PrivacyEvent`` records
+(composed by ``prism_core.accounting``), epsilon by PRV; a step that would take epsilon past the
+target is refused with ``BudgetExceededError`` (``PrivateTrainer.step``).
 
 At the person level (``config.privacy_unit='user'``, docs/design.md §3.2) ``UnitFold`` sums each
 person's per-record gradient rows (LoRA factors and head alike) into one row before the clip,
@@ -240,20 +241,23 @@ class DPTrainer(PrivateTrainer):
     ) -> Iterator[tuple[int, float, Fold | None]]:
         """Backward each micro-batch of ``batch``; yields its ``(examples, summed loss, fold)``
         while its per-example gradients are set, and clears them when the caller asks for the
-        next. ``fold`` maps the micro-batch's per-example rows to those of the people it
-        completes (``UnitFold``, one per batch) at the person level; None at the record level.
-        ``before(micro)`` runs before each micro-batch's forward (e.g. to set row sinks)."""
+        next, or when the caller stops or fails. ``fold`` maps the micro-batch's per-example rows
+        to those of the people it completes (``UnitFold``, one per batch) at the person level;
+        None at the record level. ``before(micro)`` runs before each micro-batch's forward (e.g.
+        to set row sinks)."""
         people = UnitFold() if self.privacy_unit == "user" else None
         for micro in self._micro_batches(batch):
             fold: Fold | None = None
             if people is not None:
                 unit, open_ = micro[UNIT_KEY], bool(micro[OPEN_KEY].any())
                 fold = functools.partial(people.fold, unit=unit, open_=open_)
-            if before is not None:
-                before(micro)
-            loss = self._backward(micro)
-            yield int(micro["labels"].shape[0]), loss, fold
-            self._clear_grads()
+            try:  # a failed backward or clip leaves no rows for the next step to add to
+                if before is not None:
+                    before(micro)
+                loss = self._backward(micro)
+                yield int(micro["labels"].shape[0]), loss, fold
+            finally:
+                self._clear_grads()
         if people is not None:
             people.close()
 

@@ -41,6 +41,7 @@ from prism_core.mechanism import (
 )
 from prism_runtime import per_example
 from prism_runtime.classifier import fold_text_rows
+from prism_runtime.errors import ConfigError
 from prism_runtime.head_optimizer import head_optimizer
 from prism_runtime.lora import LoraHandle, per_example_factor_grads, read_points, write_points_
 from prism_runtime.model import LoadedModel
@@ -69,7 +70,7 @@ def _fold_rows(
     if fold is not None:
         folded = fold([*flat, *head])
         flat, head = folded[: len(flat)], folded[len(flat) :]
-    moved = [t.movedim(0, 1) for t in flat]
+    moved = [t.movedim(0, 1).contiguous() for t in flat]  # the clip's layout, copied once
     return list(zip(moved[0::2], moved[1::2], strict=True)), head
 
 
@@ -83,14 +84,14 @@ class StepRows:
     ``lora_A``: ``RA^{-1}``); ``rows()`` returns them after the backward, for
     ``clip_and_sum_whitened``; ``close()`` takes the sinks down. A factor whose slot the
     backward did not write (a module the loss does not reach) is an error, never uninitialised
-    memory in a sum.
+    memory in a sum (``ConfigError`` naming the modules).
     """
 
     def __init__(
         self, handles: Sequence[LoraHandle], frames: StepFrames, *, texts_per_example: int = 1
     ) -> None:
         self.handles, self.frames, self.texts = handles, frames, texts_per_example
-        self._sinks: list[per_example.RowSink] = []
+        self._sinks: list[tuple[str, per_example.RowSink]] = []
         self._rows: list[tuple[Tensor, Tensor]] = []
 
     def prepare(self, micro: dict[str, Tensor]) -> None:
@@ -111,15 +112,17 @@ class StepRows:
                 sink_c = per_example.RowSink(rows_c[j], stacked.RA_inv[j], "output")
                 per_example.set_sink(h.lora_B, sink_a)
                 per_example.set_sink(h.lora_A, sink_c)
-                self._sinks += [sink_a, sink_c]
+                self._sinks += [(h.name, sink_a), (h.name, sink_c)]
             self._rows.append((rows_a, rows_c))
 
     def rows(self) -> list[tuple[Tensor, Tensor]]:
         """The micro-batch's whitened rows, one pair per group (after its backward)."""
-        if not all(sink.filled for sink in self._sinks):
-            raise RuntimeError(
-                "a LoRA factor's backward wrote no per-example rows: every LoRA module must be "
-                "on the loss's path"
+        missing = sorted({name for name, sink in self._sinks if not sink.filled})
+        if missing:
+            raise ConfigError(
+                f"LoRA modules {missing} got no per-example gradient rows: the loss does not "
+                "reach them (e.g. a pooler the classifier does not read); leave them out of "
+                "target-modules"
             )
         rows, self._rows = self._rows, []
         return rows
@@ -191,10 +194,13 @@ class PrismTrainer(DPTrainer):
         """Globally clipped sum of per-example lifts (and DP-head grads) over micro-batches; at
         the person level of per-person sums (``batch`` then carries its ``unit``).
 
-        The lifts are fused into the clip (``clip_and_sum_grads``); ``frames`` (the per-step QR
-        frames of ``points``) are computed once per step, not per micro-batch. ``clip_fn``
-        defaults to ``prism_core.mechanism.clip_and_sum_grads``; the privacy self-audit
-        (``server.audit``) passes deliberately broken variants to prove it catches them.
+        The lifts are fused into the clip: ``clip_and_sum_whitened`` on the rows the layers
+        write whitened (``StepRows``; with Opacus' hooks or ``whitened_rows = False``,
+        ``clip_and_sum_grads`` on the ``grad_sample`` rows); ``frames`` (the per-step QR frames
+        of ``points``) are computed once per step, not per micro-batch. A ``clip_fn`` (with
+        ``clip_and_sum_grads``' signature) replaces the clip on the ``grad_sample`` rows: the
+        privacy self-audit (``server.audit``) passes deliberately broken variants to prove it
+        catches them.
 
         Returns the ``ClippedSum`` and the summed per-sequence loss (private, local only).
         """

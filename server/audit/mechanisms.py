@@ -54,14 +54,20 @@ class Mechanism:
     ``clip_and_sum`` takes per-example lifts; ``clip_and_sum_grads`` per-example factor
     gradients (the trainer's path for a clip swapped in through ``clip_fn``);
     ``clip_and_sum_whitened`` the whitened rows (the trainer's own path, and the canary
-    audit's), ``prism_core``'s unless the variant breaks the clip.
+    audit's). A variant that breaks the clip breaks all three; ``with_privatize`` builds one
+    that breaks only the noise.
     """
 
     name: str
     clip_and_sum: Callable[..., ClippedSum]
     clip_and_sum_grads: Callable[..., ClippedSum]
+    clip_and_sum_whitened: Callable[..., ClippedSum]
     privatize: Callable[..., PrivateStep]
-    clip_and_sum_whitened: Callable[..., ClippedSum] = clip_and_sum_whitened
+
+    @classmethod
+    def with_privatize(cls, name: str, privatize_fn: Callable[..., PrivateStep]) -> Mechanism:
+        """``prism_core``'s three clips with ``privatize_fn``."""
+        return cls(name, clip_and_sum, clip_and_sum_grads, clip_and_sum_whitened, privatize_fn)
 
 
 def _noise_off_privatize(points: Sequence[Point], clipped: ClippedSum, **kw: Any) -> PrivateStep:
@@ -173,24 +179,20 @@ def _per_module_clip_and_sum_whitened(
     )
 
 
-CORRECT = Mechanism("prism", clip_and_sum, clip_and_sum_grads, privatize)
+CORRECT = Mechanism.with_privatize("prism", privatize)
 """The mechanism that trains: ``prism_core.mechanism``'s clip-and-sum and ``privatize``."""
 
 BROKEN: dict[str, Mechanism] = {
-    "noise-off": Mechanism("noise-off", clip_and_sum, clip_and_sum_grads, _noise_off_privatize),
-    "half-noise": Mechanism("half-noise", clip_and_sum, clip_and_sum_grads, _half_noise_privatize),
-    "no-perp-noise": Mechanism(
-        "no-perp-noise", clip_and_sum, clip_and_sum_grads, _no_perp_noise_privatize
-    ),
-    "realised-batch": Mechanism(
-        "realised-batch", clip_and_sum, clip_and_sum_grads, _realised_batch_privatize
-    ),
+    "noise-off": Mechanism.with_privatize("noise-off", _noise_off_privatize),
+    "half-noise": Mechanism.with_privatize("half-noise", _half_noise_privatize),
+    "no-perp-noise": Mechanism.with_privatize("no-perp-noise", _no_perp_noise_privatize),
+    "realised-batch": Mechanism.with_privatize("realised-batch", _realised_batch_privatize),
     "per-module-clip": Mechanism(
         "per-module-clip",
         _per_module_clip_and_sum,
         _per_module_clip_and_sum_grads,
-        privatize,
         _per_module_clip_and_sum_whitened,
+        privatize,
     ),
 }
 """Deliberately broken mechanisms, for the audit's self-test only."""

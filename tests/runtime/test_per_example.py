@@ -8,12 +8,14 @@ import torch
 from opacus import GradSampleModule
 from torch import nn
 
+from prism_core.manifold import Point
 from prism_core.mechanism import step_frames
 from prism_runtime import per_example
 from prism_runtime.classifier import fold_text_rows
 from prism_runtime.data import TokenizedDataset, make_collate
+from prism_runtime.data.units import OPEN_KEY
 from prism_runtime.errors import ConfigError
-from prism_runtime.lora import read_points
+from prism_runtime.lora import read_points, write_points_
 from prism_runtime.model import ModelConfig, load_model
 from prism_runtime.trainer import TrainConfig, make_trainer, per_example_loss
 from prism_runtime.trainer.prism import StepRows
@@ -336,25 +338,44 @@ def test_a_row_sink_of_another_shape_is_refused(tiny_bert, sst2_rows):
         per_example_loss(lm.model, batch, SST2).sum().backward()
 
 
-def _roll_sink(write):
+def _roll_sink(monkeypatch):
+    """Plant: each sink's rows moved one example along."""
+    write = per_example.RowSink.write
+
     def planted(self, g, x):
         write(self, g, x)
         self.out.copy_(self.out.roll(1, dims=0))
 
-    return planted
+    monkeypatch.setattr(per_example.RowSink, "write", planted)
 
 
-def _skip_whitening(write):
+def _skip_whitening(monkeypatch):
+    """Plant: rows written without the whitening."""
+    write = per_example.RowSink.write
+
     def planted(self, g, x):
         self.whiten = torch.eye(self.whiten.shape[0], dtype=self.whiten.dtype)
         write(self, g, x)
 
-    return planted
+    monkeypatch.setattr(per_example.RowSink, "write", planted)
+
+
+def _swap_whitening(monkeypatch):
+    """Plant: each module's two factors whitened by each other's R^-1."""
+    prepare = StepRows.prepare
+
+    def planted(self, micro):
+        prepare(self, micro)
+        for (_, a), (_, c) in zip(self._sinks[0::2], self._sinks[1::2], strict=True):
+            a.whiten, c.whiten = c.whiten, a.whiten
+
+    monkeypatch.setattr(StepRows, "prepare", planted)
 
 
 def _trainer_for(tiny_bert, sst2_rows, setting, split):
-    """A PRISM trainer on 60 rows: ``record``, ``user`` (3 records a person, at most 2 a batch,
-    so a person's records can span micro-batches) or ``siamese`` text pairs."""
+    """A PRISM trainer on 60 rows: ``record``, ``user`` (3 records a person, at most 2 a
+    batch), ``user-split`` (3 a batch in micro-batches of 2: a person's records span two) or
+    ``siamese`` text pairs; at an unbalanced point (A x 3, B / 3), where RA and RB differ."""
     rows, units, settings = sst2_rows[:60], None, {}
     if setting == "siamese":
         lm = _bert(tiny_bert, text_pairs=True, pair_encoding="siamese")
@@ -366,21 +387,24 @@ def _trainer_for(tiny_bert, sst2_rows, setting, split):
     else:
         lm = _bert(tiny_bert)
         dataset = TokenizedDataset(rows, lm.tokenizer, SST2, max_length=32)
-    if setting == "user":
+    if setting.startswith("user"):
         units = [i // 3 for i in range(len(rows))]
-        settings = {"privacy_unit": "user", "max_records_per_user": 2}
+        most = 3 if setting == "user-split" else 2
+        settings = {"privacy_unit": "user", "max_records_per_user": most}
     config = TrainConfig(
         noise_multiplier=1.0,
         steps=1,
         batch_size=12,
-        micro_batch_size=5,
+        micro_batch_size=2 if setting == "user-split" else 5,
         max_norm=3.0 if setting == "siamese" else 1.0,  # a pair's head reads 4 features
         head_max_norm=split,
         seed=0,
         progress=False,
         **settings,
     )
-    return lm, make_trainer(lm, dataset, config, units=units)
+    trainer = make_trainer(lm, dataset, config, units=units)
+    write_points_(lm.handles, [Point(p.A * 3, p.B / 3) for p in read_points(lm.handles)])
+    return lm, trainer
 
 
 @pytest.mark.parametrize(
@@ -389,10 +413,12 @@ def _trainer_for(tiny_bert, sst2_rows, setting, split):
         ("record", None, None),
         ("record", None, 0.8),
         ("user", None, None),
+        ("user-split", None, None),
         ("siamese", None, None),
         ("record", _roll_sink, None),  # under a split clip a permutation of rows sums the same
         ("record", _skip_whitening, None),
         ("record", _skip_whitening, 0.8),
+        ("record", _swap_whitening, None),
     ],
 )
 def test_whitened_rows_give_the_clipped_sum_of_the_grad_sample_rows(
@@ -402,16 +428,27 @@ def test_whitened_rows_give_the_clipped_sum_of_the_grad_sample_rows(
     (the default) equals the one from their ``grad_sample`` rows (``whitened_rows = False``)
     within float32 rounding (the clip works at the float32 frames: relative 1e-5): joint and
     split head clip, examples clipped and not, at the person level (records folded into
-    people across micro-batches) and for siamese pairs (two text rows an example). A planted
-    fault in the sinks (rows of the wrong example, caught through the joint clip that ties them
-    to the head; rows not whitened) moves it by more than 1%. No sink is left on a factor."""
+    people, also a person's records across two micro-batches) and for siamese pairs (two text
+    rows an example). A planted fault in the sinks (rows of the wrong example, caught through
+    the joint clip that ties them to the head; rows not whitened; the two factors' R^-1
+    swapped) moves it by more than 1%. No sink is left on a factor."""
     lm, trainer = _trainer_for(tiny_bert, sst2_rows, setting, split)
     batch = trainer._next_batch()
     points = read_points(lm.handles)
     frames = step_frames(points)
+    opened = []
+    split_micro = trainer._micro_batches
+
+    def watch(whole):
+        for micro in split_micro(whole):
+            opened.append(OPEN_KEY in micro and bool(micro[OPEN_KEY].any()))
+            yield micro
+
+    trainer._micro_batches = watch
     if fault is not None:
-        monkeypatch.setattr(per_example.RowSink, "write", fault(per_example.RowSink.write))
+        fault(monkeypatch)
     got, _ = trainer.clipped_sum(batch, points, frames=frames)
+    assert any(opened) == (setting == "user-split")  # a person across two micro-batches
     assert not any(hasattr(p, "row_sink") for p in _trainable(lm))
     trainer.whitened_rows = False
     want, _ = trainer.clipped_sum(batch, points, frames=frames)
@@ -424,8 +461,8 @@ def test_whitened_rows_give_the_clipped_sum_of_the_grad_sample_rows(
 
 
 def test_a_step_whose_sinks_fail_leaves_no_sink_behind(tiny_bert, sst2_rows, monkeypatch):
-    """An error inside the backward (here a sink that refuses to write) propagates, and the
-    factors are left without sinks, so the next backward stores ``grad_sample`` rows again."""
+    """An error inside the backward (here a sink that refuses to write) propagates, leaves the
+    factors without sinks and no per-example rows behind, and the next step runs."""
     lm = _bert(tiny_bert)
     dataset = TokenizedDataset(sst2_rows[:40], lm.tokenizer, SST2, max_length=32)
     config = TrainConfig(noise_multiplier=1.0, steps=1, batch_size=8, seed=0, progress=False)
@@ -437,7 +474,12 @@ def test_a_step_whose_sinks_fail_leaves_no_sink_behind(tiny_bert, sst2_rows, mon
     monkeypatch.setattr(per_example.RowSink, "write", broken)
     with pytest.raises(RuntimeError, match="planted"):
         trainer.step()
-    assert not any(hasattr(p, "row_sink") for p in _trainable(lm))
+    params = _trainable(lm)
+    assert not any(hasattr(p, "row_sink") for p in params)
+    assert all(getattr(p, "grad_sample", None) is None for p in params)  # no stale rows
+    monkeypatch.undo()
+    assert trainer.step().step == 1  # the failed step counted nothing
+    assert all(getattr(p, "grad_sample", None) is None for p in params)
 
 
 def test_step_rows_refuse_a_factor_the_backward_did_not_reach(tiny_bert):
@@ -447,7 +489,7 @@ def test_step_rows_refuse_a_factor_the_backward_did_not_reach(tiny_bert):
     frames = step_frames(read_points(lm.handles))
     rows = StepRows(lm.handles, frames)
     rows.prepare({"labels": torch.zeros(3, dtype=torch.long)})
-    with pytest.raises(RuntimeError, match="wrote no per-example rows"):
+    with pytest.raises(ConfigError, match=r"LoRA modules \[.*query.*\] got no per-example"):
         rows.rows()
     rows.close()
     assert not any(hasattr(p, "row_sink") for p in _trainable(lm))

@@ -145,7 +145,7 @@ def test_the_stated_shortfall_is_detected():
         step = CORRECT.privatize(points, clipped, **{**kw, "noise_multiplier": 0.95 * claimed})
         return step._replace(record=replace(step.record, noise_multiplier=claimed))
 
-    short = Mechanism("short", CORRECT.clip_and_sum, CORRECT.clip_and_sum_grads, short_privatize)
+    short = Mechanism.with_privatize("short", short_privatize)
     result = run_canary_audit(CanarySettings(), short)
     assert 0.95 <= result.detects_all_blocks <= 0.97
     assert 0.80 <= result.detects_any_block <= 0.90  # the head: 1000 coordinates
@@ -179,7 +179,7 @@ def test_the_canaries_run_the_trainers_fused_clip_path():
         raise AssertionError("the per-example-lift clip path must not be used")
 
     s = CanarySettings(micro_batch_size=64, seed=3)
-    run = run_canary_audit(s, Mechanism("spy", never, never, noisy, clip))
+    run = run_canary_audit(s, Mechanism("spy", never, never, clip, noisy))
     assert run.verdict == "pass"
     assert len(clips) == math.ceil(run.included / 64)
     assert clips[0]["previous"] is None and all(c["previous"] is not None for c in clips[1:])

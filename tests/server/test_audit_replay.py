@@ -80,9 +80,7 @@ def _no_head_noise_privatize(points, clipped, **kw):
     return step._replace(euclidean=head)
 
 
-NO_HEAD_NOISE = Mechanism(
-    "no-head-noise", CORRECT.clip_and_sum, CORRECT.clip_and_sum_grads, _no_head_noise_privatize
-)
+NO_HEAD_NOISE = Mechanism.with_privatize("no-head-noise", _no_head_noise_privatize)
 
 
 def test_a_head_released_without_noise_is_caught_in_the_head_block(model_dir):
