@@ -56,22 +56,31 @@ PrivatizeFn = Callable[..., PrivateStep]
 """Signature of ``prism_core.mechanism.privatize``."""
 
 
-def _fold_rows(
-    rows: list[tuple[Tensor, Tensor]], head: list[Tensor], n: int, fold: Fold | None
+def _fold_pairs(
+    pairs: Sequence[tuple[Tensor, Tensor]], head: list[Tensor], n: int, fold: Fold | None
 ) -> tuple[list[tuple[Tensor, Tensor]], list[Tensor]]:
-    """Stacked whitened rows (L, texts, r, k) of a micro-batch's ``n`` examples: siamese text
-    rows summed into one per example (``fold_text_rows``), then, with ``fold``, examples into
-    people (``UnitFold``), as ``PrismTrainer._example_grads`` folds ``grad_sample`` rows: both
-    are sums, so they commute with the whitening. Unchanged when neither applies."""
-    texts = int(rows[0][0].shape[1]) if rows else n
-    if fold is None and texts == n:
-        return rows, head
-    flat = [fold_text_rows(t.movedim(1, 0), n) for pair in rows for t in pair]
+    """Per-text factor rows ``(b, ...)`` of a micro-batch's ``n`` examples summed into one per
+    example (siamese pairs, ``fold_text_rows``), then, with ``fold``, examples and head rows
+    into people (``UnitFold``)."""
+    flat = [fold_text_rows(t, n) for pair in pairs for t in pair]
     if fold is not None:
         folded = fold([*flat, *head])
         flat, head = folded[: len(flat)], folded[len(flat) :]
-    moved = [t.movedim(0, 1).contiguous() for t in flat]  # the clip's layout, copied once
-    return list(zip(moved[0::2], moved[1::2], strict=True)), head
+    return list(zip(flat[0::2], flat[1::2], strict=True)), head
+
+
+def _fold_rows(
+    rows: list[tuple[Tensor, Tensor]], head: list[Tensor], n: int, fold: Fold | None
+) -> tuple[list[tuple[Tensor, Tensor]], list[Tensor]]:
+    """``_fold_pairs`` of stacked whitened rows (L, texts, r, k), the example dimension second:
+    both folds are sums, so they commute with the whitening. Unchanged when neither applies."""
+    texts = int(rows[0][0].shape[1]) if rows else n
+    if fold is None and texts == n:
+        return rows, head
+    moved = [(a.movedim(1, 0), c.movedim(1, 0)) for a, c in rows]
+    pairs, head = _fold_pairs(moved, head, n, fold)
+    back = [(a.movedim(0, 1).contiguous(), c.movedim(0, 1).contiguous()) for a, c in pairs]
+    return back, head  # the clip's layout, copied once
 
 
 class StepRows:
@@ -172,16 +181,8 @@ class PrismTrainer(DPTrainer):
         """Per-example factor gradients ``(gA, gB)`` of every LoRA module and the head's, for
         the ``n`` examples of the last backward (siamese pairs: 2 encoder rows folded into 1);
         per completed person when ``fold`` is given (``UnitFold``)."""
-        grads = [
-            (fold_text_rows(gA, n), fold_text_rows(gB, n))
-            for gA, gB in per_example_factor_grads(self.loaded.handles)
-        ]
         head = [grad_sample(p).to(torch.float32) for p in self.loaded.head_params]
-        if fold is None:
-            return grads, head
-        folded = fold([*(g for pair in grads for g in pair), *head])
-        lora = 2 * len(grads)
-        return list(zip(folded[0:lora:2], folded[1:lora:2], strict=True)), folded[lora:]
+        return _fold_pairs(per_example_factor_grads(self.loaded.handles), head, n, fold)
 
     def clipped_sum(
         self,
