@@ -599,32 +599,84 @@ def clip_and_sum_grads(
     _check_grads(points, grads)
     if frames is None:
         frames = step_frames(points)
-    rows: list[Tensor | None] = [None] * len(points)
     stacks = []
-    valid = finite_rows(euclidean) if euclidean else None
     for chunk in _chunks(frames, grads):
         gA = _stack_grads([grads[i][0] for i in chunk.indices])
         gB = _stack_grads([grads[i][1] for i in chunk.indices])
         norms = lift_norm_sq_from_moments(lift_moments_stacked(chunk.frame, gA, gB))
-        ok = torch.isfinite(norms).all(0)  # a non-finite entry gives non-finite moments
+        stacks.append(
+            _Stack(
+                chunk.indices,
+                norms,
+                gA,
+                gB,
+                functools.partial(lift, chunk.point.A, chunk.point.B, frame=chunk.frame),
+                owned=True,
+            )
+        )
+    return _clip_stacks(len(points), stacks, max_norm, previous, euclidean, euclidean_max_norm)
+
+
+class _Stack(NamedTuple):
+    """One stack of modules' per-example rows for ``_clip_stacks``: the modules' indices, their
+    squared norms (L, b), the two factors' rows as (L, b, k, r) tensors (any memory layout),
+    the lift of their weighted sums (L, k, r) to tangents, and whether the rows are the clip's
+    own copy (zeroed in place) or the caller's (zeroed in a copy)."""
+
+    indices: tuple[int, ...]
+    norms: Tensor
+    first: Tensor
+    second: Tensor
+    lift: Callable[[Tensor, Tensor], Tangent]
+    owned: bool
+
+
+def _clip_stacks(
+    modules: int,
+    stacks: Sequence[_Stack],
+    max_norm: float,
+    previous: ClippedSum | None,
+    euclidean: Sequence[Tensor],
+    euclidean_max_norm: float | None,
+) -> ClippedSum:
+    """The clip and sum shared by ``clip_and_sum_grads`` and ``clip_and_sum_whitened``, from
+    each example's squared norm per module.
+
+    An example is valid when every module's norm and every Euclidean row of it is finite; an
+    invalid one gets coefficient 0 in both parts and its rows are zeroed before the weighted
+    sums (0 * inf would be NaN). The weighted sums are lifted by each stack's ``lift``, which
+    is linear, so each example contributes exactly the lift whose norm was clipped.
+    """
+    rows: list[Tensor | None] = [None] * modules
+    valid = finite_rows(euclidean) if euclidean else None
+    for stack in stacks:
+        ok = torch.isfinite(stack.norms).all(0)  # a non-finite entry gives a non-finite norm
         valid = ok if valid is None else valid & ok
-        for j, i in enumerate(chunk.indices):
-            rows[i] = norms[j]
-        stacks.append((chunk, gA, gB))
+        for j, i in enumerate(stack.indices):
+            rows[i] = stack.norms[j]
     assert valid is not None  # at least one module
     norms_sq = torch.stack([r for r in rows if r is not None]).nan_to_num(0.0, 0.0, 0.0)
     euclidean = [finite_values(g) for g in euclidean]
     alphas = _coefficients(norms_sq, euclidean, max_norm, euclidean_max_norm, valid)
     alpha = alphas[0]
     dropped = (~valid).nonzero().flatten()  # usually empty: zero only the dropped rows
-    parts: list[Tangent | None] = [None] * len(points)
-    for chunk, gA, gB in stacks:  # alpha's dtype is the widest: the moments' or the head's
-        gA.index_fill_(1, dropped, 0.0)  # our own stacked copies; 0 * inf would be NaN
-        gB.index_fill_(1, dropped, 0.0)
-        sum_a = _weighted_sums(alpha, gA.to(alpha.dtype))
-        sum_b = _weighted_sums(alpha, gB.to(alpha.dtype))
-        lifted = lift(chunk.point.A, chunk.point.B, sum_a, sum_b, frame=chunk.frame)
-        for j, i in enumerate(chunk.indices):
+    parts: list[Tangent | None] = [None] * modules
+    for stack in stacks:  # alpha's dtype is the widest: the norms' or the head's
+        first, second = stack.first, stack.second
+        if dropped.numel():
+            if stack.owned:
+                first.index_fill_(1, dropped, 0.0)
+                second.index_fill_(1, dropped, 0.0)
+            else:
+                first, second = (
+                    first.index_fill(1, dropped, 0.0),
+                    second.index_fill(1, dropped, 0.0),
+                )
+        lifted = stack.lift(
+            _weighted_sums(alpha, first.to(alpha.dtype)),
+            _weighted_sums(alpha, second.to(alpha.dtype)),
+        )
+        for j, i in enumerate(stack.indices):
             parts[i] = Tangent(lifted.dA[j], lifted.dB[j])
     return _accumulate([p for p in parts if p is not None], alphas, euclidean, previous)
 
@@ -701,30 +753,18 @@ def clip_and_sum_whitened(
         example and module: one pass of squares, one GEMM pass (coordinates), one weighted sum.
     """
     _check_rows(frames, rows)
-    norms: list[Tensor | None] = [None] * len(points)
-    valid = finite_rows(euclidean) if euclidean else None
-    for group, stacked, (ra, rc) in zip(frames.groups, frames.stacked, rows, strict=True):
-        group_norms = lift_norm_sq_whitened(stacked, ra, rc)
-        ok = torch.isfinite(group_norms).all(0)
-        valid = ok if valid is None else valid & ok
-        for j, i in enumerate(group):
-            norms[i] = group_norms[j]
-    assert valid is not None  # at least one group (_check_rows)
-    norms_sq = torch.stack([t for t in norms if t is not None]).nan_to_num(0.0, 0.0, 0.0)
-    euclidean = [finite_values(g) for g in euclidean]
-    alphas = _coefficients(norms_sq, euclidean, max_norm, euclidean_max_norm, valid)
-    alpha = alphas[0]
-    dropped = (~valid).nonzero().flatten()
-    parts: list[Tangent | None] = [None] * len(points)
-    for group, stacked, (ra, rc) in zip(frames.groups, frames.stacked, rows, strict=True):
-        if dropped.numel():  # a copy: 0 * inf would be NaN
-            ra, rc = ra.index_fill(1, dropped, 0.0), rc.index_fill(1, dropped, 0.0)
-        sum_a = _weighted_sums(alpha, ra.to(alpha.dtype).mT)
-        sum_c = _weighted_sums(alpha, rc.to(alpha.dtype).mT)
-        lifted = lift_whitened(stacked, sum_a, sum_c)
-        for j, i in enumerate(group):
-            parts[i] = Tangent(lifted.dA[j], lifted.dB[j])
-    return _accumulate([p for p in parts if p is not None], alphas, euclidean, previous)
+    stacks = [
+        _Stack(
+            group,
+            lift_norm_sq_whitened(stacked, ra, rc),
+            ra.mT,
+            rc.mT,
+            functools.partial(lift_whitened, stacked),
+            owned=False,
+        )
+        for group, stacked, (ra, rc) in zip(frames.groups, frames.stacked, rows, strict=True)
+    ]
+    return _clip_stacks(len(points), stacks, max_norm, previous, euclidean, euclidean_max_norm)
 
 
 def tangent_noise(
