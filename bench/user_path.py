@@ -12,7 +12,8 @@ medians and the median of the per-repetition ratios (paired: the same moment's l
 Configurations: ``prism``, ``prism-hooks`` (PRISM with Opacus' hooks for the per-example
 gradients), ``dp-adamw``, ``nondp``. Run::
 
-    .venv/bin/python bench/user_path.py [--steps 30] [--repeats 3] [--out FILE.json]
+    .venv/bin/python bench/user_path.py [--steps 30] [--repeats 3] [--configs prism nondp]
+        [--out FILE.json]
 
 A Markdown table goes to stdout (docs/benchmarks.md), progress to stderr.
 """
@@ -84,9 +85,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=30, help="steps a run (default 30)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each (default 3)")
     parser.add_argument("--out", type=Path, help="also write the raw results as JSON here")
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        choices=list(CONFIGS),
+        default=list(CONFIGS),
+        help="the configurations to time (default all; the ratios of those present)",
+    )
     args = parser.parse_args(argv)
     data = SHARED_DATA / "sst2" / "train.jsonl"
-    names = list(CONFIGS)
+    names = list(dict.fromkeys(args.configs))
     times: dict[str, list[float]] = {n: [] for n in names}
     facts: dict[str, dict[str, Any]] = {}
     started = time.perf_counter()
@@ -113,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"| {name} | {median:.1f} | {1e3 * median / args.steps:,.0f} | {micro} | {threads} |")
     print()
     ratios = {}
-    for a, b in PAIRS:
+    for a, b in (pair for pair in PAIRS if set(pair) <= set(names)):
         of_medians = statistics.median(times[a]) / statistics.median(times[b])
         paired = statistics.median(x / y for x, y in zip(times[a], times[b], strict=True))
         ratios[f"{a}/{b}"] = {"medians": of_medians, "paired": paired}
