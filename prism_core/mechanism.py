@@ -621,7 +621,8 @@ class _Stack(NamedTuple):
     """One stack of modules' per-example rows for ``_clip_stacks``: the modules' indices, their
     squared norms (L, b), the two factors' rows as (L, b, k, r) tensors (any memory layout),
     the lift of their weighted sums (L, k, r) to tangents, and whether the rows are the clip's
-    own copy (zeroed in place) or the caller's (zeroed in a copy)."""
+    own copy (zeroed in place: ``owned=True`` only for copies made inside the clip) or the
+    caller's (zeroed in a copy)."""
 
     indices: tuple[int, ...]
     norms: Tensor
@@ -642,9 +643,9 @@ def _clip_stacks(
     """The clip and sum shared by ``clip_and_sum_grads`` and ``clip_and_sum_whitened``, from
     each example's squared norm per module.
 
-    An example is valid when every module's norm and every Euclidean row of it is finite; an
-    invalid one gets coefficient 0 in both parts and its rows are zeroed before the weighted
-    sums (0 * inf would be NaN). The weighted sums are lifted by each stack's ``lift``, which
+    An example is valid when every module's norm is finite and its Euclidean rows have a finite
+    sum (``finite_rows``); an invalid one gets coefficient 0 in both parts and its rows are
+    zeroed before the weighted sums (0 * inf would be NaN). The weighted sums are lifted by each stack's ``lift``, which
     is linear, so each example contributes exactly the lift whose norm was clipped.
     """
     rows: list[Tensor | None] = [None] * modules
