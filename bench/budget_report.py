@@ -4,8 +4,12 @@ Reads each run folder's ``result.json`` (the run config, the coordinator's accur
 selection split after every round, the exported model's dev accuracy, every site's epsilon) and
 writes ``budget.md`` (one row per run: the budget in example-gradients per site, batch, rounds,
 lr, the clip's head share, the server-lr schedule, dev accuracy, the best and the last selection
-accuracy, epsilon, wall time) and ``budget.png`` (the selection accuracy per round of every run,
-against example-gradients per site, so runs of different batches share one axis).
+accuracy, epsilon, wall time), ``budget.png`` (the selection accuracy per round of every run,
+against example-gradients per site, so runs of different batches share one axis) and
+``budget-dev.png``: dev accuracy against the budget, one line per kind of run (method, secure
+or plain, epsilon, sites, LoRA targets), at each budget the run whose LAST selection accuracy is
+highest, averaged over its seeds (the settings chosen on training rows, never on dev; ``chosen``
+in ``budget.md``, with the seeds' mean dev accuracy that the plot shows).
 
     .venv/bin/python bench/budget_report.py --out docs/results/budget RUN_DIR [RUN_DIR ...]
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -59,7 +64,53 @@ def _row(name: str, result: dict[str, Any]) -> dict[str, Any]:
         "epsilon (max)": max(result["epsilon"].values()) if result["epsilon"] else None,
         "seconds": result["seconds"],
         "curve": curve,
+        "series": _series(config, result),
     }
+
+
+def _series(config: dict[str, Any], result: dict[str, Any]) -> str:
+    """The kind of run a line of ``budget-dev.png`` joins: what is compared, not what is tuned
+    (batch, rounds, lr and the clip are chosen at each budget)."""
+    method = str(config.get("method", "prism"))
+    if method == "nondp":
+        name = "non-DP LoRA"
+    else:
+        secure = "secure" if config.get("secure-aggregation") else "plain"
+        spent = max(result["epsilon"].values()) if result["epsilon"] else 0.0
+        name = f"{method} {secure}, eps {round(float(spent)):g}"
+    sites = len(result["epsilon"]) if result["epsilon"] else int(config.get("sites-per-round", 3))
+    if sites != 3:
+        name += f", {sites} sites"
+    if config.get("lora-targets"):
+        name += f", LoRA on {config['lora-targets']}"
+    return name
+
+
+def _chosen(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Per series and budget (example-gradients within 5%), the setting (batch, rounds, lr,
+    clip, head share, server lr) whose last selection accuracy, averaged over its seeds, is
+    highest: the model a run exports is its last. Returns each chosen run's setting's mean dev
+    accuracy, by run name."""
+    settings: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for row in rows:
+        bucket = round(20 * math.log(row["example-gradients"]))  # 5% wide
+        key = (row["series"], bucket, *(row[k] for k in SETTING))
+        settings.setdefault(key, []).append(row)
+    best: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for key, runs in settings.items():
+        score = sum(r["selection last"] for r in runs) / len(runs)
+        place = (key[0], key[1])
+        if place not in best or score > _mean(best[place], "selection last"):
+            best[place] = runs
+    return {r["run"]: _mean(runs, "dev") for runs in best.values() for r in runs}
+
+
+def _mean(runs: list[dict[str, Any]], key: str) -> float:
+    return float(sum(r[key] for r in runs) / len(runs))
+
+
+SETTING = ("batch", "rounds", "lr", "clip", "head share", "server lr")
+"""What is chosen at each budget; runs that differ only in their seed share a setting."""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -86,6 +137,9 @@ def main(argv: list[str] | None = None) -> None:
             shutil.copy(file, target)
         rows.append(_row(name, result))
     rows.sort(key=lambda r: (r["example-gradients"], r["run"]))
+    chosen = _chosen(rows)
+    for row in rows:
+        row["chosen"] = f"yes (seeds' dev {chosen[row['run']]:.3f})" if row["run"] in chosen else ""
     columns = [c for c in rows[0] if c != "curve"]
     lines = ["| " + " | ".join(columns) + " |", "| " + " | ".join("---" for _ in columns) + " |"]
     for row in rows:
@@ -112,13 +166,38 @@ def main(argv: list[str] | None = None) -> None:
         label = f"{row['run']} ({eps}, dev {row['dev']:.3f})"
         ax.plot(xs, ys, marker=".", color=colours[(2 * i) % 20 + (2 * i) // 20 % 2], label=label)
     ax.set_xscale("symlog", linthresh=1000)
+    title = f"{args.task}, 3 Dirichlet(0.5) sites: accuracy against compute"
+    _save(fig, ax, "accuracy, held-out selection split", title, args.out / "budget.png")
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    series = sorted({row["series"] for row in rows})
+    for i, name in enumerate(series):
+        points = sorted(
+            {
+                (row["example-gradients"], chosen[row["run"]])
+                for row in rows
+                if row["series"] == name and row["run"] in chosen
+            }
+        )
+        xs, ys = zip(*points, strict=True)
+        ax.plot(xs, ys, marker="o", color=colours[(2 * i) % 20], label=name)
+    ax.set_xscale("log")
+    title = f"{args.task}: dev accuracy against the budget, settings chosen per budget"
+    _save(fig, ax, "accuracy on dev (held out)", title, args.out / "budget-dev.png")
+
+
+def _save(fig: Any, ax: Any, ylabel: str, title: str, path: Path) -> None:
+    """Label, grid and legend ``ax``; write ``fig`` to ``path`` and close it."""
+    import matplotlib.pyplot as plt
+
     ax.set_xlabel("example-gradients per site")
-    ax.set_ylabel("accuracy, held-out selection split")
-    ax.set_title(f"{args.task}, 3 Dirichlet(0.5) sites: accuracy against compute")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(args.out / "budget.png", dpi=110)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -116,12 +116,12 @@ def test_a_secure_budget_sets_one_public_sample_rate_and_a_plain_one_none(secure
     values = {"budget": 2, "rows-per-site": 22_000, "secure-aggregation": secure}
     run = parse_config(RunConfig, values, what="run config")
     assert run.sample_rate == plan.sample_rate == plan.batch_size / 22_000
-    assert (run.lr, run.max_norm, run.head_max_norm, run.head_lr) == (0.004, 0.5, 0.4, 10.0)
+    assert (run.lr, run.max_norm, run.head_max_norm, run.head_lr) == (0.008, 0.5, 0.4, 10.0)
     assert (run.batch_size, run.num_rounds) == (plan.batch_size, plan.num_rounds)
     assert parse_config(RunConfig, run.model_dump(by_alias=True), what="run config") == run
     plain = parse_config(RunConfig, {"budget": 2, "rows-per-site": 22_000}, what="run config")
     assert plain.sample_rate == 0.0
-    printed = {**values, "sample-rate": float(f"{plan.sample_rate:g}"), "lr": 0.004}
+    printed = {**values, "sample-rate": float(f"{plan.sample_rate:g}"), "lr": 0.008}
     assert parse_config(RunConfig, printed, what="run config") == run  # to the printed digits
 
 
@@ -171,8 +171,8 @@ def test_the_plan_command_with_secure_prints_the_sample_rate_and_the_sums_noise(
     values = tomllib.loads("\n".join(config.split()))  # as flwr reads --run-config
     run = parse_config(RunConfig, values, what="run config")  # it sets that rate
     assert run.secure_aggregation and run.sample_rate == plan.sample_rate
-    assert run.min_honest_sites == 3 and run.lr == 0.004
-    assert f"sample-rate = {plan.sample_rate:g}" in out and "lr = 0.004" in out
+    assert run.min_honest_sites == 3 and run.lr == 0.008
+    assert f"sample-rate = {plan.sample_rate:g}" in out and "lr = 0.008" in out
     summed = report.sigma / (3 * plan.batch_size)  # one sigma in the sum, over 3 b
     assert f"over 3 sites, each counting on 3 honest: {summed:.3g} C" in out
 
