@@ -26,7 +26,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from prism_runtime.plan import plan_budget
+from prism_runtime.plan import LR_PER_ROW, plan_budget
+
+UNRECORDED_MAX_LR = 0.02
+"""The planner's lr cap while results did not yet record the keys a budget set (``resolved``)."""
 
 DEFAULTS = {
     "batch-size": 128,
@@ -44,6 +47,7 @@ def _row(name: str, result: dict[str, Any]) -> dict[str, Any]:
     elif config.get("budget"):  # a result without them: the plain plan, the rule it ran under
         plan = plan_budget(passes=config["budget"], rows_per_site=config["rows-per-site"])
         config.update(plan.settings())
+        config["lr"] = min(UNRECORDED_MAX_LR, LR_PER_ROW * plan.batch_size)
     curve = {int(k): v for k, v in result["selection-curve"].items()}
     dev = next(iter(result["eval"].values()))["accuracy"]
     batch, rounds = int(config["batch-size"]), int(config["num-rounds"])

@@ -645,8 +645,9 @@ def _clip_stacks(
 
     An example is valid when every module's norm is finite and its Euclidean rows have a finite
     sum (``finite_rows``); an invalid one gets coefficient 0 in both parts and its rows are
-    zeroed before the weighted sums (0 * inf would be NaN). The weighted sums are lifted by each stack's ``lift``, which
-    is linear, so each example contributes exactly the lift whose norm was clipped.
+    zeroed before the weighted sums (0 * inf would be NaN). The weighted sums are lifted by each
+    stack's ``lift``, which is linear, so each example contributes exactly the lift whose norm
+    was clipped.
     """
     rows: list[Tensor | None] = [None] * modules
     valid = finite_rows(euclidean) if euclidean else None

@@ -155,6 +155,7 @@ def test_the_plan_command_prints_the_config_sigma_noise_and_epsilon(capsys):
     assert f"batch-size = {plan.batch_size}" in out and f"num-rounds = {plan.num_rounds}" in out
     assert f"sigma (calibrated by each site of 22000 rows): {report.sigma:.4f}" in out
     assert f"epsilon charged per site: {report.charged:.4f} (<= 3)" in out
+    assert "secure aggregation (--secure) puts one sigma in the sum" in out  # the hint, plain only
     same = ["plan", "--example-gradients", "44000", "--rows-per-site", "22000"]
     assert main(same) == EXIT_OK
     assert f"batch-size = {plan.batch_size}" in capsys.readouterr().out
@@ -175,6 +176,7 @@ def test_the_plan_command_with_secure_prints_the_sample_rate_and_the_sums_noise(
     assert f"sample-rate = {plan.sample_rate:g}" in out and "lr = 0.008" in out
     summed = report.sigma / (3 * plan.batch_size)  # one sigma in the sum, over 3 b
     assert f"over 3 sites, each counting on 3 honest: {summed:.3g} C" in out
+    assert "secure aggregation (--secure) puts" not in out
 
 
 @pytest.mark.parametrize(
