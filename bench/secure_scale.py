@@ -23,6 +23,10 @@ sum was exact.
 
     PYTHONPATH=. .venv/bin/python bench/secure_scale.py --sites 10 100 300 1000 \\
         --dropout 0 0.1 0.3 --length 74498 --out bench-results/secure-scale.json
+
+``--shamir K:T [K:T ...]`` instead times the Shamir split of one 32-byte secret among K + 1
+holders at threshold T and its recombination from T shares: ``secure_sum.shamir`` (GF(2^521 -
+1)) against Flower's ``crypto.shamir`` (pycryptodome's GF(2^128)), the median of ``--repeats``.
 """
 
 from __future__ import annotations
@@ -254,6 +258,48 @@ def simulate(
     return result
 
 
+def _median_ms(call: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def _shamir_row(k: int, t: int, repeats: int) -> dict[str, Any]:
+    """Split and combine times (ms, medians) of one 32-byte secret among ``k + 1`` holders at
+    threshold ``t``: ours and Flower's."""
+    from flwr.common.secure_aggregation.crypto.shamir import combine_shares, create_shares
+
+    from prism_runtime.secure_sum import combine_secret, split_secret
+
+    secret, holders = bytes(range(32)), [f"s{i:04d}" for i in range(k + 1)]
+    used = dict(list(split_secret(secret, threshold=t, holders=holders).items())[:t])
+    theirs = create_shares(secret, t, k + 1)[:t]
+    return {
+        "holders": k + 1,
+        "threshold": t,
+        "split_ms": _median_ms(lambda: split_secret(secret, threshold=t, holders=holders), repeats),
+        "combine_ms": _median_ms(
+            lambda: combine_secret(used, threshold=t, holders=holders, secret_bytes=32, what="x"),
+            repeats,
+        ),
+        "flower_split_ms": _median_ms(lambda: create_shares(secret, t, k + 1), repeats),
+        "flower_combine_ms": _median_ms(lambda: combine_shares(theirs), repeats),
+    }
+
+
+def time_shamir(pairs: list[str], repeats: int) -> list[dict[str, Any]]:
+    """``_shamir_row`` for each ``K:T`` of ``pairs``, printed as it is measured."""
+    rows = []
+    for pair in pairs:
+        k, t = (int(v) for v in pair.split(":"))
+        rows.append(_shamir_row(k, t, repeats))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sites", type=int, nargs="+", default=[10, 100, 300, 1000])
@@ -263,7 +309,15 @@ def main() -> None:
     parser.add_argument("--graph", choices=["sparse", "complete"], default="sparse")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--shamir", nargs="+", metavar="K:T", help="time the Shamir fields only")
+    parser.add_argument("--repeats", type=int, default=21)
     args = parser.parse_args()
+    meta = {"machine": platform.processor() or platform.machine(), "date": str(date.today())}
+    if args.shamir:
+        rows = time_shamir(args.shamir, args.repeats)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"meta": meta, "shamir": rows}, indent=1) + "\n")
+        return
     rows = []
     for length in args.length:
         for n in args.sites:
@@ -279,7 +333,6 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": platform.processor() or platform.machine(), "date": str(date.today())}
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
 
 

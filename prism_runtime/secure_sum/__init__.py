@@ -9,8 +9,8 @@ per-round class over bytes and numpy uint64 vectors, with no network:
   site's ECDSA P-256 identity key so that a substituted public key is detected;
 - ``masks``: masks expanded from a full 32-byte key with ChaCha20, a self mask per site and
   pairwise masks that cancel in the sum;
-- ``shamir``: threshold sharing of each site's seed and mask private key (Flower's GF(2^128)
-  Shamir, with the threshold, index and length checks it lacks); ``envelope``: the shares'
+- ``shamir``: threshold sharing of each site's seed and mask private key over GF(2^521 - 1),
+  with threshold, index, length and field checks on every share; ``envelope``: the shares'
   ChaCha20-Poly1305 encryption bound to sender, receiver, run, round, threshold and roster;
 - ``site``: ``SiteRound``, a site's secrets and shares for one round, whose ``answer`` reveals
   shares only for the one view it signed, never both secrets of one site; ``unmask``: the

@@ -76,7 +76,7 @@ MAX_VECTOR_LENGTH = 2**24
 """Longest masked vector: 2^24 coordinates (16.8 million), 128 MiB as uint64 in one message."""
 
 SHARE_BYTES = share_length(KEY_BYTES)
-"""Bytes of one Shamir share of a 32-byte secret (4-byte index, three 16-byte blocks)."""
+"""Bytes of one Shamir share of a 32-byte secret (4-byte index, a 66-byte element of GF(p))."""
 _TAG_BYTES = 16  # Poly1305
 SEALED_SHARES_BYTES = NONCE_BYTES + len(frame(bytes(SHARE_BYTES), bytes(SHARE_BYTES))) + _TAG_BYTES
 """Exact bytes of a sealed ``SharePair``: nonce, the two framed shares, the Poly1305 tag."""

@@ -364,7 +364,8 @@ def test_a_wrong_returned_share_is_caught_against_the_owners_commitment() -> Non
     answers = [answer(rnd, s, request, signatures) for s in survivors]
 
     def corrupt(share: bytes) -> bytes:
-        return share[:4] + bytes([share[4] ^ 0xFF]) + share[5:]  # first block; index kept
+        # the value's lowest bit; index kept: the secret moves by a small multiple of one
+        return share[:-1] + bytes([share[-1] ^ 0x01])
 
     first = answers[0]
     bad_seed = UnmaskResponse(

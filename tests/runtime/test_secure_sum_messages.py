@@ -738,7 +738,10 @@ def test_a_share_requests_graph_is_bounded_and_the_neighbourhood_tables_exact(
             encode_share_request(bad, round_id=ROUND, site_id=SITE)
     near = ["s0", "s1", "s3"]
     everyone = frozenset(SITES)
-    ask = MaskRequest(sealed={"s1": bytes(142), "s3": bytes(142)}, participants=everyone)
+    ask = MaskRequest(
+        sealed={"s1": bytes(SEALED_SHARES_BYTES), "s3": bytes(SEALED_SHARES_BYTES)},
+        participants=everyone,
+    )
     with pytest.raises(MessageFormatError, match=r"refusing to send.*'senders'"):
         encode_mask_request(ask, round_id=ROUND, site_id=SITE)  # the complete graph's: 3 senders
     decoded = decode_mask_request(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import secrets
+from typing import Any
 
 import numpy as np
 import pytest
@@ -39,6 +41,8 @@ from prism_runtime.secure_sum import (
     sum_fits,
 )
 from prism_runtime.secure_sum._encoding import frame, unframe
+from prism_runtime.secure_sum.shamir import FIELD_PRIME, share_length
+from prism_runtime.secure_sum.wire import SHARE_BYTES
 
 RFC8439_ZERO_KEY_BLOCK = bytes.fromhex(
     "76b8e0ada0f13d90405d6ae55386bd28bdd219b8a08ded1aa836efcc8b770dc7"
@@ -129,6 +133,67 @@ def test_any_threshold_shares_recover_the_secret_and_fewer_abort() -> None:
         combine_secret(swapped, threshold=3, holders=holders, secret_bytes=32, what="the secret")
 
 
+def test_fewer_than_threshold_shares_are_consistent_with_every_secret() -> None:
+    """Perfect secrecy, checked on the field: for t - 1 shares of one secret and ANY other
+    secret s', the t - 1 points and (0, s') lie on one polynomial of degree below t, whose
+    value at a t-th holder's point, used as that holder's share, makes the shares combine to
+    s'. So t - 1 shares rule out no secret."""
+    holders = ["s0", "s1", "s2", "s3", "s4"]
+    secret, other = os.urandom(32), os.urandom(32)
+    shares = split_secret(secret, threshold=3, holders=holders)
+    known = [(1, shares["s0"]), (2, shares["s1"])]
+    xs, ys = [0, 1, 2], [int.from_bytes(other, "big")]
+    ys += [int.from_bytes(share[4:], "big") for _, share in known]
+    x = 5  # s4's point: the value there of the polynomial through (0, s'), s0's and s1's points
+    value = 0
+    for j, (xj, yj) in enumerate(zip(xs, ys, strict=True)):
+        term = yj
+        for m, xm in enumerate(xs):
+            if m != j:
+                term = term * (x - xm) * pow(xj - xm, -1, FIELD_PRIME) % FIELD_PRIME
+        value = (value + term) % FIELD_PRIME
+    forged = (5).to_bytes(4, "little") + value.to_bytes(66, "big")
+    combined = combine_secret(
+        {"s0": shares["s0"], "s1": shares["s1"], "s4": forged},
+        threshold=3,
+        holders=holders,
+        secret_bytes=32,
+        what="the test secret",
+    )
+    assert combined == other != secret
+
+
+def test_every_share_is_one_field_element_and_the_coefficients_are_fresh() -> None:
+    holders = [f"s{i}" for i in range(7)]
+    secret = bytes(32)  # the zero secret: the shares are the random coefficients' work alone
+    first = split_secret(secret, threshold=4, holders=holders)
+    second = split_secret(secret, threshold=4, holders=holders)
+    assert {len(share) for share in [*first.values(), *second.values()]} == {SHARE_BYTES}
+    assert SHARE_BYTES == share_length(32) == 4 + 66
+    for q, holder in enumerate(holders):
+        assert int.from_bytes(first[holder][:4], "little") == q + 1
+        assert int.from_bytes(first[holder][4:], "big") < FIELD_PRIME
+        assert first[holder] != second[holder]  # equal with probability 2^-521
+
+
+def test_a_share_outside_the_field_or_a_wrong_one_is_refused() -> None:
+    """A value that is no field element is malformed; a random wrong value combines to a
+    field element beyond 32 bytes (a small change moves the secret by a small multiple and is
+    left to the owner's commitment: ``test_secure_sum``)."""
+    holders = ["s0", "s1", "s2", "s3"]
+    secret = os.urandom(32)
+    shares = split_secret(secret, threshold=3, holders=holders)
+    kwargs: dict[str, Any] = {"threshold": 3, "holders": holders, "secret_bytes": 32}
+    outside = (2).to_bytes(4, "little") + (FIELD_PRIME + 1).to_bytes(66, "big")
+    with pytest.raises(ShareError, match=r"site 's1' is malformed: its value is not an element"):
+        combine_secret({**shares, "s1": outside}, what="the secret", **kwargs)
+    wrong = shares["s1"][:4] + secrets.randbelow(FIELD_PRIME).to_bytes(66, "big")
+    with pytest.raises(ShareError, match=r"do not combine to a 32-byte secret"):
+        combine_secret({**shares, "s1": wrong}, what="the secret", **kwargs)  # but for 2^-265
+    with pytest.raises(ConfigError, match=r"a secret of 65 bytes"):
+        split_secret(bytes(65), threshold=3, holders=holders)
+
+
 @pytest.mark.parametrize(("threshold", "sites"), [(2, 4), (1, 3), (6, 5), (0, 1)])
 def test_a_threshold_outside_half_to_all_sites_is_refused(threshold: int, sites: int) -> None:
     with pytest.raises(ConfigError, match=f"threshold {threshold} with {sites} sites"):
@@ -176,7 +241,7 @@ def test_the_transcript_names_the_threshold_graph_and_every_advertised_field() -
 
 def test_sealed_shares_open_only_for_their_pair_direction_run_round_and_transcript() -> None:
     key, rid = os.urandom(32), RoundId("run-1", 2)
-    pair = SharePair(os.urandom(52), os.urandom(52))
+    pair = SharePair(os.urandom(SHARE_BYTES), os.urandom(SHARE_BYTES))
     transcript = round_transcript(3, [_advertisement(s) for s in "abcd"])
     sealed = seal_shares(key, pair, sender="a", receiver="b", round_id=rid, transcript=transcript)
     opened = open_shares(key, sealed, sender="a", receiver="b", round_id=rid, transcript=transcript)
