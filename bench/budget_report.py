@@ -9,7 +9,9 @@ against example-gradients per site, so runs of different batches share one axis)
 ``budget-dev.png``: dev accuracy against the budget, one line per kind of run (method, secure
 or plain, epsilon, sites, LoRA targets), at each budget the run whose LAST selection accuracy is
 highest, averaged over its seeds (the settings chosen on training rows, never on dev; ``chosen``
-in ``budget.md``, with the seeds' mean dev accuracy that the plot shows).
+in ``budget.md``, with the seeds' mean dev accuracy that the plot shows). A
+``bench/central_curve.py`` result (``prism-train`` on the pooled rows of ``--sites`` sites) is a
+central line, its budget per site the pooled one over the sites.
 
     .venv/bin/python bench/budget_report.py --out docs/results/budget RUN_DIR [RUN_DIR ...]
 """
@@ -68,7 +70,42 @@ def _row(name: str, result: dict[str, Any]) -> dict[str, Any]:
         "epsilon (max)": max(result["epsilon"].values()) if result["epsilon"] else None,
         "seconds": result["seconds"],
         "curve": curve,
+        "per round": batch,
         "series": _series(config, result),
+    }
+
+
+def _central_row(name: str, result: dict[str, Any], sites: int) -> dict[str, Any]:
+    """A ``bench/central_curve.py`` result (``prism-train`` on the pooled rows of ``sites``
+    sites) as a row: its example-gradients and batch per site are the pooled ones / ``sites``,
+    its selection curve is by step."""
+    argv = result["prism-train"]
+    args = {argv[i][2:]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
+    batch, steps = int(args["batch-size"]), int(args["steps"])
+    method = args.get("method", "prism")
+    points = result["selection-curve"]  # [{"step", "selection", "seconds"}, ...]
+    curve = {int(p["step"]): float(p["selection"]) for p in points}
+    epsilon = result.get("epsilon")
+    return {
+        "run": name,
+        "example-gradients": round(batch * steps / sites),
+        "batch": round(batch / sites),
+        "rounds": steps,
+        "lr": float(args.get("lr", 0.002)),
+        "clip": float(args.get("max-norm", 1.0)),
+        "head share": float(args.get("head-max-norm", 0.9)),
+        "server lr": "-",
+        "method": f"{method}-central",
+        "dev": float(result["dev"]),
+        "selection best": max(v for k, v in curve.items() if k > 0),
+        "selection last": curve[max(curve)],
+        "epsilon (max)": epsilon,
+        "seconds": points[-1]["seconds"] if points else None,
+        "curve": curve,
+        "per round": batch / sites,
+        "series": "non-DP LoRA, central"
+        if method == "nondp"
+        else f"{method} central, eps {round(float(epsilon)):g}",
     }
 
 
@@ -129,6 +166,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--task", default="SST-2", help="the task's name in the plot's title (default SST-2)"
     )
+    parser.add_argument(
+        "--sites",
+        type=int,
+        default=3,
+        help="the sites whose pooled rows a central run trained on (its budget per site)",
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -137,14 +180,16 @@ def main(argv: list[str] | None = None) -> None:
         file, name = (path, path.stem) if kept else (path / "result.json", path.name)
         result = json.loads(file.read_text())
         target = args.out / f"{name}.json"
-        if not target.exists() or not target.samefile(file):
+        inside = file.resolve().is_relative_to(args.out.resolve())  # e.g. out/central/NAME.json
+        if not inside and (not target.exists() or not target.samefile(file)):
             shutil.copy(file, target)
-        rows.append(_row(name, result))
+        central = "prism-train" in result  # bench/central_curve.py's result
+        rows.append(_central_row(name, result, args.sites) if central else _row(name, result))
     rows.sort(key=lambda r: (r["example-gradients"], r["run"]))
     chosen = _chosen(rows)
     for row in rows:
         row["chosen"] = f"yes (seeds' dev {chosen[row['run']]:.3f})" if row["run"] in chosen else ""
-    columns = [c for c in rows[0] if c != "curve"]
+    columns = [c for c in rows[0] if c not in ("curve", "per round")]
     lines = ["| " + " | ".join(columns) + " |", "| " + " | ".join("---" for _ in columns) + " |"]
     for row in rows:
         cells = []
@@ -163,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     fig, ax = plt.subplots(figsize=(9, 5))
     colours = plt.get_cmap("tab20").colors  # distinct beyond the default cycle's ten
     for i, row in enumerate(rows):
-        xs = [r * row["batch"] for r in sorted(row["curve"])]
+        xs = [r * row["per round"] for r in sorted(row["curve"])]
         ys = [row["curve"][r] for r in sorted(row["curve"])]
         spent = row["epsilon (max)"]
         eps = "no DP" if spent in (None, "inf", float("inf")) else f"eps {float(spent):.1f}"

@@ -16,6 +16,7 @@ un-noised component, so the moments below always see a function of ``dZ`` alone.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,14 @@ from torch import Tensor
 
 from prism_core.manifold import Point, Tangent, min_norm_lift, procrustes_gauge, work_dtype
 
-__all__ = ["AdaptiveConfig", "AdaptiveState", "adaptive_direction", "init_state", "realign_state"]
+__all__ = [
+    "AdaptiveConfig",
+    "AdaptiveState",
+    "adaptive_direction",
+    "adaptive_directions",
+    "init_state",
+    "realign_state",
+]
 
 
 @dataclass(frozen=True)
@@ -84,11 +92,12 @@ def init_state(A: Tensor, B: Tensor) -> AdaptiveState:
 
 
 def _inv_sqrt_floored(V: Tensor, floor: float, cond_max: float) -> Tensor:
-    """``(V + floor I)^{-1/2}`` with eigenvalues clamped to a condition number."""
+    """``(V + floor I)^{-1/2}`` with eigenvalues clamped to a condition number (of each matrix
+    of a stack ``V`` (..., r, r))."""
     V = 0.5 * (V + V.mT)
     w, Q = torch.linalg.eigh(V)
     w = w.clamp_min(0.0) + floor
-    w = torch.maximum(w, w.max() / cond_max)
+    w = torch.maximum(w, w.amax(-1, keepdim=True) / cond_max)  # per matrix of a stack
     inv_sqrt: Tensor = (Q * w.rsqrt().unsqueeze(-2)) @ Q.mT
     return inv_sqrt
 
@@ -147,6 +156,65 @@ def adaptive_direction(
     if config.relift_direction:
         U_A, U_B = min_norm_lift(A, B, U_A, U_B)
     return Tangent(U_A, U_B), AdaptiveState(mA, mB, VA, VB, step)
+
+
+def adaptive_directions(
+    points: Sequence[Point],
+    updates: Sequence[Tangent],
+    states: Sequence[AdaptiveState],
+    *,
+    groups: Sequence[Sequence[int]],
+    noise_std: float,
+    config: AdaptiveConfig,
+) -> tuple[list[Tangent], list[AdaptiveState]]:
+    """``adaptive_direction`` of every module, one batched call per group of modules of equal
+    shapes (``groups``: module indices, e.g. ``prism_core.mechanism.StepFrames.groups``).
+
+    Every operation of ``adaptive_direction`` acts on each matrix of a stack alone (the
+    condition clamp too), so the result is the per-module one; the r x r eigendecompositions
+    of a group run as one batched LAPACK call instead of one small call per module.
+
+    Raises:
+        ValueError: ``groups`` do not cover every module once, or the modules of a group are
+            at different step counts.
+    """
+    if sorted(i for group in groups for i in group) != list(range(len(points))):
+        raise ValueError(f"groups {groups} do not name each of the {len(points)} modules once")
+    if not len(points) == len(updates) == len(states):
+        raise ValueError(f"{len(points)} points, {len(updates)} updates, {len(states)} states")
+    directions: list[Tangent | None] = [None] * len(points)
+    new_states: list[AdaptiveState | None] = [None] * len(points)
+    for group in groups:
+        steps = {states[i].step for i in group}
+        if len(steps) != 1:
+            raise ValueError(f"modules {list(group)} are at different steps {sorted(steps)}")
+        point = Point(
+            torch.stack([points[i].A for i in group]), torch.stack([points[i].B for i in group])
+        )
+        update = Tangent(
+            torch.stack([updates[i].dA for i in group]),
+            torch.stack([updates[i].dB for i in group]),
+        )
+        state = AdaptiveState(
+            torch.stack([states[i].mA for i in group]),
+            torch.stack([states[i].mB for i in group]),
+            torch.stack([states[i].VA for i in group]),
+            torch.stack([states[i].VB for i in group]),
+            steps.pop(),
+        )
+        direction, after = adaptive_direction(
+            point, update, state, noise_std=noise_std, config=config
+        )
+        for j, i in enumerate(group):
+            directions[i] = Tangent(direction.dA[j], direction.dB[j])
+            new_states[i] = AdaptiveState(  # each module's own tensors, not views of the stack
+                after.mA[j].clone(),
+                after.mB[j].clone(),
+                after.VA[j].clone(),
+                after.VB[j].clone(),
+                after.step,
+            )
+    return [d for d in directions if d is not None], [s for s in new_states if s is not None]
 
 
 def realign_state(state: AdaptiveState, old: Point, new: Point) -> AdaptiveState:

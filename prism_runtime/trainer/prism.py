@@ -26,8 +26,8 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from prism_core.accounting import PrivacyEvent
-from prism_core.adaptive import AdaptiveState, adaptive_direction, init_state
-from prism_core.manifold import Point, Tangent
+from prism_core.adaptive import AdaptiveState, adaptive_directions, init_state
+from prism_core.manifold import Point
 from prism_core.mechanism import (
     ClippedSum,
     PrivateStep,
@@ -341,12 +341,14 @@ class PrismTrainer(DPTrainer):
         frames = step_frames(points)
         released, _, total = self.release(batch, points, frames=frames)
         noise_std = self.noise_multiplier * cfg.max_norm / self.expected_batch_size
-        directions: list[Tangent] = []
-        for index, (point, update) in enumerate(zip(points, released.tangents, strict=True)):
-            direction, self.states[index] = adaptive_direction(
-                point, update, self.states[index], noise_std=noise_std, config=self.adaptive
-            )
-            directions.append(direction)
+        directions, self.states = adaptive_directions(
+            points,
+            released.tangents,
+            self.states,
+            groups=frames.groups,
+            noise_std=noise_std,
+            config=self.adaptive,
+        )
         write_points_(handles, retract_modules(frames, directions, -cfg.lr))
         if self.optimizer is not None:
             for p, g in zip(head, released.euclidean, strict=True):

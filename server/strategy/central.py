@@ -24,7 +24,7 @@ import torch
 from numpy.typing import NDArray
 from torch import Tensor, nn
 
-from prism_core.adaptive import AdaptiveState, adaptive_direction, init_state
+from prism_core.adaptive import AdaptiveState, adaptive_directions, init_state
 from prism_core.distributed import (
     coordinate_dim,
     coordinate_shapes,
@@ -32,7 +32,7 @@ from prism_core.distributed import (
     from_coordinates,
     unflatten,
 )
-from prism_core.manifold import Point, Tangent, min_norm_lift
+from prism_core.manifold import Point, min_norm_lift
 from prism_core.mechanism import retract_modules, step_frames
 from prism_runtime.config import RunConfig
 from prism_runtime.head_optimizer import head_optimizer
@@ -102,13 +102,18 @@ class CentralStep:
         mean = decode_sum(total, max_norm=self.max_norm) / expected_batch
         coords, head = unflatten(mean, self.shapes)
         tangents = from_coordinates(frames, coords)
-        directions: list[Tangent] = []
-        for index, (point, t) in enumerate(zip(points, tangents, strict=True)):
-            lifted = min_norm_lift(point.A, point.B, t.dA.to(point.A.dtype), t.dB.to(point.B.dtype))
-            direction, self.states[index] = adaptive_direction(
-                point, lifted, self.states[index], noise_std=noise_std, config=self.adaptive
-            )
-            directions.append(direction)
+        lifted = [
+            min_norm_lift(point.A, point.B, t.dA.to(point.A.dtype), t.dB.to(point.B.dtype))
+            for point, t in zip(points, tangents, strict=True)
+        ]
+        directions, self.states = adaptive_directions(
+            points,
+            lifted,
+            self.states,
+            groups=frames.groups,
+            noise_std=noise_std,
+            config=self.adaptive,
+        )
         new_points = retract_modules(frames, directions, -self.lr)
         out = dict(arrays)
         for name, p in zip(self.modules, new_points, strict=True):

@@ -8,7 +8,12 @@ import pytest
 import torch
 from helpers.points import SEEDS, random_point
 
-from prism_core.adaptive import AdaptiveConfig, adaptive_direction, init_state
+from prism_core.adaptive import (
+    AdaptiveConfig,
+    adaptive_direction,
+    adaptive_directions,
+    init_state,
+)
 from prism_core.manifold import Point, Tangent, tangent_to_dense
 
 
@@ -124,3 +129,52 @@ def test_the_update_is_used_as_released_with_no_option_to_re_lift_it():
     torch.testing.assert_close(state.mB, (1 - config.beta1) * upd.dB, rtol=1e-12, atol=0)
     with pytest.raises(TypeError, match="relift_gradient"):
         AdaptiveConfig(relift_gradient=False)  # type: ignore[call-arg]
+
+
+def test_batched_directions_equal_each_modules_own_with_its_own_condition_clamp():
+    """``adaptive_directions`` over shape groups gives every module the direction and state
+    ``adaptive_direction`` gives it alone, over several steps. The modules' updates differ in
+    scale by 1e6, so a condition clamp taken over the whole stack instead of per matrix would
+    floor the small modules' eigenvalues by the large one's and change their directions."""
+    shapes = [(14, 10), (14, 10), (9, 12), (14, 10), (9, 12)]
+    r, config = 3, AdaptiveConfig(min_floor=1e-30, floor_scale=0.0, cond_max=1e3)
+    points = [Point(*random_point(m, n, r, seed)) for seed, (m, n) in enumerate(shapes)]
+    scales = [1e-3, 1e3, 1.0, 1e-3, 1e3]
+    groups = [[0, 1, 3], [2, 4]]
+    alone = [init_state(p.A, p.B) for p in points]
+    batched = list(alone)
+    for step in range(3):
+        updates = [
+            _updates(m, n, r, 1, 100 * step + i, scale=scales[i])[0]
+            for i, (m, n) in enumerate(shapes)
+        ]
+        expected = []
+        for i, point in enumerate(points):
+            direction, alone[i] = adaptive_direction(
+                point, updates[i], alone[i], noise_std=0.0, config=config
+            )
+            expected.append(direction)
+        got, batched = adaptive_directions(
+            points, updates, batched, groups=groups, noise_std=0.0, config=config
+        )
+        for i in range(len(points)):
+            for a, b in [
+                (got[i].dA, expected[i].dA),
+                (got[i].dB, expected[i].dB),
+                (batched[i].mA, alone[i].mA),
+                (batched[i].VB, alone[i].VB),
+            ]:
+                torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12 * float(b.abs().max()))
+            assert batched[i].step == alone[i].step == step + 1
+
+
+def test_batched_directions_refuse_groups_that_miss_a_module_or_mix_steps():
+    points = [Point(*random_point(8, 6, 2, seed)) for seed in range(3)]
+    states = [init_state(p.A, p.B) for p in points]
+    updates = [_updates(8, 6, 2, 1, seed)[0] for seed in range(3)]
+    kwargs = {"noise_std": 0.1, "config": AdaptiveConfig()}
+    with pytest.raises(ValueError, match="do not name each of the 3 modules once"):
+        adaptive_directions(points, updates, states, groups=[[0, 1]], **kwargs)
+    _, later = adaptive_direction(points[2], updates[2], states[2], **kwargs)
+    with pytest.raises(ValueError, match=r"modules \[0, 1, 2\] are at different steps \[0, 1\]"):
+        adaptive_directions(points, updates, [*states[:2], later], groups=[[0, 1, 2]], **kwargs)
