@@ -495,6 +495,7 @@ def instrument(clock: PhaseClock) -> None:
         "privatize": "noise",
         "factor_privatize": "noise",
         "adaptive_direction": "adaptive",
+        "adaptive_directions": "adaptive",
         "retract_modules": "retract",
     }
     modules = (trainer_module, prism_runtime.trainer.prism, prism_runtime.trainer.factor)
