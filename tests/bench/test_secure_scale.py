@@ -4,25 +4,13 @@ vector of d words. Timings are the benchmark's (docs/benchmarks.md), not asserte
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "secure_scale.py"
+from helpers.bench import bench_module
 
 
 @pytest.fixture(scope="module")
 def scale():
-    spec = importlib.util.spec_from_file_location("bench_secure_scale", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        del sys.modules[spec.name]
+    yield from bench_module("secure_scale")
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,81 @@
+"""bench/budget_report.py: a central result (bench/central_curve.py) joins the study as its own
+line, its budget per site the pooled one over the sites; a federated result's row is unchanged;
+the report writes its table and both plots and copies no result already in its folder."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers.bench import bench_module
+
+
+@pytest.fixture(scope="module")
+def report():
+    yield from bench_module("budget_report")
+
+
+FEDERATED = {
+    "run-config": {"batch-size": 1485, "num-rounds": 30, "lr": 0.008, "secure-aggregation": True},
+    "selection-curve": {"0": 0.7, "15": 0.8, "30": 0.83},
+    "eval": {"dev.jsonl": {"accuracy": 0.826}},
+    "epsilon": {"site-0": 2.99, "site-1": 2.99, "site-2": 2.99},
+    "seconds": 900.0,
+}
+CENTRAL = {
+    "prism-train": [
+        "--method",
+        "prism",
+        "--epsilon",
+        "3",
+        "--steps",
+        "30",
+        "--batch-size",
+        "4456",
+        "--lr",
+        "0.008",
+        "--max-norm",
+        "0.5",
+        "--head-max-norm",
+        "0.4",
+        "--seed",
+        "0",
+    ],
+    "selection-curve": [
+        {"step": 5, "selection": 0.75, "seconds": 100.0},
+        {"step": 30, "selection": 0.82, "seconds": 700.0},
+    ],
+    "dev": 0.8165,
+    "noise_multiplier": 0.986,
+    "epsilon": 2.993,
+}
+
+
+def test_a_central_run_is_its_own_line_at_the_pooled_budget_over_the_sites(report):
+    row = report._central_row("c2", CENTRAL, 3)
+    assert row["example-gradients"] == round(4456 * 30 / 3)
+    assert row["batch"] == 1485 and row["per round"] == pytest.approx(4456 / 3, rel=1e-12)
+    assert row["series"] == "prism central, eps 3"
+    assert (row["lr"], row["clip"], row["head share"]) == (0.008, 0.5, 0.4)
+    assert (row["dev"], row["selection last"], row["selection best"]) == (0.8165, 0.82, 0.82)
+    assert row["curve"] == {5: 0.75, 30: 0.82}
+    federated = report._row("s7", FEDERATED)
+    assert federated["series"] == "prism secure, eps 3" and federated["per round"] == 1485
+    assert federated["example-gradients"] == row["example-gradients"] - 10  # 44,550 vs 44,560
+
+
+def test_the_report_writes_its_table_and_plots_and_copies_nothing_already_in_its_folder(
+    report, tmp_path
+):
+    pytest.importorskip("matplotlib")
+    (tmp_path / "central").mkdir()
+    (tmp_path / "s7.json").write_text(json.dumps(FEDERATED))
+    (tmp_path / "central" / "c2.json").write_text(json.dumps(CENTRAL))
+    report.main(
+        ["--out", str(tmp_path), str(tmp_path / "s7.json"), str(tmp_path / "central/c2.json")]
+    )
+    table = (tmp_path / "budget.md").read_text()
+    assert "| c2 | 44560 |" in table and "| s7 | 44550 |" in table
+    assert (tmp_path / "budget.png").stat().st_size > 0
+    assert (tmp_path / "budget-dev.png").stat().st_size > 0
+    assert not (tmp_path / "c2.json").exists()  # the central result stays where it is
