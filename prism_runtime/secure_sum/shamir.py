@@ -11,10 +11,11 @@ interpolation at 0.
 
 Why not Flower's ``flwr.common.secure_aggregation.crypto.shamir``: it shares each 16-byte
 block with pycryptodome's ``Shamir`` over GF(2^128), whose field multiply is Python bit
-arithmetic: 6 ms to split a secret among 19 holders at t = 17 and 30 ms to combine it, where
-the same in GF(p) with Python's integers takes 0.1 ms each (docs/benchmarks.md, "A thousand
-sites"). At a thousand sites the coordinator combines one secret per site and a site splits
-two among its neighbourhood every round, so the field is the secure sum's largest cost there.
+arithmetic: 10 ms to split a secret among 19 holders at t = 17 and 30 ms to combine it, where
+the same in GF(p) with Python's integers takes 0.08 and 0.11 ms (docs/benchmarks.md, "A
+thousand sites"). At a thousand sites the coordinator combines one secret per site and a site
+splits two among its neighbourhood every round, so that field was the secure sum's largest
+cost there.
 
 What a share cannot say is checked here: below t shares interpolation returns a wrong
 secret instead of refusing, and a share's index and length are the sender's. ``combine_secret``
@@ -129,6 +130,7 @@ def combine_secret(
     Raises:
         SecureSumAbortedError: Fewer than ``threshold`` shares.
         ShareError: A share is malformed, carries another holder's index, or fails to combine.
+        ConfigError: ``secret_bytes`` is outside 1..64.
     """
     if len(shares) < threshold:
         raise SecureSumAbortedError(

@@ -364,7 +364,8 @@ def test_a_wrong_returned_share_is_caught_against_the_owners_commitment() -> Non
     answers = [answer(rnd, s, request, signatures) for s in survivors]
 
     def corrupt(share: bytes) -> bytes:
-        # the value's lowest bit; index kept: the secret moves by a small multiple of one
+        # the value's lowest bit; index kept: the used holders are s0-s2 (x = 1, 2, 3), whose
+        # Lagrange coefficients at 0 are 3, -3 and 1, so the secret moves by a few units
         return share[:-1] + bytes([share[-1] ^ 0x01])
 
     first = answers[0]

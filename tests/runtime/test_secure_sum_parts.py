@@ -178,8 +178,9 @@ def test_every_share_is_one_field_element_and_the_coefficients_are_fresh() -> No
 
 def test_a_share_outside_the_field_or_a_wrong_one_is_refused() -> None:
     """A value that is no field element is malformed; a random wrong value combines to a
-    field element beyond 32 bytes (a small change moves the secret by a small multiple and is
-    left to the owner's commitment: ``test_secure_sum``)."""
+    field element beyond 32 bytes (a change d to holder j's share moves the secret by d times
+    j's Lagrange coefficient at 0; where that is small, as for consecutive holders, the result
+    is a wrong 32-byte secret, left to the owner's commitment: ``test_secure_sum``)."""
     holders = ["s0", "s1", "s2", "s3"]
     secret = os.urandom(32)
     shares = split_secret(secret, threshold=3, holders=holders)
