@@ -364,8 +364,9 @@ def test_a_wrong_returned_share_is_caught_against_the_owners_commitment() -> Non
     answers = [answer(rnd, s, request, signatures) for s in survivors]
 
     def corrupt(share: bytes) -> bytes:
-        # the value's lowest bit; index kept: the used holders are s0-s2 (x = 1, 2, 3), whose
-        # Lagrange coefficients at 0 are 3, -3 and 1, so the secret moves by a few units
+        # the value's lowest bit; index kept: the shares used are the first three holders'
+        # (x = 1, 2, 3), whose Lagrange coefficients at 0 are 3, -3 and 1: the secret moves by
+        # a few units and stays 32 bytes
         return share[:-1] + bytes([share[-1] ^ 0x01])
 
     first = answers[0]
