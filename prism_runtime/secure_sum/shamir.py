@@ -139,6 +139,7 @@ def combine_secret(
         )
     place = {holder: p for p, holder in enumerate(holders)}
     expected = share_length(secret_bytes)
+    values = {}
     for holder, share in shares.items():
         if holder not in place:
             raise ShareError(f"site {holder!r} returned a share of {what} but holds none")
@@ -148,13 +149,14 @@ def combine_secret(
                 f"the share of {what} returned by site {holder!r} is malformed ({len(share)} "
                 f"bytes, index {index}; expected {expected} bytes, index {place[holder] + 1})"
             )
-        if int.from_bytes(share[_INDEX_BYTES:], "big") >= FIELD_PRIME:
+        values[holder] = int.from_bytes(share[_INDEX_BYTES:], "big")
+        if values[holder] >= FIELD_PRIME:
             raise ShareError(
                 f"the share of {what} returned by site {holder!r} is malformed: its value is "
                 "not an element of the field"
             )
     used = sorted(shares, key=place.__getitem__)[:threshold]
-    points = [(place[h] + 1, int.from_bytes(shares[h][_INDEX_BYTES:], "big")) for h in used]
+    points = [(place[h] + 1, values[h]) for h in used]
     value = _at_zero(points)
     if value >= 256**secret_bytes:
         raise ShareError(
