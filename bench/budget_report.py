@@ -28,7 +28,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from prism_runtime.config import DEFAULT_LR, DEFAULT_MAX_NORM
 from prism_runtime.plan import LR_PER_ROW, plan_budget
+from prism_runtime.train_config import DEFAULT_HEAD_SHARE
 
 UNRECORDED_MAX_LR = 0.02
 """The planner's lr cap while results did not yet record the keys a budget set (``resolved``)."""
@@ -82,6 +84,8 @@ def _central_row(name: str, result: dict[str, Any], sites: int) -> dict[str, Any
     argv = result["prism-train"]
     args = {argv[i][2:]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
     batch, steps = int(args["batch-size"]), int(args["steps"])
+    clip = float(args.get("max-norm", DEFAULT_MAX_NORM))  # prism-train's defaults where unset
+    head = float(args.get("head-max-norm", DEFAULT_HEAD_SHARE * clip))
     method = args.get("method", "prism")
     points = result["selection-curve"]  # [{"step", "selection", "seconds"}, ...]
     curve = {int(p["step"]): float(p["selection"]) for p in points}
@@ -91,9 +95,9 @@ def _central_row(name: str, result: dict[str, Any], sites: int) -> dict[str, Any
         "example-gradients": round(batch * steps / sites),
         "batch": round(batch / sites),
         "rounds": steps,
-        "lr": float(args.get("lr", 0.002)),
-        "clip": float(args.get("max-norm", 1.0)),
-        "head share": float(args.get("head-max-norm", 0.9)),
+        "lr": float(args.get("lr", DEFAULT_LR)),
+        "clip": clip,
+        "head share": head,
         "server lr": "-",
         "method": f"{method}-central",
         "dev": float(result["dev"]),

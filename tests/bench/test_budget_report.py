@@ -59,6 +59,10 @@ def test_a_central_run_is_its_own_line_at_the_pooled_budget_over_the_sites(repor
     assert (row["lr"], row["clip"], row["head share"]) == (0.008, 0.5, 0.4)
     assert (row["dev"], row["selection last"], row["selection best"]) == (0.8165, 0.82, 0.82)
     assert row["curve"] == {5: 0.75, 30: 0.82}
+    argv = CENTRAL["prism-train"]
+    unset = argv.index("--head-max-norm")  # prism-train's default: 0.9 of the clip
+    bare = {**CENTRAL, "prism-train": argv[:unset] + argv[unset + 2 :]}
+    assert report._central_row("c3", bare, 3)["head share"] == pytest.approx(0.45, rel=1e-12)
     federated = report._row("s7", FEDERATED)
     assert federated["series"] == "prism secure, eps 3" and federated["per round"] == 1485
     assert federated["example-gradients"] == row["example-gradients"] - 10  # 44,550 vs 44,560
