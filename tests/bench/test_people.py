@@ -3,21 +3,15 @@ medical question pairs, the group baseline's cap of k records per person)."""
 
 from __future__ import annotations
 
-import importlib.util
 from collections import Counter
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from helpers.bench import bench_module
 
 
 @pytest.fixture(scope="module")
 def people():
-    spec = importlib.util.spec_from_file_location("bench_people", BENCH / "people.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    yield from bench_module("people")
 
 
 def _rows(n):

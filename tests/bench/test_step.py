@@ -6,32 +6,21 @@ Nothing is timed: the timings are the benchmark's job (docs/benchmarks.md).
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 import tempfile
-from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from helpers.bench import bench_module
 
 from prism_core.records import DEFAULT_MECHANISM
 from prism_runtime.config import RunConfig
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "step.py"
-
 
 @pytest.fixture(scope="module")
 def step():
-    spec = importlib.util.spec_from_file_location("bench_step", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while being built
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        del sys.modules[spec.name]
+    yield from bench_module("step")
 
 
 def batch_of(lengths, width=6):
