@@ -55,11 +55,13 @@ def _row(name: str, result: dict[str, Any]) -> dict[str, Any]:
     curve = {int(k): v for k, v in result["selection-curve"].items()}
     dev = next(iter(result["eval"].values()))["accuracy"]
     batch, rounds = int(config["batch-size"]), int(config["num-rounds"])
+    local = int(config.get("local-steps", 1))
     return {
         "run": name,
-        "example-gradients": batch * rounds,
+        "example-gradients": batch * rounds * local,
         "batch": batch,
         "rounds": rounds,
+        "local steps": local,
         "lr": config["lr"],
         "clip": config["max-norm"],
         "head share": config["head-max-norm"],
@@ -72,7 +74,7 @@ def _row(name: str, result: dict[str, Any]) -> dict[str, Any]:
         "epsilon (max)": max(result["epsilon"].values()) if result["epsilon"] else None,
         "seconds": result["seconds"],
         "curve": curve,
-        "per round": batch,
+        "per round": batch * local,
         "series": _series(config, result),
     }
 
@@ -95,6 +97,7 @@ def _central_row(name: str, result: dict[str, Any], sites: int) -> dict[str, Any
         "example-gradients": round(batch * steps / sites),
         "batch": round(batch / sites),
         "rounds": steps,
+        "local steps": 1,
         "lr": float(args.get("lr", DEFAULT_LR)),
         "clip": clip,
         "head share": head,
@@ -233,7 +236,8 @@ def main(argv: list[str] | None = None) -> None:
             }
         )
         xs, ys = zip(*points, strict=True)
-        ax.plot(xs, ys, marker="o", color=colours[(2 * i) % 20], label=name)
+        colour = colours[(2 * i) % 20 + (2 * i) // 20 % 2]  # the light shades after ten
+        ax.plot(xs, ys, marker="os"[i // 10 % 2], color=colour, label=name)
     ax.set_xscale("log")
     title = f"{args.task}: dev accuracy against the budget, settings chosen per budget"
     _save(fig, ax, "accuracy on dev (held out)", title, args.out / "budget-dev.png")

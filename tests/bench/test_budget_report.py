@@ -1,6 +1,7 @@
 """bench/budget_report.py: a central result (bench/central_curve.py) joins the study as its own
-line, its budget per site the pooled one over the sites; a federated result's row is unchanged;
-the report writes its table and both plots and copies no result already in its folder."""
+line, its budget per site the pooled one over the sites; a federated result's row is unchanged,
+and a run of several local steps a round counts each step's batch; the report writes its table
+and both plots and copies no result already in its folder."""
 
 from __future__ import annotations
 
@@ -83,3 +84,15 @@ def test_the_report_writes_its_table_and_plots_and_copies_nothing_already_in_its
     assert (tmp_path / "budget.png").stat().st_size > 0
     assert (tmp_path / "budget-dev.png").stat().st_size > 0
     assert not (tmp_path / "c2.json").exists()  # the central result stays where it is
+
+
+def test_a_run_of_several_local_steps_a_round_counts_every_steps_batch(report):
+    nondp = {
+        **FEDERATED,
+        "run-config": {"method": "nondp", "batch-size": 186, "num-rounds": 30, "local-steps": 8},
+    }
+    row = report._row("n3", nondp)
+    assert (row["batch"], row["rounds"], row["local steps"]) == (186, 30, 8)
+    assert row["example-gradients"] == 186 * 30 * 8
+    assert row["per round"] == 186 * 8  # the curve's x: example-gradients after each round
+    assert report._row("s7", FEDERATED)["local steps"] == 1  # unset: one step a round
