@@ -129,6 +129,9 @@ def _series(config: dict[str, Any], result: dict[str, Any]) -> str:
     sites = len(result["epsilon"]) if result["epsilon"] else int(config.get("sites-per-round", 3))
     if sites != 3:
         name += f", {sites} sites"
+    honest = config.get("min-honest-sites")
+    if config.get("secure-aggregation") and honest is not None and int(honest) < sites:
+        name += f", H = {int(honest)}"  # each site adds sigma / sqrt(H): more noise in the sum
     if config.get("lora-targets"):
         name += f", LoRA on {config['lora-targets']}"
     return name

@@ -96,3 +96,10 @@ def test_a_run_of_several_local_steps_a_round_counts_every_steps_batch(report):
     assert row["example-gradients"] == 186 * 30 * 8
     assert row["per round"] == 186 * 8  # the curve's x: example-gradients after each round
     assert report._row("s7", FEDERATED)["local steps"] == 1  # unset: one step a round
+
+
+def test_a_secure_run_counting_on_fewer_honest_sites_than_its_sites_is_its_own_series(report):
+    h1 = {**FEDERATED, "run-config": {**FEDERATED["run-config"], "min-honest-sites": 1}}
+    assert report._row("s13", h1)["series"] == "prism secure, eps 3, H = 1"
+    all_honest = {**FEDERATED, "run-config": {**FEDERATED["run-config"], "min-honest-sites": 3}}
+    assert report._row("s7", all_honest)["series"] == "prism secure, eps 3"

@@ -179,10 +179,32 @@ def test_the_plan_command_with_secure_prints_the_sample_rate_and_the_sums_noise(
     assert "secure aggregation (--secure) puts" not in out
 
 
+def test_the_plan_command_with_one_honest_site_sets_it_and_prints_that_sums_noise(capsys):
+    argv = ["plan", "--passes", "2", "--rows-per-site", "22000", "--secure", "--honest-sites", "1"]
+    assert main(argv) == EXIT_OK
+    out = capsys.readouterr().out
+    config = next(line for line in out.splitlines() if line.startswith("budget="))
+    run = parse_config(RunConfig, tomllib.loads("\n".join(config.split())), what="run config")
+    assert run.secure_aggregation and run.min_honest_sites == 1 and run.sites_per_round == 3
+    plan = plan_budget(passes=2, rows_per_site=22_000)
+    report = budget_report(plan, epsilon=3.0, delta=1e-5)
+    # each of 3 sites adds its whole sigma: sqrt(3) sigma in the sum, over 3 b
+    summed = report.sigma * 3**0.5 / (3 * plan.batch_size)
+    assert f"over 3 sites, each counting on 1 honest: {summed:.3g} C" in out
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["plan", "--passes", "2", "--rows-per-site", "10"], "rows-per-site=10"),
+        (
+            ["plan", "--passes", "2", "--rows-per-site", "22000", "--honest-sites", "1"],
+            "add --secure",
+        ),
+        (
+            ["plan", "--passes", "2", "--rows-per-site", "2000", "--secure", "--honest-sites", "4"],
+            "--honest-sites 4 > --sites 3",
+        ),
         (["plan", "--passes", "0.001", "--rows-per-site", "1000"], "State a larger budget"),
         (["plan", "--passes", "2", "--rows-per-site", "22000", "--delta", "2"], "delta"),
     ],
