@@ -124,6 +124,9 @@ def _series(config: dict[str, Any], result: dict[str, Any]) -> str:
         name = "non-DP LoRA"
     else:
         secure = "secure" if config.get("secure-aggregation") else "plain"
+        if secure == "plain":  # the study's plain runs state step-at; without it: site steps
+            step = "coordinator" if config.get("step-at") == "coordinator" else "site"
+            secure += f" (step at {step})"
         spent = max(result["epsilon"].values()) if result["epsilon"] else 0.0
         name = f"{method} {secure}, eps {round(float(spent)):g}"
     sites = len(result["epsilon"]) if result["epsilon"] else int(config.get("sites-per-round", 3))

@@ -5,7 +5,8 @@ one event by ``client.reply.released_event``) and must agree with the charge mad
 steps ran (``client.charge.check_charged``), else the round fails and nothing is sent. The update
 is the tangent displacement at the broadcast point (PRISM,
 ``prism_core.manifold.tangent_displacement``) or the end factors (the baselines), plus the DP
-head. The un-noised training loss is added only when the run asks and the site allows it, labelled
+head; with ``step-at = coordinator`` it is the step's own release (``released_gradient``). The
+un-noised training loss is added only when the run asks and the site allows it, labelled
 non-private.
 """
 
@@ -21,6 +22,7 @@ from client.request import RoundRequest
 from client.site_ledger import SiteLedgerEntry
 from client.training import Trained
 from prism_core.manifold import Point, tangent_displacement
+from prism_core.mechanism import PrivateStep
 from prism_core.records import PrivacyEvent
 from prism_runtime.errors import AccountingMismatchError
 from prism_runtime.exchange import head_named
@@ -29,7 +31,7 @@ from prism_runtime.model import LoadedModel
 from prism_runtime.protocol import HEAD_PREFIX, key
 from prism_runtime.trainer import StepResult, noise_records
 
-__all__ = ["release", "released_facts", "update"]
+__all__ = ["release", "released_facts", "released_gradient", "update"]
 
 
 def release(
@@ -68,7 +70,12 @@ def release(
         quantile=quantile,
         private=method != "nondp",
     )
-    arrays = update(loaded, request.arrays, trained.start, trained.end, tangent=method == "prism")
+    if trained.released is not None:
+        arrays = released_gradient(loaded, trained.released)
+    else:
+        arrays = update(
+            loaded, request.arrays, trained.start, trained.end, tangent=method == "prism"
+        )
     reply = RoundReply(arrays, out)
     if report_train_loss:
         results = trained.results
@@ -140,4 +147,17 @@ def update(
         out[HEAD_PREFIX + name] = (
             value - broadcast[HEAD_PREFIX + name].float() if tangent else value
         )
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def released_gradient(loaded: LoadedModel, released: PrivateStep) -> dict[str, Tensor]:
+    """What a site sends when the coordinator takes the step (``step-at = coordinator``): the
+    release of its one step at the broadcast point, the min-norm lift of the noisy mean
+    tangent ``(dA, dB)`` of every module (under the update's ``dA``/``dB`` keys) and the DP
+    head's noisy mean gradient, all float32 and contiguous. Nothing else of the step leaves."""
+    out: dict[str, Tensor] = {}
+    for h, t in zip(loaded.handles, released.tangents, strict=True):
+        out[key(h.name, "dA")], out[key(h.name, "dB")] = t.dA.float(), t.dB.float()
+    for (name, _), grad in zip(head_named(loaded), released.euclidean, strict=True):
+        out[HEAD_PREFIX + name] = grad.detach().float().cpu()
     return {k: v.contiguous() for k, v in out.items()}

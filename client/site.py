@@ -519,6 +519,7 @@ class Site:
             charged,
             seed=self.policy.round_seed(request.server_round, charged.attempt),
             rounds=self.rounds,
+            gradient=self.run.steps_at_coordinator,
         )
         reply = release(
             trained,

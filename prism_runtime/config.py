@@ -351,6 +351,16 @@ class RunConfig(_Kebab):
         description="server lr per round: constant, or cosine-annealed from server-lr in round "
         "1 to ~0 in the last (damps clipped DP-SGD's late-round oscillation; public)",
     )
+    step_at: Literal["auto", "site", "coordinator"] = Field(
+        "auto",
+        description="where PRISM's adaptive step runs in a plain round: coordinator (each site "
+        "releases ONE noisy clipped gradient at the broadcast point; the coordinator averages "
+        "them and takes one adaptive step at lr x the round's server lr, with the moments and "
+        "the head's optimizer it keeps; PRISM, local-steps = 1), site (each site steps "
+        "local-steps times on its own noisy gradients; the coordinator averages the tangent "
+        "displacements), or auto = coordinator for PRISM at local-steps = 1, else site. The "
+        "same release and charge either way; secure aggregation always steps at the coordinator",
+    )
     noise_multiplier: float = Field(
         -1.0,
         description="sigma; -1 = calibrate from target-epsilon over the planned steps",
@@ -574,7 +584,10 @@ class RunConfig(_Kebab):
                 "public figure; it sets the batch and the rounds), e.g. rows-per-site=20000"
             )
         plan = plan_budget(passes=float(budget), rows_per_site=rows)
-        settings = plan.settings(secure=_is_true(given.get("secure-aggregation", False)))
+        settings = plan.settings(
+            secure=_is_true(given.get("secure-aggregation", False)),
+            site_step=given.get("step-at") == "site",
+        )
         # a key at its default (as pyproject.toml lists every key) is the plan's to set
         defaults = {_alias(k): f.default for k, f in cls.model_fields.items()}
         clashes = [
@@ -619,6 +632,12 @@ class RunConfig(_Kebab):
                 f"server-eval-data={SYNTHETIC!r} is a held-out draw of the built-in task, but "
                 f"data={self.data!r}: set server-eval-data to a held-out file of the same kind "
                 "as data, or '' for no server-side evaluation"
+            )
+        if self.step_at == "coordinator" and (self.method != "prism" or self.local_steps != 1):
+            raise ValueError(
+                f"step-at=coordinator needs method='prism' and local-steps=1 (each site releases "
+                f"one noisy gradient a round); got method={self.method!r}, "
+                f"local-steps={self.local_steps}: set those, or step-at=site"
             )
         if self.secure_aggregation:
             self._check_secure()
@@ -668,6 +687,15 @@ class RunConfig(_Kebab):
                 f"[{MAX_NORM_MIN:g}, {MAX_NORM_MAX:g}]: lower clip-lr or clip-quantile-steps, or "
                 "move clip-init"
             )
+
+    @property
+    def steps_at_coordinator(self) -> bool:
+        """A plain round's sites release one noisy gradient each and the coordinator takes
+        PRISM's step on their weighted mean (``step-at``; never under secure aggregation, whose
+        own rounds always step at the coordinator)."""
+        if self.secure_aggregation or self.step_at == "site":
+            return False
+        return self.step_at == "coordinator" or (self.method == "prism" and self.local_steps == 1)
 
     @property
     def targets(self) -> tuple[str, ...]:

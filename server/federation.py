@@ -167,9 +167,10 @@ def _export(loaded: LoadedModel, run_dir: Path, summaries: list[RoundSummary]) -
     return {**entries, "adapter": ADAPTER_DIR}
 
 
-def _say_plan(plan: BudgetPlan, secure: bool) -> None:
+def _say_plan(plan: BudgetPlan, run: RunConfig) -> None:
     """Say what the run's budget chose (``prism_runtime.plan``)."""
-    chosen = " ".join(f"{k}={v:g}" for k, v in plan.settings(secure=secure).items())
+    settings = plan.settings(secure=run.secure_aggregation, site_step=run.step_at == "site")
+    chosen = " ".join(f"{k}={v:g}" for k, v in settings.items())
     line = (
         f"budget of {plan.passes:g} passes over about {plan.rows_per_site} rows a site "
         f"({plan.example_gradients} example-gradients a site): {chosen}"
@@ -186,7 +187,7 @@ def run_federation(grid: Grid, run: RunConfig, *, faults: Faults = NO_FAULTS) ->
     """
     run_dir = make_run_dir(run)
     if run.plan is not None:
-        _say_plan(run.plan, run.secure_aggregation)
+        _say_plan(run.plan, run)
     config = run.model_dump(by_alias=True)
     _check_same_config(run_dir, config)
     ckpt = load_checkpoint(run_dir)

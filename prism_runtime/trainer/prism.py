@@ -19,6 +19,7 @@ folds are sums, applied to the whitened rows alike.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import replace
 from typing import ClassVar
 
 import torch
@@ -46,6 +47,7 @@ from prism_runtime.head_optimizer import head_optimizer
 from prism_runtime.lora import LoraHandle, per_example_factor_grads, read_points, write_points_
 from prism_runtime.model import LoadedModel
 from prism_runtime.train_config import TrainConfig
+from prism_runtime.trainer.base import StepResult
 from prism_runtime.trainer.dp import DPTrainer, Fold, grad_sample
 
 __all__ = ["ClipFn", "PrismTrainer", "PrivatizeFn", "StepRows"]
@@ -306,6 +308,26 @@ class PrismTrainer(DPTrainer):
             acc, _ = self.clipped_sum(batch, points, frames=frames)
         self.steps_done += 1
         return acc, frames
+
+    def private_gradient(self) -> tuple[PrivateStep, StepResult]:
+        """One step's DP release at the current point, not applied (``step-at = coordinator``).
+
+        The next Poisson batch, the global clip and the noise of ``release``, divided by the
+        expected batch, recorded and composed like ``step``; the adaptive transform, the
+        retraction and the head's step run at the coordinator on the sites' weighted mean
+        (``server.strategy.central``). Nothing moves here. The release is the DP quantity a
+        site sends; the returned ``StepResult``'s loss and batch size are private.
+        """
+        self._check_budget()
+        batch = self._next_batch()
+        points = read_points(self.loaded.handles)
+        with self._autocast():
+            released, _, total = self.release(batch, points)
+        record = replace(released.record, unit=self.privacy_unit)
+        self.history.append(record)
+        self.steps_done += 1
+        size = int(batch["labels"].shape[0])
+        return released, StepResult(self.steps_done, total / max(size, 1), size, record)
 
     def count_within(self, max_norm: float, *, lora_only: bool) -> tuple[int, int]:
         """On the next Poisson batch: ``(units, units whose clipped norm is <= max_norm)``, the

@@ -1,5 +1,6 @@
 """The streaming aggregator: weighted sums of the replies' updates, one reply at a time, then
-the server step (exact tangent mean + the retraction, or FedAvg of factors).
+the server step (exact tangent mean + the retraction, FedAvg of factors, or with ``step-at =
+coordinator`` PRISM's adaptive step on the mean of the sites' noisy gradients).
 
 Flower-free: it takes tensors and a reply's CHECKED facts (``server.strategy.replies``), so it can
 be driven by the strategy, a benchmark or a test alike. Memory holds one running sum per tensor,
@@ -12,12 +13,12 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 from torch import Tensor
 
-from prism_core.aggregation import Aggregation, site_noise_std
+from prism_core.aggregation import Aggregation, aggregate_noise_std, site_noise_std
 from prism_core.manifold import Point, Tangent
 from prism_runtime.facts import ReplyFacts
 from prism_runtime.protocol import HEAD_PREFIX, MAX_EXAMPLES, key
@@ -25,12 +26,27 @@ from server.errors import ReplyError
 from server.optimizer import scheduled_lr, server_step
 from server.strategy.rounds import RoundSummary
 
-__all__ = ["Mode", "StreamingAggregator"]
+__all__ = ["MeanStep", "Mode", "StreamingAggregator"]
 
 Mode = Literal["tangent", "factor-average"]
 """``tangent``: PRISM's exact tangent mean; ``factor-average``: FedAvg of A and B (baselines)."""
 
 log = logging.getLogger("server.strategy")
+
+
+class MeanStep(Protocol):
+    """The coordinator's step on the weighted mean of noisy gradients
+    (``server.strategy.central.CentralStep.apply_mean``)."""
+
+    def apply_mean(
+        self,
+        arrays: dict[str, Tensor],
+        means: dict[str, Tensor],
+        *,
+        noise_std: float,
+        lr_scale: float = 1.0,
+    ) -> dict[str, Tensor]: ...
+
 
 _SIZE_RTOL = 1e-6  # num-examples against b / q: q = b / N is a float64 division
 _MIN_RANK_RATIO = 1e-6  # s_r / s_1 of a retracted Z = A B.T below this: rank r is lost in float32
@@ -47,6 +63,10 @@ class StreamingAggregator:
         dp: whether the replies carry DP noise (non-DP: noise std 0, uniform inverse-noise).
         expected_batch_size: the run's expected batch b (``examples``: a site's shard size is
             ``b / q``; None: every reply must state ``num-examples``).
+        central: ``step-at = coordinator``: the replies are the sites' noisy gradients and
+            the server step is PRISM's adaptive step on their weighted mean
+            (``server.strategy.central.CentralStep.apply_mean``, at the round's server lr as a
+            factor of the run's lr); None: the replies are displacements (``server_step``).
     """
 
     def __init__(
@@ -61,8 +81,12 @@ class StreamingAggregator:
         aggregation: Aggregation,
         dp: bool,
         expected_batch_size: float | None = None,
+        central: MeanStep | None = None,
     ) -> None:
         scheduled_lr(server_lr, lr_schedule, 1, num_rounds)  # validates both
+        if central is not None and mode != "tangent":
+            raise ValueError("the coordinator's step takes PRISM's tangent replies")
+        self.central = central
         self.modules, self.head, self.mode = modules, head, mode
         self.server_lr, self.lr_schedule, self.num_rounds = server_lr, lr_schedule, num_rounds
         self.aggregation: Aggregation = aggregation
@@ -71,18 +95,30 @@ class StreamingAggregator:
         self.broadcast: dict[str, Tensor] = {}
         self._sums: dict[str, Tensor] = {}
         self._total = 0.0
+        self._noise: list[tuple[float, float]] = []
 
     def begin_round(self, broadcast: dict[str, Tensor]) -> None:
         """Start a round at the broadcast arrays: empty sums."""
         self.broadcast = broadcast
-        self._sums, self._total = {}, 0.0
+        self._sums, self._total, self._noise = {}, 0.0, []
 
-    def add(self, update: dict[str, Tensor], weight: float) -> None:
-        """Add one checked reply's update, with its ``weight(facts)``, to the running sums."""
+    def add(self, update: dict[str, Tensor], weight: float, noise_std: float = 0.0) -> None:
+        """Add one checked reply's update, with its ``weight(facts)`` and its ``noise_std
+        (facts)``, to the running sums."""
         for name, tensor in update.items():
             value = weight * tensor.double()
             self._sums[name] = self._sums[name] + value if name in self._sums else value
         self._total += weight
+        self._noise.append((weight, noise_std))
+
+    @property
+    def mean_noise_std(self) -> float:
+        """The std per coordinate of this round's weighted mean's noise so far (``mean_noise_std``
+        of the weights and the replies' ``sigma C / b``)."""
+        if self._total <= 0:
+            return 0.0
+        weights = [w / self._total for w, _ in self._noise]
+        return aggregate_noise_std(weights, [s for _, s in self._noise])
 
     @property
     def total_weight(self) -> float:
@@ -179,6 +215,10 @@ class StreamingAggregator:
 
     def apply(self, means: dict[str, Tensor], lr: float) -> dict[str, Tensor]:
         """The next global arrays from this round's means, with server lr ``lr``."""
+        if self.central is not None:
+            return self.central.apply_mean(
+                self.broadcast, means, noise_std=self.mean_noise_std, lr_scale=lr
+            )
         if self.mode == "tangent":
             return self._apply_tangent(means, lr)
         new: dict[str, Tensor] = {}

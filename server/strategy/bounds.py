@@ -160,7 +160,8 @@ class UpdateChecker:
     ``begin_round`` takes the broadcast arrays and computes the round's bounds; ``validate``
     checks a reply's update (keys, dtype, shapes, finite and sane values, the norm bound of the
     mechanism the reply's facts state) and returns its tensors. Without an ``UpdateBound`` only
-    the shapes and values are checked.
+    the shapes and values are checked. ``gradient`` (``step-at = coordinator``): a reply is one
+    DP release, not a round's displacement, bounded by ``dp_step_norm_bound`` (``gradient_bound``).
     """
 
     def __init__(
@@ -171,9 +172,13 @@ class UpdateChecker:
         mode: Mode,
         local_steps: int,
         update_bound: UpdateBound | None,
+        gradient: bool = False,
     ) -> None:
+        if gradient and (mode != "tangent" or local_steps != 1):
+            raise ConfigError("a gradient reply is PRISM's one release (tangent mode, 1 step)")
         self.modules, self.head, self.mode = modules, head, mode
         self.local_steps, self.update_bound = local_steps, update_bound
+        self.gradient = gradient
         self.broadcast: dict[str, Tensor] = {}
         self.norm_bound: float | None = None  # tangent mode: bound on the update's norm
         self.factor_bounds: dict[str, float] = {}  # factor-average: per-tensor bounds
@@ -197,7 +202,7 @@ class UpdateChecker:
         """This round's norm bounds on an honest update (``prism_core.bounds``)."""
         self.norm_bound, self.factor_bounds = None, {}
         ub = self.update_bound
-        if ub is None:
+        if ub is None or self.gradient:  # a gradient's bound needs the reply's sigma and q
             return
 
         def horizon(beta1: float, beta2: float) -> int | None:
@@ -281,8 +286,9 @@ class UpdateChecker:
         assert ub is not None
         return min(ub.max_norm if facts.max_norm is None else facts.max_norm, ub.max_norm)
 
-    def sgd_bound(self, facts: ReplyFacts) -> float:
-        """Tangent-mode bound for plain DP-SGD sites, from the reply's sigma and q."""
+    def gradient_bound(self, facts: ReplyFacts) -> float:
+        """The norm bound of one DP release over every module and the head, from the reply's
+        sigma and q (``dp_step_norm_bound``; a ``gradient`` reply, or one of ``tau`` steps)."""
         ub = self.update_bound
         assert ub is not None
         shapes = [
@@ -291,7 +297,7 @@ class UpdateChecker:
         ]
         dim = tangent_dimension([(m, n, r) for m, r, n in shapes])
         dim += sum(self.broadcast[HEAD_PREFIX + n].numel() for n in self.head)
-        step = dp_step_norm_bound(
+        return dp_step_norm_bound(
             max_norm=self.clip_of(facts),
             noise_multiplier=facts.sigma,
             expected_batch_size=ub.expected_batch_size,
@@ -299,6 +305,12 @@ class UpdateChecker:
             dimension=dim,
             failure=ub.failure / self.local_steps,
         )
+
+    def sgd_bound(self, facts: ReplyFacts) -> float:
+        """Tangent-mode bound for plain DP-SGD sites, from the reply's sigma and q."""
+        ub = self.update_bound
+        assert ub is not None
+        step = self.gradient_bound(facts)
         return round_update_norm_bound(
             [], lr=ub.lr, local_steps=self.local_steps, optimizer="sgd", dp_step=step
         )
@@ -354,7 +366,10 @@ class UpdateChecker:
                         "norm",
                     )
             return
-        bound = self.norm_bound if self.norm_bound is not None else self.sgd_bound(facts)
+        if self.gradient:
+            bound, head_sgd = self.gradient_bound(facts), 0.0  # the head is in the one release
+        else:
+            bound = self.norm_bound if self.norm_bound is not None else self.sgd_bound(facts)
         total = 0.0
         for m in self.modules:
             A, B = self.broadcast[key(m, "A")].double(), self.broadcast[key(m, "B")].double()
@@ -362,7 +377,7 @@ class UpdateChecker:
             total += float(tangent_norm_sq(A, B, dA, dB).clamp_min(0.0))
         head_sq = sum(float(tensors[HEAD_PREFIX + n].double().square().sum()) for n in self.head)
         scale = math.sqrt(sum(float(v.double().square().sum()) for v in self.broadcast.values()))
-        if head_sgd:  # an SGD head has its own bound; the modules keep theirs
+        if head_sgd:  # an SGD head's steps have their own bound; the modules keep theirs
             head_norm = math.sqrt(head_sq)
             if not math.isfinite(head_norm) or head_norm > head_sgd * (1 + FLOAT32_SLACK) + 1e-6:
                 raise ReplyError(
@@ -373,6 +388,12 @@ class UpdateChecker:
         else:
             total += head_sq
         norm = math.sqrt(total)
+        if self.gradient and not (math.isfinite(norm) and norm <= bound * (1 + FLOAT32_SLACK)):
+            raise ReplyError(
+                f"gradient norm {norm:.4g} exceeds the bound {bound:.4g} of one DP release "
+                f"(sigma {facts.sigma:g}, q {facts.q:g})",
+                "norm",
+            )
         if not math.isfinite(norm) or norm > bound * (1 + FLOAT32_SLACK) + 1e-6 * scale:
             raise ReplyError(
                 f"update norm {norm:.4g} exceeds the bound {bound:.4g} implied by the mechanism "

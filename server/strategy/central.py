@@ -10,6 +10,13 @@ vectors and their minimum-norm lifts, PRISM's DP-aware adaptive transform with i
 across rounds, the retraction at the run's ``lr``, and the head's optimizer on the head part.
 The result is exactly a central PRISM step on the union of the sites' Poisson batches.
 
+Plain rounds with ``step-at = coordinator`` take the same step (``apply_mean``) on the weighted
+mean of the sites' own releases: each site's noisy gradient is one Gaussian PRISM release at
+its own sigma, divided by its own expected batch; their weighted mean carries the noise
+``StreamingAggregator.mean_noise_std`` of the weights, and the adaptive transform's floor is
+tied to it. Averaging before the adaptive transform is what the per-site step cannot do: each
+site's transform normalises its own, sqrt(K) times noisier, gradient (docs/design.md).
+
 State (adaptive moments, the head optimizer's moments) is checkpointed with the coordinator's
 resume state (``state_dict``; ``server.federation``).
 """
@@ -32,14 +39,14 @@ from prism_core.distributed import (
     from_coordinates,
     unflatten,
 )
-from prism_core.manifold import Point, min_norm_lift
-from prism_core.mechanism import retract_modules, step_frames
+from prism_core.manifold import Point, Tangent, min_norm_lift
+from prism_core.mechanism import StepFrames, retract_modules, step_frames
 from prism_runtime.config import RunConfig
 from prism_runtime.head_optimizer import head_optimizer
 from prism_runtime.protocol import HEAD_PREFIX, key
 from prism_runtime.train_config import site_train_config
 
-__all__ = ["STATE_PREFIX", "CentralStep"]
+__all__ = ["STATE_PREFIX", "CentralStep", "noise_std_of"]
 
 log = logging.getLogger("server.strategy")
 
@@ -60,12 +67,17 @@ class CentralStep:
     def __init__(
         self, run: RunConfig, *, modules: list[str], head: list[str], arrays: dict[str, Tensor]
     ) -> None:
-        if not isinstance(run.max_norm, float):
-            raise ValueError("secure aggregation needs a numeric max-norm (RunConfig checks it)")
-        self.modules, self.head, self.max_norm = modules, head, run.max_norm
-        # the coordinator adds no noise: sigma 1 only satisfies the config (never used)
+        self.modules, self.head = modules, head
+        self.max_norm = run.max_norm if isinstance(run.max_norm, float) else None
+        """C of the integer sum's decoding (``apply``); None with ``max-norm = auto`` (plain
+        rounds only: each site's release is already divided by its own b)."""
+        # the coordinator adds no noise: sigma 1 only satisfies the config (never used), and
+        # neither is C (the top of an auto clip's range stands in for it)
         self.config = site_train_config(
-            run, method="prism", max_norm=run.max_norm, noise_multiplier=1.0
+            run,
+            method="prism",
+            max_norm=run.max_norm if isinstance(run.max_norm, float) else run.auto_clip_range[1],
+            noise_multiplier=1.0,
         )
         self.adaptive = self.config.adaptive.to_config()
         self.lr = self.config.lr
@@ -97,11 +109,54 @@ class CentralStep:
             noise_std: the std of the mean update's noise per coordinate (the adaptive
                 transform's floor is tied to it).
         """
+        if self.max_norm is None:
+            raise ValueError("an integer sum needs a numeric max-norm (RunConfig checks it)")
         points = self._points(arrays)
         frames = step_frames(points)
         mean = decode_sum(total, max_norm=self.max_norm) / expected_batch
         coords, head = unflatten(mean, self.shapes)
-        tangents = from_coordinates(frames, coords)
+        return self._step(
+            arrays, points, frames, from_coordinates(frames, coords), head, noise_std, self.lr
+        )
+
+    def apply_mean(
+        self,
+        arrays: dict[str, Tensor],
+        means: dict[str, Tensor],
+        *,
+        noise_std: float,
+        lr_scale: float = 1.0,
+    ) -> dict[str, Tensor]:
+        """The next global arrays from the weighted mean of plain rounds' releases
+        (``step-at = coordinator``).
+
+        Args:
+            arrays: the round's broadcast arrays (float32).
+            means: the weighted mean of the sites' noisy mean gradients: ``dA``/``dB`` of every
+                module (tangent vectors at the broadcast point, any lift of them) and the head's.
+            noise_std: the std per coordinate of the mean's noise
+                (``StreamingAggregator.mean_noise_std``).
+            lr_scale: the server lr of the round (``server.optimizer.scheduled_lr``): the step
+                is taken at ``lr * lr_scale``.
+        """
+        points = self._points(arrays)
+        frames = step_frames(points)
+        tangents = [Tangent(means[key(m, "dA")], means[key(m, "dB")]) for m in self.modules]
+        head = [means[HEAD_PREFIX + n] for n in self.head]
+        return self._step(arrays, points, frames, tangents, head, noise_std, self.lr * lr_scale)
+
+    def _step(
+        self,
+        arrays: dict[str, Tensor],
+        points: list[Point],
+        frames: StepFrames,
+        tangents: Sequence[Tangent],
+        head: Sequence[Tensor],
+        noise_std: float,
+        lr: float,
+    ) -> dict[str, Tensor]:
+        """PRISM's post-processing of one mean noisy gradient: the min-norm lifts, the adaptive
+        transform with the kept moments, the retraction at ``lr``, the head's optimizer."""
         lifted = [
             min_norm_lift(point.A, point.B, t.dA.to(point.A.dtype), t.dB.to(point.B.dtype))
             for point, t in zip(points, tangents, strict=True)
@@ -114,7 +169,7 @@ class CentralStep:
             noise_std=noise_std,
             config=self.adaptive,
         )
-        new_points = retract_modules(frames, directions, -self.lr)
+        new_points = retract_modules(frames, directions, -lr)
         out = dict(arrays)
         for name, p in zip(self.modules, new_points, strict=True):
             out[key(name, "A")] = p.A.to(arrays[key(name, "A")].dtype).contiguous()

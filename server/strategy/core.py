@@ -107,7 +107,8 @@ class PrismStrategy(Strategy):
             run: the validated run config.
             modules, head: the loaded model's LoRA module names and DP head tensor names.
             ledger, run_id: the coordinator's privacy ledger and this run's id in it.
-            arrays: the initial global arrays; a secure run's central step needs them.
+            arrays: the initial global arrays; the coordinator's step (secure, or plain with
+                ``step-at = coordinator``) needs them.
             wait_for_nodes: seconds a round waits for ``sites-per-round`` sites before going
                 on with ``min-sites``.
         """
@@ -139,7 +140,12 @@ class PrismStrategy(Strategy):
                 sparse_graph=run.secure_graph == "sparse",
             )
         else:
-            round_kind = plain_round(run, modules=modules, head=head, terms=terms)
+            central = None
+            if run.steps_at_coordinator:
+                if arrays is None:
+                    raise ValueError("step-at=coordinator needs the initial arrays (arrays=)")
+                central = CentralStep(run, modules=modules, head=head, arrays=arrays)
+            round_kind = plain_round(run, modules=modules, head=head, terms=terms, central=central)
         return cls.assemble(
             modules=modules,
             head=head,
@@ -383,9 +389,11 @@ def plain_round(
     modules: list[str],
     head: list[str],
     terms: RunTerms,
+    central: CentralStep | None = None,
 ) -> PlainRound:
     """The plain round kind of ``run``: its update checker (the bound of the sites' own
-    ``TrainConfig``, ``UpdateBound.for_run``) and streaming aggregator, in the run's mode."""
+    ``TrainConfig``, ``UpdateBound.for_run``) and streaming aggregator, in the run's mode;
+    ``central``: the coordinator's step (``step-at = coordinator``)."""
     return PlainRound.of(
         modules=modules,
         head=head,
@@ -397,4 +405,5 @@ def plain_round(
         num_rounds=run.num_rounds,
         aggregation=run.aggregation,
         min_sites=run.min_sites,
+        central=central,
     )

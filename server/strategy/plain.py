@@ -4,8 +4,11 @@ PRISM (``mode="tangent"``): every site of a round starts from the same broadcast
 ``Z_t = A B.T``, so their tangent updates live in one vector space and the weighted mean of the
 lifts IS the weighted mean of the ``dZ_k`` (the map ``(dA, dB) -> dA B.T + A dB.T`` is linear).
 The server then takes ``Retr_r(Z_t + eta_s * mean dZ)`` (QR + 2r x 2r SVD, full rank r kept).
-Baselines (``mode="factor-average"``): FedIT-style FedAvg of ``A`` and ``B`` separately
-(inexact: ``mean(A) mean(B).T != mean(A B.T)``), used with factor-space DP or FFA on the sites.
+With ``step-at = coordinator`` each reply is one noisy gradient at the broadcast point instead,
+and the server step is PRISM's adaptive step on their weighted mean
+(``server.strategy.central.CentralStep.apply_mean``). Baselines (``mode="factor-average"``):
+FedIT-style FedAvg of ``A`` and ``B`` separately (inexact: ``mean(A) mean(B).T !=
+mean(A B.T)``), used with factor-space DP or FFA on the sites.
 
 Replies are consumed one at a time as they are pulled (``server.strategy.transport``) and none
 is kept after it is summed, so coordinator memory does not grow with the number of sites. Each
@@ -29,6 +32,7 @@ from prism_runtime.facts import ReplyFacts
 from prism_runtime.protocol import UPDATE
 from server.strategy.aggregator import Mode, StreamingAggregator
 from server.strategy.bounds import UpdateBound, UpdateChecker
+from server.strategy.central import CentralStep
 from server.strategy.contract import RoundContext
 from server.strategy.intake import ReplyIntake
 from server.strategy.replies import RunTerms
@@ -46,12 +50,20 @@ class PlainRound:
         checker: what an honest update can be (``UpdateChecker``).
         aggregator: the weighted streaming sums and the server step (``StreamingAggregator``).
         min_sites: the fewest accepted updates a round applies (run-config ``min-sites``).
+        central: the coordinator's step (``step-at = coordinator``; the aggregator's
+            ``central``), whose moments are the round kind's state.
     """
 
     def __init__(
-        self, *, checker: UpdateChecker, aggregator: StreamingAggregator, min_sites: int
+        self,
+        *,
+        checker: UpdateChecker,
+        aggregator: StreamingAggregator,
+        min_sites: int,
+        central: CentralStep | None = None,
     ) -> None:
         self.checker, self.aggregator, self.min_sites = checker, aggregator, min_sites
+        self.central = central
 
     @classmethod
     def of(
@@ -67,10 +79,12 @@ class PlainRound:
         num_rounds: int,
         aggregation: Aggregation,
         min_sites: int,
+        central: CentralStep | None = None,
     ) -> PlainRound:
         """The round's checker and aggregator over ``modules`` and ``head`` in ``mode``, with
         the steps, dp and b of ``terms`` (``server.strategy.core.plain_round`` reads the rest
-        from a run config)."""
+        from a run config); with ``central`` the replies are noisy gradients and the
+        coordinator takes PRISM's step (``step-at = coordinator``)."""
         return cls(
             checker=UpdateChecker(
                 modules=modules,
@@ -78,6 +92,7 @@ class PlainRound:
                 mode=mode,
                 local_steps=terms.local_steps,
                 update_bound=update_bound,
+                gradient=central is not None,
             ),
             aggregator=StreamingAggregator(
                 modules=modules,
@@ -89,8 +104,10 @@ class PlainRound:
                 aggregation=aggregation,
                 dp=terms.dp,
                 expected_batch_size=terms.expected_batch_size,
+                central=central,
             ),
             min_sites=min_sites,
+            central=central,
         )
 
     def begin(self, server_round: int, broadcast: dict[str, Tensor]) -> None:
@@ -137,18 +154,26 @@ class PlainRound:
         """Check the reply's update against the honest bound; return what adds it, weighted."""
         update = self.checker.validate(msg.content.get(UPDATE), facts)
         weight = self.aggregator.weight(facts)
-        return lambda: self.aggregator.add(update, weight)
+        noise = self.aggregator.noise_std(facts)
+        return lambda: self.aggregator.add(update, weight, noise)
 
     def describe(self) -> str:
         aggregator = self.aggregator
+        central = self.central
+        step = "" if central is None else f", step-at=coordinator (lr={central.lr})"
         return (
             f"mode={aggregator.mode}, min-sites={self.min_sites}, "
-            f"server-lr={aggregator.server_lr} {aggregator.lr_schedule}"
+            f"server-lr={aggregator.server_lr} {aggregator.lr_schedule}{step}"
         )
 
     def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
-        """Nothing: the server step is stateless (``server.optimizer.server_step``)."""
-        return {}, {}
+        """The coordinator's step's moments (``CentralStep.state_dict``); nothing when the sites
+        step (``server.optimizer.server_step`` is stateless)."""
+        central = self.central
+        return ({} if central is None else central.state_dict()), {}
 
     def load_state_dict(self, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]) -> None:
-        """Nothing to restore (``state_dict``)."""
+        """Restore what ``state_dict`` returned."""
+        central = self.central
+        if central is not None:
+            central.load_state_dict(dict(tensors))

@@ -513,9 +513,11 @@ class SecureRound:
         survivors = sorted(request.survivors)
         state.masked = None  # from here on the coordinator holds the sum only
         expected = sum(state.divisor[s] for s in survivors)
+        max_norm = self.central.max_norm
+        assert max_norm is not None  # RunConfig: a secure run's clip is a number
         noise = noise_std_of(
             [state.shares[s] for s in survivors],
-            max_norm=self.central.max_norm,
+            max_norm=max_norm,
             expected_batch=expected,
         )
         broadcast = state.arrays.to_torch_state_dict()

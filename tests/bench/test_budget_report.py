@@ -1,7 +1,8 @@
 """bench/budget_report.py: a central result (bench/central_curve.py) joins the study as its own
 line, its budget per site the pooled one over the sites; a federated result's row is unchanged,
-and a run of several local steps a round counts each step's batch; the report writes its table
-and both plots and copies no result already in its folder."""
+and a run of several local steps a round counts each step's batch; a plain run is a series by
+where its step runs; the report writes its table and both plots and copies no result already in
+its folder."""
 
 from __future__ import annotations
 
@@ -103,3 +104,15 @@ def test_a_secure_run_counting_on_fewer_honest_sites_than_its_sites_is_its_own_s
     assert report._row("s13", h1)["series"] == "prism secure, eps 3, H = 1"
     all_honest = {**FEDERATED, "run-config": {**FEDERATED["run-config"], "min-honest-sites": 3}}
     assert report._row("s7", all_honest)["series"] == "prism secure, eps 3"
+
+
+def test_a_plain_run_is_a_series_by_where_its_step_runs(report):
+    """The study's plain runs state ``step-at``; a plain run without it is a run of site
+    steps (the study's runs from before the coordinator's step)."""
+    plain = {k: v for k, v in FEDERATED["run-config"].items() if k != "secure-aggregation"}
+    coordinator = {**FEDERATED, "run-config": {**plain, "step-at": "coordinator"}}
+    assert report._row("c2", coordinator)["series"] == "prism plain (step at coordinator), eps 3"
+    site = {**FEDERATED, "run-config": plain}
+    assert report._row("p5", site)["series"] == "prism plain (step at site), eps 3"
+    secure = {**FEDERATED, "run-config": {**FEDERATED["run-config"], "step-at": "coordinator"}}
+    assert report._row("s7", secure)["series"] == "prism secure, eps 3"

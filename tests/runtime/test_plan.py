@@ -17,6 +17,7 @@ from prism_runtime.exchange import to_arrays
 from prism_runtime.plan import (
     MAX_LR,
     MIN_BATCH,
+    STEP_SETTINGS,
     STEPS,
     budget_report,
     plan_budget,
@@ -69,7 +70,7 @@ def test_a_run_with_the_plans_config_charges_the_plans_epsilon(tiny_bert, tmp_pa
     run = parse_config(RunConfig, values, what="run config")
     plan = run.plan
     assert plan is not None and run.batch_size == plan.batch_size == MIN_BATCH == 32
-    assert run.num_rounds == plan.num_rounds == 10 and run.lr == plan.lr
+    assert run.num_rounds == plan.num_rounds == 10 and run.lr == STEP_SETTINGS["lr"]
     report = budget_report(plan, epsilon=run.target_epsilon, delta=run.delta)
     node = simulated_node(tmp_path, **{"epsilon-cap": 3.0})
     site = Site(run, node, site_policy(node, env_secret=""))
@@ -87,12 +88,25 @@ def test_a_budget_run_config_says_what_it_sets_and_survives_a_round_trip():
     run = parse_config(RunConfig, {"budget": 2, "rows-per-site": 22_000}, what="run config")
     plan = plan_budget(passes=2, rows_per_site=22_000)
     assert run.plan == plan
-    assert (run.batch_size, run.num_rounds, run.local_steps, run.lr) == (
+    # the coordinator takes the step (step-at = auto): the settings of that step
+    assert run.steps_at_coordinator
+    assert (run.batch_size, run.num_rounds, run.local_steps) == (
         plan.batch_size,
         plan.num_rounds,
         plan.local_steps,
-        plan.lr,
     )
+    assert (run.lr, run.max_norm, run.head_max_norm, run.head_lr) == (0.008, 0.5, 0.4, 10.0)
+    assert dict(STEP_SETTINGS) == {
+        "lr": 0.008,
+        "max-norm": 0.5,
+        "head-max-norm": 0.4,
+        "head-lr": 10.0,
+    }
+    # sites that step themselves keep the plain rule's lr and the demo's clip
+    values = {"budget": 2, "rows-per-site": 22_000, "step-at": "site"}
+    sited = parse_config(RunConfig, values, what="run config")
+    assert not sited.steps_at_coordinator
+    assert (sited.lr, sited.max_norm, sited.head_max_norm) == (plan.lr, 1.0, 0.9)
     again = parse_config(RunConfig, run.model_dump(by_alias=True), what="run config")
     assert again == run
     listed = {
@@ -156,6 +170,7 @@ def test_the_plan_command_prints_the_config_sigma_noise_and_epsilon(capsys):
     assert f"sigma (calibrated by each site of 22000 rows): {report.sigma:.4f}" in out
     assert f"epsilon charged per site: {report.charged:.4f} (<= 3)" in out
     assert "secure aggregation (--secure) puts one sigma in the sum" in out  # the hint, plain only
+    assert "lr = 0.008" in out and "max-norm = 0.5" in out  # the coordinator's step
     same = ["plan", "--example-gradients", "44000", "--rows-per-site", "22000"]
     assert main(same) == EXIT_OK
     assert f"batch-size = {plan.batch_size}" in capsys.readouterr().out

@@ -23,9 +23,39 @@ from helpers.grids import LoopbackSites
 
 from client.app import app as client_app
 from prism_runtime.config import RunConfig, parse_config
-from prism_runtime.faults import faults_from_env
+from prism_runtime.faults import Faults, faults_from_env
 from prism_runtime.logs import setup_logging
 from server.federation import run_federation
+
+
+class CrashError(Exception):
+    """The coordinator dies here (a test's stand-in for SIGKILL at a crash point)."""
+
+
+class CrashAt(Faults):
+    """Raise ``CrashError`` when the coordinator reaches ``point`` in ``server_round`` (an
+    in-process crash, for the tests that resume in the same process)."""
+
+    def __init__(self, point: str, server_round: int) -> None:
+        self.point, self.server_round = point, server_round
+
+    def reach(self, point: str, server_round: int) -> None:
+        if (point, server_round) == (self.point, self.server_round):
+            raise CrashError(point)
+
+
+def assert_same_adapter(first: Path, second: Path) -> None:
+    """The exported adapters of two run folders hold the same tensors, bit for bit."""
+    import torch
+    from safetensors import safe_open
+
+    with (
+        safe_open(str(first / "adapter" / "adapter_model.safetensors"), "pt") as a,
+        safe_open(str(second / "adapter" / "adapter_model.safetensors"), "pt") as b,
+    ):
+        assert sorted(a.keys()) == sorted(b.keys())
+        for name in a.keys():  # noqa: SIM118 - safe_open has no iteration
+            assert torch.equal(a.get_tensor(name), b.get_tensor(name)), name
 
 
 class LoopbackGrid(LoopbackSites):

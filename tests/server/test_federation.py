@@ -103,6 +103,7 @@ def _run_dir(tiny_bert: str, tmp_path, aggregation: str, **overrides):
         "synthetic-examples": EXAMPLES,
         "max-length": 24,
         "aggregation": aggregation,
+        "step-at": "site",  # the scripted replies are displacements
         "run-dir": str(tmp_path / aggregation),
         **overrides,
     }

@@ -111,8 +111,12 @@ def test_a_default_run_config_gives_the_products_settings(tmp_path) -> None:
     run = RunConfig()
     with Ledger.open(tmp_path / "ledger.sqlite") as ledger:
         strategy = core.PrismStrategy.from_run(
-            run, modules=MODULES, head=[], ledger=ledger, run_id="run-1"
+            run, modules=MODULES, head=[], ledger=ledger, run_id="run-1", arrays=adapter()
         )
+        # PRISM at one local step: the sites release gradients, the coordinator steps
+        assert run.step_at == "auto" and run.steps_at_coordinator
+        assert strategy.round_kind.central is not None and strategy.round_kind.checker.gradient
+        assert strategy.round_kind.aggregator.central is strategy.round_kind.central
         # the grid's wait is not a run config key: 120 s is the coordinator's
         assert strategy.selection.wait_for_nodes == WAIT_FOR_NODES == 120.0
         assert strategy.selection.connect_timeout == 600.0
@@ -238,8 +242,9 @@ def test_a_secure_run_with_one_sample_rate_binds_q_not_the_batch(tmp_path) -> No
     assert kind.min_honest_sites == 3 and kind.central.max_norm == run.max_norm
 
 
-def test_a_secure_run_needs_the_initial_arrays_for_its_central_step(tmp_path) -> None:
-    run = parse_config(RunConfig, {"secure-aggregation": True}, what="run config")
+@pytest.mark.parametrize("values", [{"secure-aggregation": True}, {"step-at": "coordinator"}])
+def test_a_coordinator_step_needs_the_initial_arrays(tmp_path, values) -> None:
+    run = parse_config(RunConfig, values, what="run config")
     with (
         Ledger.open(tmp_path / "ledger.sqlite") as ledger,
         pytest.raises(ValueError, match="arrays"),
@@ -266,7 +271,7 @@ def test_from_run_checks_a_private_clip_and_bounds_it_at_its_largest(tmp_path) -
     low, high = run.auto_clip_range
     with Ledger.open(tmp_path / "ledger.sqlite") as ledger:
         strategy = core.PrismStrategy.from_run(
-            run, modules=MODULES, head=[], ledger=ledger, run_id="run-1"
+            run, modules=MODULES, head=[], ledger=ledger, run_id="run-1", arrays=adapter()
         )
         auto = AutoClip(low=low, high=high, steps=30, noise_multiplier=0.05 * 64)
         assert strategy.terms.auto_clip == auto and strategy.charges.auto_clip == auto

@@ -11,16 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from flwr.app import Message
 from flwr.supercore.task_identity import TaskIdentity
-from resume_driver import LoopbackGrid
-from safetensors import safe_open
+from resume_driver import CrashAt, CrashError, LoopbackGrid, assert_same_adapter
 
 from prism_core.records import SKELLAM_MECHANISM
 from prism_runtime.config import RunConfig, parse_config
-from prism_runtime.faults import Faults
 from prism_runtime.protocol import SECURE_STAGES
 from prism_runtime.secure_sum.wire import RECORD
 from server.federation import run_federation
@@ -250,21 +247,6 @@ def test_a_coordinator_substituting_a_key_is_caught_before_anything_is_shared(ti
         assert not own.exists() or own.read_text() == ""
 
 
-class CrashError(Exception):
-    """The coordinator dies here (a test's stand-in for SIGKILL at a crash point)."""
-
-
-class CrashAt(Faults):
-    """Raise ``CrashError`` when the coordinator reaches ``point`` in ``server_round``."""
-
-    def __init__(self, point: str, server_round: int) -> None:
-        self.point, self.server_round = point, server_round
-
-    def reach(self, point: str, server_round: int) -> None:
-        if (point, server_round) == (self.point, self.server_round):
-            raise CrashError(point)
-
-
 def test_a_resumed_secure_run_ends_where_the_uninterrupted_one_does(tiny_bert, tmp_path):
     """The coordinator's own state (PRISM's adaptive moments and the head's optimizer, kept
     for the unmasked sums) is checkpointed: a run that dies after round 1's checkpoint and
@@ -280,13 +262,7 @@ def test_a_resumed_secure_run_ends_where_the_uninterrupted_one_does(tiny_bert, t
         run_federation(SecureGrid(crashed, nodes=nodes), run, faults=CrashAt("round-start", 2))
     resumed_dir = _run(crashed, SecureGrid(crashed, nodes=nodes))
     assert _summary(resumed_dir)["rounds-applied"] == ROUNDS
-    with (
-        safe_open(str(straight_dir / "adapter" / "adapter_model.safetensors"), "pt") as a,
-        safe_open(str(resumed_dir / "adapter" / "adapter_model.safetensors"), "pt") as b,
-    ):
-        assert sorted(a.keys()) == sorted(b.keys())
-        for name in a.keys():  # noqa: SIM118 - safe_open has no iteration
-            assert torch.equal(a.get_tensor(name), b.get_tensor(name)), name
+    assert_same_adapter(straight_dir, resumed_dir)
 
 
 def test_every_honest_site_adds_the_largest_share_a_roster_site_signed(
