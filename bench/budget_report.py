@@ -50,7 +50,7 @@ def _row(name: str, result: dict[str, Any]) -> dict[str, Any]:
         config.update(result["resolved"])
     elif config.get("budget"):  # a result without them: the plain plan, the rule it ran under
         plan = plan_budget(passes=config["budget"], rows_per_site=config["rows-per-site"])
-        config.update(plan.settings())
+        config.update(plan.settings(site_step=True))
         config["lr"] = min(UNRECORDED_MAX_LR, LR_PER_ROW * plan.batch_size)
     curve = {int(k): v for k, v in result["selection-curve"].items()}
     dev = next(iter(result["eval"].values()))["accuracy"]

@@ -157,7 +157,8 @@ def released_gradient(loaded: LoadedModel, released: PrivateStep) -> dict[str, T
     head's noisy mean gradient, all float32 and contiguous. Nothing else of the step leaves."""
     out: dict[str, Tensor] = {}
     for h, t in zip(loaded.handles, released.tangents, strict=True):
-        out[key(h.name, "dA")], out[key(h.name, "dB")] = t.dA.float(), t.dB.float()
+        out[key(h.name, "dA")] = t.dA.detach().float().cpu()
+        out[key(h.name, "dB")] = t.dB.detach().float().cpu()
     for (name, _), grad in zip(head_named(loaded), released.euclidean, strict=True):
         out[HEAD_PREFIX + name] = grad.detach().float().cpu()
     return {k: v.contiguous() for k, v in out.items()}

@@ -359,7 +359,8 @@ class RunConfig(_Kebab):
         "the head's optimizer it keeps; PRISM, local-steps = 1), site (each site steps "
         "local-steps times on its own noisy gradients; the coordinator averages the tangent "
         "displacements), or auto = coordinator for PRISM at local-steps = 1, else site. The "
-        "same release and charge either way; secure aggregation always steps at the coordinator",
+        "same mechanism and charge either way (a gradient or a displacement is sent); secure "
+        "aggregation always steps at the coordinator",
     )
     noise_multiplier: float = Field(
         -1.0,
@@ -584,10 +585,10 @@ class RunConfig(_Kebab):
                 "public figure; it sets the batch and the rounds), e.g. rows-per-site=20000"
             )
         plan = plan_budget(passes=float(budget), rows_per_site=rows)
-        settings = plan.settings(
-            secure=_is_true(given.get("secure-aggregation", False)),
-            site_step=given.get("step-at") == "site",
-        )
+        secure = _is_true(given.get("secure-aggregation", False))
+        # the sites step when asked to, and always with a baseline (it has no tangent release)
+        site_step = given.get("step-at") == "site" or given.get("method", "prism") != "prism"
+        settings = plan.settings(secure=secure, site_step=site_step)
         # a key at its default (as pyproject.toml lists every key) is the plan's to set
         defaults = {_alias(k): f.default for k, f in cls.model_fields.items()}
         clashes = [
@@ -596,8 +597,9 @@ class RunConfig(_Kebab):
             if key in given and given[key] != defaults[key] and not _same_number(given[key], value)
         ]
         if clashes:
+            step = "" if site_step else " (with step-at=site it sets only the first four)"
             raise ValueError(
-                f"budget={budget:g} sets {', '.join(settings)}; the run config also sets "
+                f"budget={budget:g} sets {', '.join(settings)}{step}; the run config also sets "
                 f"{'; '.join(clashes)}: remove those keys, or budget"
             )
         return {**given, **settings, "rows-per-site": rows}
@@ -661,6 +663,8 @@ class RunConfig(_Kebab):
             problems.append(f"local-steps={self.local_steps} (use 1: one clipped sum per round)")
         if self.auto_clip:
             problems.append("max-norm=auto (every site must clip at one public C: set a number)")
+        if self.step_at == "site":
+            problems.append("step-at='site' (the coordinator steps on the sum: remove it)")
         if self.min_honest_sites > self.sites_per_round:
             problems.append(
                 f"min-honest-sites={self.min_honest_sites} > sites-per-round="

@@ -169,7 +169,8 @@ def _export(loaded: LoadedModel, run_dir: Path, summaries: list[RoundSummary]) -
 
 def _say_plan(plan: BudgetPlan, run: RunConfig) -> None:
     """Say what the run's budget chose (``prism_runtime.plan``)."""
-    settings = plan.settings(secure=run.secure_aggregation, site_step=run.step_at == "site")
+    site_step = not (run.secure_aggregation or run.steps_at_coordinator)
+    settings = plan.settings(secure=run.secure_aggregation, site_step=site_step)
     chosen = " ".join(f"{k}={v:g}" for k, v in settings.items())
     line = (
         f"budget of {plan.passes:g} passes over about {plan.rows_per_site} rows a site "

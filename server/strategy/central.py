@@ -87,6 +87,11 @@ class CentralStep:
         self.dim = coordinate_dim(self.shapes)
         self.states: list[AdaptiveState] = [init_state(p.A, p.B) for p in points]
         self.optimizer = head_optimizer(self.head_params, self.config)
+        self.head_lrs = (
+            []
+            if self.optimizer is None
+            else [float(group["lr"]) for group in self.optimizer.param_groups]
+        )
 
     def _points(self, arrays: dict[str, Tensor]) -> list[Point]:
         return [Point(arrays[key(m, "A")], arrays[key(m, "B")]) for m in self.modules]
@@ -116,7 +121,7 @@ class CentralStep:
         mean = decode_sum(total, max_norm=self.max_norm) / expected_batch
         coords, head = unflatten(mean, self.shapes)
         return self._step(
-            arrays, points, frames, from_coordinates(frames, coords), head, noise_std, self.lr
+            arrays, points, frames, from_coordinates(frames, coords), head, noise_std, 1.0
         )
 
     def apply_mean(
@@ -137,13 +142,13 @@ class CentralStep:
             noise_std: the std per coordinate of the mean's noise
                 (``StreamingAggregator.mean_noise_std``).
             lr_scale: the server lr of the round (``server.optimizer.scheduled_lr``): the step
-                is taken at ``lr * lr_scale``.
+                is taken at ``lr * lr_scale``, the head's at ``head-lr * lr_scale``.
         """
         points = self._points(arrays)
         frames = step_frames(points)
         tangents = [Tangent(means[key(m, "dA")], means[key(m, "dB")]) for m in self.modules]
         head = [means[HEAD_PREFIX + n] for n in self.head]
-        return self._step(arrays, points, frames, tangents, head, noise_std, self.lr * lr_scale)
+        return self._step(arrays, points, frames, tangents, head, noise_std, lr_scale)
 
     def _step(
         self,
@@ -153,10 +158,11 @@ class CentralStep:
         tangents: Sequence[Tangent],
         head: Sequence[Tensor],
         noise_std: float,
-        lr: float,
+        lr_scale: float,
     ) -> dict[str, Tensor]:
         """PRISM's post-processing of one mean noisy gradient: the min-norm lifts, the adaptive
-        transform with the kept moments, the retraction at ``lr``, the head's optimizer."""
+        transform with the kept moments, the retraction at ``lr x lr_scale``, the head's
+        optimizer at its lr times ``lr_scale``."""
         lifted = [
             min_norm_lift(point.A, point.B, t.dA.to(point.A.dtype), t.dB.to(point.B.dtype))
             for point, t in zip(points, tangents, strict=True)
@@ -169,7 +175,7 @@ class CentralStep:
             noise_std=noise_std,
             config=self.adaptive,
         )
-        new_points = retract_modules(frames, directions, -lr)
+        new_points = retract_modules(frames, directions, -self.lr * lr_scale)
         out = dict(arrays)
         for name, p in zip(self.modules, new_points, strict=True):
             out[key(name, "A")] = p.A.to(arrays[key(name, "A")].dtype).contiguous()
@@ -180,6 +186,8 @@ class CentralStep:
                     param.copy_(arrays[HEAD_PREFIX + name])
             for param, grad in zip(self.head_params, head, strict=True):
                 param.grad = grad.to(param.dtype).reshape(param.shape)
+            for group, base in zip(self.optimizer.param_groups, self.head_lrs, strict=True):
+                group["lr"] = base * lr_scale
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             for name, param in zip(self.head, self.head_params, strict=True):

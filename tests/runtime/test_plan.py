@@ -107,6 +107,13 @@ def test_a_budget_run_config_says_what_it_sets_and_survives_a_round_trip():
     sited = parse_config(RunConfig, values, what="run config")
     assert not sited.steps_at_coordinator
     assert (sited.lr, sited.max_norm, sited.head_max_norm) == (plan.lr, 1.0, 0.9)
+    # a baseline always steps at its sites: the plain rule too
+    values = {"budget": 2, "rows-per-site": 22_000, "method": "fedavg-factors"}
+    baseline = parse_config(RunConfig, values, what="run config")
+    assert (baseline.lr, baseline.max_norm, baseline.head_max_norm) == (plan.lr, 1.0, 0.9)
+    clash = {"budget": 2, "rows-per-site": 22_000, "max-norm": "auto"}
+    with pytest.raises(ConfigError, match=r"with step-at=site it sets only the first four"):
+        parse_config(RunConfig, clash, what="run config")
     again = parse_config(RunConfig, run.model_dump(by_alias=True), what="run config")
     assert again == run
     listed = {

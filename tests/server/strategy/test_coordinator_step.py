@@ -96,6 +96,35 @@ def test_the_coordinators_step_on_one_release_is_the_sites_own_step(tiny_bert, s
     assert all(torch.equal(unchanged[k], start[k]) for k in start)  # nothing moved at the site
 
 
+def test_the_round_server_lr_scales_the_head_step_as_the_lora_step(tiny_bert):
+    """``lr_scale`` (the round's server lr) scales the head's SGD step as it scales the LoRA
+    step: half the scale, half the head's move, from the same state."""
+    run = _run_config(tiny_bert, **{"head-optimizer": "sgd"})
+    lm = load_model(ModelConfig(model=tiny_bert, rank=4))
+    start = to_arrays(lm)
+    modules = [h.name for h in lm.handles]
+    head = [name for name, _ in head_named(lm)]
+    g = torch.Generator().manual_seed(5)
+    means = {
+        k.removesuffix("/A") + "/dA": torch.zeros_like(v)
+        for k, v in start.items()
+        if k.endswith("/A")
+    }
+    means |= {
+        k.removesuffix("/B") + "/dB": torch.zeros_like(v)
+        for k, v in start.items()
+        if k.endswith("/B")
+    }
+    means |= {HEAD_PREFIX + n: torch.randn(start[HEAD_PREFIX + n].shape, generator=g) for n in head}
+    for scale in (1.0, 0.5):
+        central = CentralStep(run, modules=modules, head=head, arrays=start)
+        moved = central.apply_mean(start, means, noise_std=0.01, lr_scale=scale)
+        for n in head:
+            delta = moved[HEAD_PREFIX + n] - start[HEAD_PREFIX + n]
+            torch.testing.assert_close(delta, -2.0 * scale * means[HEAD_PREFIX + n])
+    assert central.optimizer is not None and central.head_lrs == [2.0]  # the base lr is kept
+
+
 class RecordingStep:
     """A ``MeanStep`` that records what the aggregator hands it and returns the broadcast."""
 
@@ -208,6 +237,11 @@ def test_a_gradient_reply_is_checked_against_one_releases_bound():
 def test_step_at_coordinator_needs_prism_and_one_local_step(tiny_bert, extra, named):
     with pytest.raises(ConfigError, match=rf"run config: step-at=coordinator needs .*{named}"):
         _run_config(tiny_bert, **extra)
+
+
+def test_secure_aggregation_refuses_site_steps(tiny_bert):
+    with pytest.raises(ConfigError, match=r"step-at='site' \(the coordinator steps on the sum"):
+        _run_config(tiny_bert, **{"step-at": "site", "secure-aggregation": True})
 
 
 # -- end to end over a loopback grid -------------------------------------------------------
