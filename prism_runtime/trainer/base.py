@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -58,6 +58,7 @@ from prism_runtime.train_config import PrivacyUnit, TrainConfig
 __all__ = [
     "TRAINERS",
     "PrivateTrainer",
+    "RunStep",
     "StepResult",
     "make_trainer",
     "noise_records",
@@ -83,6 +84,11 @@ class StepResult:
     loss: float
     batch_size: int
     record: PrivacyEvent | None = None
+
+
+RunStep = Callable[[dict[str, Tensor]], tuple[float, PrivacyEvent | None]]
+"""What a step runs on its batch: the mean per-sequence loss (private) and the mechanism's
+record of the release (``PrivateTrainer._run_step``)."""
 
 
 def noise_records(results: Sequence[StepResult]) -> list[PrivacyEvent]:
@@ -385,12 +391,14 @@ class PrivateTrainer:
 
     # -- steps -----------------------------------------------------------------------------
 
-    def step(self) -> StepResult:
-        """Run one logical step (refused with ``BudgetExceededError`` past the cap)."""
+    def step(self, run: RunStep | None = None) -> StepResult:
+        """Run one logical step (refused with ``BudgetExceededError`` past the cap); ``run``
+        replaces ``_run_step`` on the step's batch (``PrismTrainer.private_gradient`` releases
+        without applying), with the same budget check, record and count."""
         self._check_budget()
         batch = self._next_batch()
         with self._autocast():
-            loss, record = self._run_step(batch)
+            loss, record = (self._run_step if run is None else run)(batch)
         if record is not None:  # the history is what the mechanism says it ran, in its unit
             record = replace(record, unit=self.privacy_unit)
             self.history.append(record)

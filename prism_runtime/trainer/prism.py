@@ -19,7 +19,6 @@ folds are sums, applied to the whitened rows alike.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import replace
 from typing import ClassVar
 
 import torch
@@ -312,22 +311,22 @@ class PrismTrainer(DPTrainer):
     def private_gradient(self) -> tuple[PrivateStep, StepResult]:
         """One step's DP release at the current point, not applied (``step-at = coordinator``).
 
-        The next Poisson batch, the global clip and the noise of ``release``, divided by the
-        expected batch, recorded and composed like ``step``; the adaptive transform, the
-        retraction and the head's step run at the coordinator on the sites' weighted mean
-        (``server.strategy.central``). Nothing moves here. The release is the DP quantity a
-        site sends; the returned ``StepResult``'s loss and batch size are private.
+        ``step`` with ``release`` in place of ``_run_step``: the next Poisson batch, the global
+        clip and the noise, divided by the expected batch, recorded and composed like any step;
+        the adaptive transform, the retraction and the head's step run at the coordinator on
+        the sites' weighted mean (``server.strategy.central``). Nothing moves here. The release
+        is the DP quantity a site sends; the returned ``StepResult``'s loss and batch size are
+        private.
         """
-        self._check_budget()
-        batch = self._next_batch()
-        points = read_points(self.loaded.handles)
-        with self._autocast():
-            released, _, total = self.release(batch, points)
-        record = replace(released.record, unit=self.privacy_unit)
-        self.history.append(record)
-        self.steps_done += 1
-        size = int(batch["labels"].shape[0])
-        return released, StepResult(self.steps_done, total / max(size, 1), size, record)
+        released: list[PrivateStep] = []
+
+        def release_only(batch: dict[str, Tensor]) -> tuple[float, PrivacyEvent]:
+            out, _, total = self.release(batch, read_points(self.loaded.handles))
+            released.append(out)
+            return total / max(int(batch["labels"].shape[0]), 1), out.record
+
+        result = self.step(release_only)
+        return released[0], result
 
     def count_within(self, max_norm: float, *, lora_only: bool) -> tuple[int, int]:
         """On the next Poisson batch: ``(units, units whose clipped norm is <= max_norm)``, the

@@ -18,7 +18,7 @@ from typing import Literal, Protocol
 import torch
 from torch import Tensor
 
-from prism_core.aggregation import Aggregation, aggregate_noise_std, site_noise_std
+from prism_core.aggregation import Aggregation, site_noise_std
 from prism_core.manifold import Point, Tangent
 from prism_runtime.facts import ReplyFacts
 from prism_runtime.protocol import HEAD_PREFIX, MAX_EXAMPLES, key
@@ -95,12 +95,12 @@ class StreamingAggregator:
         self.broadcast: dict[str, Tensor] = {}
         self._sums: dict[str, Tensor] = {}
         self._total = 0.0
-        self._noise: list[tuple[float, float]] = []
+        self._noise_var = 0.0  # sum of (weight x noise std)^2
 
     def begin_round(self, broadcast: dict[str, Tensor]) -> None:
         """Start a round at the broadcast arrays: empty sums."""
         self.broadcast = broadcast
-        self._sums, self._total, self._noise = {}, 0.0, []
+        self._sums, self._total, self._noise_var = {}, 0.0, 0.0
 
     def add(self, update: dict[str, Tensor], weight: float, noise_std: float = 0.0) -> None:
         """Add one checked reply's update, with its ``weight(facts)`` and its ``noise_std
@@ -109,16 +109,14 @@ class StreamingAggregator:
             value = weight * tensor.double()
             self._sums[name] = self._sums[name] + value if name in self._sums else value
         self._total += weight
-        self._noise.append((weight, noise_std))
+        self._noise_var += (weight * noise_std) ** 2
 
     @property
     def mean_noise_std(self) -> float:
-        """The std per coordinate of this round's weighted mean's noise so far (``mean_noise_std``
-        of the weights and the replies' ``sigma C / b``)."""
-        if self._total <= 0:
-            return 0.0
-        weights = [w / self._total for w, _ in self._noise]
-        return aggregate_noise_std(weights, [s for _, s in self._noise])
+        """The std per coordinate of this round's weighted mean's noise so far:
+        ``prism_core.aggregation.aggregate_noise_std`` of the normalised weights and the replies'
+        ``sigma C / b``, ``sqrt(sum_k (w_k s_k)^2) / sum_k w_k``, kept as two running sums."""
+        return math.sqrt(self._noise_var) / self._total if self._total > 0 else 0.0
 
     @property
     def total_weight(self) -> float:
