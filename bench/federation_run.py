@@ -113,7 +113,10 @@ def main(argv: list[str] | None = None) -> None:
     dumped = run.model_dump(by_alias=True)
     result = {
         "run-config": run_config,
-        "resolved": {key: dumped[key] for key in RESOLVED},  # what a budget set, as run
+        "resolved": {  # what a budget set, as run, and where the step was taken
+            **{key: dumped[key] for key in RESOLVED},
+            "step-at": "coordinator" if run.steps_at_coordinator else "site",
+        },
         "seconds": round(seconds, 1),
         "selection-curve": curve,
         "eval": {str(eval_data): metrics},

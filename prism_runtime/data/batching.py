@@ -233,10 +233,11 @@ def micro_batches(
         yield _trim_padding(micro) if trim_padding else micro
 
 
-MICRO_BATCH_OVERHEAD_TOKENS = 32
-"""The fixed cost of one forward/backward pass (hooks, kernel launches, per-example gradient
-bookkeeping), in padded tokens of compute: what a further split must save to be worth it
-(``length_groups``; measured with ``bench/step.py --data sst2``, docs/benchmarks.md)."""
+MICRO_BATCH_OVERHEAD_TOKENS = 128
+"""The fixed cost of one forward/backward pass (kernel launches, the per-example rows' layer
+calls, a clip), in padded tokens of compute: what a further split must save to be worth it
+(``length_groups``; swept with ``bench/step.py --data sst2``, docs/benchmarks.md: PRISM and
+non-DP LoRA both fastest, or within their spread, at 128)."""
 
 
 def length_groups(

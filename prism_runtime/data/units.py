@@ -37,6 +37,7 @@ __all__ = [
     "OPEN_KEY",
     "UNIT_KEY",
     "UserPoissonSampler",
+    "packed_groups",
     "person_records",
     "unit_index",
     "unit_micro_batches",
@@ -321,7 +322,7 @@ def unit_micro_batches(
         counts = [counts[i] for i in order.tolist()]
         groups = length_groups(longest[order].tolist(), micro_batch_size, counts=counts)
     else:
-        groups = _packed_groups(counts, micro_batch_size)
+        groups = packed_groups(counts, micro_batch_size)
     start = person = 0
     for size in groups:
         rows_in = sum(counts[person : person + size])
@@ -346,9 +347,10 @@ def _unit_counts(unit: Tensor) -> list[int]:
     return [int(c) for c in counts]
 
 
-def _packed_groups(counts: Sequence[int], cap: int) -> list[int]:
-    """People per micro-batch, in order: as many consecutive people as fit in ``cap`` rows, or
-    one person alone who has more."""
+def packed_groups(counts: Sequence[int], cap: int) -> list[int]:
+    """Items per group, in order: as many consecutive items of ``counts`` rows as fit in ``cap``
+    rows together, or one item alone that has more (people per micro-batch here; micro-batches
+    per clip in ``PrismTrainer``)."""
     groups: list[int] = []
     rows = 0
     for count in counts:

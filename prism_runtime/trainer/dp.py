@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import ClassVar
 
 import torch
@@ -238,15 +238,17 @@ class DPTrainer(PrivateTrainer):
         self,
         batch: dict[str, Tensor],
         before: Callable[[dict[str, Tensor]], None] | None = None,
+        micros: Iterable[dict[str, Tensor]] | None = None,
     ) -> Iterator[tuple[int, float, Fold | None]]:
         """Backward each micro-batch of ``batch``; yields its ``(examples, summed loss, fold)``
         while its per-example gradients are set, and clears them when the caller asks for the
         next, or when the caller stops or fails. ``fold`` maps the micro-batch's per-example rows
         to those of the people it completes (``UnitFold``, one per batch) at the person level;
         None at the record level. ``before(micro)`` runs before each micro-batch's forward (e.g.
-        to set row sinks)."""
+        to set row sinks). ``micros``: ``batch``'s micro-batches if the caller split it already
+        (``_micro_batches``)."""
         people = UnitFold() if self.privacy_unit == "user" else None
-        for micro in self._micro_batches(batch):
+        for micro in self._micro_batches(batch) if micros is None else micros:
             fold: Fold | None = None
             if people is not None:
                 unit, open_ = micro[UNIT_KEY], bool(micro[OPEN_KEY].any())

@@ -41,6 +41,7 @@ from prism_core.mechanism import (
 )
 from prism_runtime import per_example
 from prism_runtime.classifier import fold_text_rows
+from prism_runtime.data.units import packed_groups
 from prism_runtime.errors import ConfigError
 from prism_runtime.head_optimizer import head_optimizer
 from prism_runtime.lora import LoraHandle, per_example_factor_grads, read_points, write_points_
@@ -87,14 +88,15 @@ def _fold_rows(
 class StepRows:
     """The whitened per-example rows of one step's micro-batches, written by the LoRA layers.
 
-    ``prepare(micro)`` allocates, per shape group of ``frames``, the stacked buffers
-    (L, b, r, m) and (L, b, r, n) of the micro-batch's b encoder rows (two an example for
-    siamese pairs: ``texts_per_example``) and points every LoRA
-    factor's ``RowSink`` at its module's slot, whitened by its frame (``lora_B``: ``RB^{-1}``,
-    ``lora_A``: ``RA^{-1}``); ``rows()`` returns them after the backward, for
-    ``clip_and_sum_whitened``; ``close()`` takes the sinks down. A factor whose slot the
-    backward did not write (a module the loss does not reach) is an error, never uninitialised
-    memory in a sum (``ConfigError`` naming the modules).
+    ``begin(rows)`` allocates, per shape group of ``frames``, the stacked buffers (L, rows, r, m)
+    and (L, rows, r, n) for the encoder rows of one or more consecutive micro-batches (two an
+    example for siamese pairs: ``texts_per_example``); ``prepare(micro)`` points every LoRA
+    factor's ``RowSink`` at the micro-batch's next slice of them, whitened by its module's
+    frame (``lora_B``: ``RB^{-1}``, ``lora_A``: ``RA^{-1}``), opening a buffer of its own size
+    when none has room; ``rows()`` returns the filled buffers after the last backward, for
+    ``clip_and_sum_whitened``; ``close()`` takes the sinks down. A factor whose slot a backward
+    did not write (a module the loss does not reach) is an error, never uninitialised memory in
+    a sum (``ConfigError`` naming the modules).
     """
 
     def __init__(
@@ -103,30 +105,42 @@ class StepRows:
         self.handles, self.frames, self.texts = handles, frames, texts_per_example
         self._sinks: list[tuple[str, per_example.RowSink]] = []
         self._rows: list[tuple[Tensor, Tensor]] = []
+        self._filled = 0
 
-    def prepare(self, micro: dict[str, Tensor]) -> None:
-        """Buffers and sinks for ``micro``'s encoder rows (``texts_per_example`` an example)."""
-        b = int(micro["labels"].shape[0]) * self.texts
-        self._sinks, self._rows = [], []
-        for group, stacked, point in zip(
-            self.frames.groups, self.frames.stacked, self.frames.points, strict=True
-        ):
+    def begin(self, rows: int) -> None:
+        """Open buffers for ``rows`` encoder rows, filled by the next micro-batches in order."""
+        self._sinks, self._rows, self._filled = [], [], 0
+        for stacked, point in zip(self.frames.stacked, self.frames.points, strict=True):
             L, m, r = point.A.shape
             n = point.B.shape[1]
             like = stacked.QA
-            rows_a = torch.empty((L, b, r, m), dtype=like.dtype, device=like.device)
-            rows_c = torch.empty((L, b, r, n), dtype=like.dtype, device=like.device)
+            rows_a = torch.empty((L, rows, r, m), dtype=like.dtype, device=like.device)
+            rows_c = torch.empty((L, rows, r, n), dtype=like.dtype, device=like.device)
+            self._rows.append((rows_a, rows_c))
+
+    def prepare(self, micro: dict[str, Tensor]) -> None:
+        """Sinks for ``micro``'s encoder rows (``texts_per_example`` an example) at the open
+        buffers' next slice (``begin``; a buffer of ``micro``'s size if none has room)."""
+        b = int(micro["labels"].shape[0]) * self.texts
+        room = int(self._rows[0][0].shape[1]) - self._filled if self._rows else 0
+        if room < b:
+            self.begin(b)
+        at = slice(self._filled, self._filled + b)
+        self._filled += b
+        for group, stacked, (rows_a, rows_c) in zip(
+            self.frames.groups, self.frames.stacked, self._rows, strict=True
+        ):
             for j, i in enumerate(group):
                 h = self.handles[i]
-                sink_a = per_example.RowSink(rows_a[j], stacked.RB_inv[j], "input")
-                sink_c = per_example.RowSink(rows_c[j], stacked.RA_inv[j], "output")
+                sink_a = per_example.RowSink(rows_a[j, at], stacked.RB_inv[j], "input")
+                sink_c = per_example.RowSink(rows_c[j, at], stacked.RA_inv[j], "output")
                 per_example.set_sink(h.lora_B, sink_a)
                 per_example.set_sink(h.lora_A, sink_c)
                 self._sinks += [(h.name, sink_a), (h.name, sink_c)]
-            self._rows.append((rows_a, rows_c))
 
     def rows(self) -> list[tuple[Tensor, Tensor]]:
-        """The micro-batch's whitened rows, one pair per group (after its backward)."""
+        """The whitened rows of the micro-batches since ``begin``, one pair per group, the
+        buffers' filled part (after the last one's backward)."""
         missing = sorted({name for name, sink in self._sinks if not sink.filled})
         if missing:
             raise ConfigError(
@@ -134,13 +148,14 @@ class StepRows:
                 "reach them (e.g. a pooler the classifier does not read); leave them out of "
                 "target-modules"
             )
-        rows, self._rows = self._rows, []
+        rows = [(a[:, : self._filled], c[:, : self._filled]) for a, c in self._rows]
+        self._sinks, self._rows, self._filled = [], [], 0
         return rows
 
     def close(self) -> None:
         """Give the layers back their ``grad_sample`` rows."""
         per_example.clear_sinks(w for h in self.handles for w in (h.lora_A, h.lora_B))
-        self._sinks, self._rows = [], []
+        self._sinks, self._rows, self._filled = [], [], 0
 
 
 class PrismTrainer(DPTrainer):
@@ -234,17 +249,47 @@ class PrismTrainer(DPTrainer):
     def _whitened_sum(
         self, batch: dict[str, Tensor], points: Sequence[Point], frames: StepFrames
     ) -> tuple[ClippedSum, float]:
-        """``clipped_sum`` with the layers writing whitened rows (``StepRows``)."""
+        """``clipped_sum`` with the layers writing whitened rows (``StepRows``).
+
+        At the record level with one text an example, consecutive micro-batches write into one
+        buffer of at most ``micro_batch_size`` rows, clipped once (``packed_groups``): length-aware
+        micro-batches are mostly far smaller than that (about 15 rows against 64 on SST-2 at
+        batch 128), and a clip call has a fixed cost. The memory is the one micro-batch's rows
+        the choice of ``micro_batch_size`` budgets for. Otherwise (a person's fold, siamese
+        pairs) each micro-batch is clipped alone, as its rows must be folded alone."""
         acc, total = None, 0.0
         split = self._head_split()
         spec = self.loaded.spec
         texts = 2 if spec is not None and spec.siamese else 1
+        micros = list(self._micro_batches(batch))
+        sizes = [int(micro["labels"].shape[0]) for micro in micros]
+        together = self.privacy_unit == "record" and texts == 1
+        groups = packed_groups(sizes, self.micro_batch_size if together else 0)
+        opens, closes, start = {}, {}, 0
+        for count in groups:
+            opens[start] = sum(sizes[start : start + count]) * texts
+            closes[start + count - 1] = sum(sizes[start : start + count])
+            start += count
         step_rows = StepRows(self.loaded.handles, frames, texts_per_example=texts)
+        index = iter(range(len(micros)))
+
+        def before(micro: dict[str, Tensor]) -> None:
+            i = next(index)
+            if i in opens:
+                step_rows.begin(opens[i])
+            step_rows.prepare(micro)
+
+        heads: list[list[Tensor]] = []
         try:
-            for n, loss, fold in self._example_passes(batch, before=step_rows.prepare):
+            passes = self._example_passes(batch, before=before, micros=micros)
+            for i, (_, loss, fold) in enumerate(passes):
                 total += loss
-                head = [grad_sample(p).to(torch.float32) for p in self.loaded.head_params]
-                rows, head = _fold_rows(step_rows.rows(), head, n, fold)
+                heads.append([grad_sample(p).to(torch.float32) for p in self.loaded.head_params])
+                if i not in closes:
+                    continue
+                head = [torch.cat(parts) for parts in zip(*heads, strict=True)]
+                heads = []
+                rows, head = _fold_rows(step_rows.rows(), head, closes[i], fold)
                 acc = clip_and_sum_whitened(
                     points,
                     rows,
@@ -254,7 +299,7 @@ class PrismTrainer(DPTrainer):
                     euclidean=head,
                     **split,
                 )
-                del rows, head  # the rows go before the next micro-batch's forward
+                del rows, head  # the rows go before the next group's forward
         finally:
             step_rows.close()
         return (acc if acc is not None else empty_sum(points, self.loaded.head_params)), total

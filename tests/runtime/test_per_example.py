@@ -12,12 +12,13 @@ from prism_core.manifold import Point
 from prism_core.mechanism import step_frames
 from prism_runtime import per_example
 from prism_runtime.classifier import fold_text_rows
-from prism_runtime.data import TokenizedDataset, make_collate
-from prism_runtime.data.units import OPEN_KEY
+from prism_runtime.data import TokenizedDataset, make_collate, micro_batches
+from prism_runtime.data.units import OPEN_KEY, packed_groups
 from prism_runtime.errors import ConfigError
 from prism_runtime.lora import read_points, write_points_
 from prism_runtime.model import ModelConfig, load_model
 from prism_runtime.trainer import TrainConfig, make_trainer, per_example_loss
+from prism_runtime.trainer import prism as prism_trainer
 from prism_runtime.trainer.prism import StepRows
 
 SST2 = "seq-cls"
@@ -412,6 +413,9 @@ def _trainer_for(tiny_bert, sst2_rows, setting, split):
     [
         ("record", None, None),
         ("record", None, 0.8),
+        ("record-small", None, None),  # 2-row micro-batches: several share a clip
+        ("record-small", None, 0.8),
+        ("record-small", _roll_sink, None),
         ("user", None, None),
         ("user-split", None, None),
         ("siamese", None, None),
@@ -429,15 +433,17 @@ def test_whitened_rows_give_the_clipped_sum_of_the_grad_sample_rows(
     within float32 rounding (the clip works at the float32 frames: relative 1e-5): joint and
     split head clip, examples clipped and not, at the person level (records folded into
     people, also a person's records across two micro-batches) and for siamese pairs (two text
-    rows an example). A planted fault in the sinks (rows of the wrong example, caught through
+    rows an example), also where micro-batches of 2 rows share a buffer and a clip
+    (``packed_groups``). A planted fault in the sinks (rows of the wrong example, caught through
     the joint clip that ties them to the head; rows not whitened; the two factors' R^-1
     swapped) moves it by more than 1%. No sink is left on a factor."""
-    lm, trainer = _trainer_for(tiny_bert, sst2_rows, setting, split)
+    small = setting == "record-small"
+    lm, trainer = _trainer_for(tiny_bert, sst2_rows, "record" if small else setting, split)
     batch = trainer._next_batch()
     points = read_points(lm.handles)
     frames = step_frames(points)
     opened = []
-    split_micro = trainer._micro_batches
+    split_micro = (lambda whole: micro_batches(whole, 2)) if small else trainer._micro_batches
 
     def watch(whole):
         for micro in split_micro(whole):
@@ -458,6 +464,57 @@ def test_whitened_rows_give_the_clipped_sum_of_the_grad_sample_rows(
     want_t = [t for s in want.sums for t in s] + list(want.euclidean)
     error = max(float((a - b).norm() / b.norm()) for a, b in zip(got_t, want_t, strict=True))
     assert error <= 1e-5 if fault is None else error > 0.01
+
+
+def test_packed_groups_fill_the_cap_in_order():
+    """Consecutive micro-batches share a clip while their rows fit in the cap; one larger than
+    the cap goes alone; a cap of 0 clips each alone; every micro-batch is in one group."""
+    assert packed_groups([3, 4, 5, 20, 2, 2], 12) == [3, 1, 2]
+    assert packed_groups([3, 4, 5], 11) == [2, 1]
+    assert packed_groups([13, 1], 12) == [1, 1]
+    assert packed_groups([3, 4, 5], 0) == [1, 1, 1]
+    assert packed_groups([], 12) == []
+    sizes = [5, 1, 7, 3, 3, 9, 2]
+    groups = packed_groups(sizes, 10)
+    assert sum(groups) == len(sizes)
+    start = 0
+    for count in groups:
+        assert count == 1 or sum(sizes[start : start + count]) <= 10
+        start += count
+
+
+@pytest.mark.parametrize(
+    ("setting", "grouped"), [("record", True), ("user", False), ("siamese", False)]
+)
+def test_record_level_micro_batches_share_one_clip(
+    tiny_bert, sst2_rows, monkeypatch, setting, grouped
+):
+    """At the record level with one text an example the whitened rows of consecutive
+    micro-batches fill one buffer of at most ``micro_batch_size`` rows and meet one clip
+    (fewer clips than micro-batches, each of at most that many rows, every example counted
+    once); a person's fold or siamese pairs clip every micro-batch alone."""
+    _, trainer = _trainer_for(tiny_bert, sst2_rows, setting, None)
+    if setting == "record":  # micro-batches of 2 rows under a cap of 5, as length groups cut
+        trainer._micro_batches = lambda whole: micro_batches(whole, 2)
+    batch = trainer._next_batch()
+    micros = list(trainer._micro_batches(batch))
+    clip = prism_trainer.clip_and_sum_whitened
+    seen = []
+
+    def counted(points, rows, **kwargs):
+        seen.append(int(rows[0][0].shape[1]))
+        return clip(points, rows, **kwargs)
+
+    monkeypatch.setattr(prism_trainer, "clip_and_sum_whitened", counted)
+    points = read_points(trainer.loaded.handles)
+    got, _ = trainer.clipped_sum(batch, points)
+    assert len(micros) > 2
+    if grouped:
+        assert 1 <= len(seen) < len(micros)
+        assert max(seen) <= trainer.micro_batch_size
+        assert sum(seen) == got.count == int(batch["labels"].shape[0])
+    else:
+        assert len(seen) == len(micros)
 
 
 def test_a_step_whose_sinks_fail_leaves_no_sink_behind(tiny_bert, sst2_rows, monkeypatch):

@@ -18,6 +18,7 @@ from prism_runtime.plan import (
     MAX_LR,
     MIN_BATCH,
     STEP_SETTINGS,
+    STEP_SETTINGS_FROM_PASSES,
     STEPS,
     budget_report,
     plan_budget,
@@ -128,6 +129,41 @@ def test_a_budget_run_config_says_what_it_sets_and_survives_a_round_trip():
     assert demo.plan is None and (demo.batch_size, demo.num_rounds) == (128, 30)
 
 
+@pytest.mark.parametrize("passes", [0.17233, 0.49])
+def test_a_small_plain_budget_keeps_the_demos_step_and_a_secure_one_the_step_settings(passes):
+    """Below ``STEP_SETTINGS_FROM_PASSES`` plain rounds with the coordinator's step take the plain
+    rule's lr and the demo's clip, head share and head lr (the study: better at the demo's
+    budget); secure aggregation keeps ``STEP_SETTINGS``; from that budget on, plain rounds take
+    them too."""
+    assert passes < STEP_SETTINGS_FROM_PASSES
+    rows = 22_283
+    plan = plan_budget(passes=passes, rows_per_site=rows)
+    values = {"budget": passes, "rows-per-site": rows}
+    run = parse_config(RunConfig, values, what="run config")
+    assert run.steps_at_coordinator and run.batch_size == plan.batch_size
+    assert (run.lr, run.max_norm, run.head_max_norm, run.head_lr) == (plan.lr, 1.0, 0.9, 5.0)
+    assert set(plan.settings()) == {"batch-size", "num-rounds", "local-steps", "lr"}
+    secure = parse_config(RunConfig, {**values, "secure-aggregation": True}, what="run config")
+    assert (secure.lr, secure.max_norm, secure.head_max_norm, secure.head_lr) == (
+        0.008,
+        0.5,
+        0.4,
+        10.0,
+    )
+    larger = parse_config(
+        RunConfig, {**values, "budget": STEP_SETTINGS_FROM_PASSES}, what="run config"
+    )
+    assert (larger.lr, larger.max_norm, larger.head_max_norm, larger.head_lr) == (
+        0.008,
+        0.5,
+        0.4,
+        10.0,
+    )
+    # a run config may state the demo's clip beside a small budget: the plan does not set it
+    stated = parse_config(RunConfig, {**values, "max-norm": 1.0}, what="run config")
+    assert stated == run
+
+
 @pytest.mark.parametrize("secure", [True, "true"])
 def test_a_secure_budget_sets_one_public_sample_rate_and_a_plain_one_none(secure):
     """With secure aggregation the budget also sets ``sample-rate = b / rows-per-site``: every
@@ -181,6 +217,11 @@ def test_the_plan_command_prints_the_config_sigma_noise_and_epsilon(capsys):
     same = ["plan", "--example-gradients", "44000", "--rows-per-site", "22000"]
     assert main(same) == EXIT_OK
     assert f"batch-size = {plan.batch_size}" in capsys.readouterr().out
+    demo = ["plan", "--passes", "0.17233", "--rows-per-site", "22283"]
+    assert main(demo) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "lr = 0.002" in out and "max-norm" not in out  # the demo's step at its budget
+    assert "below 0.5 passes that step keeps the demo's lr" in out
 
 
 def test_the_plan_command_with_secure_prints_the_sample_rate_and_the_sums_noise(capsys):
