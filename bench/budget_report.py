@@ -124,9 +124,8 @@ def _series(config: dict[str, Any], result: dict[str, Any]) -> str:
         name = "non-DP LoRA"
     else:
         secure = "secure" if config.get("secure-aggregation") else "plain"
-        if secure == "plain":  # as run (result.json's resolved), as stated, else site steps
-            stated = config.get("step-at") == "coordinator"
-            step = result.get("resolved", {}).get("step-at", "coordinator" if stated else "site")
+        if secure == "plain":  # step-at as run (``resolved``) or stated; else: site steps
+            step = "coordinator" if config.get("step-at") == "coordinator" else "site"
             secure += f" (step at {step})"
         spent = max(result["epsilon"].values()) if result["epsilon"] else 0.0
         name = f"{method} {secure}, eps {round(float(spent)):g}"

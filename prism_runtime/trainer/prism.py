@@ -88,27 +88,46 @@ def _fold_rows(
 class StepRows:
     """The whitened per-example rows of one step's micro-batches, written by the LoRA layers.
 
-    ``begin(rows)`` allocates, per shape group of ``frames``, the stacked buffers (L, rows, r, m)
-    and (L, rows, r, n) for the encoder rows of one or more consecutive micro-batches (two an
-    example for siamese pairs: ``texts_per_example``); ``prepare(micro)`` points every LoRA
-    factor's ``RowSink`` at the micro-batch's next slice of them, whitened by its module's
-    frame (``lora_B``: ``RB^{-1}``, ``lora_A``: ``RA^{-1}``), opening a buffer of its own size
-    when none has room; ``rows()`` returns the filled buffers after the last backward, for
-    ``clip_and_sum_whitened``; ``close()`` takes the sinks down. A factor whose slot a backward
-    did not write (a module the loss does not reach) is an error, never uninitialised memory in
-    a sum (``ConfigError`` naming the modules).
+    ``prepare(micro)`` points every LoRA factor's ``RowSink`` at the micro-batch's next slice of
+    the open stacked buffers, (L, rows, r, m) and (L, rows, r, n) per shape group of ``frames``,
+    whitened by its module's frame (``lora_B``: ``RB^{-1}``, ``lora_A``: ``RA^{-1}``). When the
+    open buffers have no room it allocates the next: of the next size of ``buffers`` (encoder
+    rows of consecutive micro-batches, two an example for siamese pairs: ``texts_per_example``),
+    or of the micro-batch's own size when none is left. Once a buffer is ``full``, ``rows()``
+    returns it, after the last backward, for ``clip_and_sum_whitened``; ``close()`` takes the
+    sinks down. A factor whose slot a backward did not write (a module the loss does not reach)
+    is an error, never uninitialised memory in a sum (``ConfigError`` naming the modules).
     """
 
     def __init__(
-        self, handles: Sequence[LoraHandle], frames: StepFrames, *, texts_per_example: int = 1
+        self,
+        handles: Sequence[LoraHandle],
+        frames: StepFrames,
+        *,
+        texts_per_example: int = 1,
+        buffers: Sequence[int] = (),
     ) -> None:
         self.handles, self.frames, self.texts = handles, frames, texts_per_example
+        self._sizes = iter(buffers)
         self._sinks: list[tuple[str, per_example.RowSink]] = []
         self._rows: list[tuple[Tensor, Tensor]] = []
         self._filled = 0
 
-    def begin(self, rows: int) -> None:
-        """Open buffers for ``rows`` encoder rows, filled by the next micro-batches in order."""
+    @property
+    def _capacity(self) -> int:
+        return int(self._rows[0][0].shape[1]) if self._rows else 0
+
+    @property
+    def full(self) -> bool:
+        """Whether the open buffers are filled (their rows are ready for one clip)."""
+        return bool(self._rows) and self._filled == self._capacity
+
+    @property
+    def examples(self) -> int:
+        """The examples whose rows the open buffers hold."""
+        return self._filled // self.texts
+
+    def _open(self, rows: int) -> None:
         self._sinks, self._rows, self._filled = [], [], 0
         for stacked, point in zip(self.frames.stacked, self.frames.points, strict=True):
             L, m, r = point.A.shape
@@ -120,11 +139,10 @@ class StepRows:
 
     def prepare(self, micro: dict[str, Tensor]) -> None:
         """Sinks for ``micro``'s encoder rows (``texts_per_example`` an example) at the open
-        buffers' next slice (``begin``; a buffer of ``micro``'s size if none has room)."""
+        buffers' next slice, opening the next buffers if these have no room (the class)."""
         b = int(micro["labels"].shape[0]) * self.texts
-        room = int(self._rows[0][0].shape[1]) - self._filled if self._rows else 0
-        if room < b:
-            self.begin(b)
+        if self._capacity - self._filled < b:
+            self._open(next(self._sizes, b))
         at = slice(self._filled, self._filled + b)
         self._filled += b
         for group, stacked, (rows_a, rows_c) in zip(
@@ -139,8 +157,8 @@ class StepRows:
                 self._sinks += [(h.name, sink_a), (h.name, sink_c)]
 
     def rows(self) -> list[tuple[Tensor, Tensor]]:
-        """The whitened rows of the micro-batches since ``begin``, one pair per group, the
-        buffers' filled part (after the last one's backward)."""
+        """The whitened rows of the micro-batches of the open buffers, one pair per group, their
+        filled part (after the last one's backward)."""
         missing = sorted({name for name, sink in self._sinks if not sink.filled})
         if missing:
             raise ConfigError(
@@ -264,32 +282,23 @@ class PrismTrainer(DPTrainer):
         micros = list(self._micro_batches(batch))
         sizes = [int(micro["labels"].shape[0]) for micro in micros]
         together = self.privacy_unit == "record" and texts == 1
-        groups = packed_groups(sizes, self.micro_batch_size if together else 0)
-        opens, closes, start = {}, {}, 0
-        for count in groups:
-            opens[start] = sum(sizes[start : start + count]) * texts
-            closes[start + count - 1] = sum(sizes[start : start + count])
+        buffers, start = [], 0
+        for count in packed_groups(sizes, self.micro_batch_size if together else 0):
+            buffers.append(sum(sizes[start : start + count]) * texts)
             start += count
-        step_rows = StepRows(self.loaded.handles, frames, texts_per_example=texts)
-        index = iter(range(len(micros)))
-
-        def before(micro: dict[str, Tensor]) -> None:
-            i = next(index)
-            if i in opens:
-                step_rows.begin(opens[i])
-            step_rows.prepare(micro)
-
+        step_rows = StepRows(self.loaded.handles, frames, texts_per_example=texts, buffers=buffers)
         heads: list[list[Tensor]] = []
         try:
-            passes = self._example_passes(batch, before=before, micros=micros)
-            for i, (_, loss, fold) in enumerate(passes):
+            passes = self._example_passes(batch, before=step_rows.prepare, micros=micros)
+            for _, loss, fold in passes:
                 total += loss
                 heads.append([grad_sample(p).to(torch.float32) for p in self.loaded.head_params])
-                if i not in closes:
+                if not step_rows.full:
                     continue
                 head = [torch.cat(parts) for parts in zip(*heads, strict=True)]
                 heads = []
-                rows, head = _fold_rows(step_rows.rows(), head, closes[i], fold)
+                n = step_rows.examples
+                rows, head = _fold_rows(step_rows.rows(), head, n, fold)
                 acc = clip_and_sum_whitened(
                     points,
                     rows,
