@@ -47,7 +47,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from prism_runtime.secure_sum import (
     AdvertisedKeys,
+    CommittedRoster,
     MaskedSum,
+    MaskingGraph,
     RoundId,
     RoundTrust,
     SecureSumError,
@@ -86,6 +88,11 @@ def simulate(
     seconds: dict[str, float] = defaultdict(float)
     sent: dict[str, int] = defaultdict(int)
     received: dict[str, int] = defaultdict(int)
+    parts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))  # what was received
+
+    def receive(site: str, what: str, size: int) -> None:
+        received[site] += size
+        parts[what][site] += size
 
     def timed(site: str, call: Callable[[], T]) -> T:
         start = time.perf_counter()
@@ -124,31 +131,42 @@ def simulate(
     drop_mask = set(order[stage_drops[0] : stage_drops[0] + stage_drops[1]])
     drop_answer = set(order[stage_drops[0] + stage_drops[1] : dropped_total])
 
-    # Stage 2: every site that stays verifies the roster and seals shares for its holders.
-    roster_bytes = sum(_advert_bytes(a) for a in roster.values())
+    # Stage 2: the coordinator commits the roster (its ids, the Merkle tree of the
+    # advertisements) and sends each site its part: its neighbourhood's advertisements and
+    # their proof; every site that stays checks it and seals shares for its holders.
+    start = time.perf_counter()
+    committed = CommittedRoster(roster)
+    degree = n - 1 if graph is None else graph[0]
+    masking = MaskingGraph.derive(
+        committed.ids, degree=degree, seed=committed.seed(threshold, graph)
+    )
+    part_of = {s: committed.part(masking.neighbourhood(s)) for s in ids}
+    coordinator = time.perf_counter() - start
+    ids_bytes = sum(len(s) for s in committed.ids)
     sealed: dict[str, dict[str, bytes]] = {}
     for s in ids:
         if s in drop_share:
             continue
-        received[s] += roster_bytes + 16
+        part = part_of[s]
+        leaves = sum(_advert_bytes(a) for a in part.leaves.values())
+        receive(s, "roster", ids_bytes + 8 + leaves + 32 * len(part.proof) + 16)
         sealed[s] = timed(
             s,
-            lambda s=s: sites[s].share(
-                roster, registered=registered, threshold=threshold, graph=graph
+            lambda s=s, part=part: sites[s].share(
+                part, registered=registered, threshold=threshold, graph=graph
             ),
         )
         sent[s] += sum(len(b) + len(r) for r, b in sealed[s].items())
     sharing = sorted(sealed)
     for s in sharing:
         box = {p: b[s] for p, b in sealed.items() if s in b}
-        received[s] += sum(len(b) + len(p) for p, b in box.items())
+        receive(s, "shares", sum(len(b) + len(p) for p, b in box.items()))
         timed(s, lambda s=s, box=box: sites[s].receive(box))
     participants = sharing
-    ids_bytes = sum(len(p) for p in participants)
+    bitmap = (n + 7) // 8  # a set of roster sites on the wire
 
     plain = {s: rng.integers(-(2**20), 2**20, size=length, endpoint=True) for s in participants}
     running = MaskedSum(length, bits=BITS)
-    coordinator = 0.0
     words: list[int] = []
     real_expand = masks_module.expand_mask
 
@@ -161,7 +179,7 @@ def simulate(
     try:
         outcome = "ok"
         for s in participants:
-            received[s] += ids_bytes
+            receive(s, "sets", bitmap)
             if s in drop_mask:
                 continue
             words.clear()
@@ -204,7 +222,7 @@ def simulate(
             survivors = sorted(request.survivors)
             signatures = {}
             for s in survivors:
-                received[s] += sum(len(p) for p in survivors) + 16
+                receive(s, "sets", bitmap + 16)
                 signatures[s] = timed(
                     s,
                     lambda s=s: sites[s].sign_view(survivors, identity_key=identities[s]),
@@ -215,7 +233,8 @@ def simulate(
             for s in survivors:
                 if s in drop_answer:
                     continue
-                received[s] += signature_bytes
+                receive(s, "sets", 2 * bitmap)
+                receive(s, "signatures", signature_bytes)
                 response = timed(
                     s,
                     lambda s=s: sites[s].answer(
@@ -235,7 +254,7 @@ def simulate(
                 participants=participants,
                 threshold=threshold,
                 round_id=round_id,
-                graph=sites[survivors[0]].graph,
+                graph=masking,
                 graph_threshold=None if graph is None else graph[1],
             )
             coordinator += time.perf_counter() - start
@@ -251,6 +270,10 @@ def simulate(
         "site_seconds_max": max(seconds[s] for s in active),
         "site_sent_bytes_median": statistics.median(sent[s] for s in active),
         "site_received_bytes_median": statistics.median(received[s] for s in active),
+        "site_received_bytes_by_part": {
+            what: statistics.median(got.get(s, 0) for s in active)
+            for what, got in sorted(parts.items())
+        },
         "site_mask_words": max(mask_words, default=0),
         "coordinator_seconds": coordinator,
         "coordinator_sum_bytes": running.total.nbytes,

@@ -11,10 +11,11 @@ it:
    self-mask seed) and returns its public keys, its noise share and its H and D signed with its
    IDENTITY key (``identity_key``: ECDSA P-256, made once in its state folder, never sent);
 2. ``share``: it refuses a roster or threshold that fails its threshold condition
-   (``prism_runtime.secure_sum.RoundTrust``), verifies the advertisement of every site whose
-   keys it uses (all, or its neighbours' under a sparse graph) against the PINNED identity keys
-   of its peers (``registered_keys``; a key the coordinator substituted or a site it invented
-   fails here), and returns Shamir shares of its secrets sealed for each peer;
+   (``prism_runtime.secure_sum.RoundTrust``), checks the Merkle proof of the advertisements it
+   receives (every site's, or its neighbourhood's under a sparse graph: the roster is committed
+   by its ids and root, ``prism_runtime.secure_sum.roster``), verifies each against the PINNED
+   identity keys of its peers (``registered_keys``; a key the coordinator substituted or a site
+   it invented fails here), and returns Shamir shares of its secrets sealed for each peer;
 3. ``mask``: it opens the shares sealed for it and checks the participants (at most D roster
    sites missing) and their noise shares (none above its own whole noise), then runs the round
    itself: the site's one admission (``client.site.Site.admit``: request and policy checks, the
@@ -407,16 +408,18 @@ def mask(stage: SecureStage) -> RecordDict:
         stage.secure_part(),
         round_id=round_id,
         site_id=site.site_id,
+        roster=site_round.roster_ids,
         near=site_round.graph.neighbourhood(site.site_id),
     )
     participants = request.participants
     site_round.receive(request.sealed)
     # whatever mask() would refuse is refused now, before the round is charged
     site_round.check_participants(participants)
+    largest = site_round.noise_share()  # L: at least its own share, at most its whole noise
     # the sum of every participant's share cannot wrap
     check_sum_fits(sites=len(participants), bound=coordinate_bound(), bits=FIELD_BITS)
     arrays = cast(ArrayRecord, stage.content[ARRAYS]).to_torch_state_dict()
-    mu_share = max(site_round.noise_share(), noise.mu_share)
+    mu_share = max(largest, noise.mu_share)
     answer: RoundReply | MaskedInput
     with site.admit(stage.server_round, arrays, secure=True) as admitted:
         if isinstance(admitted, RoundReply):  # a refusal: nothing charged
@@ -452,7 +455,7 @@ def consistency(stage: SecureStage) -> RecordDict:
     site, round_id = stage.site, stage.round_id
     site_round = stage.load_round()
     request = decode_consistency_request(
-        stage.secure_part(), round_id=round_id, site_id=site.site_id
+        stage.secure_part(), round_id=round_id, site_id=site.site_id, roster=site_round.roster_ids
     )
     signature = site_round.sign_view(
         request.survivors,
@@ -476,7 +479,9 @@ def unmask(stage: SecureStage) -> RecordDict:
     """
     site, round_id = stage.site, stage.round_id
     site_round = stage.load_round()
-    call = decode_unmask_request(stage.secure_part(), round_id=round_id, site_id=site.site_id)
+    call = decode_unmask_request(
+        stage.secure_part(), round_id=round_id, site_id=site.site_id, roster=site_round.roster_ids
+    )
     registered = registered_keys(site.policy)
     if site_round.sampled:  # one sampled check per round, durable before it runs
         stage.record.keep(round_id, site_round.decisions(answering=True))

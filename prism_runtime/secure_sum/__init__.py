@@ -15,6 +15,9 @@ per-round class over bytes and numpy uint64 vectors, with no network:
 - ``site``: ``SiteRound``, a site's secrets and shares for one round, whose ``answer`` reveals
   shares only for the one view it signed, never both secrets of one site; ``unmask``: the
   coordinator's request and the exact sum, added up as the masked inputs arrive (``MaskedSum``);
+- ``roster``: the roster committed by a Merkle root over its advertisements, with its sorted
+  ids and the largest noise share stated for it: a site receives its neighbourhood's
+  advertisements and a proof of their places (``RosterPart``), not the whole roster;
 - ``graph``: the masking graph (complete, or SecAgg+'s sparse Harary graph over a
   transcript-seeded order: each site masks with k neighbours and shares among its neighbourhood),
   its failure bound and ``sparse_parameters``;
@@ -81,6 +84,7 @@ from prism_runtime.secure_sum.keys import (
     verify_keys,
 )
 from prism_runtime.secure_sum.masks import expand_mask, mask_input, pairwise_sign
+from prism_runtime.secure_sum.roster import CommittedRoster, RosterPart
 from prism_runtime.secure_sum.shamir import check_threshold, combine_secret, split_secret
 from prism_runtime.secure_sum.site import RoundDecisions, SiteRound
 from prism_runtime.secure_sum.trust import RoundTrust, common_graph, least_common_threshold
@@ -103,12 +107,14 @@ from prism_runtime.secure_sum.views import (
 __all__ = [
     "MAX_BITS",
     "AdvertisedKeys",
+    "CommittedRoster",
     "ConsistencyError",
     "KeyBindingError",
     "MaskedSum",
     "MaskingGraph",
     "MasksUsedError",
     "NoiseShareError",
+    "RosterPart",
     "RoundDecisions",
     "RoundId",
     "RoundTrust",

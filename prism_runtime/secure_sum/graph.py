@@ -11,12 +11,12 @@ per site is ``O(k d)``.
 The graph is Bell et al.'s: the Harary graph ``H(n, k)`` (``k`` even: the sites on a ring, each
 joined to the ``k / 2`` nearest on either side) over a random ORDER of the roster. The order is
 public and checkable: a Fisher-Yates shuffle of the sorted site ids driven by a ChaCha20 stream
-keyed with SHA-256 of the round's transcript (``views.round_transcript``: run, round, threshold,
-degree and every roster site's fresh round keys), so every site that shared in one run of a
-round derives the same graph, and a site told another roster, threshold or degree derives
-another graph and another transcript, which the consistency stage catches before anything is
-revealed (each survivor signs the transcript with its view). ``degree >= n - 1`` is the
-complete graph, exactly the protocol without a graph.
+keyed with SHA-256 of the round's graph seed (``roster.graph_seed``: threshold, degree, the
+roster's ids and the Merkle root of every roster site's fresh round keys), so every site that
+shared in one run of a round derives the same graph, and a site told another roster, threshold
+or degree derives another graph and another transcript, which the consistency stage catches
+before anything is revealed (each survivor signs the transcript with its view).
+``degree >= n - 1`` is the complete graph, exactly the protocol without a graph.
 
 What a sparse graph costs in guarantees (docs/design.md §3.3, docs/security.md): the complete
 graph's conditions hold for every roster and every set of colluders; a sparse one's hold except
@@ -79,8 +79,8 @@ def _uniform_below(stream: bytes, bound: int, offset: int) -> tuple[int, int]:
             return word % bound, offset
 
 
-def _order(sites: Sequence[str], transcript: bytes) -> tuple[str, ...]:
-    key = hashlib.sha256(frame(DOMAIN, "masking-graph", transcript)).digest()
+def _order(sites: Sequence[str], seed: bytes) -> tuple[str, ...]:
+    key = hashlib.sha256(frame(DOMAIN, "masking-graph", seed)).digest()
     order = sorted(sites)
     # 8 bytes per draw, rejection below 2^-63 per draw for n < 2^32: 4x is ample headroom.
     stream = (
@@ -120,11 +120,12 @@ class MaskingGraph:
             )
 
     @classmethod
-    def derive(cls, sites: Collection[str], *, degree: int, transcript: bytes) -> MaskingGraph:
-        """The graph every site of a round derives from its roster and transcript."""
+    def derive(cls, sites: Collection[str], *, degree: int, seed: bytes) -> MaskingGraph:
+        """The graph every site of a round derives from its roster's ids and the round's
+        ``seed`` (``roster.graph_seed``)."""
         if len(sites) - 1 <= degree:
             return cls(tuple(sorted(sites)), degree)
-        return cls(_order(list(sites), transcript), degree)
+        return cls(_order(list(sites), seed), degree)
 
     @property
     def complete(self) -> bool:

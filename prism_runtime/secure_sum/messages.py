@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,7 @@ from flwr.app import RecordDict
 from prism_runtime.errors import ConfigError
 from prism_runtime.secure_sum.field import MAX_BITS, FieldVector, modulus_mask
 from prism_runtime.secure_sum.keys import KEY_BYTES, AdvertisedKeys, RoundId, noise_share_bytes
+from prism_runtime.secure_sum.roster import HASH_BYTES, RosterPart
 from prism_runtime.secure_sum.unmask import UnmaskRequest, UnmaskResponse
 from prism_runtime.secure_sum.wire import (
     FORMAT,
@@ -46,12 +48,12 @@ from prism_runtime.secure_sum.wire import (
     SIGNATURE_MIN_BYTES,
     Bytes,
     Int,
+    Keyed,
     Message,
     MessageFormatError,
     MessageReader,
     One,
     Signature,
-    Sites,
     Stage,
     Table,
     WireValue,
@@ -94,6 +96,7 @@ __all__ = [
     "encode_share_request",
     "encode_unmask_reply",
     "encode_unmask_request",
+    "site_bits",
 ]
 
 _WORD = 8  # bytes per uint64 coordinate on the wire
@@ -115,11 +118,12 @@ class AdvertiseRequest:
 
 @dataclass(frozen=True)
 class ShareRequest:
-    """The roster of advertised keys (``U1``, keyed by site id), the threshold t and the masking
-    graph: ``graph_degree`` k and ``graph_threshold`` of a sparse one (``graph``), 0 and 0 for
-    the complete graph."""
+    """The addressee's part of the roster ``U1`` (``roster.RosterPart``: the sorted ids, the
+    stated largest noise share, its neighbourhood's advertisements and their Merkle proof), the
+    threshold t and the masking graph: ``graph_degree`` k and ``graph_threshold`` of a sparse
+    one (``graph``), 0 and 0 for the complete graph."""
 
-    roster: Mapping[str, AdvertisedKeys]
+    roster: RosterPart
     threshold: int
     graph_degree: int = 0
     graph_threshold: int = 0
@@ -198,6 +202,81 @@ class _SiteCount(Bytes):
 
 
 @dataclass(frozen=True)
+class _Proof(Bytes):
+    """A roster's Merkle proof: its nodes' 32-byte hashes, concatenated (at most 2 per site of
+    the longest roster)."""
+
+    low: int = 0
+    high: int = 2 * MAX_SITES * HASH_BYTES
+
+    def load(self, read: MessageReader, key: str, raw: bytes) -> tuple[bytes, ...]:
+        if len(raw) % HASH_BYTES:
+            raise read.fail(key, f"holds {len(raw)} bytes, not a whole number of hashes")
+        return tuple(raw[at : at + HASH_BYTES] for at in range(0, len(raw), HASH_BYTES))
+
+    def dump(self, value: Any) -> bytes:
+        return b"".join(value)
+
+
+@dataclass(frozen=True)
+class _RosterIds(Keyed):
+    """Field ``key``: the roster's distinct site ids in the order sent (the rules check it is
+    sorted), the addressee among them."""
+
+    def write(self, value: Any) -> dict[str, WireValue]:
+        return {self.key: list(value)}
+
+    def read(self, read: MessageReader, got: Mapping[str, Any]) -> list[str]:
+        sites = read.sites(self.key)
+        if read.site_id not in sites:
+            raise read.fail(self.key, f"does not list the addressee {read.site_id!r}")
+        return sites
+
+
+def site_bits(sites: Collection[str], roster: Sequence[str]) -> bytes:
+    """``sites`` as a bitmap over ``roster`` (sorted ids): bit ``i % 8`` of byte ``i // 8`` is
+    set when ``roster[i]`` is among them.
+
+    Raises:
+        MessageFormatError: a site is not in the roster.
+    """
+    place = {site: at for at, site in enumerate(roster)}
+    bits = bytearray((len(roster) + 7) // 8)
+    for site in sites:
+        at = place.get(site)
+        if at is None:
+            raise MessageFormatError(
+                "refusing to send a malformed message: a set names a site outside the roster"
+            )
+        bits[at // 8] |= 1 << (at % 8)
+    return bytes(bits)
+
+
+@dataclass(frozen=True)
+class _SiteBits(Keyed):
+    """Field ``key``: a set of roster sites as a bitmap over the roster's sorted ids
+    (``site_bits``; ``roster`` from the receiver's context), ``ceil(n / 8)`` bytes, no bit set
+    past the roster (``addressee``: the message's site among them)."""
+
+    addressee: bool = False
+
+    def write(self, value: Any) -> dict[str, WireValue]:
+        return {self.key: bytes(value)}
+
+    def read(self, read: MessageReader, got: Mapping[str, Any]) -> frozenset[str]:
+        roster: Sequence[str] = got["roster"]
+        size = (len(roster) + 7) // 8
+        raw = Bytes(size, size).check(read, self.key, read.record[self.key])
+        tail = len(roster) % 8
+        if tail and raw[-1] >> tail:
+            raise read.fail(self.key, "sets a bit past the roster")
+        sites = frozenset(roster[at] for at in range(len(roster)) if raw[at // 8] >> (at % 8) & 1)
+        if self.addressee and read.site_id not in sites:
+            raise read.fail(self.key, f"does not list the addressee {read.site_id!r}")
+        return sites
+
+
+@dataclass(frozen=True)
 class _MaskedVector:
     """Fields ``length`` (n, the round's) and ``masked-input``: n little-endian uint64 words,
     each below ``2^bits`` (``length`` and ``bits`` come from the receiver's context)."""
@@ -248,7 +327,13 @@ _KEYS = (
 
 
 def _threshold_is_a_majority(read: MessageReader, got: Mapping[str, Any]) -> None:
-    n, threshold = len(got["roster"]), got["threshold"]
+    roster = got["roster"]
+    if any(a >= b for a, b in pairwise(roster)):
+        raise read.fail("roster", "is not sorted by site id")
+    strangers = set(got["leaves"]) - set(roster)
+    if strangers:
+        raise read.fail("leaves", f"names {len(strangers)} sites outside the roster")
+    n, threshold = len(roster), got["threshold"]
     if not n / 2 < threshold <= n:
         raise read.fail(
             "threshold",
@@ -319,15 +404,25 @@ _SHARE_REQUEST = Message(
         Int("threshold", 1, MAX_SITES),
         Int("graph-degree", 0, MAX_SITES),
         Int("graph-threshold", 0, MAX_SITES),
+        _RosterIds("roster"),
+        One("largest-share", _NoiseShare()),
         Table(
-            "roster",
-            "roster",
-            tuple((f"roster-{key}", item) for key, item in _KEYS),
+            "leaves",
+            "leaves",
+            tuple((f"leaves-{key}", item) for key, item in _KEYS),
             row=AdvertisedKeys,
             addressee=True,
         ),
+        One("proof", _Proof()),
     ),
-    make=ShareRequest,
+    make=lambda threshold, graph_degree, graph_threshold, roster, largest_share, leaves, proof: (
+        ShareRequest(
+            RosterPart(tuple(roster), largest_share, leaves, proof),
+            threshold,
+            graph_degree,
+            graph_threshold,
+        )
+    ),
     check=_threshold_is_a_majority,
 )
 _SHARE_REPLY: Message[dict[str, bytes]] = Message(
@@ -346,7 +441,7 @@ _SHARE_REPLY: Message[dict[str, bytes]] = Message(
 _MASK_REQUEST = Message(
     Stage.MASK_REQUEST,
     (
-        Sites("participants", addressee=True),
+        _SiteBits("participants", addressee=True),
         Table(
             "sealed",
             "senders",
@@ -368,7 +463,7 @@ _MASK_REPLY: Message[FieldVector] = Message(
 )
 _CONSISTENCY_REQUEST = Message(
     Stage.CONSISTENCY_REQUEST,
-    (Sites("survivors", addressee=True),),
+    (_SiteBits("survivors", addressee=True),),
     make=ConsistencyRequest,
 )
 _CONSISTENCY_REPLY: Message[bytes] = Message(
@@ -379,8 +474,8 @@ _CONSISTENCY_REPLY: Message[bytes] = Message(
 _UNMASK_REQUEST = Message(
     Stage.UNMASK_REQUEST,
     (
-        Sites("survivors", addressee=True),
-        Sites("dropped"),
+        _SiteBits("survivors", addressee=True),
+        _SiteBits("dropped"),
         Table("signatures", "signers", (("signatures", Signature()),)),
     ),
     make=lambda survivors, dropped, signatures: SignedUnmaskRequest(
@@ -443,24 +538,36 @@ def decode_advertise_reply(
 
 
 def encode_share_request(request: ShareRequest, *, round_id: RoundId, site_id: str) -> RecordDict:
-    """The roster and threshold broadcast to ``site_id`` (the roster is sent sorted by site id).
+    """The addressee's part of the roster and the threshold, sent to ``site_id`` (ids sorted,
+    leaves by site id).
 
     Raises:
         MessageFormatError: An advertisement is listed under another site's id, or
             ``decode_share_request`` would refuse the message.
     """
-    for site, keys in request.roster.items():
+    part = request.roster
+    for site, keys in part.leaves.items():
         if keys.site_id != site:
             raise MessageFormatError(
                 f"refusing to send a malformed message: the roster lists the keys of another "
                 f"site under {site!r}"
             )
-    return _SHARE_REQUEST.encode(vars(request), round_id=round_id, site_id=site_id)
+    values = {
+        "threshold": request.threshold,
+        "graph_degree": request.graph_degree,
+        "graph_threshold": request.graph_threshold,
+        "roster": part.ids,
+        "largest_share": part.largest_share,
+        "leaves": part.leaves,
+        "proof": part.proof,
+    }
+    return _SHARE_REQUEST.encode(values, round_id=round_id, site_id=site_id)
 
 
 def decode_share_request(content: RecordDict, *, round_id: RoundId, site_id: str) -> ShareRequest:
-    """The roster (this site among it; ``SiteRound.share`` verifies the signatures) and t, a
-    majority of it."""
+    """This site's part of the roster (its ids sorted and distinct, this site among them and
+    among the leaves; ``SiteRound.share`` checks the proof and verifies the signatures) and t,
+    a majority of the roster."""
     return _SHARE_REQUEST.decode(content, round_id=round_id, site_id=site_id)
 
 
@@ -486,11 +593,16 @@ def encode_mask_request(
     *,
     round_id: RoundId,
     site_id: str,
+    roster: Sequence[str],
     near: Collection[str] | None = None,
 ) -> RecordDict:
-    """The ciphertexts sealed for ``site_id`` and the participant list, sent to ``site_id``
-    (``near``: its neighbourhood in a sparse masking graph)."""
-    return _MASK_REQUEST.encode(vars(request), round_id=round_id, site_id=site_id, near=near)
+    """The ciphertexts sealed for ``site_id`` and the participants (a bitmap over ``roster``,
+    the sorted ids), sent to ``site_id`` (``near``: its neighbourhood in a sparse masking
+    graph)."""
+    values = {"participants": site_bits(request.participants, roster), "sealed": request.sealed}
+    return _MASK_REQUEST.encode(
+        values, round_id=round_id, site_id=site_id, near=near, roster=roster
+    )
 
 
 def decode_mask_request(
@@ -498,12 +610,15 @@ def decode_mask_request(
     *,
     round_id: RoundId,
     site_id: str,
+    roster: Sequence[str],
     near: Collection[str] | None = None,
 ) -> MaskRequest:
-    """The participants (this site among them) and one ciphertext from each other participant,
-    or, with a sparse masking graph, from each other participant of ``near`` (its
-    neighbourhood)."""
-    return _MASK_REQUEST.decode(content, round_id=round_id, site_id=site_id, near=near)
+    """The participants (sites of ``roster``, this site among them) and one ciphertext from
+    each other participant, or, with a sparse masking graph, from each other participant of
+    ``near`` (its neighbourhood)."""
+    return _MASK_REQUEST.decode(
+        content, round_id=round_id, site_id=site_id, near=near, roster=roster
+    )
 
 
 def encode_mask_reply(
@@ -539,17 +654,19 @@ def decode_mask_reply(
 
 
 def encode_consistency_request(
-    request: ConsistencyRequest, *, round_id: RoundId, site_id: str
+    request: ConsistencyRequest, *, round_id: RoundId, site_id: str, roster: Sequence[str]
 ) -> RecordDict:
-    """The survivors sent to ``site_id`` (a survivor itself) to sign with its participants."""
-    return _CONSISTENCY_REQUEST.encode(vars(request), round_id=round_id, site_id=site_id)
+    """The survivors sent to ``site_id`` (a survivor itself) to sign with its participants, a
+    bitmap over ``roster``."""
+    values = {"survivors": site_bits(request.survivors, roster)}
+    return _CONSISTENCY_REQUEST.encode(values, round_id=round_id, site_id=site_id, roster=roster)
 
 
 def decode_consistency_request(
-    content: RecordDict, *, round_id: RoundId, site_id: str
+    content: RecordDict, *, round_id: RoundId, site_id: str, roster: Sequence[str]
 ) -> ConsistencyRequest:
-    """The survivors, this site among them, at most ``MAX_SITES``."""
-    return _CONSISTENCY_REQUEST.decode(content, round_id=round_id, site_id=site_id)
+    """The survivors, sites of ``roster`` (sorted ids), this site among them."""
+    return _CONSISTENCY_REQUEST.decode(content, round_id=round_id, site_id=site_id, roster=roster)
 
 
 def encode_consistency_reply(signature: bytes, *, round_id: RoundId, site_id: str) -> RecordDict:
@@ -563,24 +680,24 @@ def decode_consistency_reply(content: RecordDict, *, round_id: RoundId, site_id:
 
 
 def encode_unmask_request(
-    request: SignedUnmaskRequest, *, round_id: RoundId, site_id: str
+    request: SignedUnmaskRequest, *, round_id: RoundId, site_id: str, roster: Sequence[str]
 ) -> RecordDict:
-    """The coordinator's unmasking request (``plan_unmask``'s result) with the survivors'
-    signatures, sent to ``site_id``."""
+    """The coordinator's unmasking request (``plan_unmask``'s result; its sets bitmaps over
+    ``roster``) with the survivors' signatures, sent to ``site_id``."""
     values = {
-        "survivors": request.request.survivors,
-        "dropped": request.request.dropped,
+        "survivors": site_bits(request.request.survivors, roster),
+        "dropped": site_bits(request.request.dropped, roster),
         "signatures": request.signatures,
     }
-    return _UNMASK_REQUEST.encode(values, round_id=round_id, site_id=site_id)
+    return _UNMASK_REQUEST.encode(values, round_id=round_id, site_id=site_id, roster=roster)
 
 
 def decode_unmask_request(
-    content: RecordDict, *, round_id: RoundId, site_id: str
+    content: RecordDict, *, round_id: RoundId, site_id: str, roster: Sequence[str]
 ) -> SignedUnmaskRequest:
-    """The survivors (this site among them) and the dropped: disjoint, ``MAX_SITES`` in all;
-    and at most one well-formed signature per survivor."""
-    return _UNMASK_REQUEST.decode(content, round_id=round_id, site_id=site_id)
+    """The survivors (this site among them) and the dropped, disjoint sites of ``roster``; and
+    at most one well-formed signature per survivor."""
+    return _UNMASK_REQUEST.decode(content, round_id=round_id, site_id=site_id, roster=roster)
 
 
 def encode_unmask_reply(response: UnmaskResponse, *, round_id: RoundId) -> RecordDict:

@@ -66,15 +66,11 @@ from prism_runtime.secure_sum.keys import (
     verify_keys,
 )
 from prism_runtime.secure_sum.masks import mask_input
+from prism_runtime.secure_sum.roster import RosterPart, graph_seed, transcript_of
 from prism_runtime.secure_sum.shamir import check_threshold, split_secret
 from prism_runtime.secure_sum.trust import RoundTrust
 from prism_runtime.secure_sum.unmask import UnmaskRequest, UnmaskResponse
-from prism_runtime.secure_sum.views import (
-    RoundView,
-    confirming_signers,
-    round_transcript,
-    sign_view,
-)
+from prism_runtime.secure_sum.views import RoundView, confirming_signers, sign_view
 
 __all__ = ["NOISE_SHARE_SLACK", "RoundDecisions", "SiteRound", "share_too_large"]
 
@@ -179,7 +175,10 @@ class SiteRound:
             noise_share=noise_share,
             trust=trust,
         )
-        self._roster: dict[str, AdvertisedKeys] = {}
+        self._ids: tuple[str, ...] = ()  # the roster's ids, sorted
+        self._roster: dict[str, AdvertisedKeys] = {}  # the neighbourhood's advertisements
+        self._digest = b""  # roster.roster_digest of the ids and the advertisements' root
+        self._largest = 0.0  # L, the roster's stated largest noise share
         self._threshold = 0
         self._sparse: tuple[int, int] | None = None  # (degree, neighbourhood threshold)
         self._graph: MaskingGraph | None = None
@@ -206,7 +205,7 @@ class SiteRound:
 
     def share(
         self,
-        roster: Mapping[str, AdvertisedKeys],
+        roster: Mapping[str, AdvertisedKeys] | RosterPart,
         *,
         registered: Mapping[str, ec.EllipticCurvePublicKey],
         threshold: int,
@@ -216,10 +215,12 @@ class SiteRound:
         its neighbourhood of a sparse masking graph) and seal each receiver's shares.
 
         Args:
-            roster: The advertised keys of every site of the round (``U1``), this one included,
-                keyed by site id, as relayed by the coordinator.
+            roster: This site's part of the roster (``roster.RosterPart``: the sorted ids of
+                ``U1``, the largest noise share stated for it, and the advertisements of this
+                site's neighbourhood with their Merkle proof), or the whole roster (every
+                site's advertisement keyed by site id), as relayed by the coordinator.
             registered: The identity public key of each registered site id.
-            threshold: t; this site's threshold condition must accept it for ``len(roster)``.
+            threshold: t; this site's threshold condition must accept it for the roster's size.
             graph: A sparse masking graph's degree k and neighbourhood threshold (``graph``),
                 which this site must accept (``RoundTrust.check_graph``); None, or a degree of
                 ``n - 1`` and above: the complete graph.
@@ -231,39 +232,46 @@ class SiteRound:
             MasksUsedError: This site shared already this round.
             ThresholdError: The roster is smaller than H, t fails the threshold condition, or
                 the graph breaks this site's guarantee with too high a probability.
-            KeyBindingError: An advertisement of a site whose keys this one uses does not
-                verify, any is malformed or of an unregistered site (names the site), or the
+            KeyBindingError: An advertisement it received does not verify, is malformed or of
+                an unregistered site (names the site); the advertisements received are not
+                all of this site's neighbourhood, or their proof does not fit them; or the
                 roster does not carry this site's own keys unchanged.
         """
-        if self._roster:
+        if self._ids:
             raise MasksUsedError(f"site {self.site_id!r} already shared its secrets this round")
-        self.trust.check_threshold(threshold, len(roster))
-        if graph is not None and graph[0] >= len(roster) - 1:
+        part = roster if isinstance(roster, RosterPart) else RosterPart.whole(roster)
+        n = len(part.ids)
+        self.trust.check_threshold(threshold, n)
+        if graph is not None and graph[0] >= n - 1:
             graph = None
         if graph is not None:
-            self.trust.check_graph(len(roster), degree=graph[0], threshold=graph[1])
-        if roster.get(self.site_id) != self._advertised:
+            self.trust.check_graph(n, degree=graph[0], threshold=graph[1])
+        if part.leaves.get(self.site_id) != self._advertised:
             raise KeyBindingError(
                 f"the roster does not carry the keys site {self.site_id!r} advertised: they were "
                 "substituted or left out; abort the round"
             )
-        for site, advertised in sorted(roster.items()):
-            if advertised.site_id != site:
-                raise KeyBindingError(
-                    f"the roster lists the keys of site {advertised.site_id!r} under {site!r}"
-                )
-            verify_keys(advertised, round_id=self.round_id, registered=registered, signature=False)
-        check_threshold(threshold, len(roster))
-        transcript = round_transcript(threshold, roster.values(), graph)
-        degree = len(roster) - 1 if graph is None else graph[0]
-        masking = MaskingGraph.derive(roster, degree=degree, transcript=transcript)
+        check_threshold(threshold, n)
+        digest = part.digest  # the ids sorted, every leaf in place, the proof fits
+        degree = n - 1 if graph is None else graph[0]
+        seed = graph_seed(threshold, graph, digest)
+        masking = MaskingGraph.derive(part.ids, degree=degree, seed=seed)
         holders = masking.neighbourhood(self.site_id)
+        missing = [site for site in holders if site not in part.leaves]
+        if missing:
+            raise KeyBindingError(
+                f"the roster lacks the advertisements of {len(missing)} sites of site "
+                f"{self.site_id!r}'s neighbourhood (e.g. {missing[0]!r}): abort the round"
+            )
         for site in holders:  # the keys this site uses: every site's with the complete graph
-            verify_keys(roster[site], round_id=self.round_id, registered=registered)
-        self._roster = dict(roster)
+            verify_keys(part.leaves[site], round_id=self.round_id, registered=registered)
+        self._ids = part.ids
+        self._roster = {site: part.leaves[site] for site in holders}
+        self._digest, self._largest = digest, part.largest_share
         self._threshold = threshold
         self._sparse = graph
-        self._graph, self._transcript = masking, transcript
+        self._graph = masking
+        transcript = self.transcript
         split = self._share_threshold
         seeds = split_secret(self._seed, threshold=split, holders=holders)
         keys = split_secret(self._mask_key.private_bytes_raw(), threshold=split, holders=holders)
@@ -273,7 +281,7 @@ class SiteRound:
             if peer == self.site_id:
                 self._held[peer] = pair
                 continue
-            key = self._pairwise(roster[peer], SHARE_PURPOSE)
+            key = self._pairwise(self._roster[peer], SHARE_PURPOSE)
             sealed[peer] = seal_shares(
                 key,
                 pair,
@@ -285,23 +293,31 @@ class SiteRound:
         return sealed
 
     @property
+    def roster_ids(self) -> tuple[str, ...]:
+        """The sorted site ids of the roster this site shared with (what the participant and
+        survivor sets of its messages are bitmaps over)."""
+        if not self._ids:
+            raise SecureSumError(f"site {self.site_id!r} has no verified roster this round")
+        return self._ids
+
+    @property
     def graph(self) -> MaskingGraph:
         """The round's masking graph, derived from the roster and transcript it shared with."""
-        if not self._roster:
+        if not self._ids:
             raise SecureSumError(f"site {self.site_id!r} has no verified roster this round")
         if self._graph is None:
-            degree = len(self._roster) - 1 if self._sparse is None else self._sparse[0]
-            self._graph = MaskingGraph.derive(
-                self._roster, degree=degree, transcript=self.transcript
-            )
+            degree = len(self._ids) - 1 if self._sparse is None else self._sparse[0]
+            seed = graph_seed(self._threshold, self._sparse, self._digest)
+            self._graph = MaskingGraph.derive(self._ids, degree=degree, seed=seed)
         return self._graph
 
     def _confirmations(self) -> int:
-        """The genuine signatures a sampled check must show: for the most colluders any roster
-        site allows for (the H each signed is in the transcript), as the shares this site
-        reveals are its neighbours' secrets."""
+        """The genuine signatures a sampled check must show: for the most colluders any site of
+        its neighbourhood allows for (the H each signed is in the transcript), as the shares
+        this site reveals are its neighbourhood's secrets, and each of them is protected by the
+        checks of its own holders, every one of which counts its H in."""
         weakest = min(keys.honest_sites for keys in self._roster.values())
-        return self.trust.confirmations(len(self._roster), weakest=weakest)
+        return self.trust.confirmations(len(self._ids), weakest=weakest)
 
     @property
     def sampled(self) -> bool:
@@ -323,7 +339,7 @@ class SiteRound:
             ShareError: A ciphertext fails authentication (also when its sender was told
                 another threshold or roster) or comes from a site not in the roster.
         """
-        if not self._roster:
+        if not self._ids:
             raise SecureSumError(f"site {self.site_id!r} must share before it receives shares")
         opened: dict[str, SharePair] = {}
         senders = set(self._holders(self.site_id)) - {self.site_id}
@@ -361,13 +377,13 @@ class SiteRound:
             )
         everyone = frozenset(participants)
         near = everyone & set(self._holders(self.site_id))
-        missing = sorted((near - set(self._held)) | (everyone - set(self._roster)))
+        missing = sorted((near - set(self._held)) | (everyone - set(self._ids)))
         if self.site_id not in everyone or missing:
             raise ConsistencyError(
                 f"site {self.site_id!r} cannot mask with participants {sorted(everyone)}: it holds "
                 f"no shares from {missing} (or is not listed itself); abort the round"
             )
-        self.trust.check_present(len(everyone), len(self._roster), "participants")
+        self.trust.check_present(len(everyone), len(self._ids), "participants")
         if len(everyone) < self._threshold:
             raise SecureSumAbortedError(
                 f"secure sum aborted: {len(everyone)} participants and the threshold needs "
@@ -404,25 +420,32 @@ class SiteRound:
         )
 
     def noise_share(self) -> float:
-        """The largest noise share a roster site advertised (signed; bound by the round's
-        transcript): what this site adds, so that every roster site's own share is covered by
-        each honest site whose input a sum holds, whatever their sizes and whoever the
-        coordinator names as participants (a site a coordinator leaves out of one site's
-        participants still has its share added by it: the site adds the same under every view).
+        """L, the largest noise share stated for the roster (bound by the round's transcript):
+        what this site adds, so that every roster site's own share is covered by each honest
+        site whose input a sum holds, whatever their sizes and whoever the coordinator names
+        as participants (a site a coordinator leaves out of one site's participants still has
+        its share added by it: the site adds the same under every view).
 
         Raises:
-            NoiseShareError: A roster site signed more than this site's whole noise
-                (``mu = (H - D)`` times its own share, with ``NOISE_SHARE_SLACK``): no policy of
-                this site could need it, and every honest site adding it would drown the round.
+            NoiseShareError: L is below this site's own share (its noise would not be covered
+                by the other sites' shares), or above its whole noise (``mu = (H - D)`` times
+                its own share, with ``NOISE_SHARE_SLACK``): no policy of this site could need
+                it, and every honest site adding it would drown the round.
         """
-        if not self._roster:
+        if not self._ids:
             raise SecureSumError(f"site {self.site_id!r} has no verified roster this round")
-        largest = max(keys.noise_share for keys in self._roster.values())
-        own = self._advertised.noise_share * self.trust.share_divisor
+        largest, mine = self._largest, self._advertised.noise_share
+        own = mine * self.trust.share_divisor
         if share_too_large(largest, self._advertised):
             raise NoiseShareError(
                 f"a roster site signed a noise share of {largest:.6g}, more than this site's "
                 f"whole noise {own:.6g}: refused before anything is charged"
+            )
+        if largest < mine:
+            raise NoiseShareError(
+                f"the roster's largest noise share is stated as {largest:.6g}, below this "
+                f"site's own {mine:.6g}: the other sites would add too little; refused before "
+                "anything is charged"
             )
         return largest
 
@@ -430,8 +453,9 @@ class SiteRound:
     def transcript(self) -> bytes:
         """``views.round_transcript`` of the roster, threshold and graph this site shared with."""
         if self._transcript is None:
-            roster = self._roster.values()
-            self._transcript = round_transcript(self._threshold, roster, self._sparse)
+            self._transcript = transcript_of(
+                self._threshold, self._sparse, self._digest, self._largest
+            )
         return self._transcript
 
     def view(self, survivors: Collection[str]) -> RoundView:
@@ -468,7 +492,7 @@ class SiteRound:
                 f"survivors {strangers} are not participants of site {self.site_id!r}, or it is "
                 "not named a survivor itself: nothing signed"
             )
-        self.trust.check_present(len(named), len(self._roster), "survivors")
+        self.trust.check_present(len(named), len(self._ids), "survivors")
         if len(named) < self._threshold:
             raise SecureSumAbortedError(
                 f"secure sum aborted: {len(named)} survivors and the threshold needs "
@@ -607,7 +631,10 @@ class SiteRound:
             "share-key": self._share_key.private_bytes_raw().hex(),
             "seed": self._seed.hex(),
             "advertised": keys(self._advertised),
+            "ids": list(self._ids),
             "roster": {s: keys(a) for s, a in self._roster.items()},
+            "digest": self._digest.hex(),
+            "largest": float(self._largest).hex(),
             "threshold": self._threshold,
             "graph": None if self._sparse is None else list(self._sparse),
             "held": {s: [p.seed.hex(), p.mask_key.hex()] for s, p in self._held.items()},
@@ -644,7 +671,10 @@ class SiteRound:
             self._share_key = X25519PrivateKey.from_private_bytes(bytes.fromhex(state["share-key"]))
             self._seed = bytes.fromhex(state["seed"])
             self._advertised = keys(state["advertised"])
+            self._ids = tuple(str(s) for s in state["ids"])
             self._roster = {str(s): keys(v) for s, v in state["roster"].items()}
+            self._digest = bytes.fromhex(state["digest"])
+            self._largest = float.fromhex(state["largest"])
             self._threshold = int(state["threshold"])
             graph = state.get("graph")
             self._sparse = None if graph is None else (int(graph[0]), int(graph[1]))

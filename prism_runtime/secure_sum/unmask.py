@@ -169,7 +169,7 @@ class MaskedSum:
             raise SecureSumError(f"participants {outside} are not in the roster of advertised keys")
         request = plan_unmask(self.sites, participants=participants, threshold=threshold)
         if graph is None:
-            graph = MaskingGraph.derive(roster, degree=len(holders) - 1, transcript=b"")
+            graph = MaskingGraph.derive(roster, degree=len(holders) - 1, seed=b"")
         split = threshold if graph.complete or graph_threshold is None else graph_threshold
         holders_of = graph.neighbourhood  # the whole roster with the complete graph
 

@@ -10,12 +10,13 @@ them, from distinct survivors whose identity keys it pinned, verify on EXACTLY i
 (``confirming_signers``), as in the ConsistencyCheck round of Bonawitz et al. 2017 (CCS). Why
 t signatures suffice is ``trust``'s threshold condition.
 
-The transcript (``round_transcript``) is the digest of the threshold and every roster site's
-advertisement (fresh keys, seed commitment, noise share, H and D): it names one run of the
-round, so a signature collected in an earlier run of the same round id (a coordinator that
-re-runs a round to gather signatures on views of its choice) confirms nothing in a later one,
-whose keys are new; and sites that hold one transcript hold the same advertisement of every
-roster site, whether or not they verified its signature themselves.
+The transcript (``round_transcript``) is the digest of the threshold, the graph, the roster's
+ids, the Merkle root of every roster site's advertisement (fresh keys, seed commitment, noise
+share, H and D: ``roster``) and the largest noise share stated for the roster: it names one run
+of the round, so a signature collected in an earlier run of the same round id (a coordinator
+that re-runs a round to gather signatures on views of its choice) confirms nothing in a later
+one, whose keys are new; and sites that hold one transcript hold the same advertisement of
+every roster site, whether or not they ever received it.
 
 With a sparse masking graph a site checks a SAMPLE of the forwarded signatures instead of all
 of them (``sample_size``): what the signatures must show is that at least ``needed`` genuine
@@ -32,7 +33,6 @@ verifies every one and counts, exactly as without a sample.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import secrets
 from collections.abc import Iterable, Mapping
@@ -45,7 +45,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from prism_runtime.secure_sum._encoding import DOMAIN, frame
 from prism_runtime.secure_sum.errors import ConsistencyError
 from prism_runtime.secure_sum.graph import SECURITY_BITS
-from prism_runtime.secure_sum.keys import AdvertisedKeys, RoundId, noise_share_bytes
+from prism_runtime.secure_sum.keys import AdvertisedKeys, RoundId
+from prism_runtime.secure_sum.roster import CommittedRoster
 
 __all__ = ["RoundView", "confirming_signers", "round_transcript", "sample_size", "sign_view"]
 
@@ -55,24 +56,12 @@ def round_transcript(
     roster: Iterable[AdvertisedKeys],
     graph: tuple[int, int] | None = None,
 ) -> bytes:
-    """SHA-256 of ``threshold`` and each roster site's id, round keys, seed commitment, noise
-    share, H and D (what it signed), in id order: what one run of a round shared with (its keys
-    are fresh every run); with a sparse masking ``graph`` (degree, neighbourhood threshold),
-    those two as well."""
-    fields: list[bytes | str | int] = [DOMAIN, "round-transcript", threshold]
-    if graph is not None:
-        fields += ["sparse-graph", *graph]
-    for keys in sorted(roster, key=lambda k: k.site_id):
-        fields += [
-            keys.site_id,
-            keys.mask_public,
-            keys.share_public,
-            keys.seed_commitment,
-            noise_share_bytes(keys.noise_share),
-            keys.honest_sites,
-            keys.max_dropouts,
-        ]
-    return hashlib.sha256(frame(*fields)).digest()
+    """The transcript of a round over the whole ``roster`` (``roster.transcript_of``: the
+    threshold, a sparse masking ``graph``'s degree and neighbourhood threshold, the roster's
+    sorted ids, the root of its advertisements and their largest noise share), what each site
+    computes from its part of the roster (``roster.RosterPart``)."""
+    committed = CommittedRoster({keys.site_id: keys for keys in roster})
+    return committed.transcript(threshold, graph)
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ __all__ = [
     "SIGNATURE_MIN_BYTES",
     "Bytes",
     "Int",
+    "Keyed",
     "Message",
     "MessageFormatError",
     "MessageReader",
@@ -303,7 +304,9 @@ class Field(Protocol):
 
 
 @dataclass(frozen=True)
-class _Keyed:
+class Keyed:
+    """A field of one wire key, ``key``; its attribute name is the key with ``_`` for ``-``."""
+
     key: str
 
     @property
@@ -319,7 +322,7 @@ class _Keyed:
 
 
 @dataclass(frozen=True)
-class Int(_Keyed):
+class Int(Keyed):
     """Field ``key``: an int (not a bool) in ``[low, high]``."""
 
     low: int
@@ -336,7 +339,7 @@ class Int(_Keyed):
 
 
 @dataclass(frozen=True)
-class One(_Keyed):
+class One(Keyed):
     """Field ``key``: one ``item``."""
 
     item: Bytes
@@ -355,7 +358,7 @@ def _check_addressee(read: MessageReader, key: str, sites: Collection[str]) -> N
 
 
 @dataclass(frozen=True)
-class Sites(_Keyed):
+class Sites(Keyed):
     """Field ``key``: a set of distinct site ids, sent sorted (``addressee``: it holds the
     message's site)."""
 

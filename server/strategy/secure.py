@@ -12,8 +12,10 @@ With the round's chosen nodes (``configure_train``):
    pinned keys). The threshold is the least every advertiser accepts for the roster ``U1`` of
    ``n`` sites (``prism_runtime.secure_sum.least_common_threshold``: each site's
    ``t >= n - D`` and ``t > n - H + D``).
-2. ``secure_share``: the roster and the threshold go to every site of ``U1``; each returns its
-   Shamir shares sealed for the others (for that t and roster).
+2. ``secure_share``: the threshold and its part of the roster go to every site of ``U1`` (the
+   roster's sorted ids, the largest noise share, and its neighbourhood's advertisements with
+   their Merkle proof: ``prism_runtime.secure_sum.CommittedRoster``); each returns its Shamir
+   shares sealed for the others (for that t and roster).
 3. ``secure_mask``: each site of ``U2`` (those that shared) gets the broadcast, the round's
    config and the ciphertexts sealed for it; it checks, charges, computes and answers with its
    accounting facts and its masked vector. Facts are checked and charged as in a plain round
@@ -64,6 +66,7 @@ from prism_runtime.protocol import (
 )
 from prism_runtime.secure_sum import (
     AdvertisedKeys,
+    CommittedRoster,
     MaskedSum,
     MaskingGraph,
     RoundId,
@@ -74,7 +77,6 @@ from prism_runtime.secure_sum import (
     common_graph,
     least_common_threshold,
     plan_unmask,
-    round_transcript,
 )
 from prism_runtime.secure_sum.messages import (
     AdvertiseRequest,
@@ -140,13 +142,19 @@ class SecureState:
         return self.adverts[site][0]
 
     @functools.cached_property
+    def committed(self) -> CommittedRoster:
+        """The roster committed (its ids, the Merkle tree of its advertisements and the
+        largest noise share, stated): what each site receives its part of."""
+        return CommittedRoster(self.roster)
+
+    @functools.cached_property
     def graph(self) -> MaskingGraph:
         """The masking graph every site derives from the roster, t and ``sparse`` it shared
         with (the complete graph unless ``sparse``)."""
-        roster = self.roster
-        degree = len(roster) - 1 if self.sparse is None else self.sparse[0]
-        transcript = round_transcript(self.threshold, roster.values(), self.sparse)
-        return MaskingGraph.derive(roster, degree=degree, transcript=transcript)
+        committed = self.committed
+        degree = len(committed.ids) - 1 if self.sparse is None else self.sparse[0]
+        seed = committed.seed(self.threshold, self.sparse)
+        return MaskingGraph.derive(committed.ids, degree=degree, seed=seed)
 
     @property
     def masked_from(self) -> frozenset[str]:
@@ -319,22 +327,26 @@ class SecureRound:
         return refusing, reason
 
     def share_keys(self, state: SecureState) -> bool:
-        """2. The roster and threshold to every advertiser; their sealed Shamir shares back."""
+        """2. The threshold and each advertiser's part of the roster (its neighbourhood's
+        advertisements with their Merkle proof); their sealed Shamir shares back."""
         degree, local = state.sparse or (0, 0)
-        share_ask = ShareRequest(
-            roster=state.roster,
-            threshold=state.threshold,
-            graph_degree=degree,
-            graph_threshold=local,
-        )
+        graph, committed = state.graph, state.committed
         contents = {
             node: _with(
                 {CONFIG: state.config},
-                encode_share_request(share_ask, round_id=state.round_id, site_id=site),
+                encode_share_request(
+                    ShareRequest(
+                        roster=committed.part(graph.neighbourhood(site)),
+                        threshold=state.threshold,
+                        graph_degree=degree,
+                        graph_threshold=local,
+                    ),
+                    round_id=state.round_id,
+                    site_id=site,
+                ),
             )
             for site, (node, _) in state.adverts.items()
         }
-        graph = state.graph
         for msg in self._send(state, contents, SECURE_SHARE):
             site = self.binding.site_of(msg.metadata.src_node_id)
             if site not in state.adverts or msg.has_error():
@@ -373,7 +385,13 @@ class SecureRound:
             mask_ask = MaskRequest(sealed=for_site, participants=state.participants)
             contents[node] = _with(
                 {ARRAYS: state.arrays, CONFIG: state.config},
-                encode_mask_request(mask_ask, round_id=state.round_id, site_id=site, near=near),
+                encode_mask_request(
+                    mask_ask,
+                    round_id=state.round_id,
+                    site_id=site,
+                    roster=state.committed.ids,
+                    near=near,
+                ),
             )
             self.binding.sent_to[node] = state.round_.server_round
         state.sealed.clear()
@@ -422,7 +440,9 @@ class SecureRound:
         contents = {
             state.node_of(site): _with(
                 {CONFIG: state.config},
-                encode_consistency_request(ask, round_id=state.round_id, site_id=site),
+                encode_consistency_request(
+                    ask, round_id=state.round_id, site_id=site, roster=state.committed.ids
+                ),
             )
             for site in sorted(request.survivors)
         }
@@ -461,7 +481,9 @@ class SecureRound:
         contents = {
             state.node_of(site): _with(
                 {CONFIG: state.config},
-                encode_unmask_request(signed, round_id=state.round_id, site_id=site),
+                encode_unmask_request(
+                    signed, round_id=state.round_id, site_id=site, roster=state.committed.ids
+                ),
             )
             for site in sorted(request.survivors)
         }

@@ -29,6 +29,7 @@ import client.masked_input as masked_input_module
 from prism_core.distributed import FIELD_BITS
 from prism_runtime.secure_sum import (
     AdvertisedKeys,
+    CommittedRoster,
     MaskingGraph,
     RoundTrust,
     UnmaskRequest,
@@ -36,7 +37,6 @@ from prism_runtime.secure_sum import (
     centre,
     common_graph,
     least_common_threshold,
-    round_transcript,
     sample_size,
     unmask_sum,
 )
@@ -415,8 +415,8 @@ def test_a_sparse_site_checks_one_unmasking_request_a_round_even_after_a_lost_sa
     trusts = [RoundTrust(6, 1)] * 6
     graph, threshold = common_graph(trusts, 6), least_common_threshold(trusts, 6)
     assert graph == (4, 3) and threshold == 5
-    transcript = round_transcript(threshold, game.roster.values(), graph)
-    ring = MaskingGraph.derive(game.roster, degree=4, transcript=transcript)
+    seed = CommittedRoster(game.roster).seed(threshold, graph)
+    ring = MaskingGraph.derive(game.roster, degree=4, seed=seed)
     for site in sites:
         reply = fed.share(site, game.roster, threshold, graph)
         assert reply.code is None, reply.code

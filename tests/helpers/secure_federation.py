@@ -52,6 +52,7 @@ from prism_runtime.protocol import (
 )
 from prism_runtime.secure_sum import (
     AdvertisedKeys,
+    RosterPart,
     RoundId,
     RoundTrust,
     RoundView,
@@ -195,6 +196,8 @@ class Federation:
     states: dict[str, RecordDict] = field(default_factory=dict)
     nodes: dict[str, int] = field(default_factory=dict)
     registered: dict[str, ec.EllipticCurvePublicKey] = field(default_factory=dict)
+    roster_of: dict[str, list[str]] = field(default_factory=dict)
+    """Site id -> the roster's sorted ids it was last sent (its sets' bitmaps are over them)."""
 
     @classmethod
     def build(
@@ -287,8 +290,10 @@ class Federation:
         threshold: int,
         graph: tuple[int, int] = (0, 0),
     ) -> Reply:
+        part = RosterPart.whole(roster)
+        self.roster_of[site] = list(part.ids)
         ask = ShareRequest(
-            roster=roster, threshold=threshold, graph_degree=graph[0], graph_threshold=graph[1]
+            roster=part, threshold=threshold, graph_degree=graph[0], graph_threshold=graph[1]
         )
         return self.call(
             site, SECURE_SHARE, encode_share_request(ask, round_id=ROUND, site_id=site)
@@ -305,12 +310,16 @@ class Federation:
         everyone = frozenset(participants)
         for_site = {s: sealed[s][site] for s in everyone if s != site and site in sealed[s]}
         ask = MaskRequest(sealed=for_site, participants=everyone)
-        content = encode_mask_request(ask, round_id=ROUND, site_id=site, near=near)
+        content = encode_mask_request(
+            ask, round_id=ROUND, site_id=site, roster=self.roster_of[site], near=near
+        )
         return self.call(site, SECURE_MASK, content, arrays)
 
     def consistency(self, site: str, survivors: Iterable[str]) -> Reply:
         ask = ConsistencyRequest(survivors=frozenset(survivors))
-        content = encode_consistency_request(ask, round_id=ROUND, site_id=site)
+        content = encode_consistency_request(
+            ask, round_id=ROUND, site_id=site, roster=self.roster_of[site]
+        )
         return self.call(site, SECURE_CONSISTENCY, content)
 
     def unmask(
@@ -322,7 +331,9 @@ class Federation:
     ) -> Reply:
         request = UnmaskRequest(frozenset(survivors), frozenset(dropped))
         signed = SignedUnmaskRequest(request=request, signatures=dict(signatures))
-        content = encode_unmask_request(signed, round_id=ROUND, site_id=site)
+        content = encode_unmask_request(
+            signed, round_id=ROUND, site_id=site, roster=self.roster_of[site]
+        )
         return self.call(site, SECURE_UNMASK, content)
 
     # -- decoding the sites' replies ------------------------------------------------------------

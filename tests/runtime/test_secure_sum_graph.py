@@ -20,10 +20,13 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from prism_runtime.errors import ConfigError
 from prism_runtime.secure_sum import (
     AdvertisedKeys,
+    CommittedRoster,
     ConsistencyError,
     KeyBindingError,
     MaskedSum,
     MaskingGraph,
+    NoiseShareError,
+    RosterPart,
     RoundDecisions,
     RoundId,
     RoundTrust,
@@ -47,6 +50,7 @@ from prism_runtime.secure_sum import (
 from prism_runtime.secure_sum import masks as masks_module
 from prism_runtime.secure_sum import views as views_module
 from prism_runtime.secure_sum.graph import graph_abort, graph_failure
+from prism_runtime.secure_sum.roster import multiproof, root_of
 
 BITS = 32
 Vector = npt.NDArray[np.uint64]
@@ -158,14 +162,14 @@ def test_every_site_derives_the_coordinators_graph_and_it_is_regular_and_symmetr
     graphs = {s.graph for s in rnd.sites.values()}
     assert len(graphs) == 1  # every site, the same order and degree
     graph = graphs.pop()
-    transcript = round_transcript(rnd.threshold, rnd.roster.values(), rnd.graph)
-    assert graph == MaskingGraph.derive(rnd.roster, degree=k, transcript=transcript)
+    seed = CommittedRoster(rnd.roster).seed(rnd.threshold, rnd.graph)
+    assert graph == MaskingGraph.derive(rnd.roster, degree=k, seed=seed)
     for s in rnd.sites:
         near = graph.neighbours(s)
         assert len(near) == k and s not in near
         assert all(s in graph.neighbours(p) for p in near)
     assert graph.edges() == 100 * k // 2
-    other = MaskingGraph.derive(rnd.roster, degree=k, transcript=b"another run")
+    other = MaskingGraph.derive(rnd.roster, degree=k, seed=b"another run")
     assert other.order != graph.order and sorted(other.order) == sorted(graph.order)
 
 
@@ -179,9 +183,9 @@ def test_the_complete_graph_is_the_protocol_without_a_graph() -> None:
         site.site_id
     }
     assert site.transcript == round_transcript(rnd.threshold, rnd.roster.values())
-    graph = MaskingGraph.derive(rnd.roster, degree=5, transcript=b"ignored")
+    graph = MaskingGraph.derive(rnd.roster, degree=5, seed=b"ignored")
     assert graph.complete and graph.order == tuple(sorted(rnd.roster))
-    alone = MaskingGraph.derive(["site-0000"], degree=0, transcript=b"")  # a one-site roster
+    alone = MaskingGraph.derive(["site-0000"], degree=0, seed=b"")  # a one-site roster
     assert alone.complete and alone.neighbourhood("site-0000") == ["site-0000"]
     with pytest.raises(ConfigError, match="even degree"):
         MaskingGraph(tuple(sorted(rnd.roster)), 3)
@@ -588,16 +592,16 @@ def test_a_sites_check_of_its_roster_covers_the_keys_it_uses_and_binds_the_rest(
     rnd = start(80, honest=72, dropouts=2)
     assert rnd.graph is not None
     site = "site-0005"
-    true_transcript = round_transcript(rnd.threshold, rnd.roster.values(), rnd.graph)
-    true_graph = MaskingGraph.derive(rnd.roster, degree=rnd.graph[0], transcript=true_transcript)
+    true_seed = CommittedRoster(rnd.roster).seed(rnd.threshold, rnd.graph)
+    true_graph = MaskingGraph.derive(rnd.roster, degree=rnd.graph[0], seed=true_seed)
     lowered = {}
     for other in sorted(rnd.roster):
         if other == site:
             continue
         roster = dict(rnd.roster)
         roster[other] = dataclasses.replace(rnd.roster[other], noise_share=0.5)
-        transcript = round_transcript(rnd.threshold, roster.values(), rnd.graph)
-        graph = MaskingGraph.derive(roster, degree=rnd.graph[0], transcript=transcript)
+        seed = CommittedRoster(roster).seed(rnd.threshold, rnd.graph)
+        graph = MaskingGraph.derive(roster, degree=rnd.graph[0], seed=seed)
         near = graph.neighbours(site)
         if other in near or near & true_graph.neighbours(site):  # a holder under both graphs
             lowered.setdefault(other in near, roster)
@@ -652,25 +656,149 @@ def test_a_site_adds_the_largest_share_of_its_roster_whatever_participants_it_is
     assert rnd.sites[site].noise_share() == 3.0
 
 
-def test_a_sampled_check_counts_on_the_rosters_weakest_h() -> None:
-    """A site's sampled check guards its neighbours' secrets, so it needs the genuine
-    signatures of the most colluders ANY roster site allows for: with one site counting on
-    H = 90 of 120, a site counting on all 120 checks for (120 + 30) // 2 + 1 = 76 genuine
-    signatures (a larger sample) instead of 61."""
+def test_a_sampled_check_counts_on_its_neighbourhoods_weakest_h() -> None:
+    """A site's sampled check guards its neighbourhood's secrets, so it needs the genuine
+    signatures of the most colluders any site of its neighbourhood allows for: with one site
+    counting on H = 90 of 120, its neighbours (counting on all 120) check for
+    (120 + 30) // 2 + 1 = 76 genuine signatures (a larger sample), a site outside its
+    neighbourhood for 61."""
     n = 120
     rnd = start(n, honest=n, dropouts=1)
     low = RoundTrust(n - 30, 1)
-    _replace(rnd, "site-0040", noise_share=1.0, trust=low)
+    weak = "site-0040"
+    _replace(rnd, weak, noise_share=1.0, trust=low)
     trusts = [RoundTrust(n, 1)] * (n - 1) + [low]
     threshold, graph = least_common_threshold(trusts, n), common_graph(trusts, n)
     assert threshold is not None and graph is not None
     rnd.threshold, rnd.graph = threshold, graph
     everyone = share(rnd, rnd.sites)
     request, signatures = _mask_and_sign(rnd, everyone)
-    site = "site-0001"
-    assert rnd.sites[site].trust.confirmations(n) == 61
-    assert rnd.sites[site].trust.confirmations(n, weakest=n - 30) == 76
-    checks: list[str] = []
-    counting = {s: _CountingKey(k, checks) for s, k in rnd.registered.items()}
-    rnd.sites[site].answer(request, signatures=signatures, registered=counting)  # type: ignore[arg-type]
-    assert len(checks) == sample_size(n, 76) > sample_size(n, 61)
+    near = rnd.sites[weak].graph.neighbours(weak)
+    neighbour = min(near)
+    stranger = min(set(rnd.sites) - near - {weak})
+    assert rnd.sites[neighbour].trust.confirmations(n) == 61
+    assert rnd.sites[neighbour].trust.confirmations(n, weakest=n - 30) == 76
+    for site, needed in ((neighbour, 76), (stranger, 61)):
+        checks: list[str] = []
+        counting = {s: _CountingKey(k, checks) for s, k in rnd.registered.items()}
+        rnd.sites[site].answer(request, signatures=signatures, registered=counting)  # type: ignore[arg-type]
+        assert len(checks) == sample_size(n, needed)
+    assert sample_size(n, 76) > sample_size(n, 61)
+
+
+# the committed roster: a site's part of it ------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 13, 31, 64, 100, 1000])
+def test_a_multiproof_rebuilds_the_root_from_any_leaves_and_nothing_else(n: int) -> None:
+    """Any set of leaves with its multiproof gives the tree's root; every leaf gives it with no
+    proof; at most ceil(log2 n) nodes a leaf; a changed, missing or extra node is refused or
+    gives another root."""
+    rng = np.random.default_rng(n)  # which leaves: test data only
+    leaves = [bytes(rng.integers(0, 256, 32, dtype=np.uint8)) for _ in range(n)]
+    root = root_of(n, dict(enumerate(leaves)), ())
+    assert multiproof(leaves, range(n)) == ()
+    for size in sorted({1, min(n, 3), min(n, 19), n}):
+        chosen = sorted(rng.choice(n, size=size, replace=False).tolist())
+        proof = multiproof(leaves, chosen)
+        known = {p: leaves[p] for p in chosen}
+        assert root_of(n, known, proof) == root
+        assert len(proof) <= size * max(1, math.ceil(math.log2(n)))
+        if not proof:
+            continue
+        bent = (bytes(32), *proof[1:])
+        assert root_of(n, known, bent) != root
+        with pytest.raises(KeyBindingError, match="too short"):
+            root_of(n, known, proof[:-1])
+        with pytest.raises(KeyBindingError, match="more nodes"):
+            root_of(n, known, (*proof, bytes(32)))
+    with pytest.raises(KeyBindingError, match="outside the roster"):
+        root_of(n, {n: leaves[0]}, ())
+
+
+def test_sites_that_receive_only_their_neighbourhood_hold_the_whole_rosters_transcript() -> None:
+    """Each site gets its neighbourhood's advertisements and their proof (k + 1 leaves, at most
+    (k + 1) log2 n nodes), derives the coordinator's graph, holds the transcript of the whole
+    roster, and the sum is exact."""
+    rnd = start(100, honest=90, dropouts=10)
+    assert rnd.graph is not None
+    k = rnd.graph[0]
+    committed = CommittedRoster(rnd.roster)
+    graph = MaskingGraph.derive(
+        committed.ids, degree=k, seed=committed.seed(rnd.threshold, rnd.graph)
+    )
+    sealed = {}
+    for s, site in rnd.sites.items():
+        part = committed.part(graph.neighbourhood(s))
+        assert len(part.leaves) == k + 1
+        assert len(part.proof) <= (k + 1) * math.ceil(math.log2(100))
+        sealed[s] = site.share(
+            part, registered=rnd.registered, threshold=rnd.threshold, graph=rnd.graph
+        )
+    whole = round_transcript(rnd.threshold, rnd.roster.values(), rnd.graph)
+    assert {site.transcript for site in rnd.sites.values()} == {whole}
+    assert {site.graph for site in rnd.sites.values()} == {graph}
+    for receiver, site in rnd.sites.items():
+        site.receive({s: box[receiver] for s, box in sealed.items() if receiver in box})
+    participants = sorted(rnd.sites)
+    survivors = participants[:-5]
+    encoded, plain = inputs_for(participants, 32, seed=5)
+    total = finish(rnd, encoded, participants, survivors)
+    expected = np.sum([plain[s] for s in survivors], axis=0)
+    np.testing.assert_array_equal(centre(total, bits=BITS), expected)
+
+
+def test_a_part_missing_a_neighbour_or_bent_is_refused_before_anything_is_shared() -> None:
+    rnd = start(60, honest=54, dropouts=3)
+    assert rnd.graph is not None
+    committed = CommittedRoster(rnd.roster)
+    site = "site-0007"
+    graph = MaskingGraph.derive(
+        committed.ids, degree=rnd.graph[0], seed=committed.seed(rnd.threshold, rnd.graph)
+    )
+    near = graph.neighbourhood(site)
+    part = committed.part(near)
+    neighbour = next(s for s in near if s != site)
+
+    def refused(bad: RosterPart, match: str) -> None:
+        with pytest.raises(KeyBindingError, match=match):
+            rnd.sites[site].share(
+                bad, registered=rnd.registered, threshold=rnd.threshold, graph=rnd.graph
+            )
+
+    short = {s: a for s, a in part.leaves.items() if s != neighbour}
+    refused(RosterPart(part.ids, part.largest_share, short, committed.part(short).proof), "lacks")
+    # a neighbour's leaf changed (its noise share): another root, so another graph or a
+    # signature that fails; either way nothing is shared
+    bent = dict(part.leaves)
+    bent[neighbour] = dataclasses.replace(bent[neighbour], noise_share=0.25)
+    refused(dataclasses.replace(part, leaves=bent), "lacks|do not verify")
+    refused(dataclasses.replace(part, proof=(*part.proof, bytes(32))), "more nodes")
+    refused(dataclasses.replace(part, ids=tuple(reversed(part.ids))), "sorted")
+    moved = dict(part.leaves)
+    moved[neighbour] = part.leaves[site]
+    refused(dataclasses.replace(part, leaves=moved), "under")
+    # the true part is accepted (a refusal changed nothing): nothing above was a false alarm
+    rnd.sites[site].share(part, registered=rnd.registered, threshold=rnd.threshold, graph=rnd.graph)
+
+
+@pytest.mark.parametrize(("largest", "match"), [(0.5, "below this site's own"), (1e6, "whole")])
+def test_a_stated_largest_share_below_a_sites_own_or_above_its_noise_is_refused(
+    largest: float, match: str
+) -> None:
+    """L is the coordinator's statement: a site refuses one that would leave its own noise
+    uncovered or drown the round, before anything is charged; L is in the transcript (sites
+    told different L open no shares of each other's) and never in the graph's seed (the
+    coordinator cannot draw orders by varying it)."""
+    rnd = start(40, honest=36, dropouts=2)
+    assert rnd.graph is not None
+    committed = CommittedRoster(rnd.roster, largest_share=largest)
+    site = rnd.sites["site-0003"]
+    part = committed.part(committed.ids)
+    site.share(part, registered=rnd.registered, threshold=rnd.threshold, graph=rnd.graph)
+    with pytest.raises(NoiseShareError, match=match):
+        site.noise_share()
+    true = CommittedRoster(rnd.roster)
+    assert site.transcript == committed.transcript(rnd.threshold, rnd.graph)
+    assert site.transcript != true.transcript(rnd.threshold, rnd.graph)
+    assert committed.seed(rnd.threshold, rnd.graph) == true.seed(rnd.threshold, rnd.graph)

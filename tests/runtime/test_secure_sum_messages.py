@@ -11,6 +11,7 @@ are refused before the decoder allocates (measured with ``tracemalloc``).
 
 from __future__ import annotations
 
+import dataclasses
 import tracemalloc
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
 from prism_runtime.errors import ConfigError
 from prism_runtime.secure_sum import (
     AdvertisedKeys,
+    RosterPart,
     RoundId,
     RoundTrust,
     SecureSumError,
@@ -162,7 +164,7 @@ def play_round() -> Played:
         roster[advertised.site_id] = advertised
 
     # (2) share
-    request = ShareRequest(roster=roster, threshold=THRESHOLD)
+    request = ShareRequest(roster=RosterPart.whole(roster), threshold=THRESHOLD)
     boxes: dict[str, dict[str, bytes]] = {}
     for s in SITES:
         got = send(
@@ -193,8 +195,8 @@ def play_round() -> Played:
             Stage.MASK_REQUEST,
             s,
             forward,
-            encode_mask_request(forward, round_id=ROUND, site_id=s),
-            lambda c, s=s: decode_mask_request(c, round_id=ROUND, site_id=s),
+            encode_mask_request(forward, round_id=ROUND, site_id=s, roster=SITES),
+            lambda c, s=s: decode_mask_request(c, round_id=ROUND, site_id=s, roster=SITES),
         )
         sites[s].receive(got.sealed)
         vector = sites[s].mask(
@@ -221,8 +223,8 @@ def play_round() -> Played:
             Stage.CONSISTENCY_REQUEST,
             s,
             ask,
-            encode_consistency_request(ask, round_id=ROUND, site_id=s),
-            lambda c, s=s: decode_consistency_request(c, round_id=ROUND, site_id=s),
+            encode_consistency_request(ask, round_id=ROUND, site_id=s, roster=SITES),
+            lambda c, s=s: decode_consistency_request(c, round_id=ROUND, site_id=s, roster=SITES),
         )
         signature = sites[s].sign_view(got.survivors, identity_key=identities[s])
         signatures[s] = send(
@@ -241,8 +243,8 @@ def play_round() -> Played:
             Stage.UNMASK_REQUEST,
             s,
             signed,
-            encode_unmask_request(signed, round_id=ROUND, site_id=s),
-            lambda c, s=s: decode_unmask_request(c, round_id=ROUND, site_id=s),
+            encode_unmask_request(signed, round_id=ROUND, site_id=s, roster=SITES),
+            lambda c, s=s: decode_unmask_request(c, round_id=ROUND, site_id=s, roster=SITES),
         )
         answer = sites[s].answer(got.request, signatures=got.signatures, registered=registered)
         answers.append(
@@ -299,7 +301,8 @@ def test_decoded_objects_have_the_types_the_site_round_uses(played: Played) -> N
     assert isinstance(vector, np.ndarray) and vector.dtype == np.uint64 and vector.flags.writeable
     share = played.sent[Stage.SHARE_REQUEST][2](played.sent[Stage.SHARE_REQUEST][1])
     assert isinstance(share, ShareRequest)
-    assert all(type(k) is AdvertisedKeys for k in share.roster.values())
+    assert all(type(k) is AdvertisedKeys for k in share.roster.leaves.values())
+    assert share.roster.ids == SITES and share.roster.proof == ()  # the whole roster
     sealed = played.sent[Stage.SHARE_REPLY][0]
     assert isinstance(sealed, dict)
     assert {len(c) for c in sealed.values()} == {SEALED_SHARES_BYTES}
@@ -413,13 +416,23 @@ STAGE_CASES: dict[Stage, dict[str, Change]] = {
         "roster-empty-id": at("roster", 3, ""),
         "roster-long-id": at("roster", 3, "s" * 129),
         "roster-no-addressee": at("roster", 0, "s9"),
-        "roster-keys-short-list": cut("roster-mask-public", None, 3),
-        "roster-key-31": at("roster-share-public", 2, bytes(31)),
-        "roster-commitment-str": put("roster-seed-commitment", ["c" * 32] * 4),
-        "roster-signature-73": at("roster-signature", 1, bytes(73)),
-        "roster-signature-not-der": at("roster-signature", 1, NOT_DER),
-        "roster-honest-sites-zero": at("roster-honest-sites", 1, bytes(4)),
-        "roster-max-dropouts-short-list": cut("roster-max-dropouts", None, 3),
+        "roster-unsorted": put("roster", ["s1", "s0", "s2", "s3"]),
+        "largest-share-7-bytes": put("largest-share", bytes(7)),
+        "largest-share-nan": put("largest-share", b"\x00\x00\x00\x00\x00\x00\xf8\x7f"),
+        "largest-share-negative": put("largest-share", b"\x00\x00\x00\x00\x00\x00\xf0\xbf"),
+        "leaves-no-addressee": at("leaves", 0, "s9"),
+        "leaves-outside-roster": at("leaves", 3, "s9"),
+        "leaves-keys-short-list": cut("leaves-mask-public", None, 3),
+        "leaves-key-31": at("leaves-share-public", 2, bytes(31)),
+        "leaves-commitment-str": put("leaves-seed-commitment", ["c" * 32] * 4),
+        "leaves-signature-73": at("leaves-signature", 1, bytes(73)),
+        "leaves-signature-not-der": at("leaves-signature", 1, NOT_DER),
+        "leaves-honest-sites-zero": at("leaves-honest-sites", 1, bytes(4)),
+        "leaves-max-dropouts-short-list": cut("leaves-max-dropouts", None, 3),
+        "proof-33-bytes": put("proof", bytes(33)),
+        "proof-str": put("proof", "p" * 32),
+        "proof-oversize": put("proof", bytes(32 * (2 * MAX_SITES + 1))),
+        "proof-missing": drop("proof"),
         "threshold-minority": put("threshold", 2),
         "threshold-above-roster": put("threshold", 5),
         "threshold-zero": put("threshold", 0),
@@ -435,9 +448,10 @@ STAGE_CASES: dict[Stage, dict[str, Change]] = {
         "sealed-megabyte": at("sealed-shares", 0, bytes(2**20)),
     },
     Stage.MASK_REQUEST: {
-        "participants-no-addressee": cut("participants", 1, None),
-        "participants-duplicate": at("participants", 1, "s0"),
-        "participants-over-max": put("participants", MANY),
+        "participants-no-addressee": put("participants", bytes([0b1110])),
+        "participants-past-the-roster": put("participants", bytes([0b11111])),
+        "participants-two-bytes": put("participants", bytes([0b1111, 0])),
+        "participants-list": put("participants", ["s0", "s1", "s2", "s3"]),
         "senders-include-addressee": at("senders", 0, "s0"),
         "senders-duplicate": at("senders", 0, "s2"),
         "senders-one-missing": cut("senders", 1, None),
@@ -456,9 +470,10 @@ STAGE_CASES: dict[Stage, dict[str, Change]] = {
         "masked-value-2^64-1": put("masked-input", b"\xff" * 8 * LENGTH),
     },
     Stage.CONSISTENCY_REQUEST: {
-        "survivors-no-addressee": cut("survivors", 1, None),
-        "survivors-duplicate": at("survivors", 1, "s0"),
-        "survivors-over-max": put("survivors", MANY),
+        "survivors-no-addressee": put("survivors", bytes([0b1010])),
+        "survivors-past-the-roster": put("survivors", bytes([0b10001011])),
+        "survivors-empty": put("survivors", b""),
+        "survivors-list": put("survivors", ["s0", "s1", "s3"]),
         "survivors-missing": drop("survivors"),
     },
     Stage.CONSISTENCY_REPLY: {
@@ -473,11 +488,10 @@ STAGE_CASES: dict[Stage, dict[str, Change]] = {
         "signatures-short-list": cut("signatures", 1, None),
         "signatures-not-der": at("signatures", 0, NOT_DER),
         "signers-missing": drop("signers"),
-        "survivor-also-dropped": add("dropped", ["s1"]),
-        "survivors-duplicate": at("survivors", 1, "s0"),
-        "addressee-not-survivor": cut("survivors", 1, None),
-        "dropped-not-list": put("dropped", "s2"),
-        "over-max-together": put("dropped", [f"x{i}" for i in range(MAX_SITES - 2)]),
+        "survivor-also-dropped": put("dropped", bytes([0b0110])),
+        "addressee-not-survivor": put("survivors", bytes([0b1010])),
+        "dropped-str": put("dropped", "s2"),
+        "dropped-past-the-roster": put("dropped", bytes([0b10100])),
     },
     Stage.UNMASK_REPLY: {
         "seed-owner-missing": cut("seed-share-owners", 1, None),
@@ -678,11 +692,12 @@ def test_encoders_refuse_to_send_what_the_receiver_refuses(played: Played) -> No
         encode_share_request(
             ShareRequest(roster=share_request.roster, threshold=2), round_id=ROUND, site_id=SITE
         )
-    swapped = dict(share_request.roster)
+    swapped = dict(share_request.roster.leaves)
     swapped["s1"], swapped["s2"] = swapped["s2"], swapped["s1"]
+    part = dataclasses.replace(share_request.roster, leaves=swapped)
     with pytest.raises(MessageFormatError, match=r"refusing to send"):
         encode_share_request(
-            ShareRequest(roster=swapped, threshold=THRESHOLD), round_id=ROUND, site_id=SITE
+            ShareRequest(roster=part, threshold=THRESHOLD), round_id=ROUND, site_id=SITE
         )
     with pytest.raises(MessageFormatError, match=r"refusing to send.*'site-id'"):
         encode_advertise_request(
@@ -697,6 +712,11 @@ def test_encoders_refuse_to_send_what_the_receiver_refuses(played: Played) -> No
             SignedUnmaskRequest(UnmaskRequest(frozenset({"s0", "s1"}), frozenset({"s1"})), {}),
             round_id=ROUND,
             site_id=SITE,
+            roster=SITES,
+        )
+    with pytest.raises(MessageFormatError, match=r"refusing to send.*outside the roster"):
+        encode_consistency_request(
+            ConsistencyRequest(frozenset({"s0", "s9"})), round_id=ROUND, site_id=SITE, roster=SITES
         )
     signature = played.sent[Stage.CONSISTENCY_REPLY][0]
     assert isinstance(signature, bytes)
@@ -707,6 +727,7 @@ def test_encoders_refuse_to_send_what_the_receiver_refuses(played: Played) -> No
             ),
             round_id=ROUND,
             site_id=SITE,
+            roster=SITES,
         )
 
 
@@ -743,11 +764,13 @@ def test_a_share_requests_graph_is_bounded_and_the_neighbourhood_tables_exact(
         participants=everyone,
     )
     with pytest.raises(MessageFormatError, match=r"refusing to send.*'senders'"):
-        encode_mask_request(ask, round_id=ROUND, site_id=SITE)  # the complete graph's: 3 senders
+        # the complete graph's: 3 senders
+        encode_mask_request(ask, round_id=ROUND, site_id=SITE, roster=SITES)
     decoded = decode_mask_request(
-        encode_mask_request(ask, round_id=ROUND, site_id=SITE, near=near),
+        encode_mask_request(ask, round_id=ROUND, site_id=SITE, roster=SITES, near=near),
         round_id=ROUND,
         site_id=SITE,
+        roster=SITES,
         near=near,
     )
     assert set(decoded.sealed) == {"s1", "s3"}

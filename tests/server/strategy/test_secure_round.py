@@ -228,9 +228,9 @@ class SubstitutingGrid(SecureGrid):
     def answer(self, msg: Message) -> Message | None:  # type: ignore[override]
         if msg.metadata.message_type == "train.secure_share":
             record = msg.content[RECORD]
-            keys = list(record["roster-mask-public"])  # type: ignore[arg-type]
+            keys = list(record["leaves-mask-public"])  # type: ignore[arg-type]
             keys[0] = X25519PrivateKey.generate().public_key().public_bytes_raw()
-            record["roster-mask-public"] = keys
+            record["leaves-mask-public"] = keys
         return super().answer(msg)
 
 
