@@ -53,6 +53,7 @@ from prism_runtime.secure_sum import (
     RoundId,
     RoundTrust,
     SecureSumError,
+    SignatureBook,
     SiteRound,
     centre,
     common_graph,
@@ -228,23 +229,37 @@ def simulate(
                     lambda s=s: sites[s].sign_view(survivors, identity_key=identities[s]),
                 )
                 sent[s] += len(signatures[s])
-            signature_bytes = sum(len(b) + len(s) for s, b in signatures.items())
+            start = time.perf_counter()
+            book = SignatureBook(signatures)  # the coordinator commits what it forwards
+            coordinator += time.perf_counter() - start
             answers = []
             for s in survivors:
                 if s in drop_answer:
                     continue
-                receive(s, "sets", 2 * bitmap)
-                receive(s, "signatures", signature_bytes)
+                receive(s, "sets", 3 * bitmap + 32)  # survivors, dropped, signers; the root
+                drawn = timed(
+                    s,
+                    lambda s=s: sites[s].draw(request, signers=book.signers, root=book.root),
+                )
+                sent[s] += 4 * len(drawn)
+                start = time.perf_counter()
+                opened, proof = book.open(drawn)
+                coordinator += time.perf_counter() - start
+                receive(
+                    s,
+                    "signatures",
+                    sum(len(b) + len(o) for o, b in opened.items()) + 32 * len(proof),
+                )
                 response = timed(
                     s,
-                    lambda s=s: sites[s].answer(
-                        request, signatures=signatures, registered=registered
+                    lambda s=s, opened=opened, proof=proof: sites[s].reveal(
+                        request, signatures=opened, proof=proof, registered=registered
                     ),
                 )
                 sent[s] += sum(
                     len(b) + len(o)
-                    for book in (response.seed_shares, response.key_shares)
-                    for o, b in book.items()
+                    for shares in (response.seed_shares, response.key_shares)
+                    for o, b in shares.items()
                 )
                 answers.append(response)
             start = time.perf_counter()

@@ -47,6 +47,7 @@ from prism_runtime.protocol import (
     SECURE_ADVERTISE,
     SECURE_CONSISTENCY,
     SECURE_MASK,
+    SECURE_SAMPLE,
     SECURE_SHARE,
     SECURE_UNMASK,
     SERVER_ROUND,
@@ -124,9 +125,15 @@ def secure_consistency(msg: Message, context: Context) -> Message:
     return _answer(msg, context, functools.partial(_secure, stage=secure.consistency))
 
 
+@app.train(SECURE_SAMPLE)
+def secure_sample(msg: Message, context: Context) -> Message:
+    """Secure aggregation, stage 5: which of the committed signatures the site checks."""
+    return _answer(msg, context, functools.partial(_secure, stage=secure.sample))
+
+
 @app.train(SECURE_UNMASK)
 def secure_unmask(msg: Message, context: Context) -> Message:
-    """Secure aggregation, stage 5: the shares that unmask the sum of the survivors."""
+    """Secure aggregation, stage 6: the shares that unmask the sum of the survivors."""
     return _answer(msg, context, functools.partial(_secure, stage=secure.unmask))
 
 

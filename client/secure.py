@@ -1,6 +1,6 @@
-"""A site's part in a secure-aggregation round (docs/design.md §3.3): five messages, one charge.
+"""A site's part in a secure-aggregation round (docs/design.md §3.3): six messages, one charge.
 
-The coordinator drives five exchanges per round (``server.strategy.secure``); each arrives as a
+The coordinator drives six exchanges per round (``server.strategy.secure``); each arrives as a
 ``train`` message with its own action (``prism_runtime.protocol.SECURE_STAGES``). The ClientApp
 resolves the message's context once (``SecureStage.resolve``: the site, the round number and
 nonce, the round id, the site's noise) and hands it to the stage of that action, which answers
@@ -24,9 +24,12 @@ it:
    share of the noise, the masks); the reply carries the accounting facts and the masked vector,
    never anything a coordinator could read alone;
 4. ``consistency``: it signs the exact participant and survivor sets it was given (once);
-5. ``unmask``: it reveals the shares that remove the masks of the sum, only for exactly the sets
-   it signed and only when at least t survivors' signatures from its pinned peers verify on them
-   (under a sparse graph: a random sample of them, ``prism_runtime.secure_sum.views``).
+5. ``sample``: the coordinator commits to the survivors' signatures it forwards (a Merkle root);
+   the site draws which it checks (all of them, or under a sparse graph a random sample,
+   ``prism_runtime.secure_sum.views``), durably, and sends its draw;
+6. ``unmask``: it reveals the shares that remove the masks of the sum, only for exactly the sets
+   it signed and only when the signatures it drew match the root and, from its pinned peers,
+   verify on them (at least t; every drawn one under a sparse graph).
 
 Between messages the round's secrets live in ``context.state`` (the SuperNode's memory on the
 site's own machine, or the simulation's), never on disk and never in a message; what the site
@@ -83,11 +86,13 @@ from prism_runtime.secure_sum.messages import (
     decode_advertise_request,
     decode_consistency_request,
     decode_mask_request,
+    decode_sample_request,
     decode_share_request,
     decode_unmask_request,
     encode_advertise_reply,
     encode_consistency_reply,
     encode_mask_reply,
+    encode_sample_reply,
     encode_share_reply,
     encode_unmask_reply,
 )
@@ -101,6 +106,7 @@ __all__ = [
     "identity_key",
     "mask",
     "registered_keys",
+    "sample",
     "share",
     "unmask",
 ]
@@ -465,26 +471,51 @@ def consistency(stage: SecureStage) -> RecordDict:
     return encode_consistency_reply(signature, round_id=round_id, site_id=site.site_id)
 
 
-def unmask(stage: SecureStage) -> RecordDict:
-    """Stage 5: the shares that unmask the sum, only for exactly the view this site signed (its
-    durable record holds it) and with signatures of it from survivors it pinned that confirm it
-    (``SiteRound.answer``: at least t valid, or under a sparse graph a random sample valid).
-    Under a sparse graph the site checks one unmasking request per round, recorded durably
-    before the check: a re-sent or second request is refused, whatever the first's outcome.
+def sample(stage: SecureStage) -> RecordDict:
+    """Stage 5: which of the signatures the coordinator committed to (their root and signers
+    arrive with the unmasking request) the site checks: all of them, or under a sparse graph a
+    random sample (``SiteRound.draw``, from the OS CSPRNG), drawn once a round and durable
+    before the reply leaves, so that a check on a sample is never drawn again.
 
     Raises:
-        ConsistencyError: the request names other sets than the site signed, the signatures do
-            not confirm them, or (sparse graph) a request was checked already; nothing is
-            revealed.
+        ConsistencyError: the request names other sets than the site signed, the signers are
+            not survivors or fewer than t, or it drew for another root or signers already.
+    """
+    site, round_id = stage.site, stage.round_id
+    site_round = stage.load_round()
+    call = decode_sample_request(
+        stage.secure_part(), round_id=round_id, site_id=site.site_id, roster=site_round.roster_ids
+    )
+    drawn = site_round.draw(call.request, signers=call.signers, root=call.root)
+    stage.keep_round(site_round)
+    return encode_sample_reply(
+        drawn, round_id=round_id, site_id=site.site_id, forwarded=len(call.signers)
+    )
+
+
+def unmask(stage: SecureStage) -> RecordDict:
+    """Stage 6: the shares that unmask the sum, only for exactly the view this site signed (its
+    durable record holds it) and with the signatures it drew, matching their committed root,
+    from survivors it pinned that confirm it (``SiteRound.reveal``: at least t valid, or under a
+    sparse graph every drawn one).
+
+    Raises:
+        ConsistencyError: the request names other sets than the site signed, the signatures
+            are not the drawn ones or do not match their root or do not confirm the view, or
+            the site drew none; nothing is revealed.
     """
     site, round_id = stage.site, stage.round_id
     site_round = stage.load_round()
     call = decode_unmask_request(
-        stage.secure_part(), round_id=round_id, site_id=site.site_id, roster=site_round.roster_ids
+        stage.secure_part(),
+        round_id=round_id,
+        site_id=site.site_id,
+        roster=site_round.roster_ids,
+        drawn=site_round.drawn_signers,
     )
     registered = registered_keys(site.policy)
-    if site_round.sampled:  # one sampled check per round, durable before it runs
-        stage.record.keep(round_id, site_round.decisions(answering=True))
-    response = site_round.answer(call.request, signatures=call.signatures, registered=registered)
+    response = site_round.reveal(
+        call.request, signatures=call.signatures, proof=call.proof, registered=registered
+    )
     stage.drop_round()
     return encode_unmask_reply(response, round_id=round_id)

@@ -54,6 +54,7 @@ __all__ = [
     "SECURE_CONSISTENCY",
     "SECURE_ERRORS",
     "SECURE_MASK",
+    "SECURE_SAMPLE",
     "SECURE_SHARE",
     "SECURE_STAGES",
     "SECURE_UNMASK",
@@ -85,17 +86,20 @@ SECURE_ADVERTISE = "secure_advertise"
 SECURE_SHARE = "secure_share"
 SECURE_MASK = "secure_mask"
 SECURE_CONSISTENCY = "secure_consistency"
+SECURE_SAMPLE = "secure_sample"
 SECURE_UNMASK = "secure_unmask"
 SECURE_STAGES = (
     SECURE_ADVERTISE,
     SECURE_SHARE,
     SECURE_MASK,
     SECURE_CONSISTENCY,
+    SECURE_SAMPLE,
     SECURE_UNMASK,
 )
 """The secure round's actions, in order: round keys, Shamir shares, the masked input (the
-charged stage), the signed participant and survivor sets (the consistency check), the shares
-that unmask the sum (docs/design.md §3.3)."""
+charged stage), the signed participant and survivor sets (the consistency check), the site's
+draw of the committed signatures it checks, the shares that unmask the sum (docs/design.md
+§3.3)."""
 
 
 def message_type(action: str) -> str:

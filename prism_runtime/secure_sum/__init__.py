@@ -86,7 +86,7 @@ from prism_runtime.secure_sum.keys import (
 from prism_runtime.secure_sum.masks import expand_mask, mask_input, pairwise_sign
 from prism_runtime.secure_sum.roster import CommittedRoster, RosterPart
 from prism_runtime.secure_sum.shamir import check_threshold, combine_secret, split_secret
-from prism_runtime.secure_sum.site import RoundDecisions, SiteRound
+from prism_runtime.secure_sum.site import RoundDecisions, SignatureDraw, SiteRound
 from prism_runtime.secure_sum.trust import RoundTrust, common_graph, least_common_threshold
 from prism_runtime.secure_sum.unmask import (
     MaskedSum,
@@ -98,7 +98,9 @@ from prism_runtime.secure_sum.unmask import (
 )
 from prism_runtime.secure_sum.views import (
     RoundView,
-    confirming_signers,
+    SignatureBook,
+    check_signatures,
+    draw_signatures,
     round_transcript,
     sample_size,
     sign_view,
@@ -124,17 +126,20 @@ __all__ = [
     "ShareError",
     "ShareKind",
     "SharePair",
+    "SignatureBook",
+    "SignatureDraw",
     "SiteRound",
     "SumOverflowError",
     "ThresholdError",
     "UnmaskRequest",
     "UnmaskResponse",
     "centre",
+    "check_signatures",
     "check_sum_fits",
     "check_threshold",
     "combine_secret",
     "common_graph",
-    "confirming_signers",
+    "draw_signatures",
     "encode_signed",
     "expand_mask",
     "least_common_threshold",

@@ -1,6 +1,6 @@
 """The wire format of a secure-sum round: one codec for the coordinator and the sites.
 
-A round has five exchanges (docs/design.md §3.3), each a request from the coordinator and a
+A round has six exchanges (docs/design.md §3.3), each a request from the coordinator and a
 reply from each site; every message is a ``RecordDict`` with one ``ConfigRecord`` (``wire``)
 whose envelope names the stage, the round and the site (the addressee of a request, the sender
 of a reply). Each message is declared once below as a ``wire.Message``: its payload fields in
@@ -34,7 +34,8 @@ from flwr.app import RecordDict
 from prism_runtime.errors import ConfigError
 from prism_runtime.secure_sum.field import MAX_BITS, FieldVector, modulus_mask
 from prism_runtime.secure_sum.keys import KEY_BYTES, AdvertisedKeys, RoundId, noise_share_bytes
-from prism_runtime.secure_sum.roster import HASH_BYTES, RosterPart
+from prism_runtime.secure_sum.merkle import HASH_BYTES
+from prism_runtime.secure_sum.roster import RosterPart
 from prism_runtime.secure_sum.unmask import UnmaskRequest, UnmaskResponse
 from prism_runtime.secure_sum.wire import (
     FORMAT,
@@ -73,6 +74,7 @@ __all__ = [
     "ConsistencyRequest",
     "MaskRequest",
     "MessageFormatError",
+    "SampleRequest",
     "ShareRequest",
     "SignedUnmaskRequest",
     "Stage",
@@ -82,6 +84,8 @@ __all__ = [
     "decode_consistency_request",
     "decode_mask_reply",
     "decode_mask_request",
+    "decode_sample_reply",
+    "decode_sample_request",
     "decode_share_reply",
     "decode_share_request",
     "decode_unmask_reply",
@@ -92,6 +96,8 @@ __all__ = [
     "encode_consistency_request",
     "encode_mask_reply",
     "encode_mask_request",
+    "encode_sample_reply",
+    "encode_sample_request",
     "encode_share_reply",
     "encode_share_request",
     "encode_unmask_reply",
@@ -151,12 +157,25 @@ class ConsistencyRequest:
 
 
 @dataclass(frozen=True)
+class SampleRequest:
+    """The unmasking request, the survivors whose signatures of their sets the coordinator
+    forwards (``signers``) and the root it commits them under (``views.SignatureBook``): the
+    addressee draws which it checks."""
+
+    request: UnmaskRequest
+    signers: frozenset[str]
+    root: bytes
+
+
+@dataclass(frozen=True)
 class SignedUnmaskRequest:
-    """The unmasking request and the survivors' signatures of their sets, keyed by signer
-    (forwarded as they came: the sites verify them)."""
+    """The unmasking request and the signatures the addressee drew, keyed by signer, with
+    their multiproof against the committed root (forwarded as they came: the site verifies
+    them)."""
 
     request: UnmaskRequest
     signatures: Mapping[str, bytes]
+    proof: tuple[bytes, ...] = ()
 
 
 # field types ----------------------------------------------------------------------------------
@@ -231,6 +250,30 @@ class _RosterIds(Keyed):
         if read.site_id not in sites:
             raise read.fail(self.key, f"does not list the addressee {read.site_id!r}")
         return sites
+
+
+@dataclass(frozen=True)
+class _Places(Keyed):
+    """Field ``key``: strictly increasing places in ``[0, forwarded)`` (``forwarded`` from the
+    receiver's context), at most ``MAX_SITES``."""
+
+    def write(self, value: Any) -> dict[str, WireValue]:
+        return {self.key: [int(at) for at in value]}
+
+    def read(self, read: MessageReader, got: Mapping[str, Any]) -> tuple[int, ...]:
+        forwarded: int = got["forwarded"]
+        places: list[int] = []
+        for item in read.items(self.key):
+            if isinstance(item, bool) or not isinstance(item, int):
+                raise read.fail(self.key, "holds an item that is not an int")
+            if not 0 <= item < forwarded or (places and item <= places[-1]):
+                raise read.fail(
+                    self.key, f"holds places not strictly increasing in [0, {forwarded})"
+                )
+            places.append(item)
+        if not places:
+            raise read.fail(self.key, "draws nothing")
+        return tuple(places)
 
 
 def site_bits(sites: Collection[str], roster: Sequence[str]) -> bytes:
@@ -363,7 +406,7 @@ def _survivors_and_dropped_are_disjoint(read: MessageReader, got: Mapping[str, A
 
 def _signers_are_survivors(read: MessageReader, got: Mapping[str, Any]) -> None:
     _survivors_and_dropped_are_disjoint(read, got)
-    strangers = sorted(set(got["signatures"]) - got["survivors"])
+    strangers = sorted(set(got["signers"]) - got["survivors"])
     if strangers:
         raise read.fail("signers", f"names {len(strangers)} sites that are not survivors")
 
@@ -385,7 +428,7 @@ def _other_roster_sites(got: Mapping[str, Any]) -> Collection[str] | None:
     return set(roster) - {site_id} if site_id in roster else None
 
 
-# the ten messages ----------------------------------------------------------------------------
+# the twelve messages ----------------------------------------------------------------------------
 
 _ADVERTISE_REQUEST = Message(
     Stage.ADVERTISE_REQUEST,
@@ -471,17 +514,40 @@ _CONSISTENCY_REPLY: Message[bytes] = Message(
     (One("signature", Signature()),),
     make=lambda signature: signature,
 )
+_SAMPLE_REQUEST = Message(
+    Stage.SAMPLE_REQUEST,
+    (
+        _SiteBits("survivors", addressee=True),
+        _SiteBits("dropped"),
+        _SiteBits("signers"),
+        One("signatures-root", Bytes(HASH_BYTES, HASH_BYTES)),
+    ),
+    make=lambda survivors, dropped, signers, signatures_root: SampleRequest(
+        UnmaskRequest(survivors, dropped), signers, signatures_root
+    ),
+    check=_signers_are_survivors,
+)
+_SAMPLE_REPLY: Message[tuple[int, ...]] = Message(
+    Stage.SAMPLE_REPLY, (_Places("drawn"),), make=lambda drawn: drawn
+)
 _UNMASK_REQUEST = Message(
     Stage.UNMASK_REQUEST,
     (
         _SiteBits("survivors", addressee=True),
         _SiteBits("dropped"),
-        Table("signatures", "signers", (("signatures", Signature()),)),
+        Table(
+            "signatures",
+            "signers",
+            (("signatures", Signature()),),
+            expect=lambda got: got["drawn"],
+            what="signers drawn",
+        ),
+        One("proof", _Proof()),
     ),
-    make=lambda survivors, dropped, signatures: SignedUnmaskRequest(
-        UnmaskRequest(survivors, dropped), signatures
+    make=lambda survivors, dropped, signatures, proof: SignedUnmaskRequest(
+        UnmaskRequest(survivors, dropped), signatures, proof
     ),
-    check=_signers_are_survivors,
+    check=_survivors_and_dropped_are_disjoint,
 )
 _UNMASK_REPLY = Message(
     Stage.UNMASK_REPLY,
@@ -679,25 +745,81 @@ def decode_consistency_reply(content: RecordDict, *, round_id: RoundId, site_id:
     return _CONSISTENCY_REPLY.decode(content, round_id=round_id, site_id=site_id)
 
 
-def encode_unmask_request(
-    request: SignedUnmaskRequest, *, round_id: RoundId, site_id: str, roster: Sequence[str]
+def encode_sample_request(
+    request: SampleRequest, *, round_id: RoundId, site_id: str, roster: Sequence[str]
 ) -> RecordDict:
-    """The coordinator's unmasking request (``plan_unmask``'s result; its sets bitmaps over
-    ``roster``) with the survivors' signatures, sent to ``site_id``."""
+    """The coordinator's unmasking request (``plan_unmask``'s result), the signers it forwards
+    and their root, sent to ``site_id`` (the sets bitmaps over ``roster``)."""
+    values = {
+        "survivors": site_bits(request.request.survivors, roster),
+        "dropped": site_bits(request.request.dropped, roster),
+        "signers": site_bits(request.signers, roster),
+        "signatures_root": request.root,
+    }
+    return _SAMPLE_REQUEST.encode(values, round_id=round_id, site_id=site_id, roster=roster)
+
+
+def decode_sample_request(
+    content: RecordDict, *, round_id: RoundId, site_id: str, roster: Sequence[str]
+) -> SampleRequest:
+    """The survivors (this site among them), the dropped (disjoint sites of ``roster``), the
+    signers (survivors) and a 32-byte root."""
+    return _SAMPLE_REQUEST.decode(content, round_id=round_id, site_id=site_id, roster=roster)
+
+
+def encode_sample_reply(
+    drawn: Sequence[int], *, round_id: RoundId, site_id: str, forwarded: int
+) -> RecordDict:
+    """``site_id``'s draw: the places, among the ``forwarded`` signatures in signer order, of
+    those it checks (``SiteRound.draw``)."""
+    return _SAMPLE_REPLY.encode(
+        {"drawn": drawn}, round_id=round_id, site_id=site_id, forwarded=forwarded
+    )
+
+
+def decode_sample_reply(
+    content: RecordDict, *, round_id: RoundId, site_id: str, forwarded: int
+) -> tuple[int, ...]:
+    """``site_id``'s draw: one to ``MAX_SITES`` places, strictly increasing, below
+    ``forwarded``."""
+    return _SAMPLE_REPLY.decode(content, round_id=round_id, site_id=site_id, forwarded=forwarded)
+
+
+def encode_unmask_request(
+    request: SignedUnmaskRequest,
+    *,
+    round_id: RoundId,
+    site_id: str,
+    roster: Sequence[str],
+    drawn: Collection[str],
+) -> RecordDict:
+    """The unmasking request (its sets bitmaps over ``roster``) with the signatures of the
+    signers ``site_id`` drew and their multiproof, sent to ``site_id``."""
     values = {
         "survivors": site_bits(request.request.survivors, roster),
         "dropped": site_bits(request.request.dropped, roster),
         "signatures": request.signatures,
+        "proof": request.proof,
     }
-    return _UNMASK_REQUEST.encode(values, round_id=round_id, site_id=site_id, roster=roster)
+    return _UNMASK_REQUEST.encode(
+        values, round_id=round_id, site_id=site_id, roster=roster, drawn=drawn
+    )
 
 
 def decode_unmask_request(
-    content: RecordDict, *, round_id: RoundId, site_id: str, roster: Sequence[str]
+    content: RecordDict,
+    *,
+    round_id: RoundId,
+    site_id: str,
+    roster: Sequence[str],
+    drawn: Collection[str],
 ) -> SignedUnmaskRequest:
-    """The survivors (this site among them) and the dropped, disjoint sites of ``roster``; and
-    at most one well-formed signature per survivor."""
-    return _UNMASK_REQUEST.decode(content, round_id=round_id, site_id=site_id, roster=roster)
+    """The survivors (this site among them) and the dropped, disjoint sites of ``roster``; one
+    well-formed signature of each signer in ``drawn`` (what this site drew), no other; and a
+    Merkle proof."""
+    return _UNMASK_REQUEST.decode(
+        content, round_id=round_id, site_id=site_id, roster=roster, drawn=drawn
+    )
 
 
 def encode_unmask_reply(response: UnmaskResponse, *, round_id: RoundId) -> RecordDict:

@@ -16,7 +16,7 @@ ONE roster. So the roster is committed instead of sent whole:
   input the coordinator can unmask under one transcript added the same L, at least each such
   site's own share.
 
-A site receives its neighbourhood's advertisements and a MULTIPROOF (``multiproof``): the tree
+A site receives its neighbourhood's advertisements and a MULTIPROOF (``merkle``): the tree
 nodes it cannot compute from those leaves, in the order ``root_of`` consumes them; about
 ``(k + 1) log2(n / (k + 1))`` hashes, none with the complete graph. ``root_of`` rebuilds the root
 from the leaves and the proof, so a site that holds the true root holds the true advertisement
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import pairwise
@@ -38,23 +38,16 @@ from itertools import pairwise
 from prism_runtime.secure_sum._encoding import DOMAIN, frame
 from prism_runtime.secure_sum.errors import KeyBindingError
 from prism_runtime.secure_sum.keys import AdvertisedKeys, noise_share_bytes
+from prism_runtime.secure_sum.merkle import LEAF, MerkleTree, root_of
 
 __all__ = [
-    "HASH_BYTES",
     "CommittedRoster",
     "RosterPart",
     "advertisement_leaf",
     "graph_seed",
-    "multiproof",
-    "root_of",
     "roster_digest",
     "transcript_of",
 ]
-
-HASH_BYTES = 32
-"""Bytes of a Merkle node (SHA-256)."""
-
-_LEAF, _NODE = b"\x00", b"\x01"
 
 
 def advertisement_leaf(keys: AdvertisedKeys) -> bytes:
@@ -71,89 +64,7 @@ def advertisement_leaf(keys: AdvertisedKeys) -> bytes:
         keys.honest_sites,
         keys.max_dropouts,
     )
-    return hashlib.sha256(_LEAF + framed).digest()
-
-
-def _node(left: bytes, right: bytes) -> bytes:
-    return hashlib.sha256(_NODE + left + right).digest()
-
-
-def _walk(n: int, known: Mapping[int, bytes], sibling: Callable[[int, int], bytes]) -> bytes:
-    """The root of a tree of ``n`` leaves from the ``known`` leaf hashes (by position), asking
-    ``sibling(level, index)`` for each node it cannot compute, in one fixed order (by level,
-    then by index)."""
-    level, size, depth = dict(known), n, 0
-    while size > 1:
-        up: dict[int, bytes] = {}
-        for index in sorted(level):
-            if index // 2 in up:
-                continue  # the right child of a pair already joined
-            other = index ^ 1
-            if other >= size:  # an odd last node: carried up unchanged
-                up[index // 2] = level[index]
-                continue
-            got = level[other] if other in level else sibling(depth, other)
-            pair = (level[index], got) if index % 2 == 0 else (got, level[index])
-            up[index // 2] = _node(*pair)
-        level, size, depth = up, (size + 1) // 2, depth + 1
-    return level[0]
-
-
-def _levels(leaves: Sequence[bytes]) -> list[list[bytes]]:
-    levels = [list(leaves)]
-    while len(levels[-1]) > 1:
-        below = levels[-1]
-        levels.append(
-            [
-                _node(below[i], below[i + 1]) if i + 1 < len(below) else below[i]
-                for i in range(0, len(below), 2)
-            ]
-        )
-    return levels
-
-
-def multiproof(leaves: Sequence[bytes], positions: Collection[int]) -> tuple[bytes, ...]:
-    """The nodes of the tree over ``leaves`` that ``root_of`` needs, besides the leaves at
-    ``positions``, to rebuild its root (in the order it asks for them)."""
-    return _proof(_levels(leaves), positions)
-
-
-def _proof(levels: list[list[bytes]], positions: Collection[int]) -> tuple[bytes, ...]:
-    leaves = levels[0]
-    proof: list[bytes] = []
-
-    def sibling(depth: int, index: int) -> bytes:
-        proof.append(levels[depth][index])
-        return levels[depth][index]
-
-    _walk(len(leaves), {p: leaves[p] for p in positions}, sibling)
-    return tuple(proof)
-
-
-def root_of(n: int, known: Mapping[int, bytes], proof: Sequence[bytes]) -> bytes:
-    """The root of a tree of ``n`` leaves holding the ``known`` leaf hashes (by position) with
-    ``proof``'s nodes (``multiproof``).
-
-    Raises:
-        KeyBindingError: a position is outside ``[0, n)``, or the proof is too short or too
-            long for these positions.
-    """
-    if not known or any(not 0 <= p < n for p in known):
-        raise KeyBindingError(
-            f"a roster proof names no leaf, or a place outside the roster of {n}: refuse it"
-        )
-    nodes = iter(proof)
-
-    def sibling(depth: int, index: int) -> bytes:
-        node = next(nodes, None)
-        if node is None:
-            raise KeyBindingError("the roster proof is too short for its leaves: refuse it")
-        return node
-
-    root = _walk(n, known, sibling)
-    if next(nodes, None) is not None:
-        raise KeyBindingError("the roster proof holds more nodes than its leaves need: refuse it")
-    return root
+    return hashlib.sha256(LEAF + framed).digest()
 
 
 def roster_digest(ids: Sequence[str], root: bytes) -> bytes:
@@ -259,16 +170,15 @@ class CommittedRoster:
         )
         if not math.isfinite(self.largest_share) or self.largest_share < 0:
             raise KeyBindingError(f"a largest noise share of {self.largest_share!r}: give one >= 0")
-        self.leaves = [advertisement_leaf(roster[site]) for site in self.ids]
-        self._levels = _levels(self.leaves)
-        self.root = self._levels[-1][0] if self.leaves else b""
+        self.tree = MerkleTree([advertisement_leaf(roster[site]) for site in self.ids])
+        self.root = self.tree.root
         self.place = {site: p for p, site in enumerate(self.ids)}
         self.digest = roster_digest(self.ids, self.root)
 
     def part(self, sites: Iterable[str]) -> RosterPart:
         """The part of the roster for a site whose neighbourhood is ``sites``."""
         chosen = sorted(set(sites))
-        proof = _proof(self._levels, [self.place[site] for site in chosen])
+        proof = self.tree.proof([self.place[site] for site in chosen])
         leaves = {site: self.roster[site] for site in chosen}
         return RosterPart(self.ids, self.largest_share, leaves, proof)
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,13 +66,21 @@ from prism_runtime.secure_sum.keys import (
     verify_keys,
 )
 from prism_runtime.secure_sum.masks import mask_input
+from prism_runtime.secure_sum.merkle import root_of
 from prism_runtime.secure_sum.roster import RosterPart, graph_seed, transcript_of
 from prism_runtime.secure_sum.shamir import check_threshold, split_secret
 from prism_runtime.secure_sum.trust import RoundTrust
 from prism_runtime.secure_sum.unmask import UnmaskRequest, UnmaskResponse
-from prism_runtime.secure_sum.views import RoundView, confirming_signers, sign_view
+from prism_runtime.secure_sum.views import (
+    RoundView,
+    SignatureBook,
+    check_signatures,
+    draw_signatures,
+    sign_view,
+    signature_leaf,
+)
 
-__all__ = ["NOISE_SHARE_SLACK", "RoundDecisions", "SiteRound", "share_too_large"]
+__all__ = ["NOISE_SHARE_SLACK", "RoundDecisions", "SignatureDraw", "SiteRound", "share_too_large"]
 
 NOISE_SHARE_SLACK = 1e-9
 """Relative slack on the largest noise share a site accepts (its whole noise ``mu``): the float
@@ -88,6 +96,32 @@ def share_too_large(largest: float, keys: AdvertisedKeys) -> bool:
 
 
 @dataclass(frozen=True)
+class SignatureDraw:
+    """The forwarded signatures a site drew to check: the root they were committed under, the
+    signers (sorted) and the places drawn among them."""
+
+    root: bytes
+    signers: tuple[str, ...]
+    drawn: tuple[int, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        """The draw as JSON values (``from_json`` reads it back)."""
+        return {"root": self.root.hex(), "signers": list(self.signers), "drawn": list(self.drawn)}
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any]) -> SignatureDraw:
+        """The draw ``to_json`` wrote (``ValueError``, ``KeyError`` or ``TypeError`` if not)."""
+        signers = tuple(str(s) for s in value["signers"])
+        places = value["drawn"]
+        if any(isinstance(at, bool) or not isinstance(at, int) for at in places):
+            raise TypeError("drawn")
+        drawn = tuple(places)
+        if any(not 0 <= at < len(signers) for at in drawn):
+            raise ValueError("drawn")
+        return cls(bytes.fromhex(value["root"]), signers, drawn)
+
+
+@dataclass(frozen=True)
 class RoundDecisions:
     """What a site decided once in a round, for its durable record (``SiteRound.decisions``).
 
@@ -97,16 +131,15 @@ class RoundDecisions:
         participants: the participants it masked its input with; None: not masked yet.
         survivors: the survivor set it signed (and the only one it reveals shares for);
             None: none signed yet.
-        answered: whether it checked an unmasking request on a random sample of signatures
-            (it checks one such per round: a sampled check must not be retried with fresh
-            draws).
+        draw: the forwarded signatures it drew to check (``SignatureDraw``): one draw per
+            round, so that a check on a sample is never drawn again; None: none drawn yet.
     """
 
     masks: str
     threshold: int | None
     participants: frozenset[str] | None
     survivors: frozenset[str] | None
-    answered: bool = False
+    draw: SignatureDraw | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The decisions as JSON values (``from_json`` reads them back)."""
@@ -115,7 +148,7 @@ class RoundDecisions:
             "threshold": self.threshold,
             "participants": None if self.participants is None else sorted(self.participants),
             "survivors": None if self.survivors is None else sorted(self.survivors),
-            "answered": self.answered,
+            "draw": None if self.draw is None else self.draw.to_json(),
         }
 
     @classmethod
@@ -130,15 +163,13 @@ class RoundDecisions:
             threshold = value["threshold"]
             if threshold is not None and (isinstance(threshold, bool) or threshold < 1):
                 raise ValueError("threshold")
-            answered = value.get("answered", False)
-            if not isinstance(answered, bool):
-                raise ValueError("answered")
+            draw = value.get("draw")
             return cls(
                 masks=str(value["masks"]),
                 threshold=None if threshold is None else int(threshold),
                 participants=None if participants is None else frozenset(map(str, participants)),
                 survivors=None if survivors is None else frozenset(map(str, survivors)),
-                answered=answered,
+                draw=None if draw is None else SignatureDraw.from_json(draw),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise SecureSumError(f"not a secure-sum decision record ({exc})") from None
@@ -186,7 +217,7 @@ class SiteRound:
         self._held: dict[str, SharePair] = {}
         self._participants: frozenset[str] = frozenset()
         self._survivors: frozenset[str] | None = None
-        self._answered = False
+        self._draw: SignatureDraw | None = None
 
     @property
     def advertised(self) -> AdvertisedKeys:
@@ -504,37 +535,8 @@ class SiteRound:
             view, round_id=self.round_id, site_id=self.site_id, identity_key=identity_key
         )
 
-    def answer(
-        self,
-        request: UnmaskRequest,
-        *,
-        signatures: Mapping[str, bytes],
-        registered: Mapping[str, ec.EllipticCurvePublicKey],
-    ) -> UnmaskResponse:
-        """The shares ``request`` asks for, if it names exactly the view this site signed and
-        ``signatures`` hold at least t valid signatures of that view (``views``).
-
-        As the site signs one view per round, it reveals one kind of share of each site (the
-        seed's of a survivor, the mask key's of a dropped participant) whatever it is asked.
-        Under a sparse graph (``sampled``) the signatures are checked on a random sample,
-        whose bound holds per check, so the site checks ONE unmasking request per round
-        (``decisions().answered``; a caller keeps ``decisions(answering=True)`` durably before
-        calling); the complete graph's check counts every signature and gives the same verdict
-        however often it is asked.
-
-        Raises:
-            ConsistencyError: This site signed no view, or the request names other survivors or
-                dropped sites than it signed, or the signatures do not confirm its view
-                (``views.confirming_signers``), or (sampled) it checked a request already this
-                round. Nothing is revealed.
-        """
-        if self.sampled:
-            if self._answered:
-                raise ConsistencyError(
-                    f"site {self.site_id!r} checked an unmasking request this round already: it "
-                    "checks one per round; nothing further revealed"
-                )
-            self._answered = True
+    def _signed(self, request: UnmaskRequest) -> RoundView:
+        """The view this site signed, if ``request`` names exactly its sets."""
         if self._survivors is None:
             raise ConsistencyError(
                 f"site {self.site_id!r} signed no survivor set this round: it answers no "
@@ -547,13 +549,102 @@ class SiteRound:
                 f"{len(request.dropped)} dropped, not the {len(view.survivors)} and "
                 f"{len(view.dropped)} site {self.site_id!r} signed: nothing revealed"
             )
-        confirming_signers(
+        return view
+
+    def draw(
+        self, request: UnmaskRequest, *, signers: Collection[str], root: bytes
+    ) -> tuple[int, ...]:
+        """The places (in sorted signer order) of the forwarded signatures this site will check:
+        every one with the complete graph, a random sample under a sparse one
+        (``views.draw_signatures``), drawn once a round and kept (``decisions``; a caller keeps
+        them durably before the draw leaves): the same request, signers and root get the same
+        draw again, others none. The complete graph's check counts every signature, sound
+        however often it is made, so there a new root is drawn (all of it) again.
+
+        Args:
+            request: The unmasking request: it must name exactly the sets this site signed.
+            signers: The survivors whose signatures the coordinator forwards.
+            root: The root the coordinator committed them under (``views.SignatureBook``).
+
+        Raises:
+            ConsistencyError: This site signed no view or another one, the signers are not
+                survivors of it or fewer than t, or (sparse graph) it drew for other signers or
+                another root this round already. Nothing is revealed.
+        """
+        view = self._signed(request)
+        chosen = tuple(sorted(signers))
+        if not set(chosen) <= view.survivors or len(chosen) < self._threshold:
+            raise ConsistencyError(
+                f"{len(chosen)} signatures forwarded to site {self.site_id!r}, of sites not all "
+                f"survivors or fewer than the threshold {self._threshold}: nothing revealed"
+            )
+        if self._draw is not None and self.sampled:
+            if (self._draw.root, self._draw.signers) != (root, chosen):
+                raise ConsistencyError(
+                    f"site {self.site_id!r} drew the signatures it checks this round already, "
+                    "from another set: it draws once per round; nothing further revealed"
+                )
+            return self._draw.drawn
+        needed = self._confirmations() if self.sampled else None
+        self._draw = SignatureDraw(root, chosen, draw_signatures(len(chosen), needed))
+        return self._draw.drawn
+
+    @property
+    def drawn_signers(self) -> tuple[str, ...]:
+        """The signers whose signatures this site drew to check (``draw``)."""
+        if self._draw is None:
+            raise ConsistencyError(f"site {self.site_id!r} drew no signatures this round")
+        return tuple(self._draw.signers[at] for at in self._draw.drawn)
+
+    def reveal(
+        self,
+        request: UnmaskRequest,
+        *,
+        signatures: Mapping[str, bytes],
+        proof: Sequence[bytes],
+        registered: Mapping[str, ec.EllipticCurvePublicKey],
+    ) -> UnmaskResponse:
+        """The shares ``request`` asks for, if it names exactly the view this site signed and
+        the signatures it drew (``draw``), opened with ``proof`` against the root they were
+        committed under, confirm it (``views.check_signatures``: at least t valid; every drawn
+        one under a sparse graph).
+
+        As the site signs one view per round, it reveals one kind of share of each site (the
+        seed's of a survivor, the mask key's of a dropped participant) whatever it is asked,
+        and as it draws once, asking again gives the same verdict.
+
+        Raises:
+            ConsistencyError: This site signed no view or drew no signatures, the request names
+                other survivors or dropped sites than it signed, the signatures are not the
+                drawn ones or do not match their root, or they do not confirm its view.
+                Nothing is revealed.
+        """
+        view = self._signed(request)
+        drawn = self.drawn_signers
+        assert self._draw is not None
+        if sorted(signatures) != sorted(drawn):
+            raise ConsistencyError(
+                f"the coordinator opened {len(signatures)} signatures, not the {len(drawn)} "
+                f"site {self.site_id!r} drew: nothing revealed"
+            )
+        place = {signer: at for at, signer in enumerate(self._draw.signers)}
+        leaves = {place[s]: signature_leaf(s, signatures[s]) for s in drawn}
+        try:
+            root = root_of(len(self._draw.signers), leaves, proof)
+        except KeyBindingError:
+            root = b""
+        if root != self._draw.root:
+            raise ConsistencyError(
+                f"the signatures opened to site {self.site_id!r} do not match the root they "
+                "were committed under: nothing revealed"
+            )
+        check_signatures(
             view,
             signatures,
             round_id=self.round_id,
             registered=registered,
             threshold=self._threshold,
-            needed=self._confirmations() if self.sampled else None,
+            sampled=self.sampled,
         )
         near = set(self._holders(self.site_id))
         return UnmaskResponse(
@@ -562,18 +653,34 @@ class SiteRound:
             key_shares={d: self._held[d].mask_key for d in sorted(view.dropped & near)},
         )
 
+    def answer(
+        self,
+        request: UnmaskRequest,
+        *,
+        signatures: Mapping[str, bytes],
+        registered: Mapping[str, ec.EllipticCurvePublicKey],
+    ) -> UnmaskResponse:
+        """``draw`` and ``reveal`` in one process: the forwarded ``signatures`` (keyed by
+        signer) of the request's survivors (the others are not forwarded) committed as the
+        coordinator commits them (``views.SignatureBook``), this site's draw opened from them.
+        Their errors."""
+        book = SignatureBook({s: v for s, v in signatures.items() if s in request.survivors})
+        drawn = self.draw(request, signers=book.signers, root=book.root)
+        opened, proof = book.open(drawn)
+        return self.reveal(request, signatures=opened, proof=proof, registered=registered)
+
     # -- what the site decided once ---------------------------------------------------------
 
-    def decisions(self, *, answering: bool = False) -> RoundDecisions:
+    def decisions(self) -> RoundDecisions:
         """What this site decided once this round (the threshold it shared with, its masked
-        participants, its signed survivors, whether it checked an unmasking request; with
-        ``answering``, that it is about to), for its durable record."""
+        participants, its signed survivors, the signatures it drew to check), for its durable
+        record."""
         return RoundDecisions(
             masks=self.masks_id,
             threshold=self._threshold or None,
             participants=self._participants or None,
             survivors=self._survivors,
-            answered=self._answered or answering,
+            draw=self._draw,
         )
 
     def recall(self, decisions: RoundDecisions) -> None:
@@ -602,7 +709,10 @@ class SiteRound:
             if self._survivors is not None and self._survivors != decisions.survivors:
                 raise ConsistencyError("the durable record names another signed survivor set")
             self._survivors = decisions.survivors
-        self._answered = self._answered or decisions.answered
+        if decisions.draw is not None:
+            if self._draw is not None and self._draw != decisions.draw:
+                raise ConsistencyError("the durable record names another draw of signatures")
+            self._draw = decisions.draw
 
     # -- the round's state between messages --------------------------------------------------
 
@@ -640,7 +750,7 @@ class SiteRound:
             "held": {s: [p.seed.hex(), p.mask_key.hex()] for s, p in self._held.items()},
             "participants": sorted(self._participants),
             "survivors": None if self._survivors is None else sorted(self._survivors),
-            "answered": self._answered,
+            "draw": None if self._draw is None else self._draw.to_json(),
         }
         return json.dumps(state, sort_keys=True).encode()
 
@@ -687,7 +797,8 @@ class SiteRound:
             self._participants = frozenset(str(s) for s in state["participants"])
             survivors = state["survivors"]
             self._survivors = None if survivors is None else frozenset(map(str, survivors))
-            self._answered = bool(state.get("answered", False))
+            draw = state.get("draw")
+            self._draw = None if draw is None else SignatureDraw.from_json(draw)
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise SecureSumError(f"not a stored secure-sum round state ({exc})") from None
         return self

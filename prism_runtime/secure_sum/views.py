@@ -4,11 +4,15 @@ The coordinator routes every message, so it can tell each site different partici
 (``U2``: whose shares were relayed, whom a site masks with) and survivor (``U3``: whose masked
 inputs arrived) sets. Before any site reveals a share, every survivor signs the exact sets it was
 given, ``RoundView``, with its identity key (ECDSA P-256, SHA-256, over the framed run id,
-round, signer, both sorted sets and the round's transcript); the coordinator forwards the
-signatures with the unmasking request, and a site reveals its shares only when at least t of
-them, from distinct survivors whose identity keys it pinned, verify on EXACTLY its own sets
-(``confirming_signers``), as in the ConsistencyCheck round of Bonawitz et al. 2017 (CCS). Why
-t signatures suffice is ``trust``'s threshold condition.
+round, signer, both sorted sets and the round's transcript). The coordinator COMMITS to the
+signatures it forwards (``SignatureBook``: the root of a Merkle tree over them in signer order,
+with the unmasking request); each site draws which of them it checks (``draw_signatures``),
+keeps its draw durably and sends it back; the coordinator opens those places, with their
+multiproof, and a site reveals its shares only when the opened signatures match the root and,
+from distinct survivors whose identity keys it pinned, verify on EXACTLY its own sets
+(``check_signatures``: at least t of them; every drawn one when sampled), as in the
+ConsistencyCheck round of Bonawitz et al. 2017 (CCS). Why t signatures suffice is ``trust``'s
+threshold condition.
 
 The transcript (``round_transcript``) is the digest of the threshold, the graph, the roster's
 ids, the Merkle root of every roster site's advertisement (fresh keys, seed commitment, noise
@@ -20,22 +24,25 @@ every roster site, whether or not they ever received it.
 
 With a sparse masking graph a site checks a SAMPLE of the forwarded signatures instead of all
 of them (``sample_size``): what the signatures must show is that at least ``needed`` genuine
-survivors hold the view, ``(n + c) // 2 + 1`` with ``c = n - H`` for the smallest H any roster
-site signed (``RoundTrust.confirmations``: what a site reveals are its neighbours' secrets), so
-that no two views are both confirmed by sites that each sign one. If fewer than that are
-genuine among the ``F`` forwarded, a uniform sample of ``s`` of them, drawn from the site's
-CSPRNG after the signatures arrived, all verify with probability at most
+survivors hold the view, ``(n + c) // 2 + 1`` with ``c = n - H`` for the smallest H a site of
+its neighbourhood signed (``RoundTrust.confirmations``: what a site reveals are its
+neighbourhood's secrets), so that no two views are both confirmed by sites that each sign one.
+If fewer than that are genuine among the ``F`` forwarded, a uniform sample of ``s`` of them,
+drawn from the site's CSPRNG after their root arrived (the coordinator cannot change a
+committed signature, and one place holds one signer), all verify with probability at most
 ``C(needed - 1, s) / C(F, s)``; the site draws the least ``s`` that keeps this below
 ``2^-SECURITY_BITS`` (47 at H = 0.9 n with none missing, whatever n; more the more of the
-roster is missing), and if a drawn signature fails it
-verifies every one and counts, exactly as without a sample.
+roster is missing). A drawn signature that fails stops the site (nothing revealed): a
+colluding site can so stop a round, as it can with a wrong share, and learns nothing by it.
+A site receives ``s`` signatures and about ``s log2(F / s)`` hashes instead of all ``F``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import secrets
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidSignature
@@ -46,9 +53,19 @@ from prism_runtime.secure_sum._encoding import DOMAIN, frame
 from prism_runtime.secure_sum.errors import ConsistencyError
 from prism_runtime.secure_sum.graph import SECURITY_BITS
 from prism_runtime.secure_sum.keys import AdvertisedKeys, RoundId
+from prism_runtime.secure_sum.merkle import LEAF, MerkleTree
 from prism_runtime.secure_sum.roster import CommittedRoster
 
-__all__ = ["RoundView", "confirming_signers", "round_transcript", "sample_size", "sign_view"]
+__all__ = [
+    "RoundView",
+    "SignatureBook",
+    "check_signatures",
+    "draw_signatures",
+    "round_transcript",
+    "sample_size",
+    "sign_view",
+    "signature_leaf",
+]
 
 
 def round_transcript(
@@ -127,36 +144,70 @@ def sample_size(forwarded: int, needed: int, *, bits: int = SECURITY_BITS) -> in
     return forwarded
 
 
-def confirming_signers(
+def signature_leaf(signer: str, signature: bytes) -> bytes:
+    """The leaf hash of one forwarded signature (``merkle``): its signer and its bytes."""
+    return hashlib.sha256(LEAF + frame(DOMAIN, "signature-leaf", signer, signature)).digest()
+
+
+class SignatureBook:
+    """The survivors' signatures as the coordinator forwards them: committed by the root of a
+    Merkle tree over them in signer order (``signers``, sorted ids), opened at the places each
+    site draws.
+
+    Args:
+        signatures: The survivors' signatures of their views, keyed by signer.
+    """
+
+    def __init__(self, signatures: Mapping[str, bytes]) -> None:
+        self.signatures = dict(signatures)
+        self.signers = tuple(sorted(signatures))
+        self.tree = MerkleTree([signature_leaf(s, self.signatures[s]) for s in self.signers])
+        self.root = self.tree.root
+
+    def open(self, drawn: Sequence[int]) -> tuple[dict[str, bytes], tuple[bytes, ...]]:
+        """The signatures at places ``drawn`` (keyed by signer) and their multiproof."""
+        chosen = {self.signers[at]: self.signatures[self.signers[at]] for at in drawn}
+        return chosen, self.tree.proof(drawn)
+
+
+def draw_signatures(forwarded: int, needed: int | None) -> tuple[int, ...]:
+    """The places (in signer order) of the forwarded signatures a site checks: every one
+    without ``needed``, else a uniform ``sample_size(forwarded, needed)`` of them drawn from the
+    OS CSPRNG (module docstring), sorted."""
+    size = forwarded if needed is None else sample_size(forwarded, needed)
+    if size >= forwarded:
+        return tuple(range(forwarded))
+    return tuple(sorted(secrets.SystemRandom().sample(range(forwarded), size)))
+
+
+def check_signatures(
     view: RoundView,
     signatures: Mapping[str, bytes],
     *,
     round_id: RoundId,
     registered: Mapping[str, ec.EllipticCurvePublicKey],
     threshold: int,
-    needed: int | None = None,
+    sampled: bool,
 ) -> frozenset[str]:
-    """The survivors whose signature in ``signatures`` was checked and verifies on exactly
+    """The signers in ``signatures`` (the ones a site drew) whose signature verifies on exactly
     ``view``.
 
     A signature counts only if its signer is a survivor of ``view`` (a site signs only as a
     survivor) with an identity key in ``registered`` and it verifies on this round, this run of
-    it (the transcript) and exactly these two sets; the others are ignored. With ``needed``
-    (a sparse graph's sites: the genuine signers the view must have, module docstring) and at
-    least ``threshold`` such signers forwarded, a ``sample_size`` sample of them drawn from the
-    OS CSPRNG is checked and returned if every one verifies; otherwise, and without
-    ``needed``, every signature is checked.
+    it (the transcript) and exactly these two sets. ``sampled``: the signatures are a sample
+    drawn from at least ``threshold`` forwarded ones (module docstring), and every one must
+    count; otherwise at least ``threshold`` must.
 
     Raises:
-        ConsistencyError: fewer than ``threshold`` signatures count: the coordinator told other
-            sites other sets (or too few survivors signed); reveal nothing.
+        ConsistencyError: a sampled signature does not count, or fewer than ``threshold`` do:
+            the coordinator told other sites other sets (or too few survivors signed, or one
+            forwarded a damaged signature); reveal nothing.
     """
     framed = _view_bytes(view)
-    candidates = [
-        signer for signer in sorted(signatures) if signer in view.survivors and signer in registered
-    ]
 
     def verifies(signer: str) -> bool:
+        if signer not in view.survivors or signer not in registered:
+            return False
         try:
             registered[signer].verify(
                 signatures[signer],
@@ -167,14 +218,16 @@ def confirming_signers(
             return False
         return True
 
-    if needed is not None and len(candidates) >= threshold:
-        size = sample_size(len(candidates), needed)
-        if size < len(candidates):
-            drawn = secrets.SystemRandom().sample(candidates, size)
-            if all(verifies(signer) for signer in drawn):
-                return frozenset(drawn)
-            # a forged or damaged signature was forwarded: count every one, as without a sample
-    valid = [signer for signer in candidates if verifies(signer)]
+    valid = frozenset(signer for signer in sorted(signatures) if verifies(signer))
+    if sampled:
+        if len(valid) == len(signatures):
+            return valid
+        raise ConsistencyError(
+            f"{len(signatures) - len(valid)} of the {len(signatures)} signatures this site drew "
+            f"do not verify on exactly its {len(view.participants)} participants and "
+            f"{len(view.survivors)} survivors: other sites were given other sets (or a site "
+            "signed falsely); nothing revealed"
+        )
     if len(valid) < threshold:
         raise ConsistencyError(
             f"{len(valid)} of {len(signatures)} forwarded signatures verify on exactly this "
@@ -182,4 +235,4 @@ def confirming_signers(
             f"and the threshold needs {threshold}: other sites were given other sets; nothing "
             "revealed"
         )
-    return frozenset(valid)
+    return valid

@@ -98,7 +98,7 @@ class MessageFormatError(SecureSumError):
 
 
 class Stage(StrEnum):
-    """The ten messages of a secure-sum round: a request and a reply per exchange."""
+    """The twelve messages of a secure-sum round: a request and a reply per exchange."""
 
     ADVERTISE_REQUEST = "advertise-request"
     ADVERTISE_REPLY = "advertise-reply"
@@ -108,6 +108,8 @@ class Stage(StrEnum):
     MASK_REPLY = "mask-reply"
     CONSISTENCY_REQUEST = "consistency-request"
     CONSISTENCY_REPLY = "consistency-reply"
+    SAMPLE_REQUEST = "sample-request"
+    SAMPLE_REPLY = "sample-reply"
     UNMASK_REQUEST = "unmask-request"
     UNMASK_REPLY = "unmask-reply"
 
@@ -137,7 +139,7 @@ def _check_site_id(value: object, *, stage: Stage, key: str) -> str:
     return value
 
 
-WireValue = int | str | bytes | list[str] | list[bytes]
+WireValue = int | str | bytes | list[str] | list[bytes] | list[int]
 """The value of one field of a secure-sum message."""
 
 

@@ -7,7 +7,7 @@
 - ``contract``: what a round kind offers the loop (``RoundKind``, ``RoundContext``);
   ``plain`` (``PlainRound``: one exchange, ``bounds`` checks each update, ``aggregator`` keeps
   Flower-free weighted streaming sums and takes the server step) and ``secure``
-  (``SecureRound``: five exchanges, only the sum, ``central``'s PRISM step on it).
+  (``SecureRound``: six exchanges, only the sum, ``central``'s PRISM step on it).
 - ``intake``: ``ReplyIntake``, every reply's way in, whatever the kind: ``replies`` (typed
   facts, error replies by code, the facts against the run's terms), ``binding``, ``charges``
   (confirmed and unconfirmed ledger charges).

@@ -3,7 +3,7 @@
 A round kind turns one round's messages (``PrismStrategy.configure_train``) into the next
 global arrays. Two kinds exist: ``PlainRound`` (``server.strategy.plain``: one exchange, the
 sites' noisy updates streamed into a weighted mean and the server step) and ``SecureRound``
-(``server.strategy.secure``: five exchanges, only the sum of the sites' masked inputs, then
+(``server.strategy.secure``: six exchanges, only the sum of the sites' masked inputs, then
 PRISM's step on it). Both take every reply through the same ``ReplyIntake``, own their server
 step, and carry their own checkpoint state; ``PrismStrategy.from_run`` picks the kind.
 """

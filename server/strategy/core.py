@@ -4,7 +4,7 @@
 (``SiteBinding``), takes every reply through one ``ReplyIntake`` (facts checked against the
 run's ``RunTerms`` and charged by ``Charges``), and hands the round to its round kind
 (``server.strategy.contract``): a ``PlainRound`` (one exchange, the weighted mean of the sites'
-noisy updates, the server step) or a ``SecureRound`` (five exchanges, only the sum, PRISM's
+noisy updates, the server step) or a ``SecureRound`` (six exchanges, only the sum, PRISM's
 central step). ``from_run`` builds every part from a validated run config and picks the kind.
 Every site asked to run a round is charged in the ledger (``server.strategy.charges``).
 """
@@ -294,10 +294,10 @@ class PrismStrategy(Strategy):
         round's ``ReplyIntake`` and ``PlainRound.aggregate``.
 
         Raises:
-            TypeError: the strategy runs secure rounds (five exchanges: ``start`` drives them).
+            TypeError: the strategy runs secure rounds (six exchanges: ``start`` drives them).
         """
         if not isinstance(self.round_kind, PlainRound):
-            raise TypeError("a secure round has five exchanges: run it with start()")
+            raise TypeError("a secure round has six exchanges: run it with start()")
         intake = self.intake(server_round)
         new = self.round_kind.aggregate(intake, replies)
         return new, intake.metrics()

@@ -1,4 +1,4 @@
-"""The coordinator's secure-aggregation round: five exchanges, then only the sum.
+"""The coordinator's secure-aggregation round: six exchanges, then only the sum.
 
 The round kind of a run that sets ``secure-aggregation`` (``server.strategy.contract``); the
 sites' side is ``client.secure``. A workflow: one state record (``SecureState``) and one method
@@ -23,10 +23,14 @@ With the round's chosen nodes (``configure_train``):
 4. ``secure_consistency``: each survivor (``U3``: its masked input arrived) gets the survivor
    set and signs it with its participants (Bonawitz et al.'s ConsistencyCheck); the coordinator
    keeps the signatures to forward.
-5. ``secure_unmask``: with at least ``t`` masked inputs and ``t`` signatures, the survivors get
-   the unmasking request and the signatures and reveal the shares that remove the masks (each
-   only for exactly the sets it signed, confirmed by t of the signatures); the coordinator keeps
-   the SUM and drops every masked vector. With fewer, the round is ABORTED before anything is
+5. ``secure_sample``: with at least ``t`` masked inputs and ``t`` signatures, the survivors get
+   the unmasking request and the root of a Merkle tree over the signatures
+   (``prism_runtime.secure_sum.SignatureBook``); each draws which it checks (all, or a random
+   sample under a sparse graph) and answers with its draw.
+6. ``secure_unmask``: each survivor that drew gets the signatures it drew with their multiproof
+   and reveals the shares that remove the masks (only for exactly the sets it signed, confirmed
+   by the signatures it drew); the coordinator keeps the SUM and drops every masked vector.
+   With fewer masked inputs or signatures than t, the round is ABORTED before anything is
    unmasked: nothing is released, and the charges of the sites that sent masked inputs stand
    (validate-then-charge, as in a plain round).
 
@@ -40,9 +44,9 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
@@ -58,6 +62,7 @@ from prism_runtime.protocol import (
     SECURE_ADVERTISE,
     SECURE_CONSISTENCY,
     SECURE_MASK,
+    SECURE_SAMPLE,
     SECURE_SHARE,
     SECURE_UNMASK,
     SITE_ID,
@@ -71,6 +76,7 @@ from prism_runtime.secure_sum import (
     MaskingGraph,
     RoundId,
     SecureSumError,
+    SignatureBook,
     UnmaskRequest,
     UnmaskResponse,
     centre,
@@ -82,16 +88,19 @@ from prism_runtime.secure_sum.messages import (
     AdvertiseRequest,
     ConsistencyRequest,
     MaskRequest,
+    SampleRequest,
     ShareRequest,
     SignedUnmaskRequest,
     decode_advertise_reply,
     decode_consistency_reply,
     decode_mask_reply,
+    decode_sample_reply,
     decode_share_reply,
     decode_unmask_reply,
     encode_advertise_request,
     encode_consistency_request,
     encode_mask_request,
+    encode_sample_request,
     encode_share_request,
     encode_unmask_request,
 )
@@ -107,6 +116,8 @@ from server.strategy.transport import LIGHT_POLL_S, send
 __all__ = ["SecureRound", "SecureState"]
 
 log = logging.getLogger("server.strategy")
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -127,6 +138,8 @@ class SecureState:
     shares: dict[str, float] = field(default_factory=dict)  # site -> its share's sigma
     divisor: dict[str, float] = field(default_factory=dict)  # site -> its expected batch
     signatures: dict[str, bytes] = field(default_factory=dict)  # survivor -> its view's signature
+    book: SignatureBook | None = None  # the signatures forwarded, committed by their root
+    drawn: dict[str, tuple[int, ...]] = field(default_factory=dict)  # survivor -> what it drew
     unmask: UnmaskRequest | None = None
     answers: list[UnmaskResponse] = field(default_factory=list)
 
@@ -205,7 +218,7 @@ class SecureRound:
         """Nothing to prepare: the central step reads the broadcast from the mask messages."""
 
     def run(self, round_: RoundContext) -> ArrayRecord | None:
-        """The five exchanges, then the central step on the sum (None: aborted or discarded);
+        """The six exchanges, then the central step on the sum (None: aborted or discarded);
         each stage's wall time is logged (``round N: secure stage NAME in S s``)."""
         state = self.start(round_)
         stages = (
@@ -213,6 +226,7 @@ class SecureRound:
             self.share_keys,
             self.collect_masked,
             self.check_consistency,
+            self.sample_signatures,
             self.unmask_sum,
         )
         for stage in stages:
@@ -347,26 +361,17 @@ class SecureRound:
             )
             for site, (node, _) in state.adverts.items()
         }
-        for msg in self._send(state, contents, SECURE_SHARE):
-            site = self.binding.site_of(msg.metadata.src_node_id)
-            if site not in state.adverts or msg.has_error():
-                log.warning(
-                    "round %d: no shares from %s (error or unknown node)",
-                    state.round_.server_round,
-                    site,
-                )
-                continue
-            try:
-                state.sealed[site] = decode_share_reply(
-                    _part(msg.content),
-                    round_id=state.round_id,
-                    site_id=site,
-                    roster=graph.neighbourhood(site),
-                )
-            except (SecureSumError, ValueError) as exc:
-                log.warning(
-                    "round %d: ignoring the shares of %s: %s", state.round_.server_round, site, exc
-                )
+        shares = self._replies(
+            state,
+            contents,
+            SECURE_SHARE,
+            state.adverts,
+            "shares",
+            lambda site, part: decode_share_reply(
+                part, round_id=state.round_id, site_id=site, roster=graph.neighbourhood(site)
+            ),
+        )
+        state.sealed.update(shares)
         state.participants = frozenset(state.sealed)
         return self._enough(state, len(state.participants), "sites shared")
 
@@ -446,68 +451,87 @@ class SecureRound:
             )
             for site in sorted(request.survivors)
         }
-        for msg in self._send(state, contents, SECURE_CONSISTENCY):
-            site = self.binding.site_of(msg.metadata.src_node_id)
-            if site not in request.survivors or msg.has_error():
-                log.warning(
-                    "round %d: no signature from %s (error or unknown node)",
-                    state.round_.server_round,
-                    site,
-                )
-                continue
-            try:
-                state.signatures[site] = decode_consistency_reply(
-                    _part(msg.content), round_id=state.round_id, site_id=site
-                )
-            except (SecureSumError, ValueError) as exc:
-                log.warning(
-                    "round %d: ignoring the signature of %s: %s",
-                    state.round_.server_round,
-                    site,
-                    exc,
-                )
+        signatures = self._replies(
+            state,
+            contents,
+            SECURE_CONSISTENCY,
+            request.survivors,
+            "signature",
+            lambda site, part: decode_consistency_reply(
+                part, round_id=state.round_id, site_id=site
+            ),
+        )
+        state.signatures.update(signatures)
         if self._enough(state, len(state.signatures), "survivors signed", charged=True):
+            state.book = SignatureBook(state.signatures)
             return True
         state.masked = None
         return False
 
-    def unmask_sum(self, state: SecureState) -> bool:
-        """5. The survivors reveal the shares that remove the masks, each for the sets it signed
-        (with the signatures that confirm them): the coordinator keeps the SUM and drops every
-        masked vector."""
-        request = state.unmask
-        assert request is not None
-        signed = SignedUnmaskRequest(request=request, signatures=dict(state.signatures))
+    def sample_signatures(self, state: SecureState) -> bool:
+        """5. The unmasking request with the root of the signatures to forward: each survivor
+        draws which of them it checks (all, or a random sample under a sparse graph) and says
+        which; a site that does not draw is not asked to unmask."""
+        request, book = state.unmask, state.book
+        assert request is not None and book is not None
+        ask = SampleRequest(request=request, signers=frozenset(book.signers), root=book.root)
         contents = {
             state.node_of(site): _with(
                 {CONFIG: state.config},
-                encode_unmask_request(
-                    signed, round_id=state.round_id, site_id=site, roster=state.committed.ids
+                encode_sample_request(
+                    ask, round_id=state.round_id, site_id=site, roster=state.committed.ids
                 ),
             )
             for site in sorted(request.survivors)
         }
-        for msg in self._send(state, contents, SECURE_UNMASK):
-            site = self.binding.site_of(msg.metadata.src_node_id)
-            if site not in request.survivors or msg.has_error():
-                continue
-            try:
-                state.answers.append(
-                    decode_unmask_reply(
-                        _part(msg.content),
-                        round_id=state.round_id,
-                        site_id=site,
-                        request=request,
-                        near=state.graph.neighbourhood(site),
-                    )
-                )
-            except (SecureSumError, ValueError) as exc:
-                log.warning(
-                    "round %d: ignoring the unmasking answer of %s: %s",
-                    state.round_.server_round,
-                    site,
-                    exc,
-                )
+        draws = self._replies(
+            state,
+            contents,
+            SECURE_SAMPLE,
+            request.survivors,
+            "draw",
+            lambda site, part: decode_sample_reply(
+                part, round_id=state.round_id, site_id=site, forwarded=len(book.signers)
+            ),
+        )
+        state.drawn.update(draws)
+        return True
+
+    def unmask_sum(self, state: SecureState) -> bool:
+        """6. The survivors that drew reveal the shares that remove the masks, each for the sets
+        it signed (with the signatures it drew, opened against their root, that confirm them):
+        the coordinator keeps the SUM and drops every masked vector."""
+        request, book = state.unmask, state.book
+        assert request is not None and book is not None
+        contents = {}
+        for site, drawn in sorted(state.drawn.items()):
+            opened, proof = book.open(drawn)
+            signed = SignedUnmaskRequest(request=request, signatures=opened, proof=proof)
+            contents[state.node_of(site)] = _with(
+                {CONFIG: state.config},
+                encode_unmask_request(
+                    signed,
+                    round_id=state.round_id,
+                    site_id=site,
+                    roster=state.committed.ids,
+                    drawn=opened,
+                ),
+            )
+        answers = self._replies(
+            state,
+            contents,
+            SECURE_UNMASK,
+            state.drawn,
+            "unmasking answer",
+            lambda site, part: decode_unmask_reply(
+                part,
+                round_id=state.round_id,
+                site_id=site,
+                request=request,
+                near=state.graph.neighbourhood(site),
+            ),
+        )
+        state.answers.extend(answer for _, answer in answers)
         return True
 
     def step(self, state: SecureState) -> ArrayRecord | None:
@@ -587,6 +611,34 @@ class SecureRound:
             else round_.exchange.poll_interval,
             faults=faults,
         )
+
+    def _replies(
+        self,
+        state: SecureState,
+        contents: dict[int, RecordDict],
+        action: str,
+        among: Collection[str],
+        what: str,
+        decode: Callable[[str, RecordDict], T],
+    ) -> Iterator[tuple[str, T]]:
+        """Each site of ``among`` that answers a light stage, with its reply's secure-sum
+        record decoded (``decode(site, record)``); a reply that is an error, from another node,
+        or that ``decode`` refuses (``SecureSumError``, ``ValueError``) is logged as ``what``
+        and skipped."""
+        round_number = state.round_.server_round
+        for msg in self._send(state, contents, action):
+            site = self.binding.site_of(msg.metadata.src_node_id)
+            if site not in among or msg.has_error():
+                log.warning(
+                    "round %d: no %s from %s (error or unknown node)", round_number, what, site
+                )
+                continue
+            try:
+                decoded = decode(site, _part(msg.content))
+            except (SecureSumError, ValueError) as exc:
+                log.warning("round %d: ignoring the %s of %s: %s", round_number, what, site, exc)
+                continue
+            yield site, decoded
 
     def _enough(
         self, state: SecureState, count: int, what: str, *, charged: bool = False, why: str = ""

@@ -401,13 +401,11 @@ def test_a_resent_mask_request_after_a_lost_state_is_refused_never_masked_again(
     assert_charged_as_stated(game)
 
 
-def test_a_sparse_site_checks_one_unmasking_request_a_round_even_after_a_lost_save(
-    tiny_bert, tmp_path
-):
-    """Under a sparse graph a site checks the forwarded signatures on a random sample, so it
-    checks ONE unmasking request a round, recorded before the check: after a request whose
-    signatures do not confirm its view (refused, 4012) it refuses the true one too, also when
-    the save of its state after the first check was lost; a site asked once answers."""
+def test_a_sparse_site_draws_once_a_round_even_after_a_lost_save(tiny_bert, tmp_path):
+    """Under a sparse graph a site checks the committed signatures on a random sample, so it
+    draws ONCE a round, its draw durable before it leaves: after signatures that do not
+    confirm its view (refused, 4012) it refuses the true ones too (another root), also when the
+    save of its state after the first draw was lost; a site asked once answers."""
     sites = ("a", "b", "c", "d", "e", "f")
     node = {"min-honest-sites": 6, "secure-max-dropouts": 1, "secure-graph": "sparse"}
     fed = Federation.build(tmp_path, run_config(tiny_bert), {s: node for s in sites})

@@ -214,9 +214,9 @@ def test_compose_federation_on_a_real_engine(image_user, tmp_path):
             assert _site_ledger_lines(project, site) == 1
             # the site's warm worker (the image's default executor) ran the round in-process
             # with the installed ClientApp: no flwr-clientapp process, one task line for each of
-            # the secure round's five messages
+            # the secure round's six messages
             site_log = project.logs(site)
-            assert len(re.findall(r"task \d+ of run \d+: [0-9.]+ s", site_log)) == 5, site_log
+            assert len(re.findall(r"task \d+ of run \d+: [0-9.]+ s", site_log)) == 6, site_log
             assert "Start `flwr-clientapp` process" not in site_log
 
         # 3. a SuperNode container whose key was never registered is refused

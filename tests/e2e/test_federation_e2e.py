@@ -191,7 +191,7 @@ SITES = ("hospital-a", "hospital-b", "clinic-c")
 
 def test_deployment_with_secure_aggregation(tiny_bert, sst2_rows, tmp_path):
     """Three deployed SuperNodes whose identity keys are pinned in one peers folder (as the
-    federation's registry would hand out): every round runs the five secure exchanges; each
+    federation's registry would hand out): every round runs the six secure exchanges; each
     site charges the Skellam sum at H = 2 (its own min-honest-sites, below the run's 3) and
     records its share's sigma; both ledgers and the report hold both epsilons; the coordinator
     keeps no per-site update (its checkpoint holds the global arrays and its own state only)."""

@@ -45,6 +45,7 @@ from prism_runtime.protocol import (
     SECURE_ADVERTISE,
     SECURE_CONSISTENCY,
     SECURE_MASK,
+    SECURE_SAMPLE,
     SECURE_SHARE,
     SECURE_UNMASK,
     SERVER_ROUND,
@@ -57,6 +58,7 @@ from prism_runtime.secure_sum import (
     RoundTrust,
     RoundView,
     SecureSumAbortedError,
+    SignatureBook,
     SiteRound,
     UnmaskRequest,
     UnmaskResponse,
@@ -72,16 +74,19 @@ from prism_runtime.secure_sum.messages import (
     AdvertiseRequest,
     ConsistencyRequest,
     MaskRequest,
+    SampleRequest,
     ShareRequest,
     SignedUnmaskRequest,
     decode_advertise_reply,
     decode_consistency_reply,
     decode_mask_reply,
+    decode_sample_reply,
     decode_share_reply,
     decode_unmask_reply,
     encode_advertise_request,
     encode_consistency_request,
     encode_mask_request,
+    encode_sample_request,
     encode_share_request,
     encode_unmask_request,
 )
@@ -329,10 +334,23 @@ class Federation:
         dropped: Iterable[str],
         signatures: Mapping[str, bytes],
     ) -> Reply:
+        """The sample exchange (the signatures committed, the site's draw), then the unmask
+        exchange with the drawn signatures opened; the first reply that is an error."""
         request = UnmaskRequest(frozenset(survivors), frozenset(dropped))
-        signed = SignedUnmaskRequest(request=request, signatures=dict(signatures))
+        book = SignatureBook(signatures)
+        roster = self.roster_of[site]
+        ask = SampleRequest(request=request, signers=frozenset(book.signers), root=book.root)
+        content = encode_sample_request(ask, round_id=ROUND, site_id=site, roster=roster)
+        sampled = self.call(site, SECURE_SAMPLE, content)
+        if sampled.code is not None:
+            return sampled
+        drawn = decode_sample_reply(
+            sampled.part, round_id=ROUND, site_id=site, forwarded=len(book.signers)
+        )
+        opened, proof = book.open(drawn)
+        signed = SignedUnmaskRequest(request=request, signatures=opened, proof=proof)
         content = encode_unmask_request(
-            signed, round_id=ROUND, site_id=site, roster=self.roster_of[site]
+            signed, round_id=ROUND, site_id=site, roster=roster, drawn=opened
         )
         return self.call(site, SECURE_UNMASK, content)
 

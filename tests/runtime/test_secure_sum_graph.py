@@ -34,11 +34,12 @@ from prism_runtime.secure_sum import (
     SecureSumAbortedError,
     SecureSumError,
     ShareError,
+    SignatureBook,
     SiteRound,
     ThresholdError,
     centre,
+    check_signatures,
     common_graph,
-    confirming_signers,
     encode_signed,
     least_common_threshold,
     plan_unmask,
@@ -50,7 +51,7 @@ from prism_runtime.secure_sum import (
 from prism_runtime.secure_sum import masks as masks_module
 from prism_runtime.secure_sum import views as views_module
 from prism_runtime.secure_sum.graph import graph_abort, graph_failure
-from prism_runtime.secure_sum.roster import multiproof, root_of
+from prism_runtime.secure_sum.merkle import multiproof, root_of
 
 BITS = 32
 Vector = npt.NDArray[np.uint64]
@@ -325,14 +326,16 @@ def test_a_site_told_another_graph_is_caught_before_anything_is_revealed() -> No
         rnd.sites[s].mask(encoded[s], participants=honest)
     signatures = {s: rnd.sites[s].sign_view(honest, identity_key=rnd.identities[s]) for s in honest}
     view = RoundView(frozenset(honest), frozenset(honest), rnd.sites[told].transcript)
-    with pytest.raises(ConsistencyError, match="0 of 49 forwarded signatures verify"):
-        confirming_signers(
-            view,
-            signatures,
-            round_id=rnd.round_id,
-            registered=rnd.registered,
-            threshold=rnd.threshold,
-        )
+    for sampled, refusal in ((False, "0 of 49 forwarded"), (True, "49 of the 49 signatures")):
+        with pytest.raises(ConsistencyError, match=refusal):
+            check_signatures(
+                view,
+                signatures,
+                round_id=rnd.round_id,
+                registered=rnd.registered,
+                threshold=rnd.threshold,
+                sampled=sampled,
+            )
 
 
 def test_a_graph_below_a_sites_condition_is_refused_before_sharing() -> None:
@@ -522,66 +525,99 @@ def _signed_round(n: int, honest: int) -> tuple[Round, list[str], Any, dict[str,
 
 
 class _Draw:
-    """Stands in for ``secrets.SystemRandom`` in ``views``: draws the signers it is told to
+    """Stands in for ``secrets.SystemRandom`` in ``views``: draws the places it is told to
     (first ``first``, then the lowest others), so a test can put a given signature in or out
     of the sample."""
 
-    first: ClassVar[list[str]] = []
+    first: ClassVar[list[int]] = []
 
-    def sample(self, population: list[str], k: int) -> list[str]:
-        chosen = [s for s in self.first if s in population][:k]
-        return chosen + [s for s in population if s not in chosen][: k - len(chosen)]
+    def sample(self, population: range, k: int) -> list[int]:
+        chosen = [p for p in self.first if p in population][:k]
+        return chosen + [p for p in population if p not in chosen][: k - len(chosen)]
 
 
-def test_forged_signatures_are_caught_by_the_sample_or_counted_exactly(monkeypatch) -> None:
+def test_forged_signatures_are_caught_by_the_sample_and_a_draw_is_never_redrawn(
+    monkeypatch,
+) -> None:
     """Forwarded signatures with fewer genuine ones than a view needs: refused (a sample misses
     every forgery with probability below 2^-40: here it draws one). One damaged signature among
-    enough genuine ones: a sample without it confirms; a sample with it makes the site check
-    every signature and count, and t valid still confirm. A site checks one unmasking request
-    a round: a second is refused whatever the first's outcome."""
+    enough genuine ones: a sample without it confirms; a sample with it stops the site (nothing
+    revealed). A site draws once a round: the true signatures after forged ones are refused,
+    and the same ones again are checked on the same draw."""
     rnd, everyone, request, signatures = _signed_round(120, honest=108)
-    needed = rnd.sites[everyone[3]].trust.confirmations(120)
+    site = rnd.sites[everyone[3]]
+    needed = site.trust.confirmations(120)
     size = sample_size(120, needed)
     assert size < 120 and rnd.graph is not None
     monkeypatch.setattr(views_module.secrets, "SystemRandom", _Draw)
     forged = dict(signatures)
     for s in everyone[needed - 1 :]:  # only needed - 1 genuine signatures remain
         forged[s] = rnd.sites[everyone[0]].advertised.signature  # valid, but of something else
-    monkeypatch.setattr(_Draw, "first", [everyone[-1]])
-    with pytest.raises(ConsistencyError, match=f"{needed - 1} of 120 forwarded signatures"):
-        rnd.sites[everyone[3]].answer(request, signatures=forged, registered=rnd.registered)
-    with pytest.raises(ConsistencyError, match="checks one per round"):
-        rnd.sites[everyone[3]].answer(request, signatures=signatures, registered=rnd.registered)
+    monkeypatch.setattr(_Draw, "first", [119])
+    with pytest.raises(ConsistencyError, match=f"1 of the {size} signatures this site drew"):
+        site.answer(request, signatures=forged, registered=rnd.registered)
+    with pytest.raises(ConsistencyError, match="draws once per round"):
+        site.answer(request, signatures=signatures, registered=rnd.registered)
+    with pytest.raises(ConsistencyError, match=f"1 of the {size} signatures this site drew"):
+        site.answer(request, signatures=forged, registered=rnd.registered)  # the same draw
 
     damaged = dict(signatures)
     damaged[everyone[7]] = bytes(70)
-    view = rnd.sites[everyone[4]].view(request.survivors)
-    kwargs = dict(
-        round_id=rnd.round_id, registered=rnd.registered, threshold=rnd.threshold, needed=needed
-    )
-    monkeypatch.setattr(_Draw, "first", [])  # the lowest ids: everyone[7] among them
-    assert confirming_signers(view, damaged, **kwargs) == set(everyone) - {everyone[7]}
-    monkeypatch.setattr(_Draw, "first", everyone[-size:])  # everyone[7] not drawn
-    assert confirming_signers(view, damaged, **kwargs) == set(everyone[-size:])
+    monkeypatch.setattr(_Draw, "first", list(range(120 - size, 120)))  # everyone[7] not drawn
     response = rnd.sites[everyone[4]].answer(request, signatures=damaged, registered=rnd.registered)
     assert response.site_id == everyone[4]
+    monkeypatch.setattr(_Draw, "first", [])  # the lowest places: everyone[7] among them
+    with pytest.raises(ConsistencyError, match=f"1 of the {size} signatures this site drew"):
+        rnd.sites[everyone[5]].answer(request, signatures=damaged, registered=rnd.registered)
 
 
-def test_a_site_checks_one_unmasking_request_a_round_durably() -> None:
-    """The durable record of a site about to check a request (``decisions(answering=True)``)
-    makes an older copy of its round state, as a restart would bring back, refuse to check
-    another."""
+def test_a_site_opens_only_the_signatures_it_drew_against_their_root() -> None:
+    """The coordinator commits before the draw: signatures other than the drawn ones, or the
+    drawn ones with a proof of another root, reveal nothing; the true opening does."""
+    rnd, everyone, request, signatures = _signed_round(60, honest=54)
+    site = rnd.sites[everyone[2]]
+    book = SignatureBook(signatures)
+    drawn = site.draw(request, signers=book.signers, root=book.root)
+    assert len(drawn) == sample_size(60, site.trust.confirmations(60)) < 60
+    opened, proof = book.open(drawn)
+    undrawn = next(s for s in book.signers if s not in opened)
+    other = {**{s: v for s, v in list(opened.items())[1:]}, undrawn: signatures[undrawn]}
+    with pytest.raises(ConsistencyError, match="not the"):
+        site.reveal(request, signatures=other, proof=proof, registered=rnd.registered)
+    bent = (bytes(32), *proof[1:])
+    with pytest.raises(ConsistencyError, match="do not match the root"):
+        site.reveal(request, signatures=opened, proof=bent, registered=rnd.registered)
+    with pytest.raises(ConsistencyError, match="do not match the root"):
+        site.reveal(
+            request, signatures=opened, proof=(*proof, bytes(32)), registered=rnd.registered
+        )
+    response = site.reveal(request, signatures=opened, proof=proof, registered=rnd.registered)
+    assert set(response.seed_shares) == set(site.graph.neighbourhood(site.site_id))
+    with pytest.raises(ConsistencyError, match="fewer than the threshold"):
+        rnd.sites[everyone[3]].draw(request, signers=book.signers[:10], root=book.root)
+
+
+def test_a_sites_draw_is_durable_and_an_older_state_keeps_it() -> None:
+    """The durable record of a site's draw (``decisions``) makes an older copy of its round
+    state, as a restart would bring back, draw the same again and refuse another draw."""
     rnd, everyone, request, signatures = _signed_round(30, honest=27)
     site = rnd.sites[everyone[2]]
     older = SiteRound.from_bytes(site.to_bytes())
-    record = RoundDecisions.from_json(site.decisions(answering=True).to_json())
-    assert record.answered and not site.decisions().answered
-    site.answer(request, signatures=signatures, registered=rnd.registered)
+    book = SignatureBook(signatures)
+    drawn = site.draw(request, signers=book.signers, root=book.root)
+    record = RoundDecisions.from_json(site.decisions().to_json())
+    assert record.draw is not None and record.draw.drawn == drawn
     older.recall(record)
-    with pytest.raises(ConsistencyError, match="checks one per round"):
-        older.answer(request, signatures=signatures, registered=rnd.registered)
-    with pytest.raises(SecureSumError, match="not a secure-sum decision record"):
-        RoundDecisions.from_json({**record.to_json(), "answered": "yes"})
+    assert older.draw(request, signers=book.signers, root=book.root) == drawn
+    with pytest.raises(ConsistencyError, match="draws once per round"):
+        older.draw(request, signers=book.signers, root=bytes(32))
+    restored = SiteRound.from_bytes(site.to_bytes())
+    assert restored.decisions() == site.decisions()
+    for bad in ({"drawn": [True]}, {"drawn": [99]}, {"root": "zz"}):
+        with pytest.raises(SecureSumError, match="not a secure-sum decision record"):
+            RoundDecisions.from_json(
+                {**record.to_json(), "draw": {**record.to_json()["draw"], **bad}}
+            )
 
 
 def test_a_sites_check_of_its_roster_covers_the_keys_it_uses_and_binds_the_rest() -> None:
@@ -712,7 +748,7 @@ def test_a_multiproof_rebuilds_the_root_from_any_leaves_and_nothing_else(n: int)
             root_of(n, known, proof[:-1])
         with pytest.raises(KeyBindingError, match="more nodes"):
             root_of(n, known, (*proof, bytes(32)))
-    with pytest.raises(KeyBindingError, match="outside the roster"):
+    with pytest.raises(KeyBindingError, match="outside its tree"):
         root_of(n, {n: leaves[0]}, ())
 
 

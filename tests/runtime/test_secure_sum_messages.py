@@ -32,6 +32,7 @@ from prism_runtime.secure_sum import (
     RoundId,
     RoundTrust,
     SecureSumError,
+    SignatureBook,
     SiteRound,
     UnmaskRequest,
     UnmaskResponse,
@@ -50,6 +51,7 @@ from prism_runtime.secure_sum.messages import (
     ConsistencyRequest,
     MaskRequest,
     MessageFormatError,
+    SampleRequest,
     ShareRequest,
     SignedUnmaskRequest,
     Stage,
@@ -59,6 +61,8 @@ from prism_runtime.secure_sum.messages import (
     decode_consistency_request,
     decode_mask_reply,
     decode_mask_request,
+    decode_sample_reply,
+    decode_sample_request,
     decode_share_reply,
     decode_share_request,
     decode_unmask_reply,
@@ -69,6 +73,8 @@ from prism_runtime.secure_sum.messages import (
     encode_consistency_request,
     encode_mask_reply,
     encode_mask_request,
+    encode_sample_reply,
+    encode_sample_request,
     encode_share_reply,
     encode_share_request,
     encode_unmask_reply,
@@ -235,18 +241,44 @@ def play_round() -> Played:
             lambda c, s=s: decode_consistency_reply(c, round_id=ROUND, site_id=s),
         )
 
-    # (5) unmask
-    signed = SignedUnmaskRequest(request=plan, signatures=signatures)
+    # (5) sample: the signatures committed, each survivor's draw (all three: the complete graph)
+    book = SignatureBook(signatures)
+    sample = SampleRequest(request=plan, signers=frozenset(book.signers), root=book.root)
     answers = []
     for s in sorted(plan.survivors):
+        got = send(
+            Stage.SAMPLE_REQUEST,
+            s,
+            sample,
+            encode_sample_request(sample, round_id=ROUND, site_id=s, roster=SITES),
+            lambda c, s=s: decode_sample_request(c, round_id=ROUND, site_id=s, roster=SITES),
+        )
+        drawn = sites[s].draw(got.request, signers=got.signers, root=got.root)
+        forwarded = len(book.signers)
+        drawn = send(
+            Stage.SAMPLE_REPLY,
+            s,
+            drawn,
+            encode_sample_reply(drawn, round_id=ROUND, site_id=s, forwarded=forwarded),
+            lambda c, s=s, f=forwarded: decode_sample_reply(
+                c, round_id=ROUND, site_id=s, forwarded=f
+            ),
+        )
+        # (6) unmask: the drawn signatures opened against the root
+        opened, proof = book.open(drawn)
+        signed = SignedUnmaskRequest(request=plan, signatures=opened, proof=proof)
         got = send(
             Stage.UNMASK_REQUEST,
             s,
             signed,
-            encode_unmask_request(signed, round_id=ROUND, site_id=s, roster=SITES),
-            lambda c, s=s: decode_unmask_request(c, round_id=ROUND, site_id=s, roster=SITES),
+            encode_unmask_request(signed, round_id=ROUND, site_id=s, roster=SITES, drawn=opened),
+            lambda c, s=s, d=tuple(opened): decode_unmask_request(
+                c, round_id=ROUND, site_id=s, roster=SITES, drawn=d
+            ),
         )
-        answer = sites[s].answer(got.request, signatures=got.signatures, registered=registered)
+        answer = sites[s].reveal(
+            got.request, signatures=got.signatures, proof=got.proof, registered=registered
+        )
         answers.append(
             send(
                 Stage.UNMASK_REPLY,
@@ -482,9 +514,30 @@ STAGE_CASES: dict[Stage, dict[str, Change]] = {
         "signature-list": put("signature", [bytes(70)]),
         "signature-missing": drop("signature"),
     },
+    Stage.SAMPLE_REQUEST: {
+        "signers-not-survivor": put("signers", bytes([0b0111])),
+        "signers-past-the-roster": put("signers", bytes([0b11011])),
+        "signers-list": put("signers", ["s0", "s1", "s3"]),
+        "survivor-also-dropped": put("dropped", bytes([0b0110])),
+        "addressee-not-survivor": put("survivors", bytes([0b1010])),
+        "dropped-str": put("dropped", "s2"),
+        "signatures-root-31": put("signatures-root", bytes(31)),
+        "signatures-root-missing": drop("signatures-root"),
+    },
+    Stage.SAMPLE_REPLY: {
+        "drawn-empty": put("drawn", []),
+        "drawn-beyond-forwarded": put("drawn", [0, 1, 3]),
+        "drawn-negative": put("drawn", [-1, 0]),
+        "drawn-twice": put("drawn", [0, 0, 1]),
+        "drawn-unsorted": put("drawn", [1, 0]),
+        "drawn-str": put("drawn", ["0"]),
+        "drawn-bool": put("drawn", [True]),
+        "drawn-over-max": put("drawn", list(range(MAX_SITES + 1))),
+    },
     Stage.UNMASK_REQUEST: {
-        "signers-not-survivor": at("signers", 0, "s2"),
+        "signers-not-drawn": at("signers", 0, "s2"),
         "signers-duplicate": at("signers", 1, "s0"),
+        "signers-one-missing": cut("signers", 1, None),
         "signatures-short-list": cut("signatures", 1, None),
         "signatures-not-der": at("signatures", 0, NOT_DER),
         "signers-missing": drop("signers"),
@@ -492,6 +545,7 @@ STAGE_CASES: dict[Stage, dict[str, Change]] = {
         "addressee-not-survivor": put("survivors", bytes([0b1010])),
         "dropped-str": put("dropped", "s2"),
         "dropped-past-the-roster": put("dropped", bytes([0b10100])),
+        "proof-33-bytes": put("proof", bytes(33)),
     },
     Stage.UNMASK_REPLY: {
         "seed-owner-missing": cut("seed-share-owners", 1, None),
@@ -708,8 +762,12 @@ def test_encoders_refuse_to_send_what_the_receiver_refuses(played: Played) -> No
             AdvertiseRequest(bits=BITS, length=10**12), round_id=ROUND, site_id=SITE
         )
     with pytest.raises(MessageFormatError, match=r"refusing to send.*'dropped'"):
-        encode_unmask_request(
-            SignedUnmaskRequest(UnmaskRequest(frozenset({"s0", "s1"}), frozenset({"s1"})), {}),
+        encode_sample_request(
+            SampleRequest(
+                UnmaskRequest(frozenset({"s0", "s1"}), frozenset({"s1"})),
+                frozenset({"s0"}),
+                bytes(32),
+            ),
             round_id=ROUND,
             site_id=SITE,
             roster=SITES,
@@ -718,17 +776,31 @@ def test_encoders_refuse_to_send_what_the_receiver_refuses(played: Played) -> No
         encode_consistency_request(
             ConsistencyRequest(frozenset({"s0", "s9"})), round_id=ROUND, site_id=SITE, roster=SITES
         )
-    signature = played.sent[Stage.CONSISTENCY_REPLY][0]
-    assert isinstance(signature, bytes)
     with pytest.raises(MessageFormatError, match=r"refusing to send.*'signers'"):
-        encode_unmask_request(
-            SignedUnmaskRequest(
-                UnmaskRequest(frozenset({"s0", "s1"}), frozenset({"s2"})), {"s2": signature}
+        encode_sample_request(
+            SampleRequest(
+                UnmaskRequest(frozenset({"s0", "s1"}), frozenset({"s2"})),
+                frozenset({"s2"}),
+                bytes(32),
             ),
             round_id=ROUND,
             site_id=SITE,
             roster=SITES,
         )
+    signature = played.sent[Stage.CONSISTENCY_REPLY][0]
+    assert isinstance(signature, bytes)
+    with pytest.raises(MessageFormatError, match=r"refusing to send.*'signers'"):
+        encode_unmask_request(
+            SignedUnmaskRequest(
+                UnmaskRequest(frozenset({"s0", "s1"}), frozenset({"s2"})), {"s1": signature}
+            ),
+            round_id=ROUND,
+            site_id=SITE,
+            roster=SITES,
+            drawn=("s0",),
+        )
+    with pytest.raises(MessageFormatError, match=r"refusing to send.*'drawn'"):
+        encode_sample_reply((0, 3), round_id=ROUND, site_id=SITE, forwarded=3)
 
 
 def test_message_format_error_is_a_secure_sum_error() -> None:

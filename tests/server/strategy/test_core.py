@@ -258,7 +258,7 @@ def test_a_secure_strategy_refuses_flowers_one_exchange_aggregation(tmp_path) ->
         strategy = core.PrismStrategy.from_run(
             run, modules=MODULES, head=[], ledger=ledger, run_id="run-1", arrays=adapter()
         )
-        with pytest.raises(TypeError, match="five exchanges"):
+        with pytest.raises(TypeError, match="six exchanges"):
             strategy.aggregate_train(1, [])
 
 

@@ -108,7 +108,14 @@ def test_a_secure_run_applies_the_sum_and_records_both_epsilons(tiny_bert, tmp_p
         strategy.removeHandler(handler)
         strategy.setLevel(level)
     assert any("sites weigh EQUALLY" in r.getMessage() for r in caplog.records)  # sample-rate 0
-    stages = ["advertise", "share_keys", "collect_masked", "check_consistency", "unmask_sum"]
+    stages = [
+        "advertise",
+        "share_keys",
+        "collect_masked",
+        "check_consistency",
+        "sample_signatures",
+        "unmask_sum",
+    ]
     assert timed == stages * ROUNDS  # each stage's wall time, logged (bench/secure_cost.py)
     summary = _summary(run_dir)
     assert summary["rounds-applied"] == ROUNDS, summary["rounds"]
