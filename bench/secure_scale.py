@@ -15,11 +15,17 @@ roster drops, split evenly over three stages: after advertising (never shares), 
 (never masks: its masks are removed with its rebuilt mask key) and after masking (never answers
 the unmasking). The sum is compared with the plain sum of the survivors' inputs exactly.
 
+The coordinator commits the roster (``CommittedRoster``: each site receives the roster's ids,
+the stated largest noise share and its neighbourhood's advertisements with their Merkle proof)
+and the survivors' signatures (``SignatureBook``: each site draws which it checks and receives
+those with their proof); the sets travel as bitmaps over the roster.
+
 Reported per (n, delta, d): degree k and neighbourhood threshold, per-site median and max time
-over all of a site's calls, per-site bytes sent and received (median), ChaCha mask words one
-site expands, the coordinator's time (adds and unmasking) and the vector it holds (one running
-sum of d words: no site's vector is kept after it is added), whether the round succeeded and the
-sum was exact.
+over all of a site's calls, per-site bytes sent and received (median; received also by part:
+the roster, the sealed shares, the sets and roots, the drawn signatures), ChaCha mask words one
+site expands, the coordinator's time (committing, opening, adds and unmasking) and the vector it
+holds (one running sum of d words: no site's vector is kept after it is added), whether the
+round succeeded and the sum was exact.
 
     PYTHONPATH=. .venv/bin/python bench/secure_scale.py --sites 10 100 300 1000 \\
         --dropout 0 0.1 0.3 --length 74498 --out bench-results/secure-scale.json

@@ -11,7 +11,7 @@ import struct
 
 __all__ = ["DOMAIN", "frame", "unframe"]
 
-DOMAIN = "prism-fl secure-sum v3"
+DOMAIN = "prism-fl secure-sum v4"
 """Domain-separation label that opens every framed message of the secure sum."""
 
 _INT, _STR, _BYTES = b"i", b"s", b"b"
