@@ -14,10 +14,12 @@ it:
    (``prism_runtime.secure_sum.RoundTrust``), checks the Merkle proof of the advertisements it
    receives (every site's, or its neighbourhood's under a sparse graph: the roster is committed
    by its ids and root, ``prism_runtime.secure_sum.roster``), verifies each against the PINNED
-   identity keys of its peers (``registered_keys``; a key the coordinator substituted or a site
-   it invented fails here), and returns Shamir shares of its secrets sealed for each peer;
+   identity keys of its peers (``registered_keys``; a key the coordinator substituted, or a site
+   it invented anywhere in the roster, fails here), and returns Shamir shares of its secrets
+   sealed for each peer;
 3. ``mask``: it opens the shares sealed for it and checks the participants (at most D roster
-   sites missing) and their noise shares (none above its own whole noise), then runs the round
+   sites missing) and the stated largest noise share (at least its own, at most its whole
+   noise), then runs the round
    itself: the site's one admission (``client.site.Site.admit``: request and policy checks, the
    charge at the noise the sum carries if H sites are honest and at most D missing), and the
    secure ending (``client.masked_input``: one clipped sum, randomized rounding with a Skellam
@@ -395,18 +397,19 @@ def mask(stage: SecureStage) -> RecordDict:
     First the shares sealed for this site and the participants U2, refused before anything is
     charged: a participant set ``SiteRound.check_participants`` refuses (masked already, more
     than D roster sites missing, fewer than t), one the field could not sum
-    (``check_sum_fits``), or a noise share above the site's whole noise
-    (``SiteRound.noise_share``). Then the site's admission (``Site.admit``, a secure round) and
-    the secure ending (``client.masked_input``), adding the largest share a roster site
-    signed, never less than its own: each roster site's own share ``mu_j / (H_j - D_j)`` is
-    then covered by each honest site whose input a sum holds, whatever their sizes and whatever
-    participants the coordinator names to whom. The decision to mask is durable before the
-    reply leaves (``SecureStage.keep_round``).
+    (``check_sum_fits``), or a stated largest noise share L below its own share or above its
+    whole noise (``SiteRound.noise_share``). Then the site's admission (``Site.admit``, a
+    secure round) and the secure ending (``client.masked_input``), adding L, bound in the
+    transcript every roster site shared under, never less than its own share: each roster
+    site's own share ``mu_j / (H_j - D_j)`` is then covered by each honest site whose input a
+    sum holds, whatever their sizes and whatever participants the coordinator names to whom.
+    The decision to mask is durable before the reply leaves (``SecureStage.keep_round``).
 
     Raises:
         MasksUsedError: this round's masks were used already (a re-sent request).
         SecureSumAbortedError: fewer participants than t, or more than D roster sites missing.
-        NoiseShareError: a roster site's signed share exceeds this site's whole noise.
+        NoiseShareError: the stated largest share is below this site's own or above its whole
+            noise.
     """
     site, noise, round_id = stage.site, stage.noise, stage.round_id
     site_round = stage.load_round()

@@ -7,8 +7,8 @@ request masked again with the same masks on a fresh input (the coordinator reads
 of the two), or a second view signed (and then the other kind of share revealed). So every
 stage writes the round's ``prism_runtime.secure_sum.RoundDecisions`` (which masks; the
 threshold it shared with; whom it masked with; the one survivor set it signed, the only one it
-reveals shares for; under a sparse graph, that it checked an unmasking request, written before
-the check so that a sampled check is never drawn twice) to ``<state_dir>/secure-round.json``
+reveals shares for; the signatures it drew to check, written before the draw leaves so that
+under a sparse graph a sampled check is never drawn twice) to ``<state_dir>/secure-round.json``
 in one atomic, fsync'ed write BEFORE its reply leaves, and every later stage takes the record
 into the round's state first (``SiteRound.recall``): a state older than the record is refused
 or completed from it, never used to decide again. The record

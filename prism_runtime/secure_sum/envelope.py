@@ -6,7 +6,8 @@ as one ChaCha20-Poly1305 ciphertext under the pair's share-encryption key
 the 12-byte nonce is random (``os.urandom``) and sent in front of the ciphertext. The associated
 data frames the run id, the round, the sender, the receiver and the round's transcript
 (``views.round_transcript``: the threshold, the masking graph's degree and neighbourhood
-threshold, and every roster site's advertisement): a ciphertext moved to another pair,
+threshold, the roster's ids, the Merkle root of every roster site's advertisement and the
+stated largest noise share): a ciphertext moved to another pair,
 direction, round or run, or altered in any bit, fails authentication, and so does one opened by
 a site that was told another threshold, graph or roster, or another advertisement of any roster
 site. Every site holding a site's shares therefore holds them for the one transcript that site

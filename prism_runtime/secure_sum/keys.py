@@ -201,7 +201,6 @@ def verify_keys(
     *,
     round_id: RoundId,
     registered: Mapping[str, ec.EllipticCurvePublicKey],
-    signature: bool = True,
 ) -> None:
     """Check that ``advertised`` was signed for this round by the site it names.
 
@@ -209,9 +208,6 @@ def verify_keys(
         advertised: One site's advertisement as relayed by the coordinator.
         round_id: The round the receiver is in (a replay from another round fails).
         registered: The identity public key of every registered site id.
-        signature: False: check everything but the signature (the site is registered, its keys
-            and H and D are well formed), for an advertisement whose keys the receiver never
-            uses and which the round's transcript binds (a sparse graph's non-neighbours).
 
     Raises:
         KeyBindingError: The site has no registered key, a key is malformed, or the signature does
@@ -249,8 +245,6 @@ def verify_keys(
             f"site {site!r} advertised a noise share of {advertised.noise_share!r}, not a finite "
             "number >= 0: refuse this roster"
         ) from None
-    if not signature:
-        return
     message = _signed_bytes(
         round_id,
         site,

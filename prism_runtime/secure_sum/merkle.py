@@ -77,8 +77,11 @@ class MerkleTree:
 
     def proof(self, positions: Collection[int]) -> tuple[bytes, ...]:
         """The nodes that ``root_of`` needs, besides the leaves at ``positions``, to rebuild the
-        root (in the order it asks for them)."""
+        root (in the order it asks for them); ``ValueError`` unless they are at least one place
+        of the tree."""
         leaves, levels = self.levels[0], self.levels
+        if not positions or any(not 0 <= p < len(leaves) for p in positions):
+            raise ValueError(f"a proof needs places in [0, {len(leaves)}), at least one")
         proof: list[bytes] = []
 
         def sibling(depth: int, index: int) -> bytes:

@@ -222,8 +222,8 @@ class _SiteCount(Bytes):
 
 @dataclass(frozen=True)
 class _Proof(Bytes):
-    """A roster's Merkle proof: its nodes' 32-byte hashes, concatenated (at most 2 per site of
-    the longest roster)."""
+    """A Merkle proof (``merkle``: of a roster's advertisements or of forwarded signatures): its
+    nodes' 32-byte hashes, concatenated (at most 2 per site of the longest roster)."""
 
     low: int = 0
     high: int = 2 * MAX_SITES * HASH_BYTES
@@ -369,7 +369,7 @@ _KEYS = (
 # rules across fields --------------------------------------------------------------------------
 
 
-def _threshold_is_a_majority(read: MessageReader, got: Mapping[str, Any]) -> None:
+def _roster_is_sorted_and_threshold_a_majority(read: MessageReader, got: Mapping[str, Any]) -> None:
     roster = got["roster"]
     if any(a >= b for a, b in pairwise(roster)):
         raise read.fail("roster", "is not sorted by site id")
@@ -466,7 +466,7 @@ _SHARE_REQUEST = Message(
             graph_threshold,
         )
     ),
-    check=_threshold_is_a_majority,
+    check=_roster_is_sorted_and_threshold_a_majority,
 )
 _SHARE_REPLY: Message[dict[str, bytes]] = Message(
     Stage.SHARE_REPLY,

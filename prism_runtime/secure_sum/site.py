@@ -7,24 +7,28 @@ X25519 key pairs and a fresh 32-byte self-mask seed (``secrets``), and the site'
 1. publishes ``advertised`` (its public keys, seed commitment, noise share, H and D, signed with
    its identity key);
 2. ``share``: refuses a roster or threshold that does not meet its threshold condition
-   (``ThresholdError``), verifies the advertisement of every site whose keys it uses (every
-   roster site's with the complete graph, its neighbours' with a sparse one, ``graph``) against
-   the registered identity keys (``KeyBindingError`` names a substituted site; the others are
-   checked for form and bound by the round's transcript), splits its seed and mask private key
-   with threshold t among the roster (with a sparse graph: with the neighbourhood threshold
-   among its neighbourhood, after checking the graph against its own bound) and seals each
-   receiver's two shares for the round's transcript (``envelope``);
+   (``ThresholdError``) or names an unregistered site, rebuilds the root of the roster's
+   advertisements from its part of it (``roster.RosterPart``), verifies the advertisement of
+   every site whose keys it uses (every roster site's with the complete graph, its neighbours'
+   with a sparse one, ``graph``) against the registered identity keys (``KeyBindingError`` names
+   a substituted site; the others it never receives are bound by the root in the round's
+   transcript), splits its seed and mask private key with threshold t among the roster (with a
+   sparse graph: with the neighbourhood threshold among its neighbourhood, after checking the
+   graph against its own bound) and seals each receiver's two shares for the round's
+   transcript (``envelope``);
 3. ``receive``: opens the shares the other sites sealed for it (``ShareError`` if one fails);
 4. ``mask``: masks its ONE input of the round with its self mask and a pairwise mask per
    participant (per participating neighbour), refusing more than D missing roster sites;
 5. ``sign_view``: signs the participant and survivor sets it was given (``views``), once;
-6. ``answer``: reveals, for an unmasking request of exactly its signed sets confirmed by t valid
-   signatures of survivors (with a sparse graph, checked on a random sample, ``views``), the
-   seed shares of the survivors and the mask-key shares of the dropped.
+6. ``draw``: for an unmasking request of exactly its signed sets, draws which of the committed
+   signatures it checks (all, or a random sample with a sparse graph, ``views``), once;
+7. ``reveal``: with the drawn signatures opened against their root and confirming its view (t
+   valid, or every drawn one with a sparse graph), reveals the seed shares of the survivors and
+   the mask-key shares of the dropped (``answer``: both in one process).
 
 The rules that keep a masked input private are enforced here: a site never masks twice, never
 signs two views, and reveals shares only for the one view it signed (so never both the seed
-share and the mask-key share of one site), confirmed by t signatures of survivors.
+share and the mask-key share of one site), confirmed by the signatures of survivors it drew.
 What it decided once (``decisions``) is the site's to keep durably before each reply leaves;
 ``recall`` restores it into a ``SiteRound`` whose in-memory state is older.
 """
@@ -36,6 +40,7 @@ import json
 import secrets
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -66,7 +71,7 @@ from prism_runtime.secure_sum.keys import (
     verify_keys,
 )
 from prism_runtime.secure_sum.masks import mask_input
-from prism_runtime.secure_sum.merkle import root_of
+from prism_runtime.secure_sum.merkle import HASH_BYTES, root_of
 from prism_runtime.secure_sum.roster import RosterPart, graph_seed, transcript_of
 from prism_runtime.secure_sum.shamir import check_threshold, split_secret
 from prism_runtime.secure_sum.trust import RoundTrust
@@ -116,9 +121,15 @@ class SignatureDraw:
         if any(isinstance(at, bool) or not isinstance(at, int) for at in places):
             raise TypeError("drawn")
         drawn = tuple(places)
-        if any(not 0 <= at < len(signers) for at in drawn):
+        increasing = all(a < b for a, b in pairwise(drawn))
+        if not drawn or not increasing or not 0 <= drawn[0] <= drawn[-1] < len(signers):
             raise ValueError("drawn")
-        return cls(bytes.fromhex(value["root"]), signers, drawn)
+        if any(a >= b for a, b in pairwise(signers)):
+            raise ValueError("signers")
+        root = bytes.fromhex(value["root"])
+        if len(root) != HASH_BYTES:
+            raise ValueError("root")
+        return cls(root, signers, drawn)
 
 
 @dataclass(frozen=True)
@@ -263,15 +274,22 @@ class SiteRound:
             MasksUsedError: This site shared already this round.
             ThresholdError: The roster is smaller than H, t fails the threshold condition, or
                 the graph breaks this site's guarantee with too high a probability.
-            KeyBindingError: An advertisement it received does not verify, is malformed or of
-                an unregistered site (names the site); the advertisements received are not
-                all of this site's neighbourhood, or their proof does not fit them; or the
-                roster does not carry this site's own keys unchanged.
+            KeyBindingError: The roster names a site with no registered identity key; an
+                advertisement it received does not verify or is malformed (names the site); the
+                advertisements received are not all of this site's neighbourhood, or their proof
+                does not fit them; or the roster does not carry this site's own keys unchanged.
         """
         if self._ids:
             raise MasksUsedError(f"site {self.site_id!r} already shared its secrets this round")
         part = roster if isinstance(roster, RosterPart) else RosterPart.whole(roster)
         n = len(part.ids)
+        strangers = [site for site in part.ids if site not in registered]
+        if strangers:
+            raise KeyBindingError(
+                f"site {strangers[0]!r} is in the roster but has no registered identity key "
+                f"({len(strangers)} such sites): refuse this roster (register a site's key before "
+                "it joins a secure sum)"
+            )
         self.trust.check_threshold(threshold, n)
         if graph is not None and graph[0] >= n - 1:
             graph = None
@@ -353,7 +371,7 @@ class SiteRound:
     @property
     def sampled(self) -> bool:
         """Whether this site checks the consistency signatures on a random sample (it shared
-        under a sparse masking graph), and so checks one unmasking request per round."""
+        under a sparse masking graph), and so draws once per round."""
         return self._sparse is not None
 
     @property
@@ -572,11 +590,16 @@ class SiteRound:
                 another root this round already. Nothing is revealed.
         """
         view = self._signed(request)
-        chosen = tuple(sorted(signers))
-        if not set(chosen) <= view.survivors or len(chosen) < self._threshold:
+        chosen = tuple(sorted(set(signers)))
+        if len(chosen) != len(signers) or not set(chosen) <= view.survivors:
             raise ConsistencyError(
-                f"{len(chosen)} signatures forwarded to site {self.site_id!r}, of sites not all "
-                f"survivors or fewer than the threshold {self._threshold}: nothing revealed"
+                f"the signers forwarded to site {self.site_id!r} repeat a site or are not all "
+                "survivors: nothing revealed"
+            )
+        if len(chosen) < self._threshold:
+            raise ConsistencyError(
+                f"{len(chosen)} signatures forwarded to site {self.site_id!r}, fewer than the "
+                f"threshold {self._threshold}: nothing revealed"
             )
         if self._draw is not None and self.sampled:
             if (self._draw.root, self._draw.signers) != (root, chosen):

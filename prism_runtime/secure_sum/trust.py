@@ -89,9 +89,9 @@ class RoundTrust:
     def confirmations(self, sites: int, *, weakest: int | None = None) -> int:
         """``(n + c) // 2 + 1`` with ``c = n - H``: the genuine signatures of one view that a
         second view cannot also gather while each honest site signs one (``views``). With
-        ``weakest``, the smallest H a roster site signed, c is the most colluders ANY roster
-        site allows for: a site's check protects its neighbours' secrets, whose H may be lower
-        than its own."""
+        ``weakest``, the smallest H a site of its neighbourhood signed, c is the most colluders
+        any of them allows for: a site's check protects its neighbourhood's secrets, whose H
+        may be lower than its own."""
         n = _count(sites, "sites", 1)
         honest = self.honest if weakest is None else min(self.honest, weakest)
         return (n + max(n - honest, 0)) // 2 + 1

@@ -471,7 +471,8 @@ class SecureRound:
     def sample_signatures(self, state: SecureState) -> bool:
         """5. The unmasking request with the root of the signatures to forward: each survivor
         draws which of them it checks (all, or a random sample under a sparse graph) and says
-        which; a site that does not draw is not asked to unmask."""
+        which; a site that does not draw is not asked to unmask, and with fewer than t draws the
+        round is aborted."""
         request, book = state.unmask, state.book
         assert request is not None and book is not None
         ask = SampleRequest(request=request, signers=frozenset(book.signers), root=book.root)
@@ -495,7 +496,7 @@ class SecureRound:
             ),
         )
         state.drawn.update(draws)
-        return True
+        return self._enough(state, len(state.drawn), "survivors drew", charged=True)
 
     def unmask_sum(self, state: SecureState) -> bool:
         """6. The survivors that drew reveal the shares that remove the masks, each for the sets

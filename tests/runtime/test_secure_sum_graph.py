@@ -51,7 +51,7 @@ from prism_runtime.secure_sum import (
 from prism_runtime.secure_sum import masks as masks_module
 from prism_runtime.secure_sum import views as views_module
 from prism_runtime.secure_sum.graph import graph_abort, graph_failure
-from prism_runtime.secure_sum.merkle import multiproof, root_of
+from prism_runtime.secure_sum.merkle import MerkleTree, multiproof, root_of
 
 BITS = 32
 Vector = npt.NDArray[np.uint64]
@@ -595,6 +595,9 @@ def test_a_site_opens_only_the_signatures_it_drew_against_their_root() -> None:
     assert set(response.seed_shares) == set(site.graph.neighbourhood(site.site_id))
     with pytest.raises(ConsistencyError, match="fewer than the threshold"):
         rnd.sites[everyone[3]].draw(request, signers=book.signers[:10], root=book.root)
+    twice = [*book.signers, book.signers[0]]
+    with pytest.raises(ConsistencyError, match="repeat a site"):
+        rnd.sites[everyone[3]].draw(request, signers=twice, root=book.root)
 
 
 def test_a_sites_draw_is_durable_and_an_older_state_keeps_it() -> None:
@@ -613,7 +616,16 @@ def test_a_sites_draw_is_durable_and_an_older_state_keeps_it() -> None:
         older.draw(request, signers=book.signers, root=bytes(32))
     restored = SiteRound.from_bytes(site.to_bytes())
     assert restored.decisions() == site.decisions()
-    for bad in ({"drawn": [True]}, {"drawn": [99]}, {"root": "zz"}):
+    signers = record.to_json()["draw"]["signers"]
+    for bad in (
+        {"drawn": [True]},
+        {"drawn": [99]},
+        {"drawn": []},
+        {"drawn": [1, 0]},
+        {"root": "zz"},
+        {"root": "00"},
+        {"signers": list(reversed(signers))},
+    ):
         with pytest.raises(SecureSumError, match="not a secure-sum decision record"):
             RoundDecisions.from_json(
                 {**record.to_json(), "draw": {**record.to_json()["draw"], **bad}}
@@ -750,6 +762,10 @@ def test_a_multiproof_rebuilds_the_root_from_any_leaves_and_nothing_else(n: int)
             root_of(n, known, (*proof, bytes(32)))
     with pytest.raises(KeyBindingError, match="outside its tree"):
         root_of(n, {n: leaves[0]}, ())
+    tree = MerkleTree(leaves)
+    for bad in ([], [n], [-1]):
+        with pytest.raises(ValueError, match="places in"):
+            tree.proof(bad)
 
 
 def test_sites_that_receive_only_their_neighbourhood_hold_the_whole_rosters_transcript() -> None:
@@ -814,6 +830,12 @@ def test_a_part_missing_a_neighbour_or_bent_is_refused_before_anything_is_shared
     moved = dict(part.leaves)
     moved[neighbour] = part.leaves[site]
     refused(dataclasses.replace(part, leaves=moved), "under")
+    # an invented site outside the neighbourhood: no leaf of it reaches this site, but its id does
+    outside = next(s for s in committed.ids if s not in near)
+    invented = dict(rnd.roster)
+    invented["site-9999"] = dataclasses.replace(rnd.roster[outside], site_id="site-9999")
+    padded = CommittedRoster(invented).part(near)
+    refused(padded, "no registered identity key")
     # the true part is accepted (a refusal changed nothing): nothing above was a false alarm
     rnd.sites[site].share(part, registered=rnd.registered, threshold=rnd.threshold, graph=rnd.graph)
 
