@@ -16,7 +16,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 
 from prism_runtime.secure_sum.errors import KeyBindingError
 
-__all__ = ["HASH_BYTES", "LEAF", "MerkleTree", "multiproof", "root_of"]
+__all__ = ["HASH_BYTES", "LEAF", "MerkleTree", "root_of"]
 
 HASH_BYTES = 32
 """Bytes of a Merkle node (SHA-256)."""
@@ -92,14 +92,9 @@ class MerkleTree:
         return tuple(proof)
 
 
-def multiproof(leaves: Sequence[bytes], positions: Collection[int]) -> tuple[bytes, ...]:
-    """``MerkleTree(leaves).proof(positions)``."""
-    return MerkleTree(leaves).proof(positions)
-
-
 def root_of(n: int, known: Mapping[int, bytes], proof: Sequence[bytes]) -> bytes:
     """The root of a tree of ``n`` leaves holding the ``known`` leaf hashes (by position) with
-    ``proof``'s nodes (``multiproof``).
+    ``proof``'s nodes (``MerkleTree.proof``).
 
     Raises:
         KeyBindingError: a position is outside ``[0, n)``, or the proof is too short or too

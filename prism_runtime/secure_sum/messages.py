@@ -58,6 +58,7 @@ from prism_runtime.secure_sum.wire import (
     Stage,
     Table,
     WireValue,
+    check_addressee,
 )
 
 __all__ = [
@@ -247,8 +248,7 @@ class _RosterIds(Keyed):
 
     def read(self, read: MessageReader, got: Mapping[str, Any]) -> list[str]:
         sites = read.sites(self.key)
-        if read.site_id not in sites:
-            raise read.fail(self.key, f"does not list the addressee {read.site_id!r}")
+        check_addressee(read, self.key, sites)
         return sites
 
 
@@ -314,8 +314,8 @@ class _SiteBits(Keyed):
         if tail and raw[-1] >> tail:
             raise read.fail(self.key, "sets a bit past the roster")
         sites = frozenset(roster[at] for at in range(len(roster)) if raw[at // 8] >> (at % 8) & 1)
-        if self.addressee and read.site_id not in sites:
-            raise read.fail(self.key, f"does not list the addressee {read.site_id!r}")
+        if self.addressee:
+            check_addressee(read, self.key, sites)
         return sites
 
 

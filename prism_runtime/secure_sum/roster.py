@@ -7,9 +7,8 @@ ONE roster. So the roster is committed instead of sent whole:
 
 - the roster's site ids, sorted (``ids``: distinct by construction, and what the participant
   and survivor sets are bitmaps over);
-- ``root``, the root of a Merkle tree over the advertisements in id order (a leaf is SHA-256 of
-  ``0x00`` and the framed advertisement without its signature; an inner node SHA-256 of
-  ``0x01`` and its two children; an odd last node is carried up a level unchanged);
+- ``root``, the root of a Merkle tree (``merkle``) over the advertisements in id order, a leaf
+  the framed advertisement without its signature (``advertisement_leaf``);
 - ``largest_share`` L, the largest noise share the coordinator states for the roster. A site
   adds L, not its own share, refuses an L below its own share or above its whole noise
   (``SiteRound.noise_share``), and L is in the transcript its shares are sealed under: every
@@ -45,6 +44,7 @@ __all__ = [
     "RosterPart",
     "advertisement_leaf",
     "graph_seed",
+    "largest_share_of",
     "roster_digest",
     "transcript_of",
 ]
@@ -65,6 +65,12 @@ def advertisement_leaf(keys: AdvertisedKeys) -> bytes:
         keys.max_dropouts,
     )
     return hashlib.sha256(LEAF + framed).digest()
+
+
+def largest_share_of(roster: Mapping[str, AdvertisedKeys]) -> float:
+    """The largest noise share a roster site signed (0 for no site): the L a coordinator
+    states."""
+    return max((keys.noise_share for keys in roster.values()), default=0.0)
 
 
 def roster_digest(ids: Sequence[str], root: bytes) -> bytes:
@@ -106,7 +112,7 @@ class RosterPart:
         largest_share: L, the largest noise share stated for the roster.
         leaves: The advertisements the site receives, keyed by site id: its neighbourhood's
             (every site's with the complete graph).
-        proof: ``multiproof`` of those leaves' places in id order.
+        proof: the Merkle proof of those leaves' places in id order (``MerkleTree.proof``).
     """
 
     ids: tuple[str, ...]
@@ -117,8 +123,7 @@ class RosterPart:
     @classmethod
     def whole(cls, roster: Mapping[str, AdvertisedKeys]) -> RosterPart:
         """The whole roster as a part (every leaf, no proof nodes, L its largest share)."""
-        largest = max((keys.noise_share for keys in roster.values()), default=0.0)
-        return cls(tuple(sorted(roster)), largest, dict(roster))
+        return cls(tuple(sorted(roster)), largest_share_of(roster), dict(roster))
 
     @cached_property
     def place(self) -> dict[str, int]:
@@ -163,11 +168,7 @@ class CommittedRoster:
     ) -> None:
         self.roster = dict(roster)
         self.ids = tuple(sorted(roster))
-        self.largest_share = (
-            max((keys.noise_share for keys in roster.values()), default=0.0)
-            if largest_share is None
-            else largest_share
-        )
+        self.largest_share = largest_share_of(roster) if largest_share is None else largest_share
         if not math.isfinite(self.largest_share) or self.largest_share < 0:
             raise KeyBindingError(f"a largest noise share of {self.largest_share!r}: give one >= 0")
         self.tree = MerkleTree([advertisement_leaf(roster[site]) for site in self.ids])

@@ -15,9 +15,10 @@ valid one), never a key, share, ciphertext or vector, and never a string before 
 checked.
 
 A message is declared once, as a ``Message``: its stage and its payload fields, each a typed
-field (``Int``, ``One``, ``Sites``, ``Table``) that writes its keys and reads them back with
-their checks. ``Message.encode`` and ``Message.decode`` are driven by that one declaration, and
-``encode`` decodes what it built, so a side never sends what the other side refuses.
+field (``Int``, ``One``, ``Table``, and the messages' own kinds) that writes its keys and reads
+them back with their checks. ``Message.encode`` and ``Message.decode`` are driven by that one
+declaration, and ``encode`` decodes what it built, so a side never sends what the other side
+refuses.
 """
 
 from __future__ import annotations
@@ -56,10 +57,10 @@ __all__ = [
     "MessageReader",
     "One",
     "Signature",
-    "Sites",
     "Stage",
     "Table",
     "WireValue",
+    "check_addressee",
 ]
 
 RECORD = "secure-sum"
@@ -354,26 +355,10 @@ class One(Keyed):
         return self.item.load(read, self.key, raw)
 
 
-def _check_addressee(read: MessageReader, key: str, sites: Collection[str]) -> None:
+def check_addressee(read: MessageReader, key: str, sites: Collection[str]) -> None:
+    """Refuse field ``key`` unless ``sites`` holds the message's site."""
     if read.site_id not in sites:
         raise read.fail(key, f"does not list the addressee {read.site_id!r}")
-
-
-@dataclass(frozen=True)
-class Sites(Keyed):
-    """Field ``key``: a set of distinct site ids, sent sorted (``addressee``: it holds the
-    message's site)."""
-
-    addressee: bool = False
-
-    def write(self, value: Collection[str]) -> dict[str, WireValue]:
-        return {self.key: sorted(value)}
-
-    def read(self, read: MessageReader, got: Mapping[str, Any]) -> frozenset[str]:
-        sites = read.sites(self.key)
-        if self.addressee:
-            _check_addressee(read, self.key, sites)
-        return frozenset(sites)
 
 
 Expect = Callable[[Mapping[str, Any]], Collection[str] | None]
@@ -423,7 +408,7 @@ class Table:
     def read(self, read: MessageReader, got: Mapping[str, Any]) -> dict[str, Any]:
         owners = read.sites(self.owners)
         if self.addressee:
-            _check_addressee(read, self.owners, owners)
+            check_addressee(read, self.owners, owners)
         if self.expect is not None:
             wanted = self.expect(got)
             if wanted is None or set(owners) != set(wanted):

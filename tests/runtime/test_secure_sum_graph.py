@@ -51,7 +51,7 @@ from prism_runtime.secure_sum import (
 from prism_runtime.secure_sum import masks as masks_module
 from prism_runtime.secure_sum import views as views_module
 from prism_runtime.secure_sum.graph import graph_abort, graph_failure
-from prism_runtime.secure_sum.merkle import MerkleTree, multiproof, root_of
+from prism_runtime.secure_sum.merkle import MerkleTree, root_of
 
 BITS = 32
 Vector = npt.NDArray[np.uint64]
@@ -745,10 +745,11 @@ def test_a_multiproof_rebuilds_the_root_from_any_leaves_and_nothing_else(n: int)
     rng = np.random.default_rng(n)  # which leaves: test data only
     leaves = [bytes(rng.integers(0, 256, 32, dtype=np.uint8)) for _ in range(n)]
     root = root_of(n, dict(enumerate(leaves)), ())
-    assert multiproof(leaves, range(n)) == ()
+    tree = MerkleTree(leaves)
+    assert tree.proof(range(n)) == ()
     for size in sorted({1, min(n, 3), min(n, 19), n}):
         chosen = sorted(rng.choice(n, size=size, replace=False).tolist())
-        proof = multiproof(leaves, chosen)
+        proof = tree.proof(chosen)
         known = {p: leaves[p] for p in chosen}
         assert root_of(n, known, proof) == root
         assert len(proof) <= size * max(1, math.ceil(math.log2(n)))
@@ -762,7 +763,6 @@ def test_a_multiproof_rebuilds_the_root_from_any_leaves_and_nothing_else(n: int)
             root_of(n, known, (*proof, bytes(32)))
     with pytest.raises(KeyBindingError, match="outside its tree"):
         root_of(n, {n: leaves[0]}, ())
-    tree = MerkleTree(leaves)
     for bad in ([], [n], [-1]):
         with pytest.raises(ValueError, match="places in"):
             tree.proof(bad)
